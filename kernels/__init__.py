@@ -1,0 +1,1 @@
+"""Triton kernels (installed as ``megalite.kernels``); depend on torch and triton only."""

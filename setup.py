@@ -1,0 +1,35 @@
+"""megalite: a compact Megatron-style model-parallel trainer for GPT models.
+
+The top-level ``kernels/`` folder is installed as ``megalite.kernels``: a package
+on the registry already owns the top-level name ``kernels``.
+"""
+from setuptools import setup
+
+setup(
+    name="megalite",
+    version="0.1.0",
+    description="Compact Megatron-style model-parallel GPT training with Triton kernels",
+    python_requires=">=3.10",
+    packages=[
+        "megalite",
+        "megalite.parallel",
+        "megalite.model",
+        "megalite.data",
+        "megalite.layers",
+        "megalite.kernels",
+    ],
+    package_dir={"megalite.kernels": "kernels"},
+    install_requires=[
+        "torch==2.13.0",
+        "triton==3.9.0",
+        "numpy>=1.26",
+        "sentencepiece==0.2.3",
+        "safetensors>=0.4",
+    ],
+    extras_require={
+        # GPU-only backends: never required, import-guarded, never in CI.
+        "flash": ["flash-attn>=2.5"],
+        "te": ["transformer-engine>=1.8"],
+        "dev": ["pytest>=8"],
+    },
+)

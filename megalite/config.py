@@ -1,0 +1,296 @@
+"""Settings as plain dataclasses, and one function that holds every rule.
+
+``validate(config, world_size, gpus_per_node)`` is called before any process group
+or model is built. Each violated rule raises :class:`ConfigError` whose message
+names the values involved, the rule, and a fix. Rules that only cost performance
+(a tensor-parallel group that spans nodes) are returned as warnings instead.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+
+class ConfigError(ValueError):
+    """A setting (or a combination of settings) that cannot work."""
+
+
+@dataclass
+class ModelConfig:
+    num_layers: int = 4
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    ffn_hidden_size: int | None = None  # default 4*hidden (GPT-2); 8/3*hidden rounded for SwiGLU
+    num_query_groups: int | None = None  # grouped-query attention; None = multi-head (= heads)
+    vocab_size: int = 4096  # tokenizer vocabulary (before padding)
+    make_vocab_size_divisible_by: int = 128
+    seq_length: int = 128
+    max_position_embeddings: int | None = None  # default seq_length
+    position_embedding_type: str = "learned_absolute"  # or "rope"
+    rotary_base: float = 10000.0
+    normalization: str = "LayerNorm"  # or "RMSNorm"
+    norm_epsilon: float = 1e-5
+    swiglu: bool = False
+    add_bias_linear: bool = True
+    untie_embeddings_and_output_weights: bool = False
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    attention_backend: str = "torch"
+
+    def __post_init__(self):
+        if self.ffn_hidden_size is None and self.hidden_size > 0:
+            if self.swiglu:
+                # Keep the parameter count of a 4h GELU MLP: 2/3 * 4h, rounded up to 64.
+                self.ffn_hidden_size = ((int(8 * self.hidden_size / 3) + 63) // 64) * 64
+            else:
+                self.ffn_hidden_size = 4 * self.hidden_size
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.max_position_embeddings is None:
+            self.max_position_embeddings = self.seq_length
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, tensor_parallel_size: int = 1) -> int:
+        """Vocabulary padded to a multiple of ``make_vocab_size_divisible_by * TP``.
+
+        Padding rows exist so the embedding splits evenly over TP; their logits are
+        masked to -inf, so a padding id is never predicted.
+        """
+        multiple = self.make_vocab_size_divisible_by * tensor_parallel_size
+        return ((self.vocab_size + multiple - 1) // multiple) * multiple
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    sequence_parallel: bool = False
+
+    @property
+    def model_parallel_size(self) -> int:
+        return (
+            self.tensor_model_parallel_size
+            * self.context_parallel_size
+            * self.pipeline_model_parallel_size
+        )
+
+    def data_parallel_size(self, world_size: int) -> int:
+        return world_size // self.model_parallel_size
+
+
+@dataclass
+class TrainConfig:
+    micro_batch_size: int = 4
+    global_batch_size: int | None = None  # default micro_batch_size * DP
+    train_iters: int = 100
+    lr: float = 3e-4
+    min_lr: float = 0.0
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int | None = None  # default train_iters
+    lr_decay_style: str = "cosine"  # cosine, linear, constant
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    seed: int = 1234
+    bf16: bool = False
+    fp16: bool = False
+    loss_scale: float | None = None  # fp16: static scale; None = dynamic
+    initial_loss_scale: float = 2.0**16
+    log_interval: int = 1
+    eval_interval: int = 1000
+    eval_iters: int = 10
+
+
+@dataclass
+class DataConfig:
+    data_path: str | None = None  # prefix of a .bin/.idx pair from tools/preprocess_data.py
+    mock_data: bool = False
+    split: str = "969,30,1"
+    tokenizer_type: str | None = None
+    tokenizer_model: str | None = None
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+# Parallelisms whose issues have not landed yet. validate() refuses them with a
+# clear "not yet supported" instead of running something half-built.
+NOT_YET_SUPPORTED = {
+    "tensor_model_parallel_size": "tensor parallelism",
+    "pipeline_model_parallel_size": "pipeline parallelism",
+    "context_parallel_size": "context parallelism",
+}
+
+
+def _divides(what: str, n: int, by_what: str, d: int, fix: str) -> None:
+    if d <= 0 or n % d != 0:
+        raise ConfigError(f"{what} ({n}) must be divisible by {by_what} ({d}). Fix: {fix}")
+
+
+def _positive(name: str, value, fix: str = "") -> None:
+    if value is None or value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value}. {fix}".rstrip())
+
+
+def validate_layout(parallel: ParallelConfig, world_size: int, gpus_per_node: int | None = None,
+                    num_layers: int | None = None) -> list[str]:
+    """Rules of the (tp, cp, dp, pp) grid. Returns warnings (performance only)."""
+    tp = parallel.tensor_model_parallel_size
+    cp = parallel.context_parallel_size
+    pp = parallel.pipeline_model_parallel_size
+    _positive("--tensor-model-parallel-size", tp)
+    _positive("--context-parallel-size", cp)
+    _positive("--pipeline-model-parallel-size", pp)
+    _positive("world size", world_size)
+    mp = tp * cp * pp
+    if world_size % mp != 0:
+        raise ConfigError(
+            f"world size ({world_size}) must be divisible by TP*CP*PP = {tp}*{cp}*{pp} = {mp}; "
+            f"the data-parallel size is world/(TP*CP*PP). Fix: launch a multiple of {mp} "
+            f"processes, or choose sizes whose product divides {world_size}."
+        )
+    warnings = []
+    if gpus_per_node is not None and gpus_per_node > 0:
+        if tp > gpus_per_node or gpus_per_node % tp != 0:
+            warnings.append(
+                f"tensor-parallel group of {tp} ranks spans nodes ({gpus_per_node} GPUs per node): "
+                f"TP all-reduces run on every layer, forward and backward, and across nodes they "
+                f"travel over InfiniBand (~50 GB/s) instead of NVLink (~450 GB/s), typically a "
+                f"several-fold slowdown. Fix: keep TP <= {gpus_per_node} and a divisor of it; use "
+                f"pipeline or data parallelism across nodes."
+            )
+    return warnings
+
+
+def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = None,
+             check_implemented: bool = True) -> list[str]:
+    """Check every rule; raise ConfigError on the first violation, return warnings."""
+    m, p, t, d = config.model, config.parallel, config.train, config.data
+    warnings = validate_layout(p, world_size, gpus_per_node)
+    tp, cp, pp = p.tensor_model_parallel_size, p.context_parallel_size, p.pipeline_model_parallel_size
+    dp = p.data_parallel_size(world_size)
+
+    if check_implemented:
+        for name, what in NOT_YET_SUPPORTED.items():
+            value = getattr(p, name)
+            if value > 1:
+                flag = "--" + name.replace("_", "-")
+                raise ConfigError(f"{flag} {value}: {what} is not yet supported in this version of "
+                                  f"megalite. Fix: use {flag} 1.")
+        if p.sequence_parallel:
+            raise ConfigError("--sequence-parallel is not yet supported in this version of megalite "
+                              "(it needs tensor parallelism). Fix: drop the flag.")
+        if p.num_layers_per_virtual_pipeline_stage is not None:
+            raise ConfigError("--num-layers-per-virtual-pipeline-stage is not yet supported "
+                              "(it needs pipeline parallelism). Fix: drop the flag.")
+
+    # Model shape.
+    for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):
+        _positive("--" + name.replace("_", "-"), getattr(m, name))
+    _positive("--ffn-hidden-size", m.ffn_hidden_size)
+    _positive("--num-query-groups", m.num_query_groups)
+    _positive("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by)
+    _divides("--hidden-size", m.hidden_size, "--num-attention-heads", m.num_attention_heads,
+             "pick a hidden size that is a multiple of the head count (head dim = hidden/heads).")
+    _divides("--num-attention-heads", m.num_attention_heads, "--num-query-groups",
+             m.num_query_groups, "each key/value group must serve a whole number of query heads.")
+    if m.position_embedding_type == "rope" and m.head_dim % 2 != 0:
+        raise ConfigError(f"rotary embeddings need an even head dim, got hidden/heads = "
+                          f"{m.hidden_size}/{m.num_attention_heads} = {m.head_dim}. Fix: change "
+                          f"--hidden-size or --num-attention-heads.")
+    if m.position_embedding_type not in ("learned_absolute", "rope"):
+        raise ConfigError(f"--position-embedding-type {m.position_embedding_type!r} is unknown. "
+                          f"Fix: use learned_absolute or rope.")
+    if m.normalization not in ("LayerNorm", "RMSNorm"):
+        raise ConfigError(f"--normalization {m.normalization!r} is unknown. Fix: use LayerNorm or "
+                          f"RMSNorm.")
+    if m.position_embedding_type == "learned_absolute" and m.seq_length > m.max_position_embeddings:
+        raise ConfigError(f"--seq-length ({m.seq_length}) exceeds --max-position-embeddings "
+                          f"({m.max_position_embeddings}): learned positions exist only up to "
+                          f"that length. Fix: raise --max-position-embeddings or shorten "
+                          f"--seq-length.")
+    for name in ("hidden_dropout", "attention_dropout"):
+        value = getattr(m, name)
+        if not 0.0 <= value < 1.0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be in [0, 1), got {value}.")
+
+    # Model shape against the layout.
+    _divides("--num-attention-heads", m.num_attention_heads, "--tensor-model-parallel-size", tp,
+             "attention is split by heads over TP; choose TP dividing the head count.")
+    _divides("--num-query-groups", m.num_query_groups, "--tensor-model-parallel-size", tp,
+             "key/value groups are split over TP; choose TP dividing the group count.")
+    _divides("--ffn-hidden-size", m.ffn_hidden_size, "--tensor-model-parallel-size", tp,
+             "the MLP is split over TP along the FFN dimension.")
+    _divides("--num-layers", m.num_layers, "--pipeline-model-parallel-size", pp,
+             "every pipeline stage holds the same number of layers.")
+    if p.num_layers_per_virtual_pipeline_stage is not None:
+        k = p.num_layers_per_virtual_pipeline_stage
+        _positive("--num-layers-per-virtual-pipeline-stage", k)
+        _divides("--num-layers", m.num_layers, "PP * layers-per-virtual-stage", pp * k,
+                 f"with PP={pp} and {k} layers per virtual stage, use a multiple of {pp * k} layers.")
+    if cp > 1:
+        _divides("--seq-length", m.seq_length, "2 * --context-parallel-size", 2 * cp,
+                 "the load-balanced causal split cuts each sequence into 2*CP equal chunks.")
+    if p.sequence_parallel:
+        if tp == 1:
+            raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1 (it "
+                              "shards the sequence inside the TP group). Fix: raise TP or drop "
+                              "the flag.")
+        _divides("--seq-length / CP", m.seq_length // cp, "--tensor-model-parallel-size", tp,
+                 "sequence parallelism splits each rank's sequence over TP.")
+
+    # Batch arithmetic: global = micro * DP * accumulation steps.
+    _positive("--micro-batch-size", t.micro_batch_size)
+    if t.global_batch_size is None:
+        t.global_batch_size = t.micro_batch_size * dp
+    _positive("--global-batch-size", t.global_batch_size)
+    if t.global_batch_size % (t.micro_batch_size * dp) != 0:
+        raise ConfigError(
+            f"--global-batch-size ({t.global_batch_size}) must be divisible by "
+            f"--micro-batch-size * data-parallel size = {t.micro_batch_size} * {dp} = "
+            f"{t.micro_batch_size * dp} (global batch = micro batch x DP x accumulation steps). "
+            f"Fix: use a global batch that is a multiple of {t.micro_batch_size * dp}."
+        )
+
+    # Training.
+    _positive("--train-iters", t.train_iters)
+    _positive("--log-interval", t.log_interval)
+    if t.lr <= 0 or t.min_lr < 0 or t.min_lr > t.lr:
+        raise ConfigError(f"need 0 <= --min-lr <= --lr and --lr > 0, got lr={t.lr}, "
+                          f"min_lr={t.min_lr}.")
+    if t.lr_decay_style not in ("cosine", "linear", "constant"):
+        raise ConfigError(f"--lr-decay-style {t.lr_decay_style!r} is unknown. Fix: use cosine, "
+                          f"linear or constant.")
+    if t.lr_decay_iters is None:
+        t.lr_decay_iters = t.train_iters
+    if t.lr_warmup_iters < 0 or t.lr_warmup_iters > t.lr_decay_iters:
+        raise ConfigError(f"--lr-warmup-iters ({t.lr_warmup_iters}) must be in "
+                          f"[0, --lr-decay-iters ({t.lr_decay_iters})].")
+    if t.bf16 and t.fp16:
+        raise ConfigError("--bf16 and --fp16 are exclusive. Fix: pick one.")
+    if t.clip_grad < 0:
+        raise ConfigError(f"--clip-grad must be >= 0 (0 disables clipping), got {t.clip_grad}.")
+
+    # Data.
+    if d.mock_data and d.data_path:
+        raise ConfigError("--mock-data and --data-path are exclusive. Fix: pick one.")
+    if not d.mock_data and not d.data_path:
+        raise ConfigError("no training data: pass --data-path PREFIX (a .bin/.idx pair written "
+                          "by tools/preprocess_data.py) or --mock-data.")
+    return warnings

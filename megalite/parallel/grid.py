@@ -1,0 +1,211 @@
+"""The process grid: every rank's (tp, cp, dp, pp) coordinate and its process groups.
+
+Rank order, fastest-varying first, is tp, cp, dp, pp::
+
+    rank = tp + TP * (cp + CP * (dp + DP * pp))
+
+so consecutive ranks form a tensor-parallel group (inside one node's NVLink) while
+pipeline stages and data-parallel replicas span nodes (InfiniBand).
+
+:class:`GridLayout` is pure arithmetic (no processes), so layouts of any size can be
+tested; :class:`ProcessGrid` creates the torch.distributed groups. Every rank must
+call ``new_group`` for every group, in the same order, even the groups it is not in:
+``ProcessGrid`` does that by walking the same lists on every rank.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+from dataclasses import dataclass
+
+from megalite.config import ConfigError, ParallelConfig, validate_layout
+
+DIMS = ("tp", "cp", "dp", "pp")
+
+# Group kinds and the dimensions that vary inside one group of that kind.
+GROUP_DIMS = {
+    "tp": ("tp",),
+    "cp": ("cp",),
+    "dp": ("dp",),
+    "dp_cp": ("cp", "dp"),  # gradient reduction when CP > 1
+    "pp": ("pp",),
+    "mp": ("tp", "pp"),  # model parallel: all ranks holding one copy of the model
+    "tp_cp": ("tp", "cp"),  # all ranks working on one sequence's copy of a stage
+}
+GROUP_ORDER = ("tp", "cp", "dp", "dp_cp", "pp", "mp", "tp_cp", "embedding")
+
+
+@dataclass(frozen=True)
+class Coord:
+    tp: int
+    cp: int
+    dp: int
+    pp: int
+
+
+@dataclass(frozen=True)
+class GridLayout:
+    """Sizes of the four dimensions; maps ranks to coordinates and lists groups."""
+
+    tp: int = 1
+    cp: int = 1
+    dp: int = 1
+    pp: int = 1
+
+    @classmethod
+    def from_config(cls, parallel: ParallelConfig, world_size: int) -> "GridLayout":
+        validate_layout(parallel, world_size)
+        return cls(
+            tp=parallel.tensor_model_parallel_size,
+            cp=parallel.context_parallel_size,
+            dp=parallel.data_parallel_size(world_size),
+            pp=parallel.pipeline_model_parallel_size,
+        )
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.cp * self.dp * self.pp
+
+    def size(self, dim: str) -> int:
+        return getattr(self, dim)
+
+    def rank_of(self, tp: int = 0, cp: int = 0, dp: int = 0, pp: int = 0) -> int:
+        for dim, value in zip(DIMS, (tp, cp, dp, pp)):
+            if not 0 <= value < self.size(dim):
+                raise ValueError(f"{dim} coordinate {value} outside [0, {self.size(dim)})")
+        return tp + self.tp * (cp + self.cp * (dp + self.dp * pp))
+
+    def coord(self, rank: int) -> Coord:
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world of {self.world_size}")
+        tp, rest = rank % self.tp, rank // self.tp
+        cp, rest = rest % self.cp, rest // self.cp
+        dp, pp = rest % self.dp, rest // self.dp
+        return Coord(tp, cp, dp, pp)
+
+    def groups(self, kind: str) -> list[list[int]]:
+        """All groups of one kind, each a sorted rank list; together they partition the world
+        (except 'embedding', whose groups are the first and last pipeline stage)."""
+        if kind == "embedding":
+            return self._embedding_groups()
+        varying = GROUP_DIMS[kind]
+        fixed = [d for d in DIMS if d not in varying]
+        result = []
+        for fixed_values in itertools.product(*(range(self.size(d)) for d in reversed(fixed))):
+            base = dict(zip(reversed(fixed), fixed_values))
+            ranks = []
+            for varying_values in itertools.product(*(range(self.size(d)) for d in varying)):
+                ranks.append(self.rank_of(**base, **dict(zip(varying, varying_values))))
+            result.append(sorted(ranks))
+        return result
+
+    def _embedding_groups(self) -> list[list[int]]:
+        """First and last pipeline stage of each pipeline: they hold the tied word embedding
+        (input and output) and all-reduce its gradient. With PP=1 a group is one rank."""
+        result = []
+        for pp_group in self.groups("pp"):
+            result.append(sorted({pp_group[0], pp_group[-1]}))
+        return result
+
+    def group_of(self, kind: str, rank: int) -> list[int]:
+        for ranks in self.groups(kind):
+            if rank in ranks:
+                return ranks
+        raise ValueError(f"rank {rank} is in no {kind} group")
+
+    def neighbours(self, rank: int) -> dict[str, int]:
+        """Previous/next rank along the pipeline and the context-parallel ring (wrapping)."""
+        c = self.coord(rank)
+        at = lambda **kw: self.rank_of(**{**c.__dict__, **kw})
+        return {
+            "pp_prev": at(pp=(c.pp - 1) % self.pp),
+            "pp_next": at(pp=(c.pp + 1) % self.pp),
+            "cp_prev": at(cp=(c.cp - 1) % self.cp),
+            "cp_next": at(cp=(c.cp + 1) % self.cp),
+        }
+
+    def describe(self, gpus_per_node: int | None = None) -> str:
+        """A readable table: rank, node, local rank and the four coordinates."""
+        per_node = gpus_per_node or self.world_size
+        lines = [
+            f"grid: world={self.world_size} = TP {self.tp} x CP {self.cp} x DP {self.dp} x PP {self.pp}"
+            f" ({per_node} per node, {-(-self.world_size // per_node)} node(s))",
+            f"{'rank':>5} {'node':>5} {'local':>6} {'tp':>3} {'cp':>3} {'dp':>3} {'pp':>3}",
+        ]
+        for rank in range(self.world_size):
+            c = self.coord(rank)
+            lines.append(f"{rank:>5} {rank // per_node:>5} {rank % per_node:>6} "
+                         f"{c.tp:>3} {c.cp:>3} {c.dp:>3} {c.pp:>3}")
+        return "\n".join(lines)
+
+
+def gpus_per_node_from_env(world_size: int) -> int:
+    """GPUs (processes) per node as torchrun reports it; single node if unknown."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+
+
+class ProcessGrid:
+    """A rank's view of the layout, with its torch.distributed process groups.
+
+    Attributes: ``layout``, ``rank``, ``coord``, and for each kind in GROUP_ORDER the
+    group object (``tp_group``, ``dp_group``, ...) and its ranks (``tp_ranks``, ...).
+    """
+
+    def __init__(self, layout: GridLayout, rank: int, gpus_per_node: int | None = None,
+                 backend: str | None = None):
+        import torch.distributed as dist
+
+        self.layout = layout
+        self.rank = rank
+        self.coord = layout.coord(rank)
+        self.gpus_per_node = gpus_per_node or layout.world_size
+        distributed = dist.is_available() and dist.is_initialized()
+        if distributed and dist.get_world_size() != layout.world_size:
+            raise ConfigError(f"the process group has {dist.get_world_size()} ranks but the grid "
+                              f"{layout} needs {layout.world_size}.")
+        for kind in GROUP_ORDER:
+            mine = None
+            for ranks in layout.groups(kind):
+                # Every rank creates every group, in the same order (a torch.distributed rule).
+                group = dist.new_group(ranks, backend=backend) if distributed else None
+                if rank in ranks:
+                    mine = (group, ranks)
+            setattr(self, f"{kind}_group", mine[0] if mine else None)
+            setattr(self, f"{kind}_ranks", mine[1] if mine else [rank])
+        self.neighbours = layout.neighbours(rank)
+
+    # Convenience accessors, so model and training code never compute ranks themselves.
+    @property
+    def tp_rank(self) -> int:
+        return self.coord.tp
+
+    @property
+    def cp_rank(self) -> int:
+        return self.coord.cp
+
+    @property
+    def dp_rank(self) -> int:
+        return self.coord.dp
+
+    @property
+    def pp_rank(self) -> int:
+        return self.coord.pp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coord.pp == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coord.pp == self.layout.pp - 1
+
+    def describe(self) -> str:
+        return self.layout.describe(self.gpus_per_node)
+
+
+def build_grid(parallel: ParallelConfig, world_size: int, rank: int,
+               gpus_per_node: int | None = None) -> ProcessGrid:
+    """Validate the layout against the world and the machine, then build the groups."""
+    gpus_per_node = gpus_per_node or gpus_per_node_from_env(world_size)
+    layout = GridLayout.from_config(parallel, world_size)
+    return ProcessGrid(layout, rank, gpus_per_node)

@@ -1,0 +1,111 @@
+"""Command-line flags (Megatron-LM's names wherever Megatron has the flag) -> Config."""
+from __future__ import annotations
+
+import argparse
+
+from megalite.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Pretrain a GPT with megalite.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=128)
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4*hidden (SwiGLU: ~8/3*hidden)")
+    g.add_argument("--num-query-groups", type=int, default=None, help="grouped-query attention")
+    g.add_argument("--seq-length", type=int, default=128)
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
+    g.add_argument("--rotary-base", type=float, default=10000.0)
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="vocabulary size (--mock-data / NullTokenizer); otherwise from the tokenizer")
+
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--sequence-parallel", action="store_true")
+
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=4)
+    g.add_argument("--global-batch-size", type=int, default=None, help="default: micro batch x DP")
+    g.add_argument("--train-iters", type=int, default=100)
+    g.add_argument("--lr", type=float, default=3e-4)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--lr-decay-style", choices=["cosine", "linear", "constant"], default="cosine")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None, help="fp16 static loss scale (default dynamic)")
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**16)
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", type=str, default=None, help="prefix of a .bin/.idx pair")
+    g.add_argument("--split", type=str, default="969,30,1")
+    g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--tokenizer-type", type=str, default=None,
+                   choices=["SentencePieceTokenizer", "GPTSentencePieceTokenizer", "NullTokenizer"])
+    g.add_argument("--tokenizer-model", type=str, default=None)
+
+    g = p.add_argument_group("logging and outputs")
+    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--eval-interval", type=int, default=1000)
+    g.add_argument("--eval-iters", type=int, default=10)
+    g.add_argument("--log-json", type=str, default=None, help="write one JSON object per iteration")
+    g.add_argument("--save", type=str, default=None, help="directory for the trained weights")
+    return p
+
+
+def config_from_args(args: argparse.Namespace, vocab_size: int) -> Config:
+    model = ModelConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,
+        num_query_groups=args.num_query_groups, vocab_size=vocab_size,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings,
+        position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
+        normalization=args.normalization, norm_epsilon=args.norm_epsilon, swiglu=args.swiglu,
+        add_bias_linear=not args.disable_bias_linear,
+        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+        init_method_std=args.init_method_std,
+    )
+    parallel = ParallelConfig(
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
+        context_parallel_size=args.context_parallel_size,
+        num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
+        sequence_parallel=args.sequence_parallel,
+    )
+    train = TrainConfig(
+        micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+        train_iters=args.train_iters, lr=args.lr, min_lr=args.min_lr,
+        lr_warmup_iters=args.lr_warmup_iters, lr_decay_iters=args.lr_decay_iters,
+        lr_decay_style=args.lr_decay_style, weight_decay=args.weight_decay,
+        clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_eps, seed=args.seed, bf16=args.bf16, fp16=args.fp16,
+        loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+        log_interval=args.log_interval, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
+    )
+    data = DataConfig(data_path=args.data_path, mock_data=args.mock_data, split=args.split,
+                      tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model)
+    return Config(model=model, parallel=parallel, train=train, data=data)

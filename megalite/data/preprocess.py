@@ -1,0 +1,129 @@
+"""Tokenize a corpus into an indexed dataset (the core of tools/preprocess_data.py).
+
+Each document of the input (see :mod:`megalite.data.documents` for the
+formats) is tokenized; with ``append_eod`` the tokenizer's end-of-document id
+is appended.  Documents that tokenize to nothing are skipped.  The ids are
+written, in input order, to ``output_prefix.bin``/``.idx`` with the smallest
+dtype that holds the vocabulary (see :mod:`megalite.data.indexed_dataset`).
+
+With ``workers > 1`` tokenization runs in a pool of processes (started with
+"spawn", so it is safe after torch is imported).  Each worker rebuilds the
+tokenizer from ``tokenizer.config``; results come back in input order, so the
+output is identical for any number of workers.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import time
+from typing import TextIO
+
+import numpy as np
+
+from megalite.data.documents import iter_documents
+from megalite.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
+from megalite.data.tokenizer import build_tokenizer
+
+_worker_tokenizer = None
+
+
+def _init_worker(config: dict) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = build_tokenizer(**config)
+
+
+def _encode_in_worker(text: str) -> np.ndarray:
+    return np.asarray(_worker_tokenizer.tokenize(text), dtype=np.int64)
+
+
+class Progress:
+    """Reports documents and tokens per second while preprocessing.
+
+    On a terminal one line is redrawn in place (``\\r``) a few times a second;
+    otherwise (logs, CI) a plain line is printed every ``log_interval`` seconds.
+    """
+
+    def __init__(self, stream: TextIO | None, log_interval: float = 10.0):
+        self.stream = stream
+        self.tty = bool(stream is not None and getattr(stream, "isatty", lambda: False)())
+        self.interval = 0.2 if self.tty else log_interval
+        self.start = self.last = time.perf_counter()
+
+    def line(self, docs: int, tokens: int) -> str:
+        elapsed = max(time.perf_counter() - self.start, 1e-9)
+        return (f"{docs:,} docs, {tokens:,} tokens | {docs / elapsed:,.0f} docs/s, "
+                f"{tokens / elapsed:,.0f} tokens/s")
+
+    def update(self, docs: int, tokens: int) -> None:
+        now = time.perf_counter()
+        if self.stream is None or now - self.last < self.interval:
+            return
+        self.last = now
+        end = "\r" if self.tty else "\n"
+        self.stream.write(("\r" if self.tty else "") + self.line(docs, tokens) + end)
+        self.stream.flush()
+
+    def close(self, docs: int, tokens: int) -> None:
+        if self.stream is not None and self.tty:
+            self.stream.write("\r" + self.line(docs, tokens) + "\n")
+            self.stream.flush()
+
+
+def preprocess(input_path: str, output_prefix: str, tokenizer, json_key: str = "text",
+               append_eod: bool = True, workers: int = 1,
+               progress_stream: TextIO | None = None) -> dict:
+    """Tokenize ``input_path`` into ``output_prefix.bin``/``.idx``; return a summary.
+
+    The summary dict has ``documents`` (written), ``skipped_empty``, ``tokens``,
+    ``seconds``, ``dtype``, ``vocab_size`` and the two output paths.
+    """
+    if not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers={workers!r} must be an integer >= 1 (--workers).")
+    start = time.perf_counter()
+    docs = iter_documents(input_path, json_key)
+    dtype = best_dtype(tokenizer.vocab_size)
+    progress = Progress(progress_stream)
+    written = skipped = tokens = 0
+    pool = None
+    if workers > 1:
+        pool = multiprocessing.get_context("spawn").Pool(
+            workers, initializer=_init_worker, initargs=(tokenizer.config,))
+        encoded = pool.imap(_encode_in_worker, docs, chunksize=16)
+    else:
+        encoded = (tokenizer.tokenize(text) for text in docs)
+    try:
+        with IndexedDatasetBuilder(output_prefix, dtype) as builder:
+            for ids in encoded:
+                if len(ids) == 0:
+                    skipped += 1
+                    continue
+                if append_eod:
+                    ids = np.append(np.asarray(ids, dtype=np.int64), tokenizer.eod)
+                builder.add_document(ids)
+                written += 1
+                tokens += len(ids)
+                progress.update(written, tokens)
+            builder.finalize()
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+    progress.close(written, tokens)
+    return {
+        "documents": written, "skipped_empty": skipped, "tokens": tokens,
+        "seconds": time.perf_counter() - start, "dtype": str(dtype),
+        "vocab_size": tokenizer.vocab_size,
+        "bin": output_prefix + ".bin", "idx": output_prefix + ".idx",
+    }
+
+
+def format_summary(summary: dict) -> str:
+    """A human-readable multi-line summary of :func:`preprocess`'s result."""
+    rate = summary["tokens"] / max(summary["seconds"], 1e-9)
+    return "\n".join([
+        f"documents written : {summary['documents']:,} "
+        f"(skipped {summary['skipped_empty']:,} empty)",
+        f"tokens            : {summary['tokens']:,} ({summary['dtype']}, "
+        f"vocab {summary['vocab_size']:,})",
+        f"time              : {summary['seconds']:.1f} s ({rate:,.0f} tokens/s)",
+        f"output            : {summary['bin']}, {summary['idx']}",
+    ])

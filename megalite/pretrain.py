@@ -1,0 +1,162 @@
+"""The pretraining driver behind ``pretrain_gpt.py``: args -> config -> grid -> model -> loop.
+
+Runs under torchrun (one process per rank; RANK, WORLD_SIZE, LOCAL_WORLD_SIZE from the
+environment) or plainly as one process. Every setting is validated before any process
+group or model is built.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from megalite.arguments import build_parser, config_from_args
+from megalite.config import Config, ConfigError, validate
+from megalite.data import build_data_iterators
+from megalite.data.tokenizer import build_tokenizer
+from megalite.model.gpt import GPTModel, count_parameters
+from megalite.parallel.grid import build_grid, gpus_per_node_from_env
+from megalite.parallel.random import model_parallel_seed
+from megalite.training import LossScaler, build_optimizer, evaluate, train_step
+
+
+def _tokenizer_for(args):
+    if args.tokenizer_type is None:
+        args.tokenizer_type = "NullTokenizer" if args.mock_data else "SentencePieceTokenizer"
+    if args.tokenizer_type == "NullTokenizer":
+        if args.vocab_size is None:
+            raise ConfigError("--vocab-size is required with --mock-data / NullTokenizer "
+                              "(the range of the random token ids). Fix: add --vocab-size N.")
+        return build_tokenizer("NullTokenizer", vocab_size=args.vocab_size)
+    if not args.tokenizer_model:
+        raise ConfigError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model PATH "
+                          f"(a sentencepiece .model from tools/train_tokenizer.py).")
+    return build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+
+
+class RankZeroPrinter:
+    def __init__(self, rank: int):
+        self.rank = rank
+
+    def __call__(self, *parts, **kw):
+        if self.rank == 0:
+            print(*parts, **kw, flush=True)
+
+
+def setup(argv=None):
+    """Parse and validate (before any group or model), then init the world and the grid."""
+    args = build_parser().parse_args(argv)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    tokenizer = _tokenizer_for(args)
+    config = config_from_args(args, tokenizer.vocab_size)
+    for warning in validate(config, world_size, gpus_per_node_from_env(world_size)):
+        warnings.warn(warning)
+    if world_size > 1 and not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend)
+    grid = build_grid(config.parallel, world_size, rank)
+    return args, config, tokenizer, grid
+
+
+def save_outputs(save_dir: str, model, config: Config, log_lines: list[dict]) -> str:
+    """Trained weights (safetensors) + config (JSON), written atomically."""
+    from safetensors.torch import save_file
+
+    os.makedirs(save_dir, exist_ok=True)
+    weights = os.path.join(save_dir, "model.safetensors")
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    save_file(state, weights + ".tmp", metadata={"format": "megalite-serial-v1"})
+    os.replace(weights + ".tmp", weights)
+    with open(os.path.join(save_dir, "config.json.tmp"), "w") as f:
+        json.dump({"config": config.to_dict(), "final": log_lines[-1] if log_lines else None}, f, indent=2)
+    os.replace(os.path.join(save_dir, "config.json.tmp"), os.path.join(save_dir, "config.json"))
+    return weights
+
+
+def pretrain(argv=None) -> list[dict]:
+    args, config, tokenizer, grid = setup(argv)
+    m, t = config.model, config.train
+    say = RankZeroPrinter(grid.rank)
+    dp = grid.layout.dp
+    num_micro = t.global_batch_size // (t.micro_batch_size * dp)
+    say(grid.describe())
+    say(f"model: {count_parameters(m) / 1e6:.2f}M parameters, {m.num_layers} layers, hidden "
+        f"{m.hidden_size}, {m.num_attention_heads} heads, vocab {m.vocab_size} (padded "
+        f"{m.padded_vocab_size(grid.layout.tp)}), seq {m.seq_length}")
+    say(f"batch: global {t.global_batch_size} = micro {t.micro_batch_size} x DP {dp} x "
+        f"{num_micro} accumulation steps; {t.train_iters} iterations")
+
+    tracker_seed = t.seed
+    model_parallel_seed(tracker_seed, grid)
+    model = GPTModel(m)
+    model.init_weights(t.seed)
+    optimizer = build_optimizer(model, t)
+    scaler = LossScaler(t.fp16, t.initial_loss_scale, t.loss_scale)
+
+    global_batch = t.global_batch_size
+    num_evals = t.train_iters // t.eval_interval + 1
+    train_iter, valid_iter, _ = build_data_iterators(
+        data_prefix=config.data.data_path, mock=config.data.mock_data, split=config.data.split,
+        vocab_size=m.vocab_size, seq_length=m.seq_length, seed=t.seed,
+        micro_batch_size=t.micro_batch_size, dp_rank=grid.dp_rank, dp_size=dp,
+        train_samples=t.train_iters * global_batch,
+        valid_samples=num_evals * t.eval_iters * global_batch,
+        test_samples=t.eval_iters * global_batch)
+
+    log_file = open(args.log_json, "w") if args.log_json and grid.rank == 0 else None
+    log_lines: list[dict] = []
+    tokens_per_step = global_batch * m.seq_length
+    start = time.perf_counter()
+    for iteration in range(t.train_iters):
+        step_start = time.perf_counter()
+        micro_batches = [next(train_iter) for _ in range(num_micro)]
+        result = train_step(model, optimizer, micro_batches, t, iteration, scaler, grid.dp_cp_group)
+        elapsed = time.perf_counter() - step_start
+        record = {"iteration": iteration + 1, "loss": result.loss, "lr": result.lr,
+                  "grad_norm": result.grad_norm, "loss_scale": result.loss_scale,
+                  "skipped": result.skipped, "elapsed_ms": elapsed * 1e3,
+                  "tokens_per_sec": tokens_per_step / elapsed}
+        log_lines.append(record)
+        if log_file:
+            log_file.write(json.dumps(record) + "\n")
+            log_file.flush()
+        if (iteration + 1) % t.log_interval == 0 or iteration == 0:
+            say(f"iter {iteration + 1:>5}/{t.train_iters} | loss {result.loss:.4f} | lr {result.lr:.3e} "
+                f"| grad norm {result.grad_norm:.3f} | {elapsed * 1e3:7.1f} ms | "
+                f"{tokens_per_step / elapsed:8.0f} tokens/s" + (" | skipped (inf/nan)" if result.skipped else ""))
+        if valid_iter is not None and (iteration + 1) % t.eval_interval == 0:
+            val = evaluate(model, [next(valid_iter) for _ in range(t.eval_iters * num_micro)], t,
+                           grid.dp_cp_group)
+            say(f"validation at iter {iteration + 1}: loss {val:.4f} | ppl {min(1e9, 2.718281828 ** val):.2f}")
+            record["valid_loss"] = val
+    total = time.perf_counter() - start
+    say(f"done: {t.train_iters} iterations in {total:.1f} s, "
+        f"{t.train_iters * tokens_per_step / total:.0f} tokens/s overall; "
+        f"loss {log_lines[0]['loss']:.4f} -> {log_lines[-1]['loss']:.4f}")
+    if log_file:
+        log_file.close()
+        say(f"log: {os.path.abspath(args.log_json)}")
+    if args.save and grid.rank == 0:
+        path = save_outputs(args.save, model, config, log_lines)
+        say(f"saved: {os.path.abspath(path)} (+ config.json)")
+    if dist.is_initialized():
+        dist.barrier()
+    return log_lines
+
+
+def main(argv=None) -> int:
+    try:
+        pretrain(argv)
+    except ConfigError as e:
+        print(f"megalite: configuration error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0

@@ -1,0 +1,190 @@
+"""The train step: micro-batch accumulation, gradient reduction, clipping, loss scaling, LR.
+
+One optimizer step consumes one *global* batch = micro batch x DP x accumulation steps.
+Each rank runs ``M = global / (micro * DP)`` micro-batches; micro-batch m's loss is the
+mean over its tokens, and its backward is scaled by 1/M, so the accumulated gradient is
+the gradient of the mean over micro-batches. Gradients are then averaged over the
+data-parallel group (all-reduce sum / DP), giving the gradient of the global-batch mean
+(micro-batches hold equally many tokens, so this is the token mean as well).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from megalite.config import TrainConfig
+
+
+def lr_at(iteration: int, t: TrainConfig) -> float:
+    """Linear warmup to ``lr`` over ``lr_warmup_iters``, then decay to ``min_lr`` at
+    ``lr_decay_iters`` (cosine: min + (lr-min) * (1 + cos(pi * progress)) / 2)."""
+    warmup, decay_iters = t.lr_warmup_iters, t.lr_decay_iters or t.train_iters
+    if warmup > 0 and iteration < warmup:
+        return t.lr * (iteration + 1) / warmup
+    if t.lr_decay_style == "constant":
+        return t.lr
+    progress = min(1.0, (iteration - warmup) / max(1, decay_iters - warmup))
+    if t.lr_decay_style == "linear":
+        coeff = 1.0 - progress
+    else:
+        coeff = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return t.min_lr + (t.lr - t.min_lr) * coeff
+
+
+def build_optimizer(model: torch.nn.Module, t: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; biases and norm parameters are not decayed (as in GPT-2 / Megatron)."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        (no_decay if param.ndim < 2 or "norm" in name else decay).append(param)
+    groups = [{"params": decay, "weight_decay": t.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
+
+
+class LossScaler:
+    """fp16 loss scaling. Dynamic: halve on inf/nan gradients (step skipped), double after
+    ``growth_interval`` clean steps. Static when ``static_scale`` is given. Scale 1 otherwise."""
+
+    def __init__(self, enabled: bool, initial_scale: float = 2.0**16, static_scale: float | None = None,
+                 growth_interval: int = 1000, min_scale: float = 1.0):
+        self.enabled = enabled
+        self.dynamic = enabled and static_scale is None
+        self.scale = (static_scale or initial_scale) if enabled else 1.0
+        self.growth_interval, self.min_scale = growth_interval, min_scale
+        self._clean_steps = 0
+
+    def update(self, found_inf: bool) -> None:
+        if not self.dynamic:
+            return
+        if found_inf:
+            self.scale = max(self.min_scale, self.scale / 2)
+            self._clean_steps = 0
+        else:
+            self._clean_steps += 1
+            if self._clean_steps % self.growth_interval == 0:
+                self.scale *= 2
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self._clean_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self._clean_steps = state["scale"], state["clean_steps"]
+
+
+def autocast_context(t: TrainConfig, device_type: str = "cpu"):
+    if t.bf16:
+        return torch.autocast(device_type, dtype=torch.bfloat16)
+    if t.fp16:
+        return torch.autocast(device_type, dtype=torch.float16)
+    return contextlib.nullcontext()
+
+
+def masked_mean(losses: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    mask = loss_mask.to(losses.dtype)
+    return (losses * mask).sum() / mask.sum().clamp_min(1.0)
+
+
+def forward_backward(model, micro_batches, t: TrainConfig, loss_scale: float = 1.0) -> torch.Tensor:
+    """Accumulate gradients over the micro-batches; return the mean loss (detached)."""
+    total = torch.zeros(())
+    num_micro = len(micro_batches)
+    for batch in micro_batches:
+        with autocast_context(t):
+            losses = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
+        loss = masked_mean(losses.float(), batch["loss_mask"])
+        (loss * (loss_scale / num_micro)).backward()
+        total += loss.detach()
+    return total / num_micro
+
+
+def data_parallel_allreduce_gradients(params, group) -> None:
+    """Average gradients over the data-parallel group: one all-reduce of all gradients
+    flattened into one buffer (sum, then divide by DP). Its conjugate is nothing: the
+    forward pass of data parallelism involves no communication. (The bucketed DDP of the
+    data-parallel issue overlaps this with backward; this is the simple reference.)"""
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=group)
+    flat /= dist.get_world_size(group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset: offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def global_grad_norm(params) -> torch.Tensor:
+    """L2 norm of all gradients, in fp32. (Model-parallel reduction lands with TP/PP.)"""
+    grads = [p.grad.detach().float() for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+
+
+def clip_gradients(params, max_norm: float, norm: torch.Tensor) -> None:
+    if max_norm > 0:
+        coeff = max_norm / (norm + 1e-6)
+        if coeff < 1.0:
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(coeff)
+
+
+@dataclass
+class StepResult:
+    loss: float
+    grad_norm: float
+    lr: float
+    loss_scale: float
+    skipped: bool
+
+
+def train_step(model, optimizer, micro_batches, t: TrainConfig, iteration: int,
+               scaler: LossScaler, dp_group=None) -> StepResult:
+    """One optimizer step over this rank's micro-batches of one global batch."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer.zero_grad(set_to_none=True)
+    loss = forward_backward(model, micro_batches, t, scaler.scale)
+    data_parallel_allreduce_gradients(params, dp_group)
+    if scaler.scale != 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.div_(scaler.scale)
+    norm = global_grad_norm(params)
+    found_inf = not torch.isfinite(norm).item()
+    scaler.update(found_inf)
+    lr = lr_at(iteration, t)
+    if not found_inf:
+        clip_gradients(params, t.clip_grad, norm)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(loss, group=dp_group)
+        loss /= dist.get_world_size(dp_group)
+    return StepResult(loss.item(), norm.item(), lr, scaler.scale, found_inf)
+
+
+@torch.no_grad()
+def evaluate(model, batches, t: TrainConfig, dp_group=None) -> float:
+    """Mean loss over the given micro-batches, averaged over data-parallel ranks."""
+    model.eval()
+    total, count = torch.zeros(()), 0
+    for batch in batches:
+        with autocast_context(t):
+            losses = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
+        total += masked_mean(losses.float(), batch["loss_mask"])
+        count += 1
+    model.train()
+    total /= max(count, 1)
+    if dp_group is not None and dist.get_world_size(dp_group) > 1:
+        dist.all_reduce(total, group=dp_group)
+        total /= dist.get_world_size(dp_group)
+    return total.item()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import socket
 import time
@@ -47,7 +48,9 @@ def _worker(fn, rank, world_size, port, args, kwargs, results, env):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size)
         value = fn(rank, world_size, *args, **kwargs)
-        results.put((rank, "ok", value))
+        # Plain pickle copies tensor bytes; the queue's own pickler would hand over
+        # shared-memory handles that die with this process. (Trusted: our own child.)
+        results.put((rank, "ok", pickle.dumps(value)))
         dist.barrier()  # nobody tears down the store while a peer still uses it
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - everything goes back to the parent
@@ -105,4 +108,4 @@ def run_world(fn, world_size: int, *args, timeout: float = 120.0, env: dict | No
     if missing:
         raise WorldError(f"rank(s) {missing} of {world_size} did not finish within {timeout:.0f} s "
                          f"(hung in a collective?); all workers were killed")
-    return [outcomes[r][1] for r in range(world_size)]
+    return [pickle.loads(outcomes[r][1]) for r in range(world_size)]

@@ -1,0 +1,47 @@
+"""Tokenize a corpus into a megalite indexed dataset (PREFIX.bin + PREFIX.idx).
+
+    python tools/preprocess_data.py --input data_cache/stdlib.jsonl --json-keys text \\
+        --output-prefix data_cache/stdlib --tokenizer-type GPTSentencePieceTokenizer \\
+        --tokenizer-model data_cache/tok.model --append-eod --workers 2
+
+The input is JSONL (one object per line, text under --json-keys) or plain text
+(documents separated by blank lines).  Train with --data-path PREFIX.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # repo root
+
+from megalite.data.preprocess import format_summary, preprocess  # noqa: E402
+from megalite.data.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--input", required=True, help=".jsonl/.json or plain-text corpus")
+    parser.add_argument("--json-keys", nargs="+", default=["text"],
+                        help="JSONL field holding the document (one key)")
+    parser.add_argument("--output-prefix", required=True,
+                        help="writes PREFIX.bin and PREFIX.idx")
+    parser.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES,
+                        default="GPTSentencePieceTokenizer")
+    parser.add_argument("--tokenizer-model", help="SentencePiece .model file")
+    parser.add_argument("--vocab-size", type=int, help="only for NullTokenizer")
+    parser.add_argument("--append-eod", action="store_true",
+                        help="append the end-of-document id after every document")
+    parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    args = parser.parse_args(argv)
+    if len(args.json_keys) != 1:
+        parser.error(f"--json-keys got {args.json_keys}; megalite writes one dataset per "
+                     f"run, so pass one key and run once per key.")
+    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+    print(f"tokenizing {args.input} with {tokenizer}, {args.workers} worker(s)")
+    summary = preprocess(args.input, args.output_prefix, tokenizer,
+                         json_key=args.json_keys[0], append_eod=args.append_eod,
+                         workers=args.workers, progress_stream=sys.stderr)
+    print(format_summary(summary))
+
+
+if __name__ == "__main__":
+    main()

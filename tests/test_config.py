@@ -1,0 +1,85 @@
+"""Every validation rule raises before anything is built, with a message naming values and fix."""
+import pytest
+
+from megalite.config import (Config, ConfigError, DataConfig, ModelConfig, ParallelConfig,
+                             TrainConfig, validate)
+
+
+def cfg(model=None, parallel=None, train=None, data=None):
+    m = dict(num_layers=4, hidden_size=64, num_attention_heads=4, vocab_size=100, seq_length=32)
+    m.update(model or {})
+    return Config(ModelConfig(**m), ParallelConfig(**(parallel or {})), TrainConfig(**(train or {})),
+                  DataConfig(**(data if data is not None else {"mock_data": True})))
+
+
+def check(config, world, *fragments, implemented=False):
+    with pytest.raises(ConfigError) as e:
+        validate(config, world, check_implemented=implemented)
+    for f in fragments:
+        assert f in str(e.value), (f, str(e.value))
+
+
+def test_valid_config_passes_and_fills_defaults():
+    c = cfg(train={"micro_batch_size": 2})
+    assert validate(c, 4) == []
+    assert c.train.global_batch_size == 8 and c.train.lr_decay_iters == c.train.train_iters
+    assert c.model.ffn_hidden_size == 256 and c.model.num_query_groups == 4
+
+
+RULES = [  # (config, world, fragments of the message)
+    (cfg(parallel={"tensor_model_parallel_size": 3}), 8, ["world size (8)", "3*1*1 = 3"]),
+    (cfg(model={"hidden_size": 66}), 1, ["--hidden-size (66)", "--num-attention-heads (4)"]),
+    (cfg(model={"num_query_groups": 3}), 1, ["--num-attention-heads (4)", "--num-query-groups (3)"]),
+    (cfg(model={"num_attention_heads": 6, "hidden_size": 96, "num_query_groups": 6},
+         parallel={"tensor_model_parallel_size": 4}), 4,
+     ["--num-attention-heads (6)", "--tensor-model-parallel-size (4)", "split by heads"]),
+    (cfg(model={"num_attention_heads": 8, "num_query_groups": 2},
+         parallel={"tensor_model_parallel_size": 4}), 4,
+     ["--num-query-groups (2)", "--tensor-model-parallel-size (4)"]),
+    (cfg(model={"ffn_hidden_size": 130}, parallel={"tensor_model_parallel_size": 4}), 4,
+     ["--ffn-hidden-size (130)", "FFN dimension"]),
+    (cfg(model={"num_layers": 6}, parallel={"pipeline_model_parallel_size": 4}), 4,
+     ["--num-layers (6)", "--pipeline-model-parallel-size (4)"]),
+    (cfg(model={"num_layers": 8}, parallel={"pipeline_model_parallel_size": 2,
+                                            "num_layers_per_virtual_pipeline_stage": 3}), 2,
+     ["--num-layers (8)", "PP * layers-per-virtual-stage (6)"]),
+    (cfg(model={"seq_length": 36}, parallel={"context_parallel_size": 4}), 4,
+     ["--seq-length (36)", "2 * --context-parallel-size (8)", "2*CP equal chunks"]),
+    (cfg(model={"seq_length": 30}, parallel={"tensor_model_parallel_size": 4,
+                                             "sequence_parallel": True}), 4,
+     ["--seq-length / CP (30)", "--tensor-model-parallel-size (4)"]),
+    (cfg(parallel={"sequence_parallel": True}), 1, ["--sequence-parallel needs"]),
+    (cfg(train={"micro_batch_size": 4, "global_batch_size": 20}), 2,
+     ["--global-batch-size (20)", "4 * 2 = 8", "accumulation"]),
+    (cfg(model={"seq_length": 64, "max_position_embeddings": 32}), 1,
+     ["--seq-length (64)", "--max-position-embeddings (32)"]),
+    (cfg(model={"position_embedding_type": "rope", "hidden_size": 20, "num_attention_heads": 4}), 1,
+     ["even head dim", "20/4 = 5"]),
+    (cfg(model={"position_embedding_type": "alibi"}), 1, ["'alibi' is unknown"]),
+    (cfg(model={"normalization": "BatchNorm"}), 1, ["'BatchNorm' is unknown"]),
+    (cfg(model={"hidden_dropout": 1.0}), 1, ["--hidden-dropout must be in [0, 1)"]),
+    (cfg(model={"num_layers": 0}), 1, ["--num-layers must be a positive integer, got 0"]),
+    (cfg(train={"micro_batch_size": 0}), 1, ["--micro-batch-size must be a positive integer"]),
+    (cfg(train={"lr": 1e-4, "min_lr": 1e-3}), 1, ["--min-lr <= --lr", "min_lr=0.001"]),
+    (cfg(train={"lr_decay_style": "step"}), 1, ["'step' is unknown"]),
+    (cfg(train={"lr_warmup_iters": 200, "train_iters": 100}), 1, ["--lr-warmup-iters (200)"]),
+    (cfg(train={"bf16": True, "fp16": True}), 1, ["--bf16 and --fp16 are exclusive"]),
+    (cfg(train={"clip_grad": -1.0}), 1, ["--clip-grad must be >= 0"]),
+    (cfg(train={"train_iters": 0}), 1, ["--train-iters must be a positive integer"]),
+    (cfg(data={}), 1, ["no training data", "--mock-data"]),
+    (cfg(data={"mock_data": True, "data_path": "x"}), 1, ["exclusive"]),
+]
+
+
+@pytest.mark.parametrize("config,world,fragments", RULES, ids=[f[0][:30] for _, _, f in RULES])
+def test_rule_message(config, world, fragments):
+    check(config, world, *fragments)
+
+
+@pytest.mark.parametrize("name,value", [("tensor_model_parallel_size", 2),
+                                        ("pipeline_model_parallel_size", 2),
+                                        ("context_parallel_size", 2)])
+def test_unlanded_parallelism_refused_clearly(name, value):
+    flag = "--" + name.replace("_", "-")
+    check(cfg(parallel={name: value}), 2, f"{flag} {value}", "not yet supported", f"{flag} 1",
+          implemented=True)

@@ -6,8 +6,9 @@ as ``.py`` source files, so we turn those into a JSONL corpus:
 
 * one JSON object per line: ``{"text": "<document>"}`` (UTF-8, keys sorted);
 * files are visited in sorted order of their path relative to
-  ``sysconfig.get_paths()["stdlib"]``; test suites, ``site-packages``,
-  ``idlelib`` and ``__pycache__`` folders are skipped, and so are files that
+  ``sysconfig.get_paths()["stdlib"]``; test suites (``test/``, ``tests/``,
+  e.g. ``lib2to3/tests``), ``site-packages``, ``idlelib`` and ``__pycache__``
+  folders are skipped, and so are files that
   are not valid UTF-8;
 * each module contributes its docstring (when it has one) as its own
   document, then its source split at top-level ``def``/``class`` boundaries
@@ -38,11 +39,8 @@ BLOCK_STARTS = ("def ", "async def ", "class ", "@")
 def iter_stdlib_files(root: str) -> Iterator[str]:
     """Yield the stdlib's ``.py`` files under ``root`` in sorted, stable order."""
     for dirpath, dirnames, filenames in os.walk(root):
-        rel = os.path.relpath(dirpath, root)
         dirnames[:] = sorted(
-            d for d in dirnames
-            if d not in SKIP_DIRS and not d.startswith("config-")
-            and not (rel == "lib2to3" and d.startswith("test"))
+            d for d in dirnames if d not in SKIP_DIRS and not d.startswith("config-")
         )
         for name in sorted(filenames):
             if name.endswith(".py"):

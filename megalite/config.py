@@ -182,10 +182,6 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
              check_implemented: bool = True) -> list[str]:
     """Check every rule; raise ConfigError on the first violation, return warnings."""
     m, p, t, d = config.model, config.parallel, config.train, config.data
-    warnings = validate_layout(p, world_size, gpus_per_node)
-    tp, cp, pp = p.tensor_model_parallel_size, p.context_parallel_size, p.pipeline_model_parallel_size
-    dp = p.data_parallel_size(world_size)
-
     if check_implemented:
         for name, what in NOT_YET_SUPPORTED.items():
             value = getattr(p, name)
@@ -199,6 +195,10 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
         if p.num_layers_per_virtual_pipeline_stage is not None:
             raise ConfigError("--num-layers-per-virtual-pipeline-stage is not yet supported "
                               "(it needs pipeline parallelism). Fix: drop the flag.")
+
+    warnings = validate_layout(p, world_size, gpus_per_node)
+    tp, cp, pp = p.tensor_model_parallel_size, p.context_parallel_size, p.pipeline_model_parallel_size
+    dp = p.data_parallel_size(world_size)
 
     # Model shape.
     for name in ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length"):

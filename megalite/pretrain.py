@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megalite.arguments import build_parser, config_from_args
 from megalite.config import Config, ConfigError, validate
 from megalite.data import build_data_iterators
+from megalite.data.indexed_dataset import DatasetError, IndexedDataset
 from megalite.data.tokenizer import build_tokenizer
 from megalite.model.gpt import GPTModel, count_parameters
 from megalite.parallel.grid import build_grid, gpus_per_node_from_env
@@ -57,6 +58,8 @@ def setup(argv=None):
     config = config_from_args(args, tokenizer.vocab_size)
     for warning in validate(config, world_size, gpus_per_node_from_env(world_size)):
         warnings.warn(warning)
+    if config.data.data_path and not config.data.mock_data:
+        IndexedDataset(config.data.data_path)  # missing or corrupt files fail here, before any group
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend)
@@ -155,6 +158,9 @@ def main(argv=None) -> int:
         pretrain(argv)
     except ConfigError as e:
         print(f"megalite: configuration error: {e}", file=sys.stderr)
+        return 2
+    except (DatasetError, FileNotFoundError) as e:
+        print(f"megalite: input error: {e}", file=sys.stderr)
         return 2
     finally:
         if dist.is_initialized():

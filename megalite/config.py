@@ -132,7 +132,6 @@ class Config:
 # Parallelisms whose issues have not landed yet. validate() refuses them with a
 # clear "not yet supported" instead of running something half-built.
 NOT_YET_SUPPORTED = {
-    "tensor_model_parallel_size": "tensor parallelism",
     "pipeline_model_parallel_size": "pipeline parallelism",
     "context_parallel_size": "context parallelism",
 }
@@ -189,9 +188,6 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
                 flag = "--" + name.replace("_", "-")
                 raise ConfigError(f"{flag} {value}: {what} is not yet supported in this version of "
                                   f"megalite. Fix: use {flag} 1.")
-        if p.sequence_parallel:
-            raise ConfigError("--sequence-parallel is not yet supported in this version of megalite "
-                              "(it needs tensor parallelism). Fix: drop the flag.")
         if p.num_layers_per_virtual_pipeline_stage is not None:
             raise ConfigError("--num-layers-per-virtual-pipeline-stage is not yet supported "
                               "(it needs pipeline parallelism). Fix: drop the flag.")

@@ -97,7 +97,7 @@ def pretrain(argv=None) -> list[dict]:
 
     tracker_seed = t.seed
     model_parallel_seed(tracker_seed, grid)
-    model = GPTModel(m)
+    model = GPTModel(m, tp_group=grid.tp_group, sequence_parallel=config.parallel.sequence_parallel)
     model.init_weights(t.seed)
     optimizer = build_optimizer(model, t)
     scaler = LossScaler(t.fp16, t.initial_loss_scale, t.loss_scale)
@@ -119,7 +119,7 @@ def pretrain(argv=None) -> list[dict]:
     for iteration in range(t.train_iters):
         step_start = time.perf_counter()
         micro_batches = [next(train_iter) for _ in range(num_micro)]
-        result = train_step(model, optimizer, micro_batches, t, iteration, scaler, grid.dp_cp_group)
+        result = train_step(model, optimizer, micro_batches, t, iteration, scaler, grid)
         elapsed = time.perf_counter() - step_start
         record = {"iteration": iteration + 1, "loss": result.loss, "lr": result.lr,
                   "grad_norm": result.grad_norm, "loss_scale": result.loss_scale,
@@ -134,8 +134,7 @@ def pretrain(argv=None) -> list[dict]:
                 f"| grad norm {result.grad_norm:.3f} | {elapsed * 1e3:7.1f} ms | "
                 f"{tokens_per_step / elapsed:8.0f} tokens/s" + (" | skipped (inf/nan)" if result.skipped else ""))
         if valid_iter is not None and (iteration + 1) % t.eval_interval == 0:
-            val = evaluate(model, [next(valid_iter) for _ in range(t.eval_iters * num_micro)], t,
-                           grid.dp_cp_group)
+            val = evaluate(model, [next(valid_iter) for _ in range(t.eval_iters * num_micro)], t, grid)
             say(f"validation at iter {iteration + 1}: loss {val:.4f} | ppl {min(1e9, 2.718281828 ** val):.2f}")
             record["valid_loss"] = val
     total = time.perf_counter() - start

@@ -14,9 +14,10 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from megalite.config import TrainConfig
+from megalite.parallel import comm
+from megalite.parallel.sharding import is_tensor_parallel
 
 
 def lr_at(iteration: int, t: TrainConfig) -> float:
@@ -103,29 +104,49 @@ def forward_backward(model, micro_batches, t: TrainConfig, loss_scale: float = 1
     return total / num_micro
 
 
+def _allreduce_flat(tensors: list[torch.Tensor], group, average: bool) -> None:
+    """All-reduce a list of tensors as one flat buffer (one collective), in place."""
+    if not tensors or comm.group_size(group) == 1:
+        return
+    flat = comm.all_reduce(torch.cat([t.reshape(-1) for t in tensors]), group)
+    if average:
+        flat /= comm.group_size(group)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset: offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
 def data_parallel_allreduce_gradients(params, group) -> None:
     """Average gradients over the data-parallel group: one all-reduce of all gradients
     flattened into one buffer (sum, then divide by DP). Its conjugate is nothing: the
     forward pass of data parallelism involves no communication. (The bucketed DDP of the
     data-parallel issue overlaps this with backward; this is the simple reference.)"""
-    if group is None or dist.get_world_size(group) == 1:
-        return
-    grads = [p.grad for p in params if p.grad is not None]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat /= dist.get_world_size(group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset: offset + g.numel()].view_as(g))
-        offset += g.numel()
+    _allreduce_flat([p.grad for p in params if p.grad is not None], group, average=True)
 
 
-def global_grad_norm(params) -> torch.Tensor:
-    """L2 norm of all gradients, in fp32. (Model-parallel reduction lands with TP/PP.)"""
-    grads = [p.grad.detach().float() for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+def sequence_parallel_allreduce_gradients(params, tp_group) -> None:
+    """Sum over TP the gradients of parameters replicated over TP that saw only this rank's
+    sequence shard (``param.sequence_parallel``: norms, row-parallel biases, position
+    embeddings). Each rank's gradient is the partial sum over its s/TP positions; the true
+    gradient is the sum over all positions. Without this the replicas drift apart."""
+    grads = [p.grad for p in params if getattr(p, "sequence_parallel", False) and p.grad is not None]
+    _allreduce_flat(grads, tp_group, average=False)
+
+
+def global_grad_norm(params, model_parallel_group=None, tp_rank: int = 0) -> torch.Tensor:
+    """L2 norm of the gradient of the whole model, in fp32.
+
+    Squares are summed locally over TP-split parameters, and over TP-replicated ones on TP
+    rank 0 only (they are identical on every TP rank: counting them TP times would inflate
+    the norm), then all-reduced over the model-parallel group (TP x PP)."""
+    total = torch.zeros((), dtype=torch.float32)
+    for p in params:
+        if p.grad is None:
+            continue
+        if is_tensor_parallel(p) or tp_rank == 0:
+            total += p.grad.detach().float().pow(2).sum()
+    return comm.all_reduce(total, model_parallel_group).sqrt()
 
 
 def clip_gradients(params, max_norm: float, norm: torch.Tensor) -> None:
@@ -146,18 +167,26 @@ class StepResult:
     skipped: bool
 
 
+def reduce_gradients(params, grid=None) -> None:
+    """After backward: sequence-parallel partial gradients over TP, then average over DP(xCP)."""
+    if grid is None:
+        return
+    sequence_parallel_allreduce_gradients(params, grid.tp_group)
+    data_parallel_allreduce_gradients(params, grid.dp_cp_group)
+
+
 def train_step(model, optimizer, micro_batches, t: TrainConfig, iteration: int,
-               scaler: LossScaler, dp_group=None) -> StepResult:
+               scaler: LossScaler, grid=None) -> StepResult:
     """One optimizer step over this rank's micro-batches of one global batch."""
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer.zero_grad(set_to_none=True)
     loss = forward_backward(model, micro_batches, t, scaler.scale)
-    data_parallel_allreduce_gradients(params, dp_group)
+    reduce_gradients(params, grid)
     if scaler.scale != 1.0:
         for p in params:
             if p.grad is not None:
                 p.grad.div_(scaler.scale)
-    norm = global_grad_norm(params)
+    norm = global_grad_norm(params, grid.mp_group if grid else None, grid.tp_rank if grid else 0)
     found_inf = not torch.isfinite(norm).item()
     scaler.update(found_inf)
     lr = lr_at(iteration, t)
@@ -166,14 +195,14 @@ def train_step(model, optimizer, micro_batches, t: TrainConfig, iteration: int,
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()
-    if dp_group is not None and dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(loss, group=dp_group)
-        loss /= dist.get_world_size(dp_group)
+    if grid is not None:
+        comm.all_reduce(loss, grid.dp_cp_group)
+        loss /= comm.group_size(grid.dp_cp_group)
     return StepResult(loss.item(), norm.item(), lr, scaler.scale, found_inf)
 
 
 @torch.no_grad()
-def evaluate(model, batches, t: TrainConfig, dp_group=None) -> float:
+def evaluate(model, batches, t: TrainConfig, grid=None) -> float:
     """Mean loss over the given micro-batches, averaged over data-parallel ranks."""
     model.eval()
     total, count = torch.zeros(()), 0
@@ -184,7 +213,7 @@ def evaluate(model, batches, t: TrainConfig, dp_group=None) -> float:
         count += 1
     model.train()
     total /= max(count, 1)
-    if dp_group is not None and dist.get_world_size(dp_group) > 1:
-        dist.all_reduce(total, group=dp_group)
-        total /= dist.get_world_size(dp_group)
+    if grid is not None:
+        comm.all_reduce(total, grid.dp_cp_group)
+        total /= comm.group_size(grid.dp_cp_group)
     return total.item()

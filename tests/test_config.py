@@ -76,8 +76,7 @@ def test_rule_message(config, world, fragments):
     check(config, world, *fragments)
 
 
-@pytest.mark.parametrize("name,value", [("tensor_model_parallel_size", 2),
-                                        ("pipeline_model_parallel_size", 2),
+@pytest.mark.parametrize("name,value", [("pipeline_model_parallel_size", 2),
                                         ("context_parallel_size", 2)])
 def test_unlanded_parallelism_refused_clearly(name, value):
     flag = "--" + name.replace("_", "-")

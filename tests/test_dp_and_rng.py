@@ -21,13 +21,13 @@ def _micro_batches_for(global_batch, dp_rank, dp_size):
     return [c for i, c in enumerate(chunks) if i % dp_size == dp_rank]
 
 
-def _train(cfg, dp_rank=0, dp_size=1, group=None):
+def _train(cfg, dp_rank=0, dp_size=1, grid=None):
     model = build(cfg, seed=5)
     t = TrainConfig(lr=1e-3, train_iters=STEPS)
     opt = build_optimizer(model, t)
     losses, grads = [], []
     for s, gb in enumerate(_global_batches(cfg)):
-        r = train_step(model, opt, _micro_batches_for(gb, dp_rank, dp_size), t, s, LossScaler(False), group)
+        r = train_step(model, opt, _micro_batches_for(gb, dp_rank, dp_size), t, s, LossScaler(False), grid)
         losses.append((r.loss, r.grad_norm))
         grads.append({k: p.grad.clone() for k, p in model.named_parameters()})
     return losses, grads
@@ -35,7 +35,7 @@ def _train(cfg, dp_rank=0, dp_size=1, group=None):
 
 def _dp_worker(rank, world_size):
     grid = build_grid(ParallelConfig(), world_size, rank)
-    return _train(tiny(), grid.dp_rank, grid.layout.dp, grid.dp_cp_group)
+    return _train(tiny(), grid.dp_rank, grid.layout.dp, grid)
 
 
 def test_data_parallel_2_and_4_match_serial():

@@ -69,7 +69,8 @@ def test_torchrun_data_parallel_matches_single_process(tmp_path):
 
 
 @pytest.mark.parametrize("argv,fragment", [
-    (MOCK + ["--tensor-model-parallel-size", "2"], "tensor parallelism is not yet supported"),
+    (MOCK + ["--pipeline-model-parallel-size", "2"], "pipeline parallelism is not yet supported"),
+    (MOCK + ["--tensor-model-parallel-size", "2"], "world size (1) must be divisible by TP*CP*PP"),
     (["--mock-data"], "--vocab-size is required with --mock-data"),
     (MOCK + ["--hidden-size", "30"], "--hidden-size (30) must be divisible by --num-attention-heads (4)"),
     (["--tokenizer-model", "/nonexistent/tok.model", "--data-path", "x"], "/nonexistent/tok.model"),

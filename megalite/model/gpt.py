@@ -9,9 +9,15 @@ Weight layout (what a checkpoint or a tensor-parallel shard refers to):
 - ``qkv.weight`` has ``groups * (heads_per_group + 2) * head_dim`` rows ordered by
   key/value group: the group's query heads, then its key head, then its value head.
   Splitting the rows into TP contiguous chunks therefore gives each rank whole groups.
-- SwiGLU keeps the gate and up projections as two matrices (``gate``, ``up``).
+- SwiGLU fuses the gate and up projections into ``fc1.weight`` = [gate; up]; under TP each
+  rank holds its chunk of each half (``TPSplit(0, sections=2)``).
 - Layers are named by their *global* index (``layers.7``) whatever pipeline stage
   holds them, so names do not depend on the layout.
+
+Parallelism enters only through the layers (``megalite.layers.tensor_parallel``): with
+a TP group of one rank they are plain linears and embeddings. Activations inside the
+model are sequence-first, (s, b, h); under sequence parallelism the residual stream holds
+this rank's s/TP positions.
 
 Initialization is GPT-2's (N(0, 0.02), output projections of each residual branch
 scaled by 1/sqrt(2 * layers), biases 0, norms 1), drawn per parameter from
@@ -29,26 +35,57 @@ from megalite.config import ModelConfig
 from megalite.layers.attention import attention
 from megalite.layers.norms import build_norm
 from megalite.layers.rotary import apply_rotary, rotary_angles
+from megalite.layers.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
+                                             VocabParallelEmbedding, vocab_parallel_cross_entropy)
+from megalite.parallel import comm
 from megalite.parallel.random import get_rng_tracker, init_full_tensor
+from megalite.parallel.sharding import mark_sequence_parallel
+
+
+class ParallelDropout(nn.Dropout):
+    """Dropout on the residual stream. Replicated over TP (same mask on every TP rank, the
+    default RNG stream), except under sequence parallelism, where each TP rank holds
+    different positions and draws from the tensor-parallel stream."""
+
+    def __init__(self, p: float, sequence_parallel: bool):
+        super().__init__(p)
+        self.sequence_parallel = sequence_parallel
+
+    def forward(self, x):
+        if self.sequence_parallel and self.training and self.p > 0:
+            with get_rng_tracker().fork():
+                return super().forward(x)
+        return super().forward(x)
+
+
+def _norm(cfg: ModelConfig, sequence_parallel: bool) -> nn.Module:
+    norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon)
+    if sequence_parallel:
+        for p in norm.parameters():
+            mark_sequence_parallel(p)
+    return norm
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """Causal self-attention, split over TP by key/value groups (with their query heads)."""
+
+    def __init__(self, cfg: ModelConfig, tp_group=None, sequence_parallel: bool = False):
         super().__init__()
         self.cfg = cfg
         self.heads_per_group = cfg.num_attention_heads // cfg.num_query_groups
         qkv_out = cfg.num_query_groups * (self.heads_per_group + 2) * cfg.head_dim
-        self.qkv = nn.Linear(cfg.hidden_size, qkv_out, bias=cfg.add_bias_linear)
-        self.proj = nn.Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
-                              bias=cfg.add_bias_linear)
+        par = dict(tp_group=tp_group, sequence_parallel=sequence_parallel)
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_out, bias=cfg.add_bias_linear, **par)
+        self.proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
+                                      bias=cfg.add_bias_linear, **par)
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        b, s, _ = x.shape
         d, hpg = self.cfg.head_dim, self.heads_per_group
-        qkv = self.qkv(x).view(b, s, -1, hpg + 2, d)  # (b, s, groups, hpg + 2, d)
-        q = qkv[:, :, :, :hpg].reshape(b, s, -1, d).transpose(1, 2)  # (b, heads, s, d)
-        k = qkv[:, :, :, hpg].transpose(1, 2)  # (b, groups, s, d)
-        v = qkv[:, :, :, hpg + 1].transpose(1, 2)
+        qkv = self.qkv(x)  # (s, b, local groups * (hpg + 2) * d): whole groups of this rank
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, -1, hpg + 2, d).permute(1, 2, 3, 0, 4)  # (b, groups, hpg + 2, s, d)
+        q = qkv[:, :, :hpg].reshape(b, -1, s, d)  # (b, heads, s, d), grouped by kv group
+        k, v = qkv[:, :, hpg], qkv[:, :, hpg + 1]  # (b, groups, s, d)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         dropout_p = self.cfg.attention_dropout if self.training else 0.0
@@ -59,38 +96,41 @@ class SelfAttention(nn.Module):
                                 backend=self.cfg.attention_backend)
         else:
             out = attention(q, k, v, causal=True, backend=self.cfg.attention_backend)
-        return self.proj(out.transpose(1, 2).reshape(b, s, -1))
+        return self.proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    """fc2(act(fc1(x))), split over TP along the FFN dimension (fc1 column-, fc2 row-parallel)."""
+
+    def __init__(self, cfg: ModelConfig, tp_group=None, sequence_parallel: bool = False):
         super().__init__()
         self.swiglu = cfg.swiglu
-        if cfg.swiglu:
-            self.gate = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=cfg.add_bias_linear)
-            self.up = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=cfg.add_bias_linear)
-        else:
-            self.fc1 = nn.Linear(cfg.hidden_size, cfg.ffn_hidden_size, bias=cfg.add_bias_linear)
-        self.fc2 = nn.Linear(cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.add_bias_linear)
+        par = dict(tp_group=tp_group, sequence_parallel=sequence_parallel)
+        sections = 2 if cfg.swiglu else 1  # SwiGLU: fc1 = [gate; up]
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, sections * cfg.ffn_hidden_size,
+                                        bias=cfg.add_bias_linear, sections=sections, **par)
+        self.fc2 = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.add_bias_linear, **par)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x)
         if self.swiglu:
-            h = F.silu(self.gate(x)) * self.up(x)
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
         else:
-            h = F.gelu(self.fc1(x), approximate="tanh")  # GPT-2's gelu_new
+            h = F.gelu(h, approximate="tanh")  # GPT-2's gelu_new
         return self.fc2(h)
 
 
 class TransformerBlock(nn.Module):
     """x + attn(norm(x)), then + mlp(norm(.)); dropout on each branch output."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp_group=None, sequence_parallel: bool = False):
         super().__init__()
-        self.attn_norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon)
-        self.attn = SelfAttention(cfg)
-        self.mlp_norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon)
-        self.mlp = MLP(cfg)
-        self.dropout = nn.Dropout(cfg.hidden_dropout)
+        self.attn_norm = _norm(cfg, sequence_parallel)
+        self.attn = SelfAttention(cfg, tp_group, sequence_parallel)
+        self.mlp_norm = _norm(cfg, sequence_parallel)
+        self.mlp = MLP(cfg, tp_group, sequence_parallel)
+        self.dropout = ParallelDropout(cfg.hidden_dropout, sequence_parallel)
 
     def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
         x = x + self.dropout(self.attn(self.attn_norm(x), rope))
@@ -102,45 +142,56 @@ class GPTModel(nn.Module):
 
     ``pre_process``: this module embeds tokens (first pipeline stage).
     ``post_process``: this module applies the final norm, output layer and loss (last stage).
-    ``forward`` returns per-token losses (b, s) when labels are given, else logits over
-    the real (unpadded) vocabulary; a middle stage returns hidden states.
+    ``forward`` takes (b, s) tokens/positions/labels and returns per-token losses (b, s)
+    when labels are given, else logits (b, s, vocab) over the real (unpadded) vocabulary;
+    a middle stage returns its hidden states (s, b, h).
     """
 
     def __init__(self, cfg: ModelConfig, padded_vocab_size: int | None = None,
                  pre_process: bool = True, post_process: bool = True,
-                 layer_range: range | None = None):
+                 layer_range: range | None = None, tp_group=None, sequence_parallel: bool = False):
         super().__init__()
         self.cfg = cfg
+        self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.pre_process, self.post_process = pre_process, post_process
         self.vocab_size = cfg.vocab_size
-        self.padded_vocab_size = padded_vocab_size or cfg.padded_vocab_size(1)
+        self.padded_vocab_size = padded_vocab_size or cfg.padded_vocab_size(comm.group_size(tp_group))
         self.layer_range = layer_range if layer_range is not None else range(cfg.num_layers)
+        par = dict(tp_group=tp_group, sequence_parallel=sequence_parallel)
+        tied = not cfg.untie_embeddings_and_output_weights
+        if pre_process or (post_process and tied):
+            # A tied last stage that does not embed holds its own copy, kept equal to the
+            # first stage's by the embedding-group all-reduce.
+            self.word_embeddings = VocabParallelEmbedding(self.padded_vocab_size, cfg.hidden_size, **par)
         if pre_process:
-            self.word_embeddings = nn.Embedding(self.padded_vocab_size, cfg.hidden_size)
             if cfg.position_embedding_type == "learned_absolute":
                 self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
-            self.embedding_dropout = nn.Dropout(cfg.hidden_dropout)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in self.layer_range})
+                if sequence_parallel:
+                    mark_sequence_parallel(self.position_embeddings.weight)
+            self.embedding_dropout = ParallelDropout(cfg.hidden_dropout, sequence_parallel)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, **par) for i in self.layer_range})
         if post_process:
-            self.final_norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon)
-            if cfg.untie_embeddings_and_output_weights:
-                self.output_layer = nn.Linear(cfg.hidden_size, self.padded_vocab_size, bias=False)
-            elif not pre_process:
-                # Tied weights on a last stage that does not embed: it holds its own copy,
-                # kept equal to the first stage's by the embedding-group all-reduce.
-                self.word_embeddings = nn.Embedding(self.padded_vocab_size, cfg.hidden_size)
+            self.final_norm = _norm(cfg, sequence_parallel)
+            if not tied:
+                self.output_layer = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab_size,
+                                                         bias=False, **par)
 
     # -- forward ---------------------------------------------------------------------------------
-    def output_weight(self) -> torch.Tensor:
-        if self.cfg.untie_embeddings_and_output_weights:
-            return self.output_layer.weight
-        return self.word_embeddings.weight
-
     def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
-        x = self.word_embeddings(tokens)
+        x = self.word_embeddings(tokens.t())  # (s, b, h); under SP this rank's (s/TP, b, h)
         if self.cfg.position_embedding_type == "learned_absolute":
-            x = x + self.position_embeddings(position_ids)
+            positions = position_ids.t()
+            if self.sequence_parallel:
+                positions = comm.split_dim(positions, 0, self.tp_group)
+            x = x + self.position_embeddings(positions)
         return self.embedding_dropout(x)
+
+    def output_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary slice of the logits, (s, b, V_padded / TP)."""
+        if self.cfg.untie_embeddings_and_output_weights:
+            return self.output_layer(x)
+        enter = comm.gather_from_sp if self.sequence_parallel else comm.copy_to_tp
+        return F.linear(enter(x, self.tp_group), self.word_embeddings.weight)
 
     def forward(self, tokens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, hidden: torch.Tensor | None = None):
@@ -155,12 +206,12 @@ class GPTModel(nn.Module):
             x = layer(x, rope)
         if not self.post_process:
             return x
-        logits = F.linear(self.final_norm(x), self.output_weight())[..., : self.vocab_size]
-        if labels is None:
-            return logits
-        # Padding columns are never predicted: they were sliced off above.
-        return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(),
-                               reduction="none").view_as(labels)
+        logits = self.output_logits(self.final_norm(x))
+        if labels is None:  # full logits, for inspection and generation (not the loss path)
+            full = comm.gather_from_tp(logits, self.tp_group)[..., : self.vocab_size]
+            return full.transpose(0, 1)
+        losses = vocab_parallel_cross_entropy(logits, labels.t(), self.vocab_size, self.tp_group)
+        return losses.t()  # (b, s)
 
     # -- initialization --------------------------------------------------------------------------
     @torch.no_grad()

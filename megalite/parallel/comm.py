@@ -1,0 +1,233 @@
+"""Autograd-aware collectives for tensor and sequence parallelism: the conjugate pairs.
+
+Activations are sequence-first, ``(s, b, h)``, so "the sequence dim" is dim 0 and an
+all-gather / reduce-scatter along it works on contiguous memory.
+
+| function                  | forward          | backward         |
+|---------------------------|------------------|------------------|
+| copy_to_tp                | identity         | all-reduce       |
+| reduce_from_tp            | all-reduce       | identity         |
+| scatter_to_tp   (last)    | split            | all-gather       |
+| gather_from_tp  (last)    | all-gather       | split            |
+| gather_from_sp  (seq)     | all-gather       | reduce-scatter   |
+| reduce_scatter_to_sp (seq)| reduce-scatter   | all-gather       |
+| scatter_to_sp   (seq)     | split            | all-gather       |
+
+Why conjugates: if ``y = f(x)`` replicates ``x`` onto every rank, each rank's ``dL/dy``
+is only its own contribution, so ``dL/dx`` is their sum (all-reduce). If ``y`` is the sum
+of per-rank partials, every partial sees the whole ``dL/dy`` (identity). Splitting and
+gathering are each other's transpose, and reduce-scatter is the transpose of all-gather.
+
+Every collective goes through :func:`_record`, which counts the bytes handed to it, so
+benchmarks can compare traffic with theory (DESIGN.md section 5). "Bytes" is the size of
+the full (unsharded) tensor the collective works on: the all-reduce input, the
+all-gather output, the reduce-scatter input.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+
+# -- traffic accounting --------------------------------------------------------------------------
+
+_STATS: dict[str, dict[str, int]] | None = None
+
+
+@contextlib.contextmanager
+def count_collectives():
+    """Count calls and bytes per collective kind inside the block: ``{kind: {calls, bytes}}``."""
+    global _STATS
+    previous, _STATS = _STATS, defaultdict(lambda: {"calls": 0, "bytes": 0})
+    try:
+        yield _STATS
+    finally:
+        _STATS = previous
+
+
+def _record(kind: str, tensor: torch.Tensor, full_numel: int | None = None) -> None:
+    if _STATS is not None:
+        entry = _STATS[kind]
+        entry["calls"] += 1
+        entry["bytes"] += (full_numel if full_numel is not None else tensor.numel()) * tensor.element_size()
+
+
+def group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+# -- plain (non-autograd) collectives, counted ----------------------------------------------------
+
+def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
+    """In-place all-reduce (counted); returns ``x``."""
+    if group_size(group) > 1:
+        _record("all_reduce", x)
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along dim 0 (rank order)."""
+    world = group_size(group)
+    if world == 1:
+        return x
+    x = x.contiguous()
+    out = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    _record("all_gather", x, out.numel())
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out
+
+
+def reduce_scatter_dim0(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum over ranks, then rank r keeps chunk r of dim 0."""
+    world = group_size(group)
+    if world == 1:
+        return x
+    if x.shape[0] % world != 0:
+        raise ValueError(f"reduce-scatter along dim 0 of size {x.shape[0]} over {world} ranks: "
+                         f"size must be divisible by the group size")
+    x = x.contiguous()
+    out = torch.empty((x.shape[0] // world,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    _record("reduce_scatter", x)
+    dist.reduce_scatter_tensor(out, x, group=group)
+    return out
+
+
+def all_gather_last(x: torch.Tensor, group) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along the last dim (rank order)."""
+    world = group_size(group)
+    if world == 1:
+        return x
+    # (..., n) -> (n, ...) -> gathered (world * n, ...) in rank order -> (..., world * n)
+    return all_gather_dim0(x.movedim(-1, 0), group).movedim(0, -1)
+
+
+def split_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """This rank's chunk of ``x`` along ``dim``."""
+    world = group_size(group)
+    if world == 1:
+        return x
+    if x.shape[dim] % world != 0:
+        raise ValueError(f"cannot split dim {dim} of size {x.shape[dim]} over {world} ranks evenly")
+    return x.chunk(world, dim=dim)[group_rank(group)].contiguous()
+
+
+# -- autograd functions ---------------------------------------------------------------------------
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_reduce(g.contiguous().clone(), ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        return all_reduce(x.contiguous().clone(), group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return split_dim(x, -1, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_gather_last(g, ctx.group), None
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_last(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return split_dim(g, -1, ctx.group), None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return reduce_scatter_dim0(g, ctx.group), None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_dim0(x, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_gather_dim0(g, ctx.group), None
+
+
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return split_dim(x, 0, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        return all_gather_dim0(g, ctx.group), None
+
+
+def copy_to_tp(x, group):
+    """Enter a TP region with a replicated input. fwd: identity; bwd: all-reduce."""
+    return x if group_size(group) == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x, group):
+    """Leave a TP region by summing partial results. fwd: all-reduce; bwd: identity."""
+    return x if group_size(group) == 1 else _ReduceFromTP.apply(x, group)
+
+
+def scatter_to_tp(x, group):
+    """Keep this rank's slice of the last dim. fwd: split; bwd: all-gather."""
+    return x if group_size(group) == 1 else _ScatterToTP.apply(x, group)
+
+
+def gather_from_tp(x, group):
+    """Concatenate the ranks' slices of the last dim. fwd: all-gather; bwd: split."""
+    return x if group_size(group) == 1 else _GatherFromTP.apply(x, group)
+
+
+def gather_from_sp(x, group):
+    """Sequence shards -> full sequence, to feed a column-parallel layer.
+    fwd: all-gather (seq); bwd: reduce-scatter (seq), since each rank's gradient is partial."""
+    return x if group_size(group) == 1 else _GatherFromSP.apply(x, group)
+
+
+def reduce_scatter_to_sp(x, group):
+    """Partial sums of the full sequence -> this rank's reduced sequence shard.
+    fwd: reduce-scatter (seq); bwd: all-gather (seq)."""
+    return x if group_size(group) == 1 else _ReduceScatterToSP.apply(x, group)
+
+
+def scatter_to_sp(x, group):
+    """A replicated full sequence -> this rank's shard. fwd: split (seq); bwd: all-gather."""
+    return x if group_size(group) == 1 else _ScatterToSP.apply(x, group)

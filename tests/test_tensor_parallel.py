@@ -308,3 +308,29 @@ def test_pretrain_tp_and_sp_match_tp1_per_iteration():
                 worst[(tp, sp)] = max(worst.get((tp, sp), 0.0), diff)
     print("largest relative loss difference vs TP=1 over 20 iterations:", worst)
     assert all(v < 1e-5 for v in worst.values()), worst
+
+
+def _traffic_worker(rank, world, layers, sp):
+    from megalite.parallel.comm import count_collectives
+    cfg = ModelConfig(num_layers=layers, hidden_size=32, num_attention_heads=4, vocab_size=97,
+                      seq_length=16, hidden_dropout=0, attention_dropout=0)
+    grid = build_grid(ParallelConfig(tensor_model_parallel_size=world, sequence_parallel=sp), world, rank)
+    model = GPTModel(cfg, tp_group=grid.tp_group, sequence_parallel=sp)
+    model.init_weights(0)
+    tokens, labels = _batch(cfg, b=2)
+    with count_collectives() as stats:
+        model(tokens, labels=labels).mean().backward()
+    return {k: dict(v) for k, v in stats.items()}
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_per_layer_traffic_equals_theory(sp):
+    """One all-reduce per block per direction (4 per layer per step) of b*s*h, or under SP
+    4 all-gathers + 4 reduce-scatters of b*s*h; nothing more."""
+    one, two = run_world(_traffic_worker, 2, 1, sp)[0], run_world(_traffic_worker, 2, 2, sp)[0]
+    bsh = 2 * 16 * 32 * 4
+    per_layer = {k: {f: two[k][f] - one.get(k, {}).get(f, 0) for f in ("calls", "bytes")} for k in two}
+    per_layer = {k: v for k, v in per_layer.items() if v["calls"]}
+    expected = ({"all_gather": {"calls": 4, "bytes": 4 * bsh}, "reduce_scatter": {"calls": 4, "bytes": 4 * bsh}}
+                if sp else {"all_reduce": {"calls": 4, "bytes": 4 * bsh}})
+    assert per_layer == expected

@@ -64,6 +64,12 @@ def group_rank(group) -> int:
 
 # -- plain (non-autograd) collectives, counted ----------------------------------------------------
 
+# torch 2.13 renamed the flat all-gather / reduce-scatter; older releases (2.11 on our GPU
+# machine) only have the old names.
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce (counted); returns ``x``."""
     if group_size(group) > 1:
@@ -80,7 +86,7 @@ def all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     _record("all_gather", x, out.numel())
-    dist.all_gather_into_tensor(out, x, group=group)
+    _all_gather_flat(out, x, group=group)
     return out
 
 
@@ -95,7 +101,7 @@ def reduce_scatter_dim0(x: torch.Tensor, group) -> torch.Tensor:
     x = x.contiguous()
     out = torch.empty((x.shape[0] // world,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     _record("reduce_scatter", x)
-    dist.reduce_scatter_tensor(out, x, group=group)
+    _reduce_scatter_flat(out, x, group=group)
     return out
 
 

@@ -126,114 +126,73 @@ def split_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
 
 # -- autograd functions ---------------------------------------------------------------------------
 
-class _CopyToTP(torch.autograd.Function):
+def _identity(x, group):
+    return x
+
+
+def _all_reduce_copy(x, group):
+    return all_reduce(x.contiguous().clone(), group)
+
+
+def _split_last(x, group):
+    return split_dim(x, -1, group)
+
+
+def _split_seq(x, group):
+    return split_dim(x, 0, group)
+
+
+class _ConjugatePair(torch.autograd.Function):
+    """y = forward_op(x); dL/dx = backward_op(dL/dy): one row of the table above."""
+
     @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
+    def forward(ctx, x, group, forward_op, backward_op):
+        ctx.group, ctx.backward_op = group, backward_op
+        return forward_op(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.backward_op(grad, ctx.group), None, None, None
+
+
+def _pair(x, group, forward_op, backward_op):
+    if group_size(group) == 1:
         return x
-
-    @staticmethod
-    def backward(ctx, g):
-        return all_reduce(g.contiguous().clone(), ctx.group), None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        return all_reduce(x.contiguous().clone(), group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g, None
-
-
-class _ScatterToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return split_dim(x, -1, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return all_gather_last(g, ctx.group), None
-
-
-class _GatherFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather_last(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return split_dim(g, -1, ctx.group), None
-
-
-class _GatherFromSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather_dim0(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return reduce_scatter_dim0(g, ctx.group), None
-
-
-class _ReduceScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter_dim0(x, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return all_gather_dim0(g, ctx.group), None
-
-
-class _ScatterToSP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return split_dim(x, 0, group)
-
-    @staticmethod
-    def backward(ctx, g):
-        return all_gather_dim0(g, ctx.group), None
+    return _ConjugatePair.apply(x, group, forward_op, backward_op)
 
 
 def copy_to_tp(x, group):
     """Enter a TP region with a replicated input. fwd: identity; bwd: all-reduce."""
-    return x if group_size(group) == 1 else _CopyToTP.apply(x, group)
+    return _pair(x, group, _identity, _all_reduce_copy)
 
 
 def reduce_from_tp(x, group):
     """Leave a TP region by summing partial results. fwd: all-reduce; bwd: identity."""
-    return x if group_size(group) == 1 else _ReduceFromTP.apply(x, group)
+    return _pair(x, group, _all_reduce_copy, _identity)
 
 
 def scatter_to_tp(x, group):
     """Keep this rank's slice of the last dim. fwd: split; bwd: all-gather."""
-    return x if group_size(group) == 1 else _ScatterToTP.apply(x, group)
+    return _pair(x, group, _split_last, all_gather_last)
 
 
 def gather_from_tp(x, group):
     """Concatenate the ranks' slices of the last dim. fwd: all-gather; bwd: split."""
-    return x if group_size(group) == 1 else _GatherFromTP.apply(x, group)
+    return _pair(x, group, all_gather_last, _split_last)
 
 
 def gather_from_sp(x, group):
     """Sequence shards -> full sequence, to feed a column-parallel layer.
     fwd: all-gather (seq); bwd: reduce-scatter (seq), since each rank's gradient is partial."""
-    return x if group_size(group) == 1 else _GatherFromSP.apply(x, group)
+    return _pair(x, group, all_gather_dim0, reduce_scatter_dim0)
 
 
 def reduce_scatter_to_sp(x, group):
     """Partial sums of the full sequence -> this rank's reduced sequence shard.
     fwd: reduce-scatter (seq); bwd: all-gather (seq)."""
-    return x if group_size(group) == 1 else _ReduceScatterToSP.apply(x, group)
+    return _pair(x, group, reduce_scatter_dim0, all_gather_dim0)
 
 
 def scatter_to_sp(x, group):
     """A replicated full sequence -> this rank's shard. fwd: split (seq); bwd: all-gather."""
-    return x if group_size(group) == 1 else _ScatterToSP.apply(x, group)
+    return _pair(x, group, _split_seq, all_gather_dim0)

@@ -104,6 +104,7 @@ class TrainConfig:
     fp16: bool = False
     loss_scale: float | None = None  # fp16: static scale; None = dynamic
     initial_loss_scale: float = 2.0**16
+    pipeline_schedule: str = "1f1b"  # or "gpipe" (all forward, then all backward); V > 1: interleaved
     log_interval: int = 1
     eval_interval: int = 1000
     eval_iters: int = 10
@@ -132,7 +133,6 @@ class Config:
 # Parallelisms whose issues have not landed yet. validate() refuses them with a
 # clear "not yet supported" instead of running something half-built.
 NOT_YET_SUPPORTED = {
-    "pipeline_model_parallel_size": "pipeline parallelism",
     "context_parallel_size": "context parallelism",
 }
 
@@ -188,9 +188,6 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
                 flag = "--" + name.replace("_", "-")
                 raise ConfigError(f"{flag} {value}: {what} is not yet supported in this version of "
                                   f"megalite. Fix: use {flag} 1.")
-        if p.num_layers_per_virtual_pipeline_stage is not None:
-            raise ConfigError("--num-layers-per-virtual-pipeline-stage is not yet supported "
-                              "(it needs pipeline parallelism). Fix: drop the flag.")
 
     warnings = validate_layout(p, world_size, gpus_per_node)
     tp, cp, pp = p.tensor_model_parallel_size, p.context_parallel_size, p.pipeline_model_parallel_size
@@ -240,6 +237,15 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
         _positive("--num-layers-per-virtual-pipeline-stage", k)
         _divides("--num-layers", m.num_layers, "PP * layers-per-virtual-stage", pp * k,
                  f"with PP={pp} and {k} layers per virtual stage, use a multiple of {pp * k} layers.")
+        if pp < 2:
+            raise ConfigError(f"the interleaved schedule needs --pipeline-model-parallel-size >= 2 "
+                              f"(got {pp}): --num-layers-per-virtual-pipeline-stage splits each "
+                              f"pipeline rank's layers into chunks. Fix: raise PP or drop the flag.")
+        if m.num_layers // (pp * k) < 2:
+            raise ConfigError(f"--num-layers-per-virtual-pipeline-stage {k} with {m.num_layers} layers "
+                              f"and PP={pp} gives 1 virtual stage per rank, i.e. no interleaved "
+                              f"schedule. Fix: use at most {m.num_layers // (2 * pp)} layers per "
+                              f"virtual stage, or drop the flag for plain 1F1B.")
     if cp > 1:
         _divides("--seq-length", m.seq_length, "2 * --context-parallel-size", 2 * cp,
                  "the load-balanced causal split cuts each sequence into 2*CP equal chunks.")
@@ -263,6 +269,18 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
             f"{t.micro_batch_size * dp} (global batch = micro batch x DP x accumulation steps). "
             f"Fix: use a global batch that is a multiple of {t.micro_batch_size * dp}."
         )
+
+    num_micro = t.global_batch_size // (t.micro_batch_size * dp)
+    if p.num_layers_per_virtual_pipeline_stage is not None and num_micro % pp != 0:
+        raise ConfigError(
+            f"the interleaved schedule needs the number of micro-batches ({num_micro} = global "
+            f"batch {t.global_batch_size} / (micro batch {t.micro_batch_size} x DP {dp})) to be a "
+            f"multiple of --pipeline-model-parallel-size ({pp}): micro-batches go round the ring "
+            f"in groups of PP. Fix: use a global batch that is a multiple of "
+            f"{t.micro_batch_size * dp * pp}.")
+    if t.pipeline_schedule not in ("1f1b", "gpipe"):
+        raise ConfigError(f"--pipeline-schedule {t.pipeline_schedule!r} is unknown. Fix: use 1f1b "
+                          f"or gpipe (interleaving is chosen by --num-layers-per-virtual-pipeline-stage).")
 
     # Training.
     _positive("--train-iters", t.train_iters)

@@ -36,10 +36,11 @@ def lr_at(iteration: int, t: TrainConfig) -> float:
     return t.min_lr + (t.lr - t.min_lr) * coeff
 
 
-def build_optimizer(model: torch.nn.Module, t: TrainConfig) -> torch.optim.AdamW:
+def build_optimizer(model, t: TrainConfig) -> torch.optim.AdamW:
     """AdamW; biases and norm parameters are not decayed (as in GPT-2 / Megatron)."""
     decay, no_decay = [], []
-    for name, param in model.named_parameters():
+    named = [np for chunk in as_chunks(model) for np in chunk.named_parameters()]
+    for name, param in named:
         if not param.requires_grad:
             continue
         (no_decay if param.ndim < 2 or "norm" in name else decay).append(param)
@@ -91,17 +92,55 @@ def masked_mean(losses: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     return (losses * mask).sum() / mask.sum().clamp_min(1.0)
 
 
-def forward_backward(model, micro_batches, t: TrainConfig, loss_scale: float = 1.0) -> torch.Tensor:
-    """Accumulate gradients over the micro-batches; return the mean loss (detached)."""
-    total = torch.zeros(())
+def as_chunks(model) -> list[torch.nn.Module]:
+    """A model is one module or a list of pipeline model chunks (virtual stages)."""
+    return list(model) if isinstance(model, (list, tuple, torch.nn.ModuleList)) else [model]
+
+
+def stage_forward(chunk, input_tensor, batch, t: TrainConfig):
+    """Run one model chunk on one micro-batch: embed (first stage) or continue from the
+    received activation; the loss chunk returns per-token losses."""
+    with autocast_context(t):
+        return chunk(batch["tokens"] if chunk.pre_process else None, batch["position_ids"],
+                     labels=batch["labels"] if chunk.post_process else None, hidden=input_tensor)
+
+
+def stage_loss(losses, batch) -> torch.Tensor:
+    return masked_mean(losses.float(), batch["loss_mask"])
+
+
+def activation_shape(chunk, micro_batch_size: int) -> tuple[int, int, int]:
+    """(s, b, h) of the activations between pipeline stages (s/TP under sequence parallel)."""
+    cfg = chunk.cfg
+    seq = cfg.seq_length // (comm.group_size(chunk.tp_group) if chunk.sequence_parallel else 1)
+    return (seq, micro_batch_size, cfg.hidden_size)
+
+
+def forward_backward(model, micro_batches, t: TrainConfig, loss_scale: float = 1.0, grid=None,
+                     trace=None) -> torch.Tensor:
+    """Accumulate gradients over the micro-batches; return the mean loss (detached).
+
+    Without pipeline parallelism: one micro-batch after another. With it: the schedule of
+    ``t.pipeline_schedule`` (interleaved when there are several chunks); the loss, known on
+    the last stage, is summed over the pipeline group so every stage reports it."""
+    chunks = as_chunks(model)
     num_micro = len(micro_batches)
-    for batch in micro_batches:
-        with autocast_context(t):
-            losses = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
-        loss = masked_mean(losses.float(), batch["loss_mask"])
-        (loss * (loss_scale / num_micro)).backward()
-        total += loss.detach()
-    return total / num_micro
+    if grid is None or (grid.layout.pp == 1 and len(chunks) == 1):
+        total = torch.zeros(())
+        for batch in micro_batches:
+            loss = stage_loss(stage_forward(chunks[0], None, batch, t), batch)
+            (loss * (loss_scale / num_micro)).backward()
+            total += loss.detach()
+        return total / num_micro
+    from megalite.pipeline.schedules import PipelineRunner
+
+    runner = PipelineRunner(chunks, micro_batches, grid,
+                            activation_shape(chunks[0], micro_batches[0]["tokens"].shape[0]),
+                            lambda c, x, b: stage_forward(c, x, b, t), stage_loss, trace=trace,
+                            loss_scale=loss_scale)
+    runner.run(t.pipeline_schedule)
+    total = torch.stack(runner.losses).sum() / num_micro if runner.losses else torch.zeros(())
+    return comm.all_reduce(total, grid.pp_group)
 
 
 def _allreduce_flat(tensors: list[torch.Tensor], group, average: bool) -> None:
@@ -139,10 +178,11 @@ def global_grad_norm(params, model_parallel_group=None, tp_rank: int = 0) -> tor
 
     Squares are summed locally over TP-split parameters, and over TP-replicated ones on TP
     rank 0 only (they are identical on every TP rank: counting them TP times would inflate
-    the norm), then all-reduced over the model-parallel group (TP x PP)."""
+    the norm), then all-reduced over the model-parallel group (TP x PP). The last stage's
+    copy of a tied embedding is skipped: the first stage counts it."""
     total = torch.zeros((), dtype=torch.float32)
     for p in params:
-        if p.grad is None:
+        if p.grad is None or getattr(p, "embedding_copy", False):
             continue
         if is_tensor_parallel(p) or tp_rank == 0:
             total += p.grad.detach().float().pow(2).sum()
@@ -167,20 +207,31 @@ class StepResult:
     skipped: bool
 
 
+def embedding_allreduce_gradients(params, embedding_group) -> None:
+    """Tied embeddings under pipeline parallelism: the first stage (input embedding) and the
+    last stage (output layer) each hold a copy of the word embedding; each copy's gradient
+    is only its own use, the true gradient is their sum. All-reduce over the embedding group
+    (first + last stage) so both copies take the same step and stay equal."""
+    grads = [p.grad for p in params if getattr(p, "tied_embedding", False) and p.grad is not None]
+    _allreduce_flat(grads, embedding_group, average=False)
+
+
 def reduce_gradients(params, grid=None) -> None:
-    """After backward: sequence-parallel partial gradients over TP, then average over DP(xCP)."""
+    """After backward, once per step: sequence-parallel partial gradients over TP, tied
+    embedding copies over the first/last stage, then the average over DP(xCP)."""
     if grid is None:
         return
     sequence_parallel_allreduce_gradients(params, grid.tp_group)
+    embedding_allreduce_gradients(params, grid.embedding_group)
     data_parallel_allreduce_gradients(params, grid.dp_cp_group)
 
 
 def train_step(model, optimizer, micro_batches, t: TrainConfig, iteration: int,
-               scaler: LossScaler, grid=None) -> StepResult:
+               scaler: LossScaler, grid=None, trace=None) -> StepResult:
     """One optimizer step over this rank's micro-batches of one global batch."""
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = [p for chunk in as_chunks(model) for p in chunk.parameters() if p.requires_grad]
     optimizer.zero_grad(set_to_none=True)
-    loss = forward_backward(model, micro_batches, t, scaler.scale)
+    loss = forward_backward(model, micro_batches, t, scaler.scale, grid, trace)
     reduce_gradients(params, grid)
     if scaler.scale != 1.0:
         for p in params:
@@ -204,16 +255,21 @@ def train_step(model, optimizer, micro_batches, t: TrainConfig, iteration: int,
 @torch.no_grad()
 def evaluate(model, batches, t: TrainConfig, grid=None) -> float:
     """Mean loss over the given micro-batches, averaged over data-parallel ranks."""
-    model.eval()
-    total, count = torch.zeros(()), 0
-    for batch in batches:
-        with autocast_context(t):
-            losses = model(batch["tokens"], batch["position_ids"], labels=batch["labels"])
-        total += masked_mean(losses.float(), batch["loss_mask"])
-        count += 1
-    model.train()
-    total /= max(count, 1)
+    chunks = as_chunks(model)
+    for c in chunks:
+        c.eval()
+    if grid is None or (grid.layout.pp == 1 and len(chunks) == 1):
+        losses = [stage_loss(stage_forward(chunks[0], None, b, t), b) for b in batches]
+    else:
+        from megalite.pipeline.schedules import forward_only
+
+        losses = forward_only(chunks, batches, grid, activation_shape(chunks[0], batches[0]["tokens"].shape[0]),
+                              lambda c, x, b: stage_forward(c, x, b, t), stage_loss)
+    for c in chunks:
+        c.train()
+    total = torch.stack(losses).sum() / len(batches) if losses else torch.zeros(())
     if grid is not None:
+        comm.all_reduce(total, grid.pp_group)
         comm.all_reduce(total, grid.dp_cp_group)
         total /= comm.group_size(grid.dp_cp_group)
     return total.item()

@@ -163,6 +163,10 @@ class GPTModel(nn.Module):
             # A tied last stage that does not embed holds its own copy, kept equal to the
             # first stage's by the embedding-group all-reduce.
             self.word_embeddings = VocabParallelEmbedding(self.padded_vocab_size, cfg.hidden_size, **par)
+            if tied:
+                self.word_embeddings.weight.tied_embedding = True
+                if not pre_process:
+                    self.word_embeddings.weight.embedding_copy = True
         if pre_process:
             if cfg.position_embedding_type == "learned_absolute":
                 self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)

@@ -1,0 +1,39 @@
+"""Which layers each pipeline rank holds, and the model chunks it builds.
+
+With P stages and V virtual stages (model chunks) per rank, the layers are cut into P*V
+equal chunks of K = L / (P*V) layers. Chunk c of rank p is global chunk g = c*P + p and
+holds layers [g*K, (g+1)*K): with V > 1 a rank holds every P-th chunk, so a micro-batch
+visits every rank V times (the interleaved schedule). Global chunk 0 embeds (first stage),
+global chunk P*V - 1 applies the final norm, output layer and loss (last stage).
+"""
+from __future__ import annotations
+
+from megalite.config import Config
+from megalite.model.gpt import GPTModel
+
+
+def virtual_stages(config: Config) -> int:
+    """V: model chunks per pipeline rank (1 unless --num-layers-per-virtual-pipeline-stage)."""
+    k = config.parallel.num_layers_per_virtual_pipeline_stage
+    if k is None:
+        return 1
+    return config.model.num_layers // (config.parallel.pipeline_model_parallel_size * k)
+
+
+def chunk_layers(num_layers: int, pp_size: int, vp_size: int, pp_rank: int, chunk: int) -> range:
+    per_chunk = num_layers // (pp_size * vp_size)
+    g = chunk * pp_size + pp_rank
+    return range(g * per_chunk, (g + 1) * per_chunk)
+
+
+def build_model_chunks(config: Config, grid) -> list[GPTModel]:
+    """This rank's model chunks (one per virtual stage), parameters not yet initialized."""
+    P, V = grid.layout.pp, virtual_stages(config)
+    chunks = []
+    for c in range(V):
+        g = c * P + grid.pp_rank
+        chunks.append(GPTModel(
+            config.model, pre_process=g == 0, post_process=g == P * V - 1,
+            layer_range=chunk_layers(config.model.num_layers, P, V, grid.pp_rank, c),
+            tp_group=grid.tp_group, sequence_parallel=config.parallel.sequence_parallel))
+    return chunks

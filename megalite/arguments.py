@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--pipeline-schedule", choices=["1f1b", "gpipe"], default="1f1b",
+                   help="with PP > 1 and no virtual stages; gpipe = all forward, then all backward")
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=4)
@@ -72,6 +74,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-iters", type=int, default=10)
     g.add_argument("--log-json", type=str, default=None, help="write one JSON object per iteration")
     g.add_argument("--save", type=str, default=None, help="directory for the trained weights")
+    g.add_argument("--pipeline-trace", type=str, default=None,
+                   help="directory: each rank writes its schedule trace of the last iteration")
     return p
 
 
@@ -104,7 +108,7 @@ def config_from_args(args: argparse.Namespace, vocab_size: int) -> Config:
         clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
         adam_eps=args.adam_eps, seed=args.seed, bf16=args.bf16, fp16=args.fp16,
         loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
-        log_interval=args.log_interval, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
+        pipeline_schedule=args.pipeline_schedule, log_interval=args.log_interval, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
     )
     data = DataConfig(data_path=args.data_path, mock_data=args.mock_data, split=args.split,
                       tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model)

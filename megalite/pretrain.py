@@ -20,9 +20,11 @@ from megalite.config import Config, ConfigError, validate
 from megalite.data import build_data_iterators
 from megalite.data.indexed_dataset import DatasetError, IndexedDataset
 from megalite.data.tokenizer import build_tokenizer
-from megalite.model.gpt import GPTModel, count_parameters
+from megalite.model.gpt import count_parameters
 from megalite.parallel.grid import build_grid, gpus_per_node_from_env
 from megalite.parallel.random import model_parallel_seed
+from megalite.pipeline.partition import build_model_chunks, virtual_stages
+from megalite.pipeline.schedules import Trace
 from megalite.training import LossScaler, build_optimizer, evaluate, train_step
 
 
@@ -67,19 +69,41 @@ def setup(argv=None):
     return args, config, tokenizer, grid
 
 
-def save_outputs(save_dir: str, model, config: Config, log_lines: list[dict]) -> str:
-    """Trained weights (safetensors) + config (JSON), written atomically."""
+def save_outputs(save_dir: str, chunks, config: Config, grid, log_lines: list[dict]) -> str | None:
+    """This rank's weights (safetensors, global parameter names, its TP shards) + the config
+    (JSON), each written atomically. One file per (tp, pp) coordinate, written by DP rank 0;
+    ``model.safetensors`` without model parallelism. (Full checkpoints: see the checkpoint issue.)"""
     from safetensors.torch import save_file
 
+    if grid.dp_rank != 0 or grid.cp_rank != 0:
+        return None
     os.makedirs(save_dir, exist_ok=True)
-    weights = os.path.join(save_dir, "model.safetensors")
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    save_file(state, weights + ".tmp", metadata={"format": "megalite-serial-v1"})
+    layout = grid.layout
+    name = "model.safetensors" if layout.tp == layout.pp == 1 else \
+        f"model-tp{grid.tp_rank:02d}-pp{grid.pp_rank:02d}.safetensors"
+    weights = os.path.join(save_dir, name)
+    state = {k: v.detach().contiguous() for c in chunks for k, v in c.state_dict().items()}
+    splits = {k: [p.tp_split.dim, p.tp_split.sections] for c in chunks for k, p in c.named_parameters()
+              if getattr(p, "tp_split", None) is not None and layout.tp > 1}
+    save_file(state, weights + ".tmp", metadata={"format": "megalite-weights-v1",
+                                                 "tp_splits": json.dumps(splits)})
     os.replace(weights + ".tmp", weights)
-    with open(os.path.join(save_dir, "config.json.tmp"), "w") as f:
-        json.dump({"config": config.to_dict(), "final": log_lines[-1] if log_lines else None}, f, indent=2)
-    os.replace(os.path.join(save_dir, "config.json.tmp"), os.path.join(save_dir, "config.json"))
+    if grid.rank == 0:
+        with open(os.path.join(save_dir, "config.json.tmp"), "w") as f:
+            json.dump({"config": config.to_dict(), "layout": layout.__dict__,
+                       "final": log_lines[-1] if log_lines else None}, f, indent=2)
+        os.replace(os.path.join(save_dir, "config.json.tmp"), os.path.join(save_dir, "config.json"))
     return weights
+
+
+def write_trace(trace_dir: str, trace, grid, num_micro: int, num_chunks: int) -> None:
+    os.makedirs(trace_dir, exist_ok=True)
+    path = os.path.join(trace_dir, f"trace_rank{grid.rank:03d}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump({"rank": grid.rank, "pp_rank": grid.pp_rank, "tp_rank": grid.tp_rank,
+                   "dp_rank": grid.dp_rank, "P": grid.layout.pp, "V": num_chunks, "M": num_micro,
+                   "events": trace.events}, f)
+    os.replace(path + ".tmp", path)
 
 
 def pretrain(argv=None) -> list[dict]:
@@ -92,13 +116,19 @@ def pretrain(argv=None) -> list[dict]:
     say(f"model: {count_parameters(m) / 1e6:.2f}M parameters, {m.num_layers} layers, hidden "
         f"{m.hidden_size}, {m.num_attention_heads} heads, vocab {m.vocab_size} (padded "
         f"{m.padded_vocab_size(grid.layout.tp)}), seq {m.seq_length}")
+    if grid.layout.pp > 1:
+        v = virtual_stages(config)
+        schedule = f"interleaved 1F1B, {v} chunks per rank" if v > 1 else t.pipeline_schedule
+        say(f"pipeline: {grid.layout.pp} stages x {v} chunk(s) of {m.num_layers // (grid.layout.pp * v)} "
+            f"layer(s); schedule {schedule}")
     say(f"batch: global {t.global_batch_size} = micro {t.micro_batch_size} x DP {dp} x "
         f"{num_micro} accumulation steps; {t.train_iters} iterations")
 
     tracker_seed = t.seed
     model_parallel_seed(tracker_seed, grid)
-    model = GPTModel(m, tp_group=grid.tp_group, sequence_parallel=config.parallel.sequence_parallel)
-    model.init_weights(t.seed)
+    model = build_model_chunks(config, grid)  # this rank's pipeline chunks (one without PP)
+    for chunk in model:
+        chunk.init_weights(t.seed)
     optimizer = build_optimizer(model, t)
     scaler = LossScaler(t.fp16, t.initial_loss_scale, t.loss_scale)
 
@@ -119,16 +149,16 @@ def pretrain(argv=None) -> list[dict]:
     for iteration in range(t.train_iters):
         step_start = time.perf_counter()
         micro_batches = [next(train_iter) for _ in range(num_micro)]
-        result = train_step(model, optimizer, micro_batches, t, iteration, scaler, grid)
+        trace = Trace() if args.pipeline_trace and iteration == t.train_iters - 1 else None
+        result = train_step(model, optimizer, micro_batches, t, iteration, scaler, grid, trace)
+        if trace is not None:
+            write_trace(args.pipeline_trace, trace, grid, num_micro, len(model))
         elapsed = time.perf_counter() - step_start
         record = {"iteration": iteration + 1, "loss": result.loss, "lr": result.lr,
                   "grad_norm": result.grad_norm, "loss_scale": result.loss_scale,
                   "skipped": result.skipped, "elapsed_ms": elapsed * 1e3,
                   "tokens_per_sec": tokens_per_step / elapsed}
         log_lines.append(record)
-        if log_file:
-            log_file.write(json.dumps(record) + "\n")
-            log_file.flush()
         if (iteration + 1) % t.log_interval == 0 or iteration == 0:
             say(f"iter {iteration + 1:>5}/{t.train_iters} | loss {result.loss:.4f} | lr {result.lr:.3e} "
                 f"| grad norm {result.grad_norm:.3f} | {elapsed * 1e3:7.1f} ms | "
@@ -137,6 +167,9 @@ def pretrain(argv=None) -> list[dict]:
             val = evaluate(model, [next(valid_iter) for _ in range(t.eval_iters * num_micro)], t, grid)
             say(f"validation at iter {iteration + 1}: loss {val:.4f} | ppl {min(1e9, 2.718281828 ** val):.2f}")
             record["valid_loss"] = val
+        if log_file:
+            log_file.write(json.dumps(record) + "\n")
+            log_file.flush()
     total = time.perf_counter() - start
     say(f"done: {t.train_iters} iterations in {total:.1f} s, "
         f"{t.train_iters * tokens_per_step / total:.0f} tokens/s overall; "
@@ -144,9 +177,14 @@ def pretrain(argv=None) -> list[dict]:
     if log_file:
         log_file.close()
         say(f"log: {os.path.abspath(args.log_json)}")
-    if args.save and grid.rank == 0:
-        path = save_outputs(args.save, model, config, log_lines)
-        say(f"saved: {os.path.abspath(path)} (+ config.json)")
+    if args.pipeline_trace:
+        say(f"pipeline trace: {os.path.abspath(args.pipeline_trace)} (draw it with tools/pipeline_timeline.py)")
+    if args.save:
+        path = save_outputs(args.save, model, config, grid, log_lines)
+        if grid.rank == 0:
+            others = " and the other model-parallel ranks' shards" if grid.layout.world_size > 1 else ""
+            say(f"saved: {os.path.abspath(os.path.dirname(path))} ({os.path.basename(path)}{others}, "
+                f"config.json)")
     if dist.is_initialized():
         dist.barrier()
     return log_lines

@@ -210,3 +210,42 @@ def test_interleaved_micro_batch_count_rule():
     msg = str(e.value)
     assert "number of micro-batches (6 = global batch 12" in msg
     assert "multiple of --pipeline-model-parallel-size (4)" in msg and "multiple of 8" in msg
+
+
+# -- pretrain_gpt.py end to end -----------------------------------------------------------------
+
+PRETRAIN = ["--mock-data", "--vocab-size", "300", "--num-layers", "8", "--hidden-size", "32",
+            "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
+            "--global-batch-size", "8", "--train-iters", "20", "--lr", "3e-3", "--lr-warmup-iters", "2",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "100",
+            "--eval-interval", "10", "--eval-iters", "1"]
+
+
+def _pretrain_worker(rank, world, extra):
+    from megalite.pretrain import pretrain
+    return [(r["loss"], r["grad_norm"], r.get("valid_loss")) for r in pretrain(PRETRAIN + extra)]
+
+
+def test_pretrain_pipeline_layouts_match_pp1_per_iteration(tmp_path):
+    from megalite.pretrain import pretrain
+    serial = [(r["loss"], r["grad_norm"], r.get("valid_loss")) for r in pretrain(PRETRAIN)]
+    layouts = {
+        "PP=2 1F1B": (2, ["--pipeline-model-parallel-size", "2"]),
+        "PP=4 1F1B": (4, ["--pipeline-model-parallel-size", "4"]),
+        "PP=2 GPipe": (2, ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "gpipe"]),
+        "PP=4 interleaved V=2": (4, ["--pipeline-model-parallel-size", "4",
+                                     "--num-layers-per-virtual-pipeline-stage", "1"]),
+        "TP=2 x PP=2": (4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]),
+    }
+    worst = {}
+    for name, (world, extra) in layouts.items():
+        if name == "PP=4 interleaved V=2":
+            extra = extra + ["--pipeline-trace", str(tmp_path / "trace")]
+        for rank_log in run_world(_pretrain_worker, world, extra):
+            for got, ref in zip(rank_log, serial):
+                for a, b in zip(got, ref):
+                    if b is not None:
+                        worst[name] = max(worst.get(name, 0.0), abs(a - b) / b)
+    print("largest relative loss / grad-norm / valid-loss difference vs PP=1, 20 iterations:", worst)
+    assert all(v < 1e-5 for v in worst.values()), worst
+    assert len(list((tmp_path / "trace").glob("trace_rank*.json"))) == 4

@@ -249,3 +249,43 @@ def test_pretrain_pipeline_layouts_match_pp1_per_iteration(tmp_path):
     print("largest relative loss / grad-norm / valid-loss difference vs PP=1, 20 iterations:", worst)
     assert all(v < 1e-5 for v in worst.values()), worst
     assert len(list((tmp_path / "trace").glob("trace_rank*.json"))) == 4
+
+
+def test_bubble_measure_and_png(tmp_path):
+    from megalite.timeline import draw_timeline, measured_bubble, theory_bubble
+    # Ideal GPipe-like trace, P=2, M=2, unit forward and backward: each rank idles 2 of 6 units.
+    events = [[("F", 0, 0, 0, 1), ("F", 1, 0, 1, 2), ("B", 0, 0, 4, 5), ("B", 1, 0, 5, 6)],
+              [("F", 0, 0, 1, 2), ("F", 1, 0, 2, 3), ("B", 0, 0, 3, 4), ("B", 1, 0, 4, 5)]]
+    assert measured_bubble(events) == pytest.approx(2 / 6)
+    assert theory_bubble(2, 2) == pytest.approx(1 / 3) and theory_bubble(4, 8, 2) == pytest.approx(3 / 19)
+    draw_timeline(events, str(tmp_path / "t.png"))
+    data = (tmp_path / "t.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and b"IEND" in data[-12:]
+
+
+def _tied_worker(rank, world):
+    from megalite.training import LossScaler, build_optimizer, train_step
+    config = make_config(4, pp=world)
+    config.train.global_batch_size = MICRO * 4
+    grid = build_grid(config.parallel, world, rank)
+    chunks = build_model_chunks(config, grid)
+    for c in chunks:
+        c.init_weights(3)
+    opt = build_optimizer(chunks, config.train)
+    start = chunks[0].word_embeddings.weight.detach().clone() if hasattr(chunks[0], "word_embeddings") else None
+    for step in range(3):
+        train_step(chunks, opt, micro_batches(config.model, 4, seed=step), config.train, step,
+                   LossScaler(False), grid)
+    if not hasattr(chunks[0], "word_embeddings"):
+        return None
+    return start, chunks[0].word_embeddings.weight.detach().clone()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tied_embedding_copies_start_and_stay_equal(world):
+    results = run_world(_tied_worker, world)
+    (first_start, first_end), (last_start, last_end) = results[0], results[-1]
+    assert all(r is None for r in results[1:-1])  # middle stages hold no embedding
+    assert torch.equal(first_start, last_start)
+    assert not torch.equal(first_start, first_end)  # it trained
+    assert torch.equal(first_end, last_end)

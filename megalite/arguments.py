@@ -28,6 +28,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--attention-backend", choices=["auto", "triton", "flash", "torch"], default="torch",
+                   help="auto picks the fastest available")
+    g.add_argument("--fused-kernels", action="store_true", help="Triton LayerNorm/RMSNorm and cross-entropy")
     g.add_argument("--vocab-size", type=int, default=None,
                    help="vocabulary size (--mock-data / NullTokenizer); otherwise from the tokenizer")
 
@@ -91,7 +94,8 @@ def config_from_args(args: argparse.Namespace, vocab_size: int) -> Config:
         add_bias_linear=not args.disable_bias_linear,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-        init_method_std=args.init_method_std,
+        init_method_std=args.init_method_std, attention_backend=args.attention_backend,
+        fused_kernels=args.fused_kernels,
     )
     parallel = ParallelConfig(
         tensor_model_parallel_size=args.tensor_model_parallel_size,

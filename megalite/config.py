@@ -36,7 +36,8 @@ class ModelConfig:
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
-    attention_backend: str = "torch"
+    attention_backend: str = "torch"  # auto, triton, flash, torch (see megalite.layers.attention)
+    fused_kernels: bool = False  # Triton norms and cross-entropy
 
     def __post_init__(self):
         if self.ffn_hidden_size is None and self.hidden_size > 0:
@@ -218,6 +219,9 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
                           f"({m.max_position_embeddings}): learned positions exist only up to "
                           f"that length. Fix: raise --max-position-embeddings or shorten "
                           f"--seq-length.")
+    from megalite.layers.attention import check_attention_backend
+
+    check_attention_backend(m)  # raises ConfigError naming what is missing and how to install it
     for name in ("hidden_dropout", "attention_dropout"):
         value = getattr(m, name)
         if not 0.0 <= value < 1.0:

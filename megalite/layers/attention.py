@@ -14,6 +14,16 @@ import torch.nn.functional as F
 BACKENDS = ("torch",)
 
 
+def check_attention_backend(model_config) -> None:
+    """Validation hook called by megalite.config.validate: raise ConfigError when the chosen
+    backend is unknown or unavailable, or cannot run this model (the message names the fix)."""
+    from megalite.config import ConfigError
+
+    if model_config.attention_backend not in BACKENDS:
+        raise ConfigError(f"--attention-backend {model_config.attention_backend!r} is not available; "
+                          f"available: {', '.join(BACKENDS)}.")
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
               dropout_p: float = 0.0, backend: str = "torch") -> torch.Tensor:
     if backend != "torch":

@@ -19,7 +19,9 @@ class RMSNorm(nn.Module):
         return (y * self.weight.float()).to(x.dtype)
 
 
-def build_norm(kind: str, hidden_size: int, eps: float) -> nn.Module:
+def build_norm(kind: str, hidden_size: int, eps: float, fused: bool = False) -> nn.Module:
+    if fused:
+        raise NotImplementedError("fused (Triton) norms are not implemented yet")
     if kind == "LayerNorm":
         return nn.LayerNorm(hidden_size, eps=eps)
     if kind == "RMSNorm":

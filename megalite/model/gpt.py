@@ -59,7 +59,7 @@ class ParallelDropout(nn.Dropout):
 
 
 def _norm(cfg: ModelConfig, sequence_parallel: bool) -> nn.Module:
-    norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon)
+    norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, fused=cfg.fused_kernels)
     if sequence_parallel:
         for p in norm.parameters():
             mark_sequence_parallel(p)

@@ -137,7 +137,7 @@ def forward_backward(model, micro_batches, t: TrainConfig, loss_scale: float = 1
     runner = PipelineRunner(chunks, micro_batches, grid,
                             activation_shape(chunks[0], micro_batches[0]["tokens"].shape[0]),
                             lambda c, x, b: stage_forward(c, x, b, t), stage_loss, trace=trace,
-                            loss_scale=loss_scale)
+                            loss_scale=loss_scale, dtype=next(chunks[0].parameters()).dtype)
     runner.run(t.pipeline_schedule)
     total = torch.stack(runner.losses).sum() / num_micro if runner.losses else torch.zeros(())
     return comm.all_reduce(total, grid.pp_group)
@@ -226,9 +226,33 @@ def reduce_gradients(params, grid=None) -> None:
     data_parallel_allreduce_gradients(params, grid.dp_cp_group)
 
 
+def distributed_train_step(model, optimizer, micro_batches, t: TrainConfig, iteration: int,
+                           scaler: LossScaler, grid=None, trace=None) -> StepResult:
+    """One step with the data-parallel optimizer (DDP / ZeRO): gradients are reduced in
+    buckets during backward, then unscaled, measured, clipped and applied on the shards."""
+    optimizer.zero_grad(num_micro=len(micro_batches))
+    loss = forward_backward(model, micro_batches, t, scaler.scale, grid, trace)
+    optimizer.finish_grad_sync()
+    norm = optimizer.grad_norm(scaler.scale)
+    found_inf = not torch.isfinite(norm).item()
+    scaler.update(found_inf)
+    lr = lr_at(iteration, t)
+    if not found_inf:
+        coeff = min(1.0, t.clip_grad / (norm.item() + 1e-6)) if t.clip_grad > 0 else 1.0
+        optimizer.step(lr, coeff)
+    if grid is not None:
+        comm.all_reduce(loss, grid.dp_cp_group)
+        loss /= comm.group_size(grid.dp_cp_group)
+    return StepResult(loss.item(), norm.item(), lr, scaler.scale, found_inf)
+
+
 def train_step(model, optimizer, micro_batches, t: TrainConfig, iteration: int,
                scaler: LossScaler, grid=None, trace=None) -> StepResult:
     """One optimizer step over this rank's micro-batches of one global batch."""
+    from megalite.data_parallel.zero import DistributedOptimizer
+
+    if isinstance(optimizer, DistributedOptimizer):
+        return distributed_train_step(model, optimizer, micro_batches, t, iteration, scaler, grid, trace)
     params = [p for chunk in as_chunks(model) for p in chunk.parameters() if p.requires_grad]
     optimizer.zero_grad(set_to_none=True)
     loss = forward_backward(model, micro_batches, t, scaler.scale, grid, trace)

@@ -78,6 +78,24 @@ def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     return x
 
 
+def all_reduce_async(x: torch.Tensor, group):
+    """Start an in-place sum all-reduce (counted); returns the work handle."""
+    _record("all_reduce", x)
+    return dist.all_reduce(x, group=group, async_op=True)
+
+
+def reduce_scatter_async(out: torch.Tensor, x: torch.Tensor, group):
+    """Start a sum reduce-scatter of flat ``x`` into ``out`` (rank r gets chunk r)."""
+    _record("reduce_scatter", x)
+    return _reduce_scatter_flat(out, x, group=group, async_op=True)
+
+
+def all_gather_async(out: torch.Tensor, x: torch.Tensor, group):
+    """Start an all-gather of flat ``x`` into ``out`` (rank order)."""
+    _record("all_gather", x, out.numel())
+    return _all_gather_flat(out, x, group=group, async_op=True)
+
+
 def all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
     """Concatenate every rank's ``x`` along dim 0 (rank order)."""
     world = group_size(group)

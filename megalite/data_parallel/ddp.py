@@ -1,0 +1,192 @@
+"""Gradient buckets: contiguous buffers whose reduction over DP overlaps backward.
+
+Parameters are laid out, in reverse order of registration (roughly the order backward
+produces their gradients), in flat buckets of about ``bucket_size`` elements, each padded
+to a multiple of the data-parallel size N so it splits into N equal shards. Rank r owns
+shard r of every bucket (``Bucket.shard``); with ZeRO stage 0 it owns all of it.
+
+A hook on every parameter (``register_post_accumulate_grad_hook``) moves the fresh
+``param.grad`` into the bucket and frees it. When every parameter of a bucket is ready,
+the bucket's collective starts asynchronously (``overlap=True``) while backward goes on:
+
+- stage 0 (DDP), accumulation in a persistent full buffer; on the last micro-batch only,
+  an **all-reduce** (sum) of the bucket; the conjugate of nothing (data parallelism has no
+  forward communication). Gradients = sum / N.
+- stage 1, same buffer; a **reduce-scatter** on the last micro-batch: rank r receives the
+  summed shard r (the rest of its buffer is not used by its optimizer).
+- stages 2 and 3: only the reduced shard persists. Each micro-batch's gradients are staged
+  in a temporary bucket buffer and **reduce-scattered** into the persistent shard as soon
+  as the bucket is complete, then the staging buffer is dropped (ZeRO-2's trade: less
+  memory, one reduce-scatter per micro-batch).
+
+Buckets start strictly in index order, so every rank issues the same collectives in the
+same order even when readiness differs. Parameters that got no gradient in a step (unused
+on this rank) simply contribute zeros: ``finish()`` starts any bucket that never became
+ready, so nothing hangs and the average stays the mean over all ranks' gradients.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megalite.parallel import comm
+
+
+@dataclass
+class Bucket:
+    index: int
+    params: list
+    offsets: list  # (start, numel) of each parameter inside the flat bucket
+    numel: int  # padded to a multiple of the DP size
+    shard: tuple[int, int]  # this rank's [lo, hi) of the bucket
+    grad: torch.Tensor | None = None  # stage 0/1: full accumulation buffer
+    grad_shard: torch.Tensor | None = None  # stage 2/3: the persistent reduced shard
+    staging: dict = field(default_factory=dict)  # stage 2/3: micro-batch -> local gradients
+    pending: list = field(default_factory=list)  # (work, output, target) of in-flight ops
+
+
+def group_by_size(params: list, bucket_size: int, isolate=lambda p: False) -> list[list]:
+    """Consecutive parameters in groups of about ``bucket_size`` elements. Parameters for
+    which ``isolate(p)`` is true get a group of their own (a tied embedding must have the
+    same shard layout on the first and last pipeline stage)."""
+    groups, current, size = [], [], 0
+    for p in params:
+        if isolate(p):
+            groups.append([p])
+            continue
+        current.append(p)
+        size += p.numel()
+        if size >= bucket_size:
+            groups.append(current)
+            current, size = [], 0
+    if current:
+        groups.append(current)
+    return groups
+
+
+def build_buckets(groups: list[list], dp_size: int, dp_rank: int, stage: int) -> list[Bucket]:
+    """One flat bucket per group, padded to a multiple of the DP size."""
+    buckets = []
+    for i, group in enumerate(groups):
+        offsets, start = [], 0
+        for p in group:
+            offsets.append((start, p.numel()))
+            start += p.numel()
+        numel = -(-start // dp_size) * dp_size
+        per = numel // dp_size
+        shard = (0, numel) if stage == 0 else (dp_rank * per, (dp_rank + 1) * per)
+        buckets.append(Bucket(i, group, offsets, numel, shard))
+    return buckets
+
+
+class GradSync:
+    """Owns the gradient buckets of one model replica and their reduction over DP.
+
+    Reductions are started in one fixed order on every rank: bucket 0, 1, ... on the last
+    micro-batch (stages 0/1), or for each micro-batch j in turn, bucket 0, 1, ... (stages
+    2/3). A reduction starts as soon as it is next in that order and its bucket holds the
+    gradients of every parameter for that micro-batch.
+    """
+
+    def __init__(self, groups: list[list], *, stage: int, group, overlap: bool, grad_dtype: torch.dtype):
+        self.stage, self.group, self.overlap, self.grad_dtype = stage, group, overlap, grad_dtype
+        self.dp = comm.group_size(group)
+        self.buckets = build_buckets(groups, self.dp, comm.group_rank(group), stage)
+        params = [p for g in groups for p in g]
+        self._where = {}
+        for b in self.buckets:
+            if stage <= 1:
+                b.grad = torch.zeros(b.numel, dtype=grad_dtype)
+            else:
+                b.grad_shard = torch.zeros(b.shard[1] - b.shard[0], dtype=grad_dtype)
+            for p, (start, numel) in zip(b.params, b.offsets):
+                self._where[p] = (b, start, numel)
+        self._counts: dict = {}
+        self.num_micro = 1
+        self._order: list[tuple[int, int]] = []
+        self._next = 0
+        self.launch_log: list[tuple[int, int, bool]] = []  # (bucket, micro-batch, from a backward hook)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    # -- per step ---------------------------------------------------------------------------------
+    def start_step(self, num_micro: int) -> None:
+        """Zero the buffers; the step will run ``num_micro`` micro-batches."""
+        self.num_micro = num_micro
+        self._counts = {p: 0 for p in self._where}
+        self.launch_log = []
+        n = len(self.buckets)
+        self._order = [(i, num_micro - 1) for i in range(n)] if self.stage <= 1 else \
+            [(i, j) for j in range(num_micro) for i in range(n)]
+        self._next = 0
+        for b in self.buckets:
+            b.staging = {}
+            (b.grad if b.grad is not None else b.grad_shard).zero_()
+
+    def _on_grad(self, param) -> None:
+        bucket, start, numel = self._where[param]
+        g = param.grad.detach().reshape(-1)
+        if self.stage <= 1:
+            bucket.grad[start: start + numel].add_(g)
+        else:
+            micro = min(self._counts[param], self.num_micro - 1)
+            if micro not in bucket.staging:
+                bucket.staging[micro] = torch.zeros(bucket.numel, dtype=self.grad_dtype)
+            bucket.staging[micro][start: start + numel].add_(g)
+        param.grad = None  # moved into the bucket
+        self._counts[param] += 1
+        if self.overlap:
+            self._launch_ready(from_hook=True)
+
+    def _ready(self, i: int, micro: int) -> bool:
+        return all(self._counts[p] > micro for p in self.buckets[i].params)
+
+    def _launch_ready(self, from_hook: bool = False, force: bool = False) -> None:
+        while self._next < len(self._order):
+            i, micro = self._order[self._next]
+            if not (force or self._ready(i, micro)):
+                return
+            self._launch(self.buckets[i], micro, from_hook)
+            self._next += 1
+
+    def _launch(self, b: Bucket, micro: int, from_hook: bool) -> None:
+        self.launch_log.append((b.index, micro, from_hook))
+        if self.stage <= 1:
+            source = b.grad
+        else:  # a parameter without gradient in this micro-batch contributes zeros
+            source = b.staging.pop(micro, None)
+            if source is None:
+                source = torch.zeros(b.numel, dtype=self.grad_dtype)
+        if self.dp == 1:
+            if self.stage >= 2:
+                b.grad_shard.add_(source)
+            return
+        if self.stage == 0:
+            b.pending.append((comm.all_reduce_async(source, self.group), None, None))
+            return
+        out = torch.empty(b.numel // self.dp, dtype=self.grad_dtype)
+        target = b.grad[b.shard[0]: b.shard[1]] if self.stage == 1 else b.grad_shard
+        b.pending.append((comm.reduce_scatter_async(out, source, self.group), out, target))
+
+    def finish(self) -> None:
+        """Start what has not started (no overlap, or parameters without gradients), wait
+        for all of it, and average over DP: ``shard_grad(b)`` then holds the mean gradient."""
+        self._launch_ready(force=True)
+        for b in self.buckets:
+            for work, out, target in b.pending:
+                work.wait()
+                if out is not None:
+                    if self.stage >= 2:
+                        target.add_(out)
+                    else:
+                        target.copy_(out)
+            b.pending.clear()
+            self.shard_grad(b).div_(self.dp)
+
+    def shard_grad(self, b: Bucket) -> torch.Tensor:
+        """This rank's reduced gradient shard of bucket ``b`` (a view)."""
+        return b.grad[b.shard[0]: b.shard[1]] if self.stage <= 1 else b.grad_shard
+
+    def remove_hooks(self) -> None:
+        for h in self._hooks:
+            h.remove()

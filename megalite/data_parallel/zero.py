@@ -1,0 +1,192 @@
+"""The data-parallel optimizer: DDP and ZeRO stages 1-3 as options of one class.
+
+Per rank, for a model of Psi parameters, N data-parallel ranks, mixed precision with Adam
+(2-byte weights and gradients, 4-byte master weights and two 4-byte moments):
+
+| stage | weights | gradients   | master + Adam  | total          |
+|-------|---------|-------------|----------------|----------------|
+| 0     | 2 Psi   | 2 Psi       | 12 Psi         | 16 Psi         |
+| 1     | 2 Psi   | 2 Psi       | 12 Psi / N     | 4 Psi + 12 Psi/N |
+| 2     | 2 Psi   | 2 Psi / N   | 12 Psi / N     | 2 Psi + 14 Psi/N |
+| 3     | 2 Psi/N | 2 Psi / N   | 12 Psi / N     | 16 Psi / N     |
+
+(with ``--accumulate-allreduce-grads-in-fp32`` the gradient columns take 4 bytes.)
+
+The step, on this rank's shard of every bucket (:mod:`megalite.data_parallel.ddp`):
+1. gradients reduced over DP (all-reduce for stage 0, reduce-scatter otherwise), then the
+   sums that cross other groups: sequence-parallel parameters over TP, the tied embedding
+   over the first/last pipeline stage (both linear, so they commute with the DP mean);
+2. unscale (fp16 loss scale), global norm over the shards (DP for stages >= 1, then TP x PP,
+   each parameter counted once), skip on inf/NaN, clip;
+3. AdamW on the fp32 master shard (on the CPU with ``offload``);
+4. the new weights reach the model: stage 0 copies them, stages 1-2 all-gather the
+   shards into every replica, stage 3 keeps only the shard (gathered before use).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from megalite.config import TrainConfig
+from megalite.data_parallel.ddp import GradSync, group_by_size
+from megalite.data_parallel.sharded_params import ShardedParameters
+from megalite.parallel import comm
+from megalite.parallel.sharding import is_tensor_parallel
+
+
+def _flat_masks(bucket, shard, fn) -> torch.Tensor:
+    """A per-element float mask of the bucket's shard: fn(param) for each parameter's range."""
+    full = torch.zeros(bucket.numel)
+    for p, (start, numel) in zip(bucket.params, bucket.offsets):
+        full[start: start + numel] = float(fn(p))
+    return full[shard[0]: shard[1]].clone()
+
+
+class DistributedOptimizer:
+    """AdamW over DP-sharded fp32 master weights; see the module docstring."""
+
+    def __init__(self, chunks, t: TrainConfig, grid, *, stage: int = 0, bucket_size: int = 40_000_000,
+                 overlap: bool = True, offload: bool = False, param_dtype: torch.dtype = torch.float32,
+                 grad_dtype: torch.dtype | None = None):
+        """``chunks``: this rank's model chunks, initialized in fp32 (the master weights are
+        taken from them before they are cast to ``param_dtype``)."""
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
+        self.t, self.grid, self.stage, self.offload = t, grid, stage, offload
+        self.chunks = list(chunks)
+        self.model_dtype = param_dtype
+        grad_dtype = grad_dtype or param_dtype
+        self.group = grid.dp_cp_group if grid is not None else None
+        names = {p: n for c in self.chunks for n, p in c.named_parameters()}
+        if stage == 3:  # one bucket per transformer layer (gathered as a unit), then the rest
+            groups = []
+            for c in reversed(self.chunks):
+                layers = [list(layer.parameters()) for layer in reversed(list(c.layers.values()))]
+                in_layers = {p for g in layers for p in g}
+                groups += layers + [[p for p in reversed(list(c.parameters())) if p not in in_layers]]
+        else:  # by size, in reverse order of definition (roughly the order backward produces them)
+            params = [p for c in reversed(self.chunks) for p in reversed(list(c.parameters()))]
+            groups = group_by_size(params, bucket_size, isolate=lambda p: getattr(p, "tied_embedding", False))
+        groups = [[p for p in g if p.requires_grad] for g in groups]
+        groups = [g for g in groups if g]
+        params = [p for g in groups for p in g]
+        masters = {p: p.detach().float().clone() for g in groups for p in g}
+        for g in groups:
+            for p in g:
+                p.data = p.data.to(param_dtype)
+        self.sync = GradSync(groups, stage=stage, group=self.group, overlap=overlap, grad_dtype=grad_dtype)
+        self.state_device = torch.device("cpu") if offload else params[0].device
+        tp_rank = grid.tp_rank if grid is not None else 0
+        self.master, self.exp_avg, self.exp_avg_sq = [], [], []
+        self.decay_mask, self.norm_mask, self.sp_mask = [], [], []
+        for b in self.sync.buckets:
+            flat = torch.zeros(b.numel, dtype=torch.float32)
+            for p, (start, numel) in zip(b.params, b.offsets):
+                flat[start: start + numel] = masters[p].reshape(-1)
+            lo, hi = b.shard
+            self.master.append(flat[lo:hi].clone().to(self.state_device))
+            self.exp_avg.append(torch.zeros(hi - lo, device=self.state_device))
+            self.exp_avg_sq.append(torch.zeros(hi - lo, device=self.state_device))
+            self.decay_mask.append(_flat_masks(b, b.shard, lambda p: p.ndim >= 2 and "norm" not in names[p]))
+            self.norm_mask.append(_flat_masks(b, b.shard, lambda p: not getattr(p, "embedding_copy", False)
+                                              and (is_tensor_parallel(p) or tp_rank == 0)).bool())
+            self.sp_mask.append(_flat_masks(b, b.shard, lambda p: getattr(p, "sequence_parallel", False)).bool())
+        self.step_count = 0
+        self.param_groups = [{"lr": t.lr}]  # for schedulers and logging
+        self.sharded = ShardedParameters(self.chunks, self.sync, self.group) if stage == 3 else None
+
+    # -- the train-step protocol ------------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True, num_micro: int = 1) -> None:
+        self.sync.start_step(num_micro)
+        if self.sharded is not None:
+            self.sharded.begin_step()
+
+    def finish_grad_sync(self) -> None:
+        """Wait for the DP reduction, then the cross-group sums (SP over TP, tied embedding)."""
+        self.sync.finish()
+        if self.sharded is not None:
+            self.sharded.end_step()
+        if self.grid is None:
+            return
+        for b, sp in zip(self.sync.buckets, self.sp_mask):
+            if sp.any() and comm.group_size(self.grid.tp_group) > 1:
+                g = self.sync.shard_grad(b)
+                g[sp] = comm.all_reduce(g[sp].clone(), self.grid.tp_group)
+            if getattr(b.params[0], "tied_embedding", False) and comm.group_size(self.grid.embedding_group) > 1:
+                comm.all_reduce(self.sync.shard_grad(b), self.grid.embedding_group)
+
+    def grad_norm(self, loss_scale: float = 1.0) -> torch.Tensor:
+        """Unscale the gradient shards and return the global L2 norm (fp32)."""
+        total = torch.zeros((), dtype=torch.float32)
+        for b, mask in zip(self.sync.buckets, self.norm_mask):
+            g = self.sync.shard_grad(b)
+            if loss_scale != 1.0:
+                g.div_(loss_scale)
+            total += (g.float().pow(2) * mask).sum()
+        if self.grid is not None:
+            if self.stage >= 1:
+                comm.all_reduce(total, self.group)  # disjoint shards across DP
+            comm.all_reduce(total, self.grid.mp_group)
+        return total.sqrt()
+
+    @torch.no_grad()
+    def step(self, lr: float, clip_coeff: float = 1.0) -> None:
+        """AdamW (decoupled weight decay) on the master shards, then publish the weights."""
+        t = self.t
+        self.step_count += 1
+        bc1, bc2 = 1 - t.adam_beta1 ** self.step_count, 1 - t.adam_beta2 ** self.step_count
+        for i, b in enumerate(self.sync.buckets):
+            g = self.sync.shard_grad(b).to(self.state_device, torch.float32)
+            if clip_coeff != 1.0:
+                g = g * clip_coeff
+            m, v, w = self.exp_avg[i], self.exp_avg_sq[i], self.master[i]
+            m.lerp_(g, 1 - t.adam_beta1)
+            v.mul_(t.adam_beta2).addcmul_(g, g, value=1 - t.adam_beta2)
+            denom = (v.sqrt() / bc2 ** 0.5).add_(t.adam_eps)
+            w.mul_(1 - lr * t.weight_decay * self.decay_mask[i].to(w.device))
+            w.addcdiv_(m, denom, value=-lr / bc1)
+        self.param_groups[0]["lr"] = lr
+        self.publish()
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        """Make the model's weights equal to the master weights (cast to the model dtype)."""
+        if self.stage == 3:
+            self.sharded.load_shards([w.to(self.model_dtype) for w in self.master])
+            return
+        for i, b in enumerate(self.sync.buckets):
+            shard = self.master[i].to(self.model_dtype)
+            if self.stage == 0 or comm.group_size(self.group) == 1:
+                full = shard
+            else:
+                full = torch.empty(b.numel, dtype=self.model_dtype)
+                comm.all_gather_async(full, shard.contiguous(), self.group).wait()
+            for p, (start, numel) in zip(b.params, b.offsets):
+                p.copy_(full[start: start + numel].view_as(p))
+
+    @contextlib.contextmanager
+    def full_weights(self):
+        """Weights gathered for use outside a train step (evaluation, saving); no-op below stage 3."""
+        if self.sharded is None:
+            yield
+            return
+        self.sharded.gather_all()
+        try:
+            yield
+        finally:
+            self.sharded.release_all()
+
+    # -- accounting ---------------------------------------------------------------------------------
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds, by kind, between steps."""
+        def nbytes(ts):
+            return sum(t.numel() * t.element_size() for t in ts)
+
+        if self.sharded is not None:
+            weights = self.sharded.shard_bytes()
+        else:
+            weights = sum(p.numel() * p.element_size() for c in self.chunks for p in c.parameters())
+        grads = nbytes([b.grad if b.grad is not None else b.grad_shard for b in self.sync.buckets])
+        return {"weights": weights, "gradients": grads, "master_weights": nbytes(self.master),
+                "optimizer_state": nbytes(self.exp_avg) + nbytes(self.exp_avg_sq)}

@@ -40,6 +40,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--sequence-parallel", action="store_true")
+    g.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3],
+                   help="0 DDP; 1 shard optimizer state + master weights; 2 + gradients; 3 + weights")
+    g.add_argument("--use-distributed-optimizer", action="store_true", help="Megatron's name for --zero-stage 1")
+    g.add_argument("--overlap-grad-reduce", action="store_true",
+                   help="start each gradient bucket's reduction during backward")
+    g.add_argument("--ddp-bucket-size", type=int, default=40_000_000, help="parameters per gradient bucket")
+    g.add_argument("--offload-optimizer", action="store_true", help="optimizer state and step on the CPU")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", action=argparse.BooleanOptionalAction, default=None,
+                   help="fp32 gradient buffers (default: on with --bf16/--fp16)")
     g.add_argument("--pipeline-schedule", choices=["1f1b", "gpipe"], default="1f1b",
                    help="with PP > 1 and no virtual stages; gpipe = all forward, then all backward")
 
@@ -112,7 +121,11 @@ def config_from_args(args: argparse.Namespace, vocab_size: int) -> Config:
         clip_grad=args.clip_grad, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
         adam_eps=args.adam_eps, seed=args.seed, bf16=args.bf16, fp16=args.fp16,
         loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
-        pipeline_schedule=args.pipeline_schedule, log_interval=args.log_interval, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
+        pipeline_schedule=args.pipeline_schedule,
+        zero_stage=1 if args.use_distributed_optimizer and args.zero_stage == 0 else args.zero_stage,
+        overlap_grad_reduce=args.overlap_grad_reduce, ddp_bucket_size=args.ddp_bucket_size,
+        offload_optimizer=args.offload_optimizer,
+        accumulate_allreduce_grads_in_fp32=args.accumulate_allreduce_grads_in_fp32, log_interval=args.log_interval, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
     )
     data = DataConfig(data_path=args.data_path, mock_data=args.mock_data, split=args.split,
                       tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model)

@@ -105,6 +105,11 @@ class TrainConfig:
     fp16: bool = False
     loss_scale: float | None = None  # fp16: static scale; None = dynamic
     initial_loss_scale: float = 2.0**16
+    zero_stage: int = 0  # 0 DDP, 1 optimizer state, 2 + gradients, 3 + weights sharded over DP
+    overlap_grad_reduce: bool = False  # start each bucket's reduction during backward
+    ddp_bucket_size: int = 40_000_000  # parameters per gradient bucket
+    offload_optimizer: bool = False  # optimizer state and step on the CPU (stages 1, 2)
+    accumulate_allreduce_grads_in_fp32: bool | None = None  # default: True with --bf16/--fp16
     pipeline_schedule: str = "1f1b"  # or "gpipe" (all forward, then all backward); V > 1: interleaved
     log_interval: int = 1
     eval_interval: int = 1000
@@ -282,6 +287,20 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
             f"multiple of --pipeline-model-parallel-size ({pp}): micro-batches go round the ring "
             f"in groups of PP. Fix: use a global batch that is a multiple of "
             f"{t.micro_batch_size * dp * pp}.")
+    if t.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero-stage must be 0, 1, 2 or 3, got {t.zero_stage}.")
+    if t.zero_stage == 3 and pp > 1:
+        raise ConfigError(f"--zero-stage 3 with --pipeline-model-parallel-size {pp}: sharded weights "
+                          f"are gathered layer by layer around each forward and backward, which the "
+                          f"pipeline schedules interleave across micro-batches (DeepSpeed refuses this "
+                          f"too). Fix: use --zero-stage 2 (or 1) with pipeline parallelism, or PP=1.")
+    if t.offload_optimizer and t.zero_stage not in (1, 2):
+        raise ConfigError(f"--offload-optimizer works with --zero-stage 1 or 2 (the sharded optimizer "
+                          f"state moves to the CPU), got --zero-stage {t.zero_stage}. Fix: add "
+                          f"--zero-stage 1 or 2.")
+    _positive("--ddp-bucket-size", t.ddp_bucket_size)
+    if t.accumulate_allreduce_grads_in_fp32 is None:
+        t.accumulate_allreduce_grads_in_fp32 = t.bf16 or t.fp16
     if t.pipeline_schedule not in ("1f1b", "gpipe"):
         raise ConfigError(f"--pipeline-schedule {t.pipeline_schedule!r} is unknown. Fix: use 1f1b "
                           f"or gpipe (interleaving is chosen by --num-layers-per-virtual-pipeline-stage).")

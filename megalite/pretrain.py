@@ -25,7 +25,8 @@ from megalite.parallel.grid import build_grid, gpus_per_node_from_env
 from megalite.parallel.random import model_parallel_seed
 from megalite.pipeline.partition import build_model_chunks, virtual_stages
 from megalite.pipeline.schedules import Trace
-from megalite.training import LossScaler, build_optimizer, evaluate, train_step
+from megalite.data_parallel.accounting import describe_memory
+from megalite.training import LossScaler, build_data_parallel_optimizer, evaluate, train_step
 
 
 def _tokenizer_for(args):
@@ -129,7 +130,9 @@ def pretrain(argv=None) -> list[dict]:
     model = build_model_chunks(config, grid)  # this rank's pipeline chunks (one without PP)
     for chunk in model:
         chunk.init_weights(t.seed)
-    optimizer = build_optimizer(model, t)
+    optimizer = build_data_parallel_optimizer(model, t, grid)
+    if grid.rank == 0:
+        say(describe_memory(optimizer, dp))
     scaler = LossScaler(t.fp16, t.initial_loss_scale, t.loss_scale)
 
     global_batch = t.global_batch_size
@@ -164,7 +167,8 @@ def pretrain(argv=None) -> list[dict]:
                 f"| grad norm {result.grad_norm:.3f} | {elapsed * 1e3:7.1f} ms | "
                 f"{tokens_per_step / elapsed:8.0f} tokens/s" + (" | skipped (inf/nan)" if result.skipped else ""))
         if valid_iter is not None and (iteration + 1) % t.eval_interval == 0:
-            val = evaluate(model, [next(valid_iter) for _ in range(t.eval_iters * num_micro)], t, grid)
+            with optimizer.full_weights():
+                val = evaluate(model, [next(valid_iter) for _ in range(t.eval_iters * num_micro)], t, grid)
             say(f"validation at iter {iteration + 1}: loss {val:.4f} | ppl {min(1e9, 2.718281828 ** val):.2f}")
             record["valid_loss"] = val
         if log_file:
@@ -180,7 +184,8 @@ def pretrain(argv=None) -> list[dict]:
     if args.pipeline_trace:
         say(f"pipeline trace: {os.path.abspath(args.pipeline_trace)} (draw it with tools/pipeline_timeline.py)")
     if args.save:
-        path = save_outputs(args.save, model, config, grid, log_lines)
+        with optimizer.full_weights():
+            path = save_outputs(args.save, model, config, grid, log_lines)
         if grid.rank == 0:
             others = " and the other model-parallel ranks' shards" if grid.layout.world_size > 1 else ""
             say(f"saved: {os.path.abspath(os.path.dirname(path))} ({os.path.basename(path)}{others}, "

@@ -36,6 +36,18 @@ def lr_at(iteration: int, t: TrainConfig) -> float:
     return t.min_lr + (t.lr - t.min_lr) * coeff
 
 
+def build_data_parallel_optimizer(model, t: TrainConfig, grid):
+    """The optimizer of pretrain_gpt.py: DDP / ZeRO over the grid's DP group, with the model's
+    weights cast to bf16/fp16 under mixed precision (fp32 master weights in the optimizer)."""
+    from megalite.data_parallel.zero import DistributedOptimizer
+
+    param_dtype = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
+    grad_dtype = torch.float32 if t.accumulate_allreduce_grads_in_fp32 else param_dtype
+    return DistributedOptimizer(as_chunks(model), t, grid, stage=t.zero_stage, bucket_size=t.ddp_bucket_size,
+                                overlap=t.overlap_grad_reduce, offload=t.offload_optimizer,
+                                param_dtype=param_dtype, grad_dtype=grad_dtype)
+
+
 def build_optimizer(model, t: TrainConfig) -> torch.optim.AdamW:
     """AdamW; biases and norm parameters are not decayed (as in GPT-2 / Megatron)."""
     decay, no_decay = [], []

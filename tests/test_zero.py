@@ -119,3 +119,91 @@ def test_pp2_dp2_matches_serial(stage):
     ref_losses, ref_params = serial_run(config)
     compare(run_world(_zero_worker, 4, {"stage": stage, "overlap": True, "pp": 2, "layers": 4}),
             ref_losses, ref_params)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_offload_optimizer_matches_serial(stage):
+    config = make_config()
+    ref_losses, ref_params = serial_run(config)
+    results = run_world(_offload_worker, 2, stage)
+    compare(results, ref_losses, ref_params)
+
+
+def _offload_worker(rank, world, stage):
+    import megalite.data_parallel.zero as zero
+    original = zero.DistributedOptimizer.__init__
+
+    def with_offload(self, *args, **kwargs):
+        original(self, *args, **{**kwargs, "offload": True})
+        assert self.state_device == torch.device("cpu") and self.master[0].device.type == "cpu"
+    zero.DistributedOptimizer.__init__ = with_offload
+    try:
+        return _zero_worker(rank, world, {"stage": stage, "overlap": True})
+    finally:
+        zero.DistributedOptimizer.__init__ = original
+
+
+class TwoBranches(torch.nn.Module):
+    """A model whose second branch is used only on data-parallel rank 0."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = torch.nn.ModuleDict()
+        self.a = torch.nn.Linear(4, 4, bias=False)
+        self.b = torch.nn.Linear(4, 4, bias=False)
+        torch.nn.init.constant_(self.a.weight, 0.5)
+        torch.nn.init.constant_(self.b.weight, 0.25)
+
+    def forward(self, x, use_b):
+        y = self.a(x).sum()
+        return y + self.b(x).sum() if use_b else y
+
+
+def _unused_worker(rank, world, stage):
+    grid = build_grid(ParallelConfig(), world, rank)
+    model = TwoBranches()
+    opt = DistributedOptimizer([model], TrainConfig(), grid, stage=stage, overlap=True, bucket_size=16)
+    opt.zero_grad(num_micro=1)
+    model(torch.full((1, 4), float(rank + 1)), use_b=rank == 0).backward()
+    opt.finish_grad_sync()
+    grads = {}
+    for b in opt.sync.buckets:
+        shard = opt.sync.shard_grad(b)
+        for p, (start, n) in zip(b.params, b.offsets):
+            lo, hi = max(start, b.shard[0]), min(start + n, b.shard[1])
+            if lo < hi:
+                grads.setdefault(id(p) == id(model.a.weight) and "a" or "b", []).append(
+                    shard[lo - b.shard[0]: hi - b.shard[0]])
+    return {k: torch.cat(v) for k, v in grads.items()}
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_parameter_without_gradient_on_one_rank_neither_hangs_nor_skews(stage):
+    """d/dW sum(W x) = x for every row: rank 0 (x = 1) uses a and b, rank 1 (x = 2) only a.
+    The DP mean is then 1.5 for a and (1 + 0) / 2 = 0.5 for b."""
+    results = run_world(_unused_worker, 2, stage, timeout=60)
+    a = torch.cat([r["a"] for r in results if "a" in r])
+    b = torch.cat([r["b"] for r in results if "b" in r])
+    assert torch.allclose(a, torch.full_like(a, 1.5)) and torch.allclose(b, torch.full_like(b, 0.5))
+
+
+def test_fp16_overflow_skips_step_halves_scale_and_recovers():
+    config = make_config(fp16=True)
+    model = GPTModel(config.model)
+    model.init_weights(7)
+    opt = DistributedOptimizer([model], config.train, None, stage=0, param_dtype=torch.float16,
+                               grad_dtype=torch.float32)
+    assert model.word_embeddings.weight.dtype == torch.float16
+    scaler = LossScaler(True, initial_scale=2.0**40)  # loss * 2^40 overflows fp16 in backward
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    r = train_step(model, opt, global_batch(config.model, 0), config.train, 0, scaler)
+    assert r.skipped and scaler.scale == 2.0**39
+    assert all(torch.equal(before[n], p) for n, p in model.named_parameters())  # step skipped
+    skipped = 1
+    while train_step(model, opt, global_batch(config.model, 0), config.train, 0, scaler).skipped:
+        skipped += 1
+    assert 2.0**39 / scaler.scale == 2 ** (skipped - 1)  # halved once per skipped step
+    losses = [train_step(model, opt, global_batch(config.model, 1), config.train, s, scaler).loss
+              for s in range(5)]
+    assert not any(torch.equal(before[n], p) for n, p in model.named_parameters() if p.ndim == 2)
+    assert losses[-1] < losses[0]  # training goes on: same batch, loss falls

@@ -3,31 +3,119 @@
 ``attention(q, k, v)`` computes ``softmax(q k^T / sqrt(d) + mask) v`` per head, with
 q of shape (b, heads, s_q, d) and k, v of shape (b, groups, s_k, d). Grouped-query
 attention: each key/value group serves ``heads / groups`` consecutive query heads.
-The torch backend is ``scaled_dot_product_attention``; the Triton kernels and
-flash-attn plug in here (issue: Triton kernels).
+
+Backends (``--attention-backend``), all giving the same numbers up to rounding:
+
+- ``torch``: ``scaled_dot_product_attention`` (picks its own fused kernel on a GPU).
+- ``triton``: megalite's flash-attention kernel (``megalite.kernels.flash_attention``);
+  no attention dropout. On a CPU it needs ``TRITON_INTERPRET=1`` (tests only).
+- ``flash``: flash-attn's ``flash_attn_func`` on a CUDA GPU, fp16/bf16; layout (b, s, h, d).
+- ``auto``: the fastest that can run this call: flash (installed, GPU, fp16/bf16), else
+  triton (GPU, no dropout), else torch.
+
+Causal masks are aligned top-left: query i sees keys j <= i (as SDPA's ``is_causal``).
+flash-attn is imported only when the flash backend runs (or auto picks it).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-BACKENDS = ("torch",)
+from megalite.layers.backends import flash_missing, triton_missing
+
+BACKENDS = ("auto", "triton", "flash", "torch")
+TRITON_MAX_HEAD_DIM = 128
+
+
+class BackendUnavailable(RuntimeError):
+    """A backend was asked for that cannot run here; the message names what is missing."""
 
 
 def check_attention_backend(model_config) -> None:
     """Validation hook called by megalite.config.validate: raise ConfigError when the chosen
-    backend is unknown or unavailable, or cannot run this model (the message names the fix)."""
+    backend is unknown or unavailable, or cannot run this model (the message names the fix).
+    Also checks ``--fused-kernels`` (Triton norms and cross-entropy) can run here."""
     from megalite.config import ConfigError
 
-    if model_config.attention_backend not in BACKENDS:
-        raise ConfigError(f"--attention-backend {model_config.attention_backend!r} is not available; "
-                          f"available: {', '.join(BACKENDS)}.")
+    name = model_config.attention_backend
+    if name not in BACKENDS:
+        raise ConfigError(f"--attention-backend {name!r} is unknown. Fix: use one of "
+                          f"{', '.join(BACKENDS)}.")
+    if name == "triton":
+        why = triton_missing()
+        if why:
+            raise ConfigError(f"--attention-backend triton cannot run: {why}. Fix: set that up, "
+                              f"or use --attention-backend torch.")
+        if model_config.attention_dropout > 0:
+            raise ConfigError(f"--attention-backend triton has no attention dropout (the Triton "
+                              f"flash kernel never materializes the probabilities to drop), got "
+                              f"--attention-dropout {model_config.attention_dropout}. Fix: pass "
+                              f"--attention-dropout 0, or use --attention-backend torch or flash.")
+        if model_config.head_dim > TRITON_MAX_HEAD_DIM:
+            raise ConfigError(f"--attention-backend triton supports head dims up to "
+                              f"{TRITON_MAX_HEAD_DIM}, got hidden/heads = {model_config.head_dim}. "
+                              f"Fix: use more heads, or --attention-backend torch or flash.")
+    if name == "flash":
+        why = flash_missing()
+        if why:
+            raise ConfigError(f"--attention-backend flash cannot run: {why}. Fix: install it on "
+                              f"a GPU machine, or use --attention-backend torch or triton.")
+    if model_config.fused_kernels:
+        why = triton_missing()
+        if why:
+            raise ConfigError(f"--fused-kernels (Triton norms and cross-entropy) cannot run: "
+                              f"{why}. Fix: set that up, or drop --fused-kernels.")
+
+
+def resolve_backend(backend: str, q: torch.Tensor, dropout_p: float = 0.0) -> str:
+    """The backend that runs this call: ``auto`` becomes flash, triton or torch (see module
+    docstring); the others are returned as asked after checking they can run here."""
+    device = q.device.type
+    if backend == "auto":
+        if flash_missing(device) is None and q.dtype in (torch.float16, torch.bfloat16):
+            return "flash"
+        if device == "cuda" and dropout_p == 0 and triton_missing(device) is None \
+                and q.shape[-1] <= TRITON_MAX_HEAD_DIM:
+            return "triton"
+        return "torch"
+    if backend == "triton":
+        why = triton_missing(device)
+        if why:
+            raise BackendUnavailable(f"attention backend 'triton' cannot run: {why}.")
+        if dropout_p > 0:
+            raise BackendUnavailable(f"attention backend 'triton' has no dropout, got dropout_p="
+                                     f"{dropout_p}. Fix: dropout 0, or the torch or flash backend.")
+    elif backend == "flash":
+        why = flash_missing(device)
+        if why:
+            raise BackendUnavailable(f"attention backend 'flash' cannot run: {why}.")
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise BackendUnavailable(f"flash-attn takes float16 or bfloat16, got {q.dtype}. Fix: "
+                                     f"train with --bf16/--fp16, or use the triton or torch backend.")
+    elif backend != "torch":
+        raise BackendUnavailable(f"attention backend {backend!r} is unknown; use one of "
+                                 f"{', '.join(BACKENDS)}.")
+    return backend
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
               dropout_p: float = 0.0, backend: str = "torch") -> torch.Tensor:
-    if backend != "torch":
-        raise ValueError(f"attention backend {backend!r} is not available; available: {BACKENDS}")
+    """Output (b, heads, s_q, d) from q (b, heads, s_q, d), k, v (b, groups, s_k, d)."""
+    backend = resolve_backend(backend, q, dropout_p)
+    if backend == "triton":
+        from megalite.kernels.flash_attention import flash_attention
+
+        return flash_attention(q, k, v, causal=causal)
+    if backend == "flash":
+        if causal and q.shape[2] != k.shape[2]:
+            raise ValueError(f"causal attention with s_q {q.shape[2]} != s_k {k.shape[2]}: "
+                             f"flash-attn aligns the mask bottom-right, the other backends "
+                             f"top-left. Fix: use the triton backend (explicit offsets).")
+        from flash_attn import flash_attn_func  # (b, s, heads, d); GQA as ours
+
+        out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                              dropout_p=dropout_p, causal=causal)
+        return out.transpose(1, 2)
     groups, heads = k.shape[1], q.shape[1]
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=dropout_p,
                                           enable_gqa=groups != heads)

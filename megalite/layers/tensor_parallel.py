@@ -131,10 +131,18 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     target contributes the target logit. Backward: d loss / d z_iv = softmax_iv - [v = t],
     computed on the local slice alone (no communication). Columns at or above
     ``vocab_size`` (padding) are masked to -inf, so they are never predicted.
+
+    ``fused``: the Triton kernels of ``megalite.kernels.cross_entropy`` compute this slice's
+    (row max, sum of exp, target logit) without materializing the softmax, and the backward
+    from the saved logits and ``lse = M + log S``; the collectives are the same.
     """
 
     @staticmethod
-    def forward(ctx, logits, target, vocab_start, vocab_size, ignore_index, group):
+    def forward(ctx, logits, target, vocab_start, vocab_size, ignore_index, group, fused=False):
+        ctx.fused = fused
+        if fused:
+            return _fused_vocab_parallel_ce_forward(ctx, logits, target, vocab_start, vocab_size,
+                                                    ignore_index, group)
         z = logits.float()
         local_vocab = z.shape[-1]
         cols = torch.arange(vocab_start, vocab_start + local_vocab, device=z.device)
@@ -162,20 +170,48 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        if ctx.fused:
+            from megalite.kernels.cross_entropy import cross_entropy_grad
+
+            logits, target, lse = ctx.saved_tensors
+            grad = cross_entropy_grad(logits, target, lse, grad_loss, *ctx.fused_args)
+            return grad, None, None, None, None, None, None
         softmax, safe_index, mine, ignored = ctx.saved_tensors
         grad = softmax
         grad.scatter_add_(-1, safe_index, -mine.to(grad.dtype).unsqueeze(-1))
         grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
-        return grad.to(ctx.input_dtype), None, None, None, None, None
+        return grad.to(ctx.input_dtype), None, None, None, None, None, None
+
+
+def _fused_vocab_parallel_ce_forward(ctx, logits, target, vocab_start, vocab_size, ignore_index,
+                                     group):
+    """loss = M + log S - z_t from the kernel's slice stats (m_r, s_r, t_r): M = max_r m_r
+    (all-reduce MAX), then [S, z_t] = sum_r [s_r exp(m_r - M), t_r] (all-reduce SUM)."""
+    from megalite.kernels.cross_entropy import cross_entropy_stats
+
+    row_max, sum_exp, target_logit = cross_entropy_stats(logits, target, vocab_start, vocab_size,
+                                                         ignore_index)
+    global_max = row_max.clone()
+    if group_size(group) > 1:
+        comm.all_reduce(global_max, group, op=dist.ReduceOp.MAX)
+    stats = torch.stack([sum_exp * torch.exp(row_max - global_max), target_logit])
+    if group_size(group) > 1:
+        comm.all_reduce(stats, group)
+    lse = global_max + torch.log(stats[0])
+    ctx.save_for_backward(logits, target, lse)
+    ctx.fused_args = (vocab_start, vocab_size, ignore_index)
+    return (lse - stats[1]).masked_fill(target == ignore_index, 0.0)
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, vocab_size: int,
-                                 tp_group=None, ignore_index: int = -100) -> torch.Tensor:
+                                 tp_group=None, ignore_index: int = -100,
+                                 fused: bool = False) -> torch.Tensor:
     """Per-token loss from this rank's vocabulary slice of the logits (``(..., V/TP)``).
 
     ``vocab_size`` is the real vocabulary: padding columns never take probability mass.
-    Tokens whose target is ``ignore_index`` get loss 0 and no gradient.
+    Tokens whose target is ``ignore_index`` get loss 0 and no gradient. ``fused``: compute
+    with the Triton cross-entropy kernels (same result, no fp32 softmax kept for backward).
     """
     vocab_start = group_rank(tp_group) * logits.shape[-1]
     return _VocabParallelCrossEntropy.apply(logits, target, vocab_start, vocab_size, ignore_index,
-                                            tp_group)
+                                            tp_group, fused)

@@ -214,7 +214,8 @@ class GPTModel(nn.Module):
         if labels is None:  # full logits, for inspection and generation (not the loss path)
             full = comm.gather_from_tp(logits, self.tp_group)[..., : self.vocab_size]
             return full.transpose(0, 1)
-        losses = vocab_parallel_cross_entropy(logits, labels.t(), self.vocab_size, self.tp_group)
+        losses = vocab_parallel_cross_entropy(logits, labels.t(), self.vocab_size, self.tp_group,
+                                              fused=self.cfg.fused_kernels)
         return losses.t()  # (b, s)
 
     # -- initialization --------------------------------------------------------------------------

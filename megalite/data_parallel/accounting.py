@@ -1,0 +1,43 @@
+"""Memory per rank by kind, against the ZeRO arithmetic.
+
+For Psi parameters per model replica (this rank's TP/PP share of the model), N DP ranks,
+weights and gradients of ``w`` and ``g`` bytes, fp32 master weights and Adam moments
+(12 bytes per parameter):
+
+    stage 0: (w + g + 12) Psi        stage 2: w Psi + (g + 12) Psi / N
+    stage 1: (w + g) Psi + 12 Psi/N  stage 3: (w + g + 12) Psi / N
+
+With w = g = 2 (mixed precision) these are the ZeRO paper's 16 Psi, 4 Psi + 12 Psi/N,
+2 Psi + 14 Psi/N and 16 Psi/N.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def zero_theory_bytes(psi: int, n: int, stage: int, weight_bytes: int, grad_bytes: int) -> dict[str, float]:
+    w, g, opt = weight_bytes * psi, grad_bytes * psi, 12 * psi
+    shard = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[stage]
+    return {"weights": w / shard[0], "gradients": g / shard[1], "master_and_optimizer": opt / shard[2],
+            "total": w / shard[0] + g / shard[1] + opt / shard[2]}
+
+
+def model_parameters(optimizer) -> int:
+    """Psi: parameters of this rank's model replica (unpadded)."""
+    return sum(n for b in optimizer.sync.buckets for _, n in b.offsets)
+
+
+def describe_memory(optimizer, dp: int) -> str:
+    """One line: measured bytes per kind and the ZeRO arithmetic for this configuration."""
+    m = optimizer.memory_bytes()
+    psi = model_parameters(optimizer)
+    w = torch.tensor([], dtype=optimizer.model_dtype).element_size()
+    g = torch.tensor([], dtype=optimizer.sync.grad_dtype).element_size()
+    theory = zero_theory_bytes(psi, dp, optimizer.stage, w, g)
+    total = sum(m.values())
+    mib = 1 / 2**20
+    return (f"memory/rank (ZeRO-{optimizer.stage}, DP {dp}, {psi / 1e6:.2f}M params here): weights "
+            f"{m['weights'] * mib:.1f} MiB, grads {m['gradients'] * mib:.1f}, master "
+            f"{m['master_weights'] * mib:.1f}, optimizer {m['optimizer_state'] * mib:.1f}; total "
+            f"{total * mib:.1f} MiB vs ZeRO arithmetic {theory['total'] * mib:.1f} MiB"
+            + (f"; optimizer on CPU" if optimizer.offload else ""))

@@ -3,21 +3,14 @@
 The top-level ``kernels/`` folder is installed as ``megalite.kernels``: a package
 on the registry already owns the top-level name ``kernels``.
 """
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="megalite",
     version="0.1.0",
     description="Compact Megatron-style model-parallel GPT training with Triton kernels",
     python_requires=">=3.10",
-    packages=[
-        "megalite",
-        "megalite.parallel",
-        "megalite.model",
-        "megalite.data",
-        "megalite.layers",
-        "megalite.kernels",
-    ],
+    packages=find_packages(include=["megalite", "megalite.*"]) + ["megalite.kernels"],
     package_dir={"megalite.kernels": "kernels"},
     install_requires=[
         "torch==2.13.0",

@@ -21,6 +21,7 @@ from megalite.data import build_data_iterators
 from megalite.data.indexed_dataset import DatasetError, IndexedDataset
 from megalite.data.tokenizer import build_tokenizer
 from megalite.model.gpt import count_parameters
+from megalite.parallel.comm import count_collectives
 from megalite.parallel.grid import build_grid, gpus_per_node_from_env
 from megalite.parallel.random import model_parallel_seed
 from megalite.pipeline.partition import build_model_chunks, virtual_stages
@@ -153,19 +154,25 @@ def pretrain(argv=None) -> list[dict]:
         step_start = time.perf_counter()
         micro_batches = [next(train_iter) for _ in range(num_micro)]
         trace = Trace() if args.pipeline_trace and iteration == t.train_iters - 1 else None
-        result = train_step(model, optimizer, micro_batches, t, iteration, scaler, grid, trace)
+        with count_collectives() as traffic:
+            result = train_step(model, optimizer, micro_batches, t, iteration, scaler, grid, trace)
         if trace is not None:
             write_trace(args.pipeline_trace, trace, grid, num_micro, len(model))
         elapsed = time.perf_counter() - step_start
         record = {"iteration": iteration + 1, "loss": result.loss, "lr": result.lr,
                   "grad_norm": result.grad_norm, "loss_scale": result.loss_scale,
                   "skipped": result.skipped, "elapsed_ms": elapsed * 1e3,
-                  "tokens_per_sec": tokens_per_step / elapsed}
+                  "tokens_per_sec": tokens_per_step / elapsed,
+                  "comm_bytes": {k: v["bytes"] for k, v in traffic.items()},
+                  "memory_bytes": optimizer.memory_bytes()}
         log_lines.append(record)
         if (iteration + 1) % t.log_interval == 0 or iteration == 0:
             say(f"iter {iteration + 1:>5}/{t.train_iters} | loss {result.loss:.4f} | lr {result.lr:.3e} "
                 f"| grad norm {result.grad_norm:.3f} | {elapsed * 1e3:7.1f} ms | "
                 f"{tokens_per_step / elapsed:8.0f} tokens/s" + (" | skipped (inf/nan)" if result.skipped else ""))
+        if iteration == 0 and traffic:
+            say("collectives/step (rank 0, bytes handed): " + ", ".join(
+                f"{k} {v['calls']} calls {v['bytes'] / 2**20:.2f} MiB" for k, v in sorted(traffic.items())))
         if valid_iter is not None and (iteration + 1) % t.eval_interval == 0:
             with optimizer.full_weights():
                 val = evaluate(model, [next(valid_iter) for _ in range(t.eval_iters * num_micro)], t, grid)

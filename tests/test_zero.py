@@ -73,7 +73,12 @@ def _zero_worker(rank, world, case):
         for c in chunks:
             for n, p in c.named_parameters():
                 params[n] = gather_full(p.detach().float(), getattr(p, "tp_split", None), grid.tp_group).clone()
-    overlapped = any(from_hook for _, _, from_hook in opt.sync.launch_log)
+    log, n_params = opt.sync.launch_log, sum(len(b.params) for b in opt.sync.buckets)
+    total = n_params * len(mine)  # gradients arriving in one step
+    # Overlap: some reduction started from a backward hook while gradients were still to come.
+    overlapped = any(hook and seen < total for _, _, hook, seen in log)
+    if case["stage"] <= 1:  # DDP / ZeRO-1: nothing before the last micro-batch's gradients
+        assert all(seen > n_params * (len(mine) - 1) for *_, seen in log), log
     return losses, params, overlapped, opt.memory_bytes()
 
 

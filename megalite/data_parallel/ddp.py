@@ -106,7 +106,9 @@ class GradSync:
         self.num_micro = 1
         self._order: list[tuple[int, int]] = []
         self._next = 0
-        self.launch_log: list[tuple[int, int, bool]] = []  # (bucket, micro-batch, from a backward hook)
+        # (bucket, micro-batch, started from a backward hook, gradients arrived so far this step)
+        self.launch_log: list[tuple[int, int, bool, int]] = []
+        self._arrived = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
     # -- per step ---------------------------------------------------------------------------------
@@ -115,6 +117,7 @@ class GradSync:
         self.num_micro = num_micro
         self._counts = {p: 0 for p in self._where}
         self.launch_log = []
+        self._arrived = 0
         n = len(self.buckets)
         self._order = [(i, num_micro - 1) for i in range(n)] if self.stage <= 1 else \
             [(i, j) for j in range(num_micro) for i in range(n)]
@@ -135,6 +138,7 @@ class GradSync:
             bucket.staging[micro][start: start + numel].add_(g)
         param.grad = None  # moved into the bucket
         self._counts[param] += 1
+        self._arrived += 1
         if self.overlap:
             self._launch_ready(from_hook=True)
 
@@ -150,7 +154,7 @@ class GradSync:
             self._next += 1
 
     def _launch(self, b: Bucket, micro: int, from_hook: bool) -> None:
-        self.launch_log.append((b.index, micro, from_hook))
+        self.launch_log.append((b.index, micro, from_hook, self._arrived))
         if self.stage <= 1:
             source = b.grad
         else:  # a parameter without gradient in this micro-batch contributes zeros

@@ -85,7 +85,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=10)
     g.add_argument("--log-json", type=str, default=None, help="write one JSON object per iteration")
-    g.add_argument("--save", type=str, default=None, help="directory for the trained weights")
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--save", type=str, default=None, help="checkpoint directory (also saved at the end and on SIGTERM)")
+    g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
+    g.add_argument("--keep-last", type=int, default=None, help="keep only the newest K checkpoints")
+    g.add_argument("--load", type=str, default=None, help="resume from this directory's 'latest' checkpoint")
+    g.add_argument("--no-load-optim", action="store_true", help="load weights only; fresh optimizer")
+    g.add_argument("--no-load-rng", action="store_true", help="do not restore the RNG states")
+    g.add_argument("--finetune", action="store_true", help="load weights, restart at iteration 0")
     g.add_argument("--pipeline-trace", type=str, default=None,
                    help="directory: each rank writes its schedule trace of the last iteration")
     return p

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
 import warnings
@@ -16,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from megalite.arguments import build_parser, config_from_args
-from megalite.config import Config, ConfigError, validate
+from megalite.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from megalite.config import ConfigError, validate
 from megalite.data import build_data_iterators
 from megalite.data.indexed_dataset import DatasetError, IndexedDataset
 from megalite.data.tokenizer import build_tokenizer
@@ -71,33 +73,6 @@ def setup(argv=None):
     return args, config, tokenizer, grid
 
 
-def save_outputs(save_dir: str, chunks, config: Config, grid, log_lines: list[dict]) -> str | None:
-    """This rank's weights (safetensors, global parameter names, its TP shards) + the config
-    (JSON), each written atomically. One file per (tp, pp) coordinate, written by DP rank 0;
-    ``model.safetensors`` without model parallelism. (Full checkpoints: see the checkpoint issue.)"""
-    from safetensors.torch import save_file
-
-    if grid.dp_rank != 0 or grid.cp_rank != 0:
-        return None
-    os.makedirs(save_dir, exist_ok=True)
-    layout = grid.layout
-    name = "model.safetensors" if layout.tp == layout.pp == 1 else \
-        f"model-tp{grid.tp_rank:02d}-pp{grid.pp_rank:02d}.safetensors"
-    weights = os.path.join(save_dir, name)
-    state = {k: v.detach().contiguous() for c in chunks for k, v in c.state_dict().items()}
-    splits = {k: [p.tp_split.dim, p.tp_split.sections] for c in chunks for k, p in c.named_parameters()
-              if getattr(p, "tp_split", None) is not None and layout.tp > 1}
-    save_file(state, weights + ".tmp", metadata={"format": "megalite-weights-v1",
-                                                 "tp_splits": json.dumps(splits)})
-    os.replace(weights + ".tmp", weights)
-    if grid.rank == 0:
-        with open(os.path.join(save_dir, "config.json.tmp"), "w") as f:
-            json.dump({"config": config.to_dict(), "layout": layout.__dict__,
-                       "final": log_lines[-1] if log_lines else None}, f, indent=2)
-        os.replace(os.path.join(save_dir, "config.json.tmp"), os.path.join(save_dir, "config.json"))
-    return weights
-
-
 def write_trace(trace_dir: str, trace, grid, num_micro: int, num_chunks: int) -> None:
     os.makedirs(trace_dir, exist_ok=True)
     path = os.path.join(trace_dir, f"trace_rank{grid.rank:03d}.json")
@@ -106,6 +81,27 @@ def write_trace(trace_dir: str, trace, grid, num_micro: int, num_chunks: int) ->
                    "dp_rank": grid.dp_rank, "P": grid.layout.pp, "V": num_chunks, "M": num_micro,
                    "events": trace.events}, f)
     os.replace(path + ".tmp", path)
+
+
+class TermSignal:
+    """SIGTERM sets a flag; the loop checks it (agreed by all ranks) after each iteration,
+    saves a checkpoint and exits cleanly."""
+
+    def __init__(self):
+        self.received = False
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = True
+
+    def agreed(self) -> bool:
+        flag = torch.tensor([1.0 if self.received else 0.0])
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def restore(self):
+        signal.signal(signal.SIGTERM, self._previous)
 
 
 def pretrain(argv=None) -> list[dict]:
@@ -126,15 +122,22 @@ def pretrain(argv=None) -> list[dict]:
     say(f"batch: global {t.global_batch_size} = micro {t.micro_batch_size} x DP {dp} x "
         f"{num_micro} accumulation steps; {t.train_iters} iterations")
 
-    tracker_seed = t.seed
-    model_parallel_seed(tracker_seed, grid)
+    model_parallel_seed(t.seed, grid)
     model = build_model_chunks(config, grid)  # this rank's pipeline chunks (one without PP)
     for chunk in model:
         chunk.init_weights(t.seed)
     optimizer = build_data_parallel_optimizer(model, t, grid)
-    if grid.rank == 0:
-        say(describe_memory(optimizer, dp))
     scaler = LossScaler(t.fp16, t.initial_loss_scale, t.loss_scale)
+    start_iteration, consumed = 0, 0
+    if args.load:
+        meta = load_checkpoint(args.load, optimizer, scaler, config, grid,
+                               load_optimizer=not args.no_load_optim, load_rng=not args.no_load_rng)
+        start_iteration, consumed = meta["iteration"], meta["consumed_samples"]
+        if args.finetune or meta.get("weights_only"):
+            start_iteration, consumed = 0, 0
+        say(f"loaded {args.load} at iteration {meta['iteration']} (layout then {meta['layout']}; "
+            f"RNG {'restored' if meta['rng_restored'] else 'reseeded: different layout'})")
+    say(describe_memory(optimizer, dp))
 
     global_batch = t.global_batch_size
     num_evals = t.train_iters // t.eval_interval + 1
@@ -144,13 +147,19 @@ def pretrain(argv=None) -> list[dict]:
         micro_batch_size=t.micro_batch_size, dp_rank=grid.dp_rank, dp_size=dp,
         train_samples=t.train_iters * global_batch,
         valid_samples=num_evals * t.eval_iters * global_batch,
-        test_samples=t.eval_iters * global_batch)
+        test_samples=t.eval_iters * global_batch, consumed_train_samples=consumed)
+    if valid_iter is not None:  # continue validation where the interrupted run was
+        for _ in range((start_iteration // t.eval_interval) * t.eval_iters * num_micro):
+            next(valid_iter)
 
-    log_file = open(args.log_json, "w") if args.log_json and grid.rank == 0 else None
+    log_file = open(args.log_json, "a" if args.load else "w") if args.log_json and grid.rank == 0 else None
     log_lines: list[dict] = []
     tokens_per_step = global_batch * m.seq_length
+    term = TermSignal() if args.save else None
+    kill_at = int(os.environ.get("MEGALITE_TEST_KILL_AT_ITERATION", "0"))  # fault injection (tests)
     start = time.perf_counter()
-    for iteration in range(t.train_iters):
+    iteration = start_iteration
+    for iteration in range(start_iteration, t.train_iters):
         step_start = time.perf_counter()
         micro_batches = [next(train_iter) for _ in range(num_micro)]
         trace = Trace() if args.pipeline_trace and iteration == t.train_iters - 1 else None
@@ -166,11 +175,11 @@ def pretrain(argv=None) -> list[dict]:
                   "comm_bytes": {k: v["bytes"] for k, v in traffic.items()},
                   "memory_bytes": optimizer.memory_bytes()}
         log_lines.append(record)
-        if (iteration + 1) % t.log_interval == 0 or iteration == 0:
+        if (iteration + 1) % t.log_interval == 0 or iteration == start_iteration:
             say(f"iter {iteration + 1:>5}/{t.train_iters} | loss {result.loss:.4f} | lr {result.lr:.3e} "
                 f"| grad norm {result.grad_norm:.3f} | {elapsed * 1e3:7.1f} ms | "
                 f"{tokens_per_step / elapsed:8.0f} tokens/s" + (" | skipped (inf/nan)" if result.skipped else ""))
-        if iteration == 0 and traffic:
+        if iteration == start_iteration and traffic:
             say("collectives/step (rank 0, bytes handed): " + ", ".join(
                 f"{k} {v['calls']} calls {v['bytes'] / 2**20:.2f} MiB" for k, v in sorted(traffic.items())))
         if valid_iter is not None and (iteration + 1) % t.eval_interval == 0:
@@ -181,22 +190,33 @@ def pretrain(argv=None) -> list[dict]:
         if log_file:
             log_file.write(json.dumps(record) + "\n")
             log_file.flush()
+        if kill_at and iteration + 1 == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        stop = term is not None and term.agreed()
+        if args.save and ((args.save_interval and (iteration + 1) % args.save_interval == 0) or stop):
+            path = save_checkpoint(args.save, iteration + 1, optimizer, scaler, config, grid,
+                                   (iteration + 1) * global_batch, args.keep_last)
+            say(f"saved checkpoint {os.path.abspath(path)}")
+        if stop:
+            say(f"SIGTERM: saved iteration {iteration + 1} and stopping")
+            break
     total = time.perf_counter() - start
-    say(f"done: {t.train_iters} iterations in {total:.1f} s, "
-        f"{t.train_iters * tokens_per_step / total:.0f} tokens/s overall; "
-        f"loss {log_lines[0]['loss']:.4f} -> {log_lines[-1]['loss']:.4f}")
+    if log_lines:
+        say(f"done: {len(log_lines)} iterations in {total:.1f} s, "
+            f"{len(log_lines) * tokens_per_step / total:.0f} tokens/s overall; "
+            f"loss {log_lines[0]['loss']:.4f} -> {log_lines[-1]['loss']:.4f}")
     if log_file:
         log_file.close()
         say(f"log: {os.path.abspath(args.log_json)}")
     if args.pipeline_trace:
         say(f"pipeline trace: {os.path.abspath(args.pipeline_trace)} (draw it with tools/pipeline_timeline.py)")
-    if args.save:
-        with optimizer.full_weights():
-            path = save_outputs(args.save, model, config, grid, log_lines)
-        if grid.rank == 0:
-            others = " and the other model-parallel ranks' shards" if grid.layout.world_size > 1 else ""
-            say(f"saved: {os.path.abspath(os.path.dirname(path))} ({os.path.basename(path)}{others}, "
-                f"config.json)")
+    finished = log_lines and log_lines[-1]["iteration"] == t.train_iters
+    if args.save and finished and not (args.save_interval and t.train_iters % args.save_interval == 0):
+        path = save_checkpoint(args.save, t.train_iters, optimizer, scaler, config, grid,
+                               t.train_iters * global_batch, args.keep_last)
+        say(f"saved checkpoint {os.path.abspath(path)}")
+    if term is not None:
+        term.restore()
     if dist.is_initialized():
         dist.barrier()
     return log_lines
@@ -208,7 +228,7 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"megalite: configuration error: {e}", file=sys.stderr)
         return 2
-    except (DatasetError, FileNotFoundError) as e:
+    except (DatasetError, FileNotFoundError, CheckpointError) as e:
         print(f"megalite: input error: {e}", file=sys.stderr)
         return 2
     finally:

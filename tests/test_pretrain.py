@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from megalite.data.corpus import build_default_corpus
 from megalite.data.preprocess import preprocess
@@ -45,9 +46,13 @@ def test_real_data_path_tokenizer_preprocess_train(tmp_path):
     first, last = log[0]["loss"], sum(r["loss"] for r in log[-5:]) / 5
     assert first > 6.0 and last < first - 1.0, (first, last)  # learns the unigram statistics
     assert "valid_loss" in log[-1]
-    assert (tmp_path / "out" / "model.safetensors").exists()
-    saved = json.load(open(tmp_path / "out" / "config.json"))
+    assert (tmp_path / "out" / "latest").read_text() == "30"
+    saved = json.load(open(tmp_path / "out" / "iter_0000030" / "metadata.json"))
     assert saved["config"]["model"]["vocab_size"] == 512
+    from megalite.checkpoint import load_serial_model
+    model = load_serial_model(str(tmp_path / "out"))
+    tokens = torch.randint(0, 512, (2, 32))
+    assert model(tokens).shape == (2, 32, 512)
 
 
 def test_torchrun_data_parallel_matches_single_process(tmp_path):

@@ -54,12 +54,24 @@ def _record(kind: str, tensor: torch.Tensor, full_numel: int | None = None) -> N
         entry["bytes"] += (full_numel if full_numel is not None else tensor.numel()) * tensor.element_size()
 
 
+class OfflineGroup:
+    """Stands for a process group when building a rank's model shard without a world
+    (checkpoint resharding): it answers size and rank; any collective on it is an error."""
+
+    def __init__(self, rank: int, size: int):
+        self.rank, self.size = rank, size
+
+
 def group_size(group) -> int:
-    return 1 if group is None else dist.get_world_size(group)
+    if group is None:
+        return 1
+    return group.size if isinstance(group, OfflineGroup) else dist.get_world_size(group)
 
 
 def group_rank(group) -> int:
-    return 0 if group is None else dist.get_rank(group)
+    if group is None:
+        return 0
+    return group.rank if isinstance(group, OfflineGroup) else dist.get_rank(group)
 
 
 # -- plain (non-autograd) collectives, counted ----------------------------------------------------

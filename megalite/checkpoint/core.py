@@ -1,0 +1,187 @@
+"""Save and load training checkpoints (see :mod:`megalite.checkpoint.format`).
+
+Save, atomically: every rank writes its files into ``iter_N.tmp``; after a barrier rank 0
+writes ``metadata.json``, fsyncs, renames the directory to ``iter_N``, then rewrites the
+``latest`` pointer (write + rename) and deletes checkpoints beyond ``keep_last``. A crash at
+any point leaves ``latest`` on the previous complete checkpoint.
+
+Load: every rank fills its optimizer shards (fp32 master weights, Adam moments) from the
+full tensors of the checkpoint, cut for *its* layout, then publishes the weights to the
+model. With the same layout it also restores its RNG streams, so a resumed run repeats the
+uninterrupted one bit for bit.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+
+import torch
+import torch.distributed as dist
+
+from megalite import __version__
+from megalite.checkpoint.format import (FORMAT_VERSION, VOCAB_PARAMS, CheckpointError, PieceReader,
+                                        fsync_path, iteration_dir, read_latest, write_json_atomic,
+                                        write_rank_files)
+from megalite.parallel.random import get_rng_tracker
+from megalite.parallel.sharding import is_tensor_parallel, shard_tensor
+
+KINDS = ("weight", "exp_avg", "exp_avg_sq")
+# Model settings a checkpoint fixes; others (dropout, init std, backends) may change at load.
+SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups",
+                "vocab_size", "max_position_embeddings", "position_embedding_type", "normalization",
+                "swiglu", "add_bias_linear", "untie_embeddings_and_output_weights")
+
+
+def _barrier():
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _coords(grid):
+    if grid is None:
+        return dict(rank=0, tp_rank=0, tp_size=1, dp_rank=0, cp_rank=0, world=1, layout=dict(tp=1, cp=1, dp=1, pp=1))
+    return dict(rank=grid.rank, tp_rank=grid.tp_rank, tp_size=grid.layout.tp, dp_rank=grid.dp_rank,
+                cp_rank=grid.cp_rank, world=grid.layout.world_size, layout=dict(grid.layout.__dict__))
+
+
+def _param_ranges(optimizer):
+    """(bucket index, param, name, [a, z) within the param's flat shard, offset in the bucket shard)."""
+    names = {p: n for c in optimizer.chunks for n, p in c.named_parameters()}
+    for i, b in enumerate(optimizer.sync.buckets):
+        lo, hi = b.shard
+        for p, (start, numel) in zip(b.params, b.offsets):
+            a, z = max(start, lo), min(start + numel, hi)
+            if a < z:
+                yield i, p, names[p], (a - start, z - start), a - lo
+
+
+def _owns(p, c, stage) -> bool:
+    """Whether this rank writes parameter p's pieces (each value written exactly once)."""
+    if getattr(p, "embedding_copy", False):
+        return False  # the first stage writes the tied embedding
+    if not is_tensor_parallel(p) and c["tp_rank"] != 0:
+        return False  # replicated over TP: TP rank 0 writes it
+    if c["cp_rank"] != 0:
+        return False
+    return stage >= 1 or c["dp_rank"] == 0  # ZeRO shards differ per DP rank; DDP replicas do not
+
+
+def _split_of(p):
+    split = getattr(p, "tp_split", None)
+    return [split.dim, split.sections] if split is not None else None
+
+
+def save_checkpoint(root: str, iteration: int, optimizer, scaler, config, grid, consumed_samples: int,
+                    keep_last: int | None = None) -> str:
+    """Write iteration ``iteration``'s checkpoint under ``root``; returns its directory."""
+    c = _coords(grid)
+    final = iteration_dir(root, iteration)
+    tmp = final + ".tmp"
+    if c["rank"] == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier()
+    tensors, pieces = {}, []
+    states = {"weight": optimizer.master, "exp_avg": optimizer.exp_avg, "exp_avg_sq": optimizer.exp_avg_sq}
+    for i, p, name, (a, z), offset in _param_ranges(optimizer):
+        if not _owns(p, c, optimizer.stage):
+            continue
+        for kind in KINDS:
+            key = f"{kind}/{name}/tp{c['tp_rank']}/{a}"
+            tensors[key] = states[kind][i][offset: offset + z - a].float()
+            pieces.append({"key": key, "name": name, "kind": kind, "tp_rank": c["tp_rank"],
+                           "tp_size": c["tp_size"], "split": _split_of(p), "local_shape": list(p.shape),
+                           "range": [a, z]})
+    for key, value in get_rng_tracker().state_dict().items():
+        tensors[f"rng/{key}"] = value
+    write_rank_files(tmp, c["rank"], tensors, pieces)
+    if os.environ.get("MEGALITE_TEST_KILL_DURING_SAVE") == str(iteration):  # fault injection (tests)
+        os.kill(os.getpid(), signal.SIGKILL)
+    _barrier()
+    if c["rank"] == 0:
+        files = sorted(f for f in os.listdir(tmp) if f.endswith(".safetensors"))
+        write_json_atomic(os.path.join(tmp, "metadata.json"), {
+            "format_version": FORMAT_VERSION, "megalite_version": __version__, "iteration": iteration,
+            "consumed_samples": consumed_samples, "config": config.to_dict(), "layout": c["layout"],
+            "zero_stage": optimizer.stage, "optimizer_step": optimizer.step_count,
+            "loss_scaler": scaler.state_dict() if scaler is not None else None, "files": files,
+            "weights_only": False})
+        fsync_path(tmp)
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        fsync_path(root)
+        with open(os.path.join(root, "latest.tmp"), "w") as f:
+            f.write(str(iteration))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+        if keep_last:
+            _prune(root, keep_last)
+    _barrier()
+    return final
+
+
+def _prune(root: str, keep_last: int) -> None:
+    done = sorted(d for d in os.listdir(root) if d.startswith("iter_") and not d.endswith(".tmp"))
+    for d in done[:-keep_last]:
+        shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+
+
+def check_config(saved: dict, model_config) -> None:
+    """Refuse a checkpoint whose model shape differs from the run's, listing every difference."""
+    diffs = [f"{f}: checkpoint {saved.get(f)!r}, run {getattr(model_config, f)!r}"
+             for f in SHAPE_FIELDS if saved.get(f) != getattr(model_config, f)]
+    if diffs:
+        raise CheckpointError("the checkpoint's model does not match this run's config:\n  "
+                              + "\n  ".join(diffs) + "\nFix: use the checkpoint's model flags.")
+
+
+def _local_values(reader: PieceReader, p, name: str, kind: str, vocab_size: int, c) -> torch.Tensor:
+    """This rank's TP shard of parameter ``name`` (flattened), for its own layout."""
+    full = reader.full_tensor(name, kind, vocab_size)
+    if name in VOCAB_PARAMS:
+        padded_rows = getattr(p, "full_shape", p.shape)[0]
+        full = torch.cat([full, torch.zeros(padded_rows - full.shape[0], *full.shape[1:])])
+    split = getattr(p, "tp_split", None)
+    local = shard_tensor(full, split, c["tp_rank"], c["tp_size"]) if split is not None else full
+    if tuple(local.shape) != tuple(p.shape):
+        raise CheckpointError(f"parameter {name!r}: checkpoint gives shape {tuple(local.shape)} for this "
+                              f"rank, the model has {tuple(p.shape)}.")
+    return local.reshape(-1)
+
+
+def load_checkpoint(root: str, optimizer, scaler, config, grid, load_optimizer: bool = True,
+                    load_rng: bool = True, iteration: int | None = None) -> dict:
+    """Fill the optimizer (and through it the model) from a checkpoint; return its metadata."""
+    c = _coords(grid)
+    iteration = read_latest(root) if iteration is None else iteration
+    reader = PieceReader(iteration_dir(root, iteration))
+    meta = reader.metadata
+    check_config(meta["config"]["model"], config.model)
+    vocab = config.model.vocab_size
+    states = {"weight": optimizer.master, "exp_avg": optimizer.exp_avg, "exp_avg_sq": optimizer.exp_avg_sq}
+    with_optim = load_optimizer and not meta.get("weights_only")
+    for i, p, name, (a, z), offset in _param_ranges(optimizer):
+        for kind in KINDS if with_optim else ("weight",):
+            values = _local_values(reader, p, name, kind, vocab, c)
+            states[kind][i][offset: offset + z - a] = values[a:z].to(states[kind][i].device)
+    if with_optim:
+        optimizer.step_count = meta["optimizer_step"]
+        if scaler is not None and meta.get("loss_scaler"):
+            scaler.load_state_dict(meta["loss_scaler"])
+    else:
+        for m, v in zip(optimizer.exp_avg, optimizer.exp_avg_sq):
+            m.zero_()
+            v.zero_()
+        optimizer.step_count = 0
+    optimizer.publish()
+    rng = {}
+    rng_file = f"rank{c['rank']:05d}.safetensors"
+    if load_rng and meta["layout"] == c["layout"] and rng_file in reader.descriptions:
+        handle = reader._file(rng_file)
+        rng = {k[len("rng/"):]: handle.get_tensor(k) for k in handle.keys() if k.startswith("rng/")}
+    if rng:  # same layout: every rank continues its own random streams
+        get_rng_tracker().load_state_dict(rng)
+    meta["rng_restored"] = bool(rng)
+    return meta

@@ -1,0 +1,179 @@
+"""The checkpoint format: layout-agnostic pieces of global tensors, safetensors + JSON.
+
+A checkpoint of iteration N is the directory ``iter_000000N`` holding
+
+- ``metadata.json`` (rank 0): format version, iteration, consumed samples, the config, the
+  layout it was written under, optimizer step and loss-scaler state;
+- ``rankXXXXX.safetensors`` (each rank that owns something): its *pieces* and its RNG state;
+- ``rankXXXXX.json``: what each piece is, and the file's SHA-256, checked at load.
+
+A piece is a flat range of one tensor of one parameter, in global terms:
+``{key, name, kind, tp_rank, tp_size, split, local_shape, range}``. ``name`` is the global
+parameter name (``layers.7.mlp.fc1.weight``), ``kind`` is ``weight`` (the fp32 master
+weights), ``exp_avg`` or ``exp_avg_sq``; the rank's tensor-parallel shard of the parameter
+has shape ``local_shape`` (cut from the full tensor by ``split`` = [dim, sections], or
+replicated when null) and the piece is elements ``range`` of that shard, flattened. So a
+ZeRO rank writes the flat ranges of its optimizer shard, a DP-replicated tensor is written
+once (DP rank 0), a TP-replicated one once (TP rank 0), and the tied embedding's copy on
+the last pipeline stage not at all. Any layout reads any other: pieces are assembled into
+the full tensor of a name, then cut again for the reader's layout.
+
+Vocabulary rows: the embedding and output layer are stored without padding rows (the
+padding depends on TP) and padded with zeros at load. Nothing is pickled.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import defaultdict
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megalite.parallel.sharding import TPSplit, unshard_tensors
+
+FORMAT_VERSION = 1
+VOCAB_PARAMS = ("word_embeddings.weight", "output_layer.weight")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, corrupt, incomplete or does not fit the run."""
+
+
+def iteration_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: str, obj) -> None:
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def write_rank_files(directory: str, rank: int, tensors: dict[str, torch.Tensor], pieces: list[dict]) -> None:
+    """rankXXXXX.safetensors (fsynced) and its description with the file's checksum."""
+    path = os.path.join(directory, f"rank{rank:05d}.safetensors")
+    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, path,
+              metadata={"format": f"megalite-checkpoint-v{FORMAT_VERSION}"})
+    fsync_path(path)
+    write_json_atomic(path[: -len(".safetensors")] + ".json",
+                      {"file": os.path.basename(path), "sha256": sha256_file(path), "pieces": pieces})
+
+
+def read_latest(root: str) -> int:
+    if not os.path.isdir(root):
+        raise CheckpointError(f"checkpoint directory {root!r} does not exist. Fix: check --load.")
+    path = os.path.join(root, "latest")
+    if not os.path.exists(path):
+        raise CheckpointError(f"{root!r} has no 'latest' file, so no complete checkpoint was ever "
+                              f"written there. Fix: point --load at a directory written with --save.")
+    text = open(path).read().strip()
+    if not text.isdigit():
+        raise CheckpointError(f"{path!r} should hold an iteration number, found {text[:40]!r}.")
+    return int(text)
+
+
+class PieceReader:
+    """Reads the pieces of one checkpoint directory and assembles full tensors by name."""
+
+    def __init__(self, directory: str):
+        if not os.path.isdir(directory):
+            raise CheckpointError(f"checkpoint {directory!r} does not exist. Fix: check --load / "
+                                  f"the 'latest' file, or pick an existing iter_* directory.")
+        meta_path = os.path.join(directory, "metadata.json")
+        if not os.path.exists(meta_path):
+            raise CheckpointError(f"{meta_path!r} is missing: the checkpoint is incomplete.")
+        self.directory = directory
+        self.metadata = json.load(open(meta_path))
+        if self.metadata.get("format_version") != FORMAT_VERSION:
+            raise CheckpointError(f"{meta_path}: format version {self.metadata.get('format_version')}, "
+                                  f"this megalite reads version {FORMAT_VERSION}.")
+        self.index: dict[tuple[str, str], list[tuple[str, dict]]] = defaultdict(list)
+        self.descriptions = {}
+        for name in self.metadata["files"]:
+            desc_path = os.path.join(directory, name[: -len(".safetensors")] + ".json")
+            if not os.path.exists(desc_path) or not os.path.exists(os.path.join(directory, name)):
+                raise CheckpointError(f"checkpoint {directory!r} lists {name} but it (or its .json) "
+                                      f"is missing: the checkpoint is incomplete.")
+            desc = json.load(open(desc_path))
+            self.descriptions[name] = desc
+            for piece in desc["pieces"]:
+                self.index[(piece["name"], piece["kind"])].append((name, piece))
+        self._verified: set[str] = set()
+        self._open = {}
+
+    def _file(self, name: str):
+        if name not in self._verified:
+            path = os.path.join(self.directory, name)
+            expected = self.descriptions[name]["sha256"]
+            actual = sha256_file(path)
+            if actual != expected:
+                raise CheckpointError(f"{path}: checksum mismatch (expected {expected[:16]}..., found "
+                                      f"{actual[:16]}...): the file is corrupt or truncated. Fix: load "
+                                      f"an earlier checkpoint (iter_* directories) or re-save.")
+            self._verified.add(name)
+            try:
+                self._open[name] = safe_open(path, framework="pt")
+            except Exception as e:  # noqa: BLE001 - any parse failure is a corrupt file
+                raise CheckpointError(f"{path}: cannot be read as safetensors ({e}).") from e
+        return self._open[name]
+
+    def names(self, kind: str = "weight") -> list[str]:
+        return sorted({n for n, k in self.index if k == kind})
+
+    def has(self, name: str, kind: str) -> bool:
+        return (name, kind) in self.index
+
+    def rank_tensor(self, rank_file: str, key: str) -> torch.Tensor:
+        return self._file(rank_file).get_tensor(key)
+
+    def full_tensor(self, name: str, kind: str, vocab_size: int | None = None) -> torch.Tensor:
+        """The full (unsharded) tensor, assembled from every piece; vocab rows unpadded."""
+        entries = self.index.get((name, kind))
+        if not entries:
+            raise CheckpointError(f"checkpoint {self.directory!r} has no {kind!r} for parameter {name!r}.")
+        by_tp: dict[int, torch.Tensor] = {}
+        filled: dict[int, int] = defaultdict(int)
+        split = tp_size = None
+        for file_name, piece in entries:
+            tp_rank, tp_size = piece["tp_rank"], piece["tp_size"]
+            split = piece["split"]
+            shape = piece["local_shape"]
+            if tp_rank not in by_tp:
+                by_tp[tp_rank] = torch.zeros(int(torch.tensor(shape).prod()) if shape else 1)
+            lo, hi = piece["range"]
+            by_tp[tp_rank][lo:hi] = self._file(file_name).get_tensor(piece["key"]).float()
+            filled[tp_rank] += hi - lo
+        shape = entries[0][1]["local_shape"]
+        count = by_tp[next(iter(by_tp))].numel()
+        missing = [r for r in range(tp_size if split else 1) if filled.get(r, 0) != count]
+        if missing:
+            raise CheckpointError(f"checkpoint {self.directory!r} is incomplete: parameter {name!r} "
+                                  f"({kind}) lacks pieces of tensor-parallel rank(s) {missing}.")
+        if split is None:
+            full = by_tp[0].view(shape)
+        else:
+            full = unshard_tensors([by_tp[r].view(shape) for r in range(tp_size)], TPSplit(*split))
+        if vocab_size is not None and name in VOCAB_PARAMS:
+            full = full[:vocab_size]
+        return full

@@ -1,0 +1,66 @@
+"""Checkpoints as plain serial models: load one for inference, write one from full weights."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+from megalite.checkpoint.format import (FORMAT_VERSION, VOCAB_PARAMS, PieceReader, iteration_dir,
+                                        read_latest, write_json_atomic, write_rank_files)
+from megalite.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
+
+
+def model_config_from(saved: dict) -> ModelConfig:
+    return ModelConfig(**{k: v for k, v in saved.items() if k in ModelConfig.__dataclass_fields__})
+
+
+def _checkpoint_dir(path: str) -> str:
+    """``path`` is an iter_* directory, or a --save root whose 'latest' names one."""
+    if os.path.exists(os.path.join(path, "metadata.json")):
+        return path
+    return iteration_dir(path, read_latest(path))
+
+
+def load_serial_model(path: str, dtype: torch.dtype = torch.float32):
+    """A single-process GPTModel with the checkpoint's weights, in eval mode:
+    ``model(tokens[b, s])`` returns logits ``[b, s, vocab]``."""
+    from megalite.model.gpt import GPTModel
+
+    reader = PieceReader(_checkpoint_dir(path))
+    cfg = model_config_from(reader.metadata["config"]["model"])
+    cfg.hidden_dropout = cfg.attention_dropout = 0.0
+    model = GPTModel(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            full = reader.full_tensor(name, "weight", cfg.vocab_size)
+            if name in VOCAB_PARAMS:
+                p.zero_()
+                p[: full.shape[0]] = full
+            else:
+                p.copy_(full.view_as(p))
+    return model.to(dtype).eval()
+
+
+def save_weights_checkpoint(root: str, model, iteration: int = 0) -> str:
+    """A weights-only checkpoint (no optimizer state) of a serial model, e.g. imported
+    from Hugging Face; it loads under any layout (the optimizer starts fresh)."""
+    final = iteration_dir(root, iteration)
+    os.makedirs(final, exist_ok=True)
+    tensors, pieces = {}, []
+    for name, p in model.named_parameters():
+        value = p.detach().float()
+        if name in VOCAB_PARAMS:
+            value = value[: model.vocab_size]
+        key = f"weight/{name}/tp0/0"
+        tensors[key] = value.reshape(-1)
+        pieces.append({"key": key, "name": name, "kind": "weight", "tp_rank": 0, "tp_size": 1, "split": None,
+                       "local_shape": list(value.shape), "range": [0, value.numel()]})
+    write_rank_files(final, 0, tensors, pieces)
+    config = Config(model.cfg, ParallelConfig(), TrainConfig(), DataConfig(mock_data=True))
+    write_json_atomic(os.path.join(final, "metadata.json"), {
+        "format_version": FORMAT_VERSION, "iteration": iteration, "consumed_samples": 0,
+        "config": config.to_dict(), "layout": {"tp": 1, "cp": 1, "dp": 1, "pp": 1}, "zero_stage": 0,
+        "optimizer_step": 0, "loss_scaler": None, "files": ["rank00000.safetensors"], "weights_only": True})
+    with open(os.path.join(root, "latest"), "w") as f:
+        f.write(str(iteration))
+    return final

@@ -1,0 +1,155 @@
+"""Checkpoints: exact resume after kill -9, atomic saves, resharding, errors, SIGTERM."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from megalite.checkpoint import CheckpointError, PieceReader, load_serial_model
+from megalite.testing import WorldError, run_world
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+from reshard_checkpoint import reshard  # noqa: E402
+
+BASE = ["--mock-data", "--vocab-size", "300", "--num-layers", "4", "--hidden-size", "32",
+        "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
+        "--global-batch-size", "8", "--lr", "3e-3", "--lr-warmup-iters", "2", "--log-interval", "100",
+        "--adam-eps", "1e-5"]
+
+
+def _run(rank, world, argv):
+    from megalite.pretrain import pretrain
+    return [(r["iteration"], r["loss"], r["grad_norm"]) for r in pretrain(argv)]
+
+
+@pytest.mark.parametrize("world,layout", [(4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+                                          (2, ["--zero-stage", "2", "--overlap-grad-reduce"])])
+def test_resume_after_kill_is_bit_identical(tmp_path, world, layout):
+    argv = BASE + layout + ["--train-iters", "20", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+    full = run_world(_run, world, argv + ["--save", str(tmp_path / "a"), "--save-interval", "10"])[0]
+    with pytest.raises(WorldError, match="died"):
+        run_world(_run, world, argv + ["--save", str(tmp_path / "b"), "--save-interval", "10"],
+                  env={"MEGALITE_TEST_KILL_AT_ITERATION": "15"})
+    assert (tmp_path / "b" / "latest").read_text() == "10"
+    resumed = run_world(_run, world, argv + ["--load", str(tmp_path / "b"), "--save", str(tmp_path / "b")])[0]
+    assert [r[0] for r in resumed] == list(range(11, 21))
+    assert resumed == full[10:]  # losses and gradient norms, bit for bit
+
+
+def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
+    argv = BASE + ["--train-iters", "20", "--save", str(tmp_path), "--save-interval", "10"]
+    with pytest.raises(WorldError, match="died"):
+        run_world(_run, 2, argv, env={"MEGALITE_TEST_KILL_DURING_SAVE": "20"})
+    assert (tmp_path / "latest").read_text() == "10"
+    assert (tmp_path / "iter_0000020.tmp").exists() and not (tmp_path / "iter_0000020").exists()
+    model = load_serial_model(str(tmp_path))
+    assert model(torch.randint(0, 300, (1, 16))).shape == (1, 16, 300)
+    resumed = run_world(_run, 2, BASE + ["--train-iters", "12", "--load", str(tmp_path)])[0]
+    assert [r[0] for r in resumed] == [11, 12]
+
+
+LAYOUTS = {(1, 1): [], (2, 2): ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+           (4, 1): ["--tensor-model-parallel-size", "4"], (1, 4): ["--pipeline-model-parallel-size", "4"]}
+
+
+def _logits(path):
+    tokens = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return load_serial_model(path)(tokens)
+
+
+NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]  # RNG streams differ across layouts
+
+
+def test_reshard_matrix_same_logits_and_training_continues(tmp_path):
+    sources = {}
+    for (tp, pp), flags in LAYOUTS.items():
+        src = tmp_path / f"src_{tp}_{pp}"
+        run_world(_run, tp * pp, BASE + NO_DROPOUT + flags + ["--train-iters", "3", "--save", str(src)])
+        sources[(tp, pp)] = src
+    for (tp, pp), src in sources.items():
+        ref = _logits(str(src))
+        for (ttp, tpp), tflags in LAYOUTS.items():
+            if (ttp, tpp) == (tp, pp):
+                continue
+            dst = tmp_path / f"dst_{tp}_{pp}_to_{ttp}_{tpp}"
+            reshard(str(src), str(dst), ttp, tpp, None, 1, 0)
+            assert torch.allclose(_logits(str(dst)), ref, rtol=1e-6, atol=1e-6)
+            meta = json.loads((dst / "iter_0000003" / "metadata.json").read_text())
+            assert meta["layout"] == {"tp": ttp, "cp": 1, "dp": 1, "pp": tpp}
+    # Training continues after resharding as it would have without a layout change.
+    src = sources[(2, 2)]
+    same = run_world(_run, 4, BASE + NO_DROPOUT + LAYOUTS[(2, 2)] + ["--train-iters", "6", "--load", str(src)])[0]
+    for target in [(1, 1), (1, 4)]:
+        dst = tmp_path / f"dst_2_2_to_{target[0]}_{target[1]}"
+        moved = run_world(_run, target[0] * target[1],
+                          BASE + NO_DROPOUT + LAYOUTS[target] + ["--train-iters", "6", "--load", str(dst)])[0]
+        for a, b in zip(moved, same):
+            assert a[0] == b[0] and abs(a[1] - b[1]) / b[1] < 1e-5 and abs(a[2] - b[2]) / b[2] < 1e-5
+
+
+def test_zero1_dp4_to_dp2(tmp_path):
+    src, dst = tmp_path / "dp4", tmp_path / "dp2"
+    run_world(_run, 4, BASE + NO_DROPOUT + ["--use-distributed-optimizer", "--train-iters", "3", "--save", str(src)])
+    assert len(json.loads((src / "iter_0000003" / "metadata.json").read_text())["files"]) == 4
+    reshard(str(src), str(dst), 1, 1, None, 2, 1)
+    assert torch.allclose(_logits(str(dst)), _logits(str(src)), rtol=1e-6, atol=1e-6)
+    args = BASE + NO_DROPOUT + ["--train-iters", "6"]
+    same = run_world(_run, 4, args + ["--use-distributed-optimizer", "--load", str(src)])[0]
+    moved = run_world(_run, 2, args + ["--use-distributed-optimizer", "--load", str(dst)])[0]
+    direct = run_world(_run, 2, args + ["--zero-stage", "2", "--load", str(src)])[0]  # re-sliced at load
+    for a, b, c in zip(moved, same, direct):
+        assert abs(a[1] - b[1]) / b[1] < 1e-5 and abs(c[1] - b[1]) / b[1] < 1e-5
+
+
+def _save_small(tmp_path):
+    run_world(_run, 1, BASE + ["--train-iters", "2", "--save", str(tmp_path)])
+    return tmp_path / "iter_0000002" / "rank00000.safetensors"
+
+
+def test_corrupt_truncated_and_mismatched_checkpoints_are_refused(tmp_path):
+    shard = _save_small(tmp_path)
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="rank00000.safetensors: checksum mismatch"):
+        load_serial_model(str(tmp_path))
+    shard.write_bytes(bytes(data[: len(data) // 3]))
+    with pytest.raises(CheckpointError, match="corrupt or truncated"):
+        load_serial_model(str(tmp_path))
+    with pytest.raises(CheckpointError, match="does not exist"):
+        PieceReader(str(tmp_path / "iter_0000099"))
+
+
+def test_mismatched_config_lists_the_fields(tmp_path, capsys):
+    from megalite.pretrain import main
+    _save_small(tmp_path)
+    argv = [a for a in BASE if a not in ()]
+    argv[argv.index("--hidden-size") + 1] = "64"
+    argv[argv.index("--num-layers") + 1] = "2"
+    assert main(argv + ["--train-iters", "3", "--load", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "num_layers: checkpoint 4, run 2" in err and "hidden_size: checkpoint 32, run 64" in err
+    assert main(BASE + ["--train-iters", "3", "--load", str(tmp_path / "nowhere")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_sigterm_saves_and_exits_cleanly(tmp_path):
+    log = tmp_path / "log.jsonl"
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *BASE, "--train-iters", "100000",
+                             "--save", str(tmp_path / "ckpt"), "--log-json", str(log)],
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 60
+    while time.time() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    assert b"SIGTERM: saved iteration" in out
+    saved = int((tmp_path / "ckpt" / "latest").read_text())
+    assert saved >= 3 and (tmp_path / "ckpt" / f"iter_{saved:07d}" / "metadata.json").exists()

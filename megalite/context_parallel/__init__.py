@@ -1,0 +1,1 @@
+"""Context parallelism: sequences split over the CP group, ring attention."""

@@ -1,0 +1,149 @@
+"""Ring attention over the context-parallel (CP) group, on the Triton flash-attention kernels.
+
+Each of C ranks holds a shard of the sequence's queries, keys and values. Causal layout
+(load-balanced): the sequence is cut into 2C chunks and rank r holds chunks r and 2C-1-r,
+so every rank has one early and one late chunk and the same amount of causal work.
+Non-causal: rank r holds the r-th contiguous C-th of the sequence.
+
+Forward, C steps. At step i rank r holds the K/V of rank (r - i) mod C; before computing on
+it, it posts the isend of that block to rank r+1 and the irecv of the next one from r-1, so
+the transfer overlaps the compute. For each (query chunk, key chunk) pair it calls the
+kernel: key chunk after query chunk -> skipped (fully masked, no work); same chunk -> the
+causal kernel; earlier chunk -> the unmasked kernel. Partial results are merged exactly
+through their log-sum-exp: lse = logaddexp(lse1, lse2), out = sum_j out_j exp(lse_j - lse).
+
+Backward, C steps again. delta = rowsum(dO * O) is computed once; each step gives, from
+the *global* lse, this rank's dQ contribution (kept) and dK/dV for the visiting block,
+which travel with it round the ring: after C hops the accumulated dK/dV reach their owner.
+Communication is point-to-point only; the whole sequence is never gathered.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from megalite.kernels.attention_reference import merge_attention
+from megalite.kernels.flash_attention import flash_attention_forward
+from megalite.kernels.flash_attention_bwd import attention_delta, flash_attention_backward
+from megalite.parallel import comm
+
+RING_TAG = 7
+
+
+class RingExchange:
+    """Send tensors to the next CP rank while receiving the same shapes from the previous."""
+
+    def __init__(self, group):
+        self.group = group
+        self.size, self.rank = comm.group_size(group), comm.group_rank(group)
+        self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+        self.events: list[tuple[str, float]] = []  # (what, time) for the overlap test
+
+    def start(self, tensors: list[torch.Tensor]):
+        received = [torch.empty_like(t) for t in tensors]
+        ops = []
+        for t, r in zip(tensors, received):
+            ops.append(dist.P2POp(dist.isend, t.contiguous(), self.next, tag=RING_TAG))
+            ops.append(dist.P2POp(dist.irecv, r, self.prev, tag=RING_TAG))
+            comm._record("send", t)
+        self.events.append(("posted", time.perf_counter()))
+        return received, dist.batch_isend_irecv(ops)
+
+    def finish(self, pending) -> list[torch.Tensor]:
+        received, works = pending
+        for w in works:
+            w.wait()
+        self.events.append(("arrived", time.perf_counter()))
+        return received
+
+
+def local_chunk_ids(rank: int, size: int, causal: bool) -> list[int]:
+    return [rank, 2 * size - 1 - rank] if causal else [rank]
+
+
+# Work done per rank, for the load-balance count: (query chunk, key chunk, causal) per call.
+WORK_LOG: list[tuple[int, int, bool]] = []
+
+
+def _pairs(rank, src, size, causal):
+    """(local q index, q chunk id, local k index, k chunk id, causal kernel?) of visible pairs."""
+    q_ids, k_ids = local_chunk_ids(rank, size, causal), local_chunk_ids(src, size, causal)
+    for qi, qa in enumerate(q_ids):
+        for ki, ka in enumerate(k_ids):
+            if causal and ka > qa:
+                continue  # every key after every query: fully masked, no work
+            yield qi, qa, ki, ka, causal and ka == qa
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, scale, exchange):
+        size, rank = exchange.size, exchange.rank
+        n = 2 if causal else 1
+        q_parts = q.chunk(n, dim=2)
+        acc = [None] * n
+        k_cur, v_cur = k, v
+        for i in range(size):
+            src = (rank - i) % size
+            pending = exchange.start([k_cur, v_cur]) if i < size - 1 else None
+            exchange.events.append(("compute", time.perf_counter()))
+            k_parts, v_parts = k_cur.chunk(n, dim=2), v_cur.chunk(n, dim=2)
+            for qi, qa, ki, ka, diag in _pairs(rank, src, size, causal):
+                WORK_LOG.append((qa, ka, diag))
+                o, lse = flash_attention_forward(q_parts[qi], k_parts[ki], v_parts[ki], causal=diag, scale=scale)
+                o = o.float()
+                acc[qi] = (o, lse) if acc[qi] is None else merge_attention(acc[qi][0], acc[qi][1], o, lse)
+            exchange.events.append(("computed", time.perf_counter()))
+            if pending is not None:
+                k_cur, v_cur = exchange.finish(pending)
+        out = torch.cat([a[0] for a in acc], dim=2).to(q.dtype)
+        lse = torch.cat([a[1] for a in acc], dim=2)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.causal, ctx.scale, ctx.exchange = causal, scale, exchange
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        exchange, causal, scale = ctx.exchange, ctx.causal, ctx.scale
+        size, rank = exchange.size, exchange.rank
+        n = 2 if causal else 1
+        dout = dout.contiguous()
+        delta = attention_delta(out, dout)
+        q_parts, o_parts, do_parts = q.chunk(n, 2), out.chunk(n, 2), dout.chunk(n, 2)
+        lse_parts, delta_parts = lse.chunk(n, 2), delta.chunk(n, 2)
+        dq = torch.zeros(q.shape, dtype=torch.float32)
+        dq_parts = dq.chunk(n, 2)
+        k_cur, v_cur = k, v
+        dk_acc = torch.zeros(k.shape, dtype=torch.float32)
+        dv_acc = torch.zeros(v.shape, dtype=torch.float32)
+        for i in range(size):
+            src = (rank - i) % size
+            pending = exchange.start([k_cur, v_cur]) if i < size - 1 else None
+            k_parts, v_parts = k_cur.chunk(n, 2), v_cur.chunk(n, 2)
+            dk_parts, dv_parts = dk_acc.chunk(n, 2), dv_acc.chunk(n, 2)
+            for qi, qa, ki, ka, diag in _pairs(rank, src, size, causal):
+                dq_p, dk_p, dv_p = flash_attention_backward(
+                    q_parts[qi], k_parts[ki], v_parts[ki], o_parts[qi], do_parts[qi], lse_parts[qi],
+                    causal=diag, scale=scale, delta=delta_parts[qi])
+                dq_parts[qi].add_(dq_p.float())
+                dk_parts[ki].add_(dk_p.float())
+                dv_parts[ki].add_(dv_p.float())
+            # The visiting block's gradients travel on with it; after C hops they are home.
+            dk_acc, dv_acc = exchange.finish(exchange.start([dk_acc, dv_acc]))
+            if pending is not None:
+                k_cur, v_cur = exchange.finish(pending)
+        return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype), None, None, None, None
+
+
+def ring_attention(q, k, v, group, causal: bool = True, scale: float | None = None,
+                   exchange: RingExchange | None = None) -> torch.Tensor:
+    """Exact attention of this rank's queries over the whole sequence's keys and values.
+
+    q: (b, heads, s_local, d); k, v: (b, groups, s_local, d), in the layout of
+    :func:`megalite.context_parallel.data.context_parallel_slice`."""
+    exchange = exchange or RingExchange(group)
+    return _RingAttention.apply(q, k, v, group, causal, scale, exchange)

@@ -136,13 +136,6 @@ class Config:
         return dataclasses.asdict(self)
 
 
-# Parallelisms whose issues have not landed yet. validate() refuses them with a
-# clear "not yet supported" instead of running something half-built.
-NOT_YET_SUPPORTED = {
-    "context_parallel_size": "context parallelism",
-}
-
-
 def _divides(what: str, n: int, by_what: str, d: int, fix: str) -> None:
     if d <= 0 or n % d != 0:
         raise ConfigError(f"{what} ({n}) must be divisible by {by_what} ({d}). Fix: {fix}")
@@ -183,18 +176,9 @@ def validate_layout(parallel: ParallelConfig, world_size: int, gpus_per_node: in
     return warnings
 
 
-def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = None,
-             check_implemented: bool = True) -> list[str]:
+def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = None) -> list[str]:
     """Check every rule; raise ConfigError on the first violation, return warnings."""
     m, p, t, d = config.model, config.parallel, config.train, config.data
-    if check_implemented:
-        for name, what in NOT_YET_SUPPORTED.items():
-            value = getattr(p, name)
-            if value > 1:
-                flag = "--" + name.replace("_", "-")
-                raise ConfigError(f"{flag} {value}: {what} is not yet supported in this version of "
-                                  f"megalite. Fix: use {flag} 1.")
-
     warnings = validate_layout(p, world_size, gpus_per_node)
     tp, cp, pp = p.tensor_model_parallel_size, p.context_parallel_size, p.pipeline_model_parallel_size
     dp = p.data_parallel_size(world_size)
@@ -258,6 +242,12 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
     if cp > 1:
         _divides("--seq-length", m.seq_length, "2 * --context-parallel-size", 2 * cp,
                  "the load-balanced causal split cuts each sequence into 2*CP equal chunks.")
+        if m.attention_backend != "triton":
+            raise ConfigError(f"--context-parallel-size {cp} needs an attention backend that returns "
+                              f"the log-sum-exp of each row (ring attention merges partial results "
+                              f"with it): our Triton kernels. --attention-backend "
+                              f"{m.attention_backend} does not. Fix: --attention-backend triton "
+                              f"(on a CPU with TRITON_INTERPRET=1).")
     if p.sequence_parallel:
         if tp == 1:
             raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1 (it "

@@ -124,8 +124,18 @@ def stage_loss(losses, batch) -> torch.Tensor:
 def activation_shape(chunk, micro_batch_size: int) -> tuple[int, int, int]:
     """(s, b, h) of the activations between pipeline stages (s/TP under sequence parallel)."""
     cfg = chunk.cfg
-    seq = cfg.seq_length // (comm.group_size(chunk.tp_group) if chunk.sequence_parallel else 1)
+    seq = cfg.seq_length // chunk.cp_size  # context parallel: this rank's part of the sequence
+    seq //= comm.group_size(chunk.tp_group) if chunk.sequence_parallel else 1
     return (seq, micro_batch_size, cfg.hidden_size)
+
+
+def context_parallel_batches(micro_batches, grid):
+    """Each CP rank keeps its load-balanced part of every sequence (see context_parallel.data)."""
+    if grid is None or grid.layout.cp == 1:
+        return micro_batches
+    from megalite.context_parallel.data import context_parallel_slice
+
+    return [context_parallel_slice(b, grid.cp_rank, grid.layout.cp) for b in micro_batches]
 
 
 def forward_backward(model, micro_batches, t: TrainConfig, loss_scale: float = 1.0, grid=None,
@@ -137,6 +147,7 @@ def forward_backward(model, micro_batches, t: TrainConfig, loss_scale: float = 1
     the last stage, is summed over the pipeline group so every stage reports it."""
     chunks = as_chunks(model)
     num_micro = len(micro_batches)
+    micro_batches = context_parallel_batches(micro_batches, grid)
     if grid is None or (grid.layout.pp == 1 and len(chunks) == 1):
         total = torch.zeros(())
         for batch in micro_batches:
@@ -292,6 +303,7 @@ def train_step(model, optimizer, micro_batches, t: TrainConfig, iteration: int,
 def evaluate(model, batches, t: TrainConfig, grid=None) -> float:
     """Mean loss over the given micro-batches, averaged over data-parallel ranks."""
     chunks = as_chunks(model)
+    batches = context_parallel_batches(batches, grid)
     for c in chunks:
         c.eval()
     if grid is None or (grid.layout.pp == 1 and len(chunks) == 1):

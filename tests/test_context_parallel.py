@@ -1,4 +1,6 @@
 """Context parallelism: ring attention against full attention, load balance, overlap, GPT."""
+import os
+
 import pytest
 import torch
 
@@ -95,3 +97,77 @@ def test_context_parallel_slice_keeps_true_positions():
     assert context_parallel_slice(batch, 0, 2)["position_ids"][0].tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
     assert context_parallel_slice(batch, 1, 2)["position_ids"][0].tolist() == [4, 5, 6, 7, 8, 9, 10, 11]
     assert context_parallel_slice(batch, 1, 2, causal=False)["position_ids"][0].tolist() == list(range(8, 16))
+
+
+def _gpt_worker(rank, world, tp, variant):
+    from megalite.model.gpt import GPTModel
+    from megalite.parallel import comm
+    from megalite.parallel.sharding import gather_full
+    from megalite.training import sequence_parallel_allreduce_gradients
+    extra = {} if variant == "gpt2" else dict(position_embedding_type="rope", normalization="RMSNorm",
+                                              swiglu=True, num_query_groups=2, add_bias_linear=False)
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=97, seq_length=16,
+                      hidden_dropout=0.0, attention_dropout=0.0, **extra)
+    cp = world // tp
+    grid = build_grid(ParallelConfig(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                     sequence_parallel=tp > 1), world, rank)
+    x = torch.randint(0, 97, (2, 17), generator=torch.Generator().manual_seed(0))
+    batch = {"tokens": x[:, :-1], "labels": x[:, 1:], "position_ids": torch.arange(16).expand(2, -1)}
+    ref = GPTModel(cfg)
+    ref.init_weights(5)
+    ref_loss = ref(batch["tokens"], batch["position_ids"], labels=batch["labels"]).mean()
+    ref_loss.backward()
+    cfg.attention_backend = "triton"
+    model = GPTModel(cfg, tp_group=grid.tp_group, sequence_parallel=tp > 1, cp_group=grid.cp_group)
+    model.init_weights(5)
+    mine = context_parallel_slice(batch, grid.cp_rank, cp)
+    loss = model(mine["tokens"], mine["position_ids"], labels=mine["labels"]).mean()
+    loss.backward()
+    sequence_parallel_allreduce_gradients(list(model.parameters()), grid.tp_group)
+    total = comm.all_reduce(loss.detach().clone(), grid.cp_group) / cp  # equal tokens per CP rank
+    errs = {"loss": abs(total.item() - ref_loss.item()) / ref_loss.item()}
+    gmax = max(p.grad.abs().max().item() for p in ref.parameters())
+    refs = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        g = comm.all_reduce(p.grad.clone(), grid.cp_group) / cp  # the DP x CP mean
+        full = gather_full(g, getattr(p, "tp_split", None), grid.tp_group)[: refs[name].shape[0]]
+        errs[name] = ((full - refs[name].grad).abs().max() / max(refs[name].grad.abs().max().item(), 1e-3 * gmax)).item()
+    return errs
+
+
+@pytest.mark.parametrize("world,tp,variant", [(2, 1, "gpt2"), (2, 1, "llama"), (4, 2, "gpt2")])
+def test_gpt_context_parallel_matches_serial(world, tp, variant):
+    for errs in run_world(_gpt_worker, world, tp, variant):
+        assert all(v < TOL for v in errs.values()), {k: v for k, v in errs.items() if v >= TOL}
+
+
+PRETRAIN = ["--mock-data", "--vocab-size", "300", "--num-layers", "1", "--hidden-size", "32",
+            "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
+            "--global-batch-size", "4", "--lr", "3e-3", "--lr-warmup-iters", "1",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--log-interval", "100"]
+# The Triton interpreter makes every attention call slow on a CPU (~0.3 s a launch here); the
+# 20 iterations of the issue take ~8 minutes (both layouts matched one process to 1.7e-7), so
+# CI runs 3 iterations at CP=2 and 2 on 8 ranks; MEGALITE_FULL_CP_TEST=1 runs all 20.
+FULL = bool(os.environ.get("MEGALITE_FULL_CP_TEST"))
+ITERS, ITERS_8 = ("20", "20") if FULL else ("3", "2")
+
+
+def _pretrain_worker(rank, world, extra):
+    from megalite.pretrain import pretrain
+    return [(r["loss"], r["grad_norm"]) for r in pretrain(PRETRAIN + extra)]
+
+
+def test_pretrain_context_parallel_matches_single_process():
+    from megalite.pretrain import pretrain
+    serial = [(r["loss"], r["grad_norm"]) for r in pretrain(PRETRAIN + ["--train-iters", ITERS])]
+    cp = ["--train-iters", ITERS, "--attention-backend", "triton", "--context-parallel-size", "2"]
+    layouts = {"CP=2": (2, cp),
+               "TP=2 x CP=2 x DP=2": (8, cp + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                               "--train-iters", ITERS_8])}
+    worst = {}
+    for name, (world, extra) in layouts.items():
+        for log in run_world(_pretrain_worker, world, extra, timeout=600):
+            for got, ref in zip(log, serial):
+                worst[name] = max([worst.get(name, 0.0)] + [abs(a - b) / b for a, b in zip(got, ref)])
+    print(f"largest relative loss / grad-norm difference vs 1 process, {ITERS} iterations:", worst)
+    assert all(v < 1e-5 for v in worst.values()), worst

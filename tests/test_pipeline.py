@@ -50,7 +50,7 @@ def _pipeline_worker(rank, world, cases):
     for case in cases:
         config = make_config(**case["config"])
         config.train.global_batch_size = MICRO * case["m"]
-        validate(config, world, check_implemented=False)
+        validate(config, world)
         grid = build_grid(config.parallel, world, rank)
         batches = micro_batches(config.model, case["m"])
         ref_loss, ref_grads = serial_reference(config, batches)
@@ -197,7 +197,7 @@ RULE_CASES = [
 @pytest.mark.parametrize("cfg,world,fragments", RULE_CASES)
 def test_pipeline_validation_messages(cfg, world, fragments):
     with pytest.raises(ConfigError) as e:
-        validate(make_config(**cfg), world, check_implemented=False)
+        validate(make_config(**cfg), world)
     for f in fragments:
         assert f in str(e.value), str(e.value)
 
@@ -206,7 +206,7 @@ def test_interleaved_micro_batch_count_rule():
     config = make_config(layers=8, pp=4, vp_layers=1)
     config.train.global_batch_size = MICRO * 6  # M = 6, not a multiple of P = 4
     with pytest.raises(ConfigError) as e:
-        validate(config, 4, check_implemented=False)
+        validate(config, 4)
     msg = str(e.value)
     assert "number of micro-batches (6 = global batch 12" in msg
     assert "multiple of --pipeline-model-parallel-size (4)" in msg and "multiple of 8" in msg

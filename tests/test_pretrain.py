@@ -74,7 +74,7 @@ def test_torchrun_data_parallel_matches_single_process(tmp_path):
 
 
 @pytest.mark.parametrize("argv,fragment", [
-    (MOCK + ["--context-parallel-size", "2"], "context parallelism is not yet supported"),
+    (MOCK + ["--context-parallel-size", "2"], "world size (1) must be divisible by TP*CP*PP"),
     (MOCK + ["--tensor-model-parallel-size", "2"], "world size (1) must be divisible by TP*CP*PP"),
     (["--mock-data"], "--vocab-size is required with --mock-data"),
     (MOCK + ["--hidden-size", "30"], "--hidden-size (30) must be divisible by --num-attention-heads (4)"),

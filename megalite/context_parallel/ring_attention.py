@@ -43,10 +43,11 @@ class RingExchange:
         self.events: list[tuple[str, float]] = []  # (what, time) for the overlap test
 
     def start(self, tensors: list[torch.Tensor]):
-        received = [torch.empty_like(t) for t in tensors]
+        tensors = [t.contiguous() for t in tensors]
+        received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
         ops = []
         for t, r in zip(tensors, received):
-            ops.append(dist.P2POp(dist.isend, t.contiguous(), self.next, tag=RING_TAG))
+            ops.append(dist.P2POp(dist.isend, t, self.next, tag=RING_TAG))
             ops.append(dist.P2POp(dist.irecv, r, self.prev, tag=RING_TAG))
             comm._record("send", t)
         self.events.append(("posted", time.perf_counter()))

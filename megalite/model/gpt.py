@@ -37,6 +37,7 @@ from megalite.layers.norms import build_norm
 from megalite.layers.rotary import apply_rotary, rotary_angles
 from megalite.layers.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                              VocabParallelEmbedding, vocab_parallel_cross_entropy)
+from megalite.context_parallel.ring_attention import ring_attention
 from megalite.parallel import comm
 from megalite.parallel.random import get_rng_tracker, init_full_tensor
 from megalite.parallel.sharding import mark_sequence_parallel
@@ -69,9 +70,10 @@ def _norm(cfg: ModelConfig, sequence_parallel: bool) -> nn.Module:
 class SelfAttention(nn.Module):
     """Causal self-attention, split over TP by key/value groups (with their query heads)."""
 
-    def __init__(self, cfg: ModelConfig, tp_group=None, sequence_parallel: bool = False):
+    def __init__(self, cfg: ModelConfig, tp_group=None, sequence_parallel: bool = False, cp_group=None):
         super().__init__()
         self.cfg = cfg
+        self.cp_group = cp_group if comm.group_size(cp_group) > 1 else None
         self.heads_per_group = cfg.num_attention_heads // cfg.num_query_groups
         qkv_out = cfg.num_query_groups * (self.heads_per_group + 2) * cfg.head_dim
         par = dict(tp_group=tp_group, sequence_parallel=sequence_parallel)
@@ -89,7 +91,10 @@ class SelfAttention(nn.Module):
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         dropout_p = self.cfg.attention_dropout if self.training else 0.0
-        if dropout_p > 0:
+        if self.cp_group is not None:
+            # This rank holds a shard of the sequence: attend over all of it round the CP ring.
+            out = ring_attention(q, k, v, self.cp_group, causal=True)
+        elif dropout_p > 0:
             # Attention probabilities belong to this rank's heads: a TP-split tensor.
             with get_rng_tracker().fork():
                 out = attention(q, k, v, causal=True, dropout_p=dropout_p,
@@ -124,10 +129,10 @@ class MLP(nn.Module):
 class TransformerBlock(nn.Module):
     """x + attn(norm(x)), then + mlp(norm(.)); dropout on each branch output."""
 
-    def __init__(self, cfg: ModelConfig, tp_group=None, sequence_parallel: bool = False):
+    def __init__(self, cfg: ModelConfig, tp_group=None, sequence_parallel: bool = False, cp_group=None):
         super().__init__()
         self.attn_norm = _norm(cfg, sequence_parallel)
-        self.attn = SelfAttention(cfg, tp_group, sequence_parallel)
+        self.attn = SelfAttention(cfg, tp_group, sequence_parallel, cp_group)
         self.mlp_norm = _norm(cfg, sequence_parallel)
         self.mlp = MLP(cfg, tp_group, sequence_parallel)
         self.dropout = ParallelDropout(cfg.hidden_dropout, sequence_parallel)
@@ -149,10 +154,12 @@ class GPTModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig, padded_vocab_size: int | None = None,
                  pre_process: bool = True, post_process: bool = True,
-                 layer_range: range | None = None, tp_group=None, sequence_parallel: bool = False):
+                 layer_range: range | None = None, tp_group=None, sequence_parallel: bool = False,
+                 cp_group=None):
         super().__init__()
         self.cfg = cfg
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
+        self.cp_size = comm.group_size(cp_group)
         self.pre_process, self.post_process = pre_process, post_process
         self.vocab_size = cfg.vocab_size
         self.padded_vocab_size = padded_vocab_size or cfg.padded_vocab_size(comm.group_size(tp_group))
@@ -173,7 +180,8 @@ class GPTModel(nn.Module):
                 if sequence_parallel:
                     mark_sequence_parallel(self.position_embeddings.weight)
             self.embedding_dropout = ParallelDropout(cfg.hidden_dropout, sequence_parallel)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, **par) for i in self.layer_range})
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, **par, cp_group=cp_group)
+                                     for i in self.layer_range})
         if post_process:
             self.final_norm = _norm(cfg, sequence_parallel)
             if not tied:

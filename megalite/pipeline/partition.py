@@ -35,5 +35,6 @@ def build_model_chunks(config: Config, grid) -> list[GPTModel]:
         chunks.append(GPTModel(
             config.model, pre_process=g == 0, post_process=g == P * V - 1,
             layer_range=chunk_layers(config.model.num_layers, P, V, grid.pp_rank, c),
-            tp_group=grid.tp_group, sequence_parallel=config.parallel.sequence_parallel))
+            tp_group=grid.tp_group, sequence_parallel=config.parallel.sequence_parallel,
+            cp_group=getattr(grid, "cp_group", None)))
     return chunks

@@ -14,6 +14,7 @@ import torch
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 128
 
 
 def check_tensors(what: str, *tensors: torch.Tensor) -> None:
@@ -39,3 +40,28 @@ def check_float(what: str, *tensors: torch.Tensor) -> None:
 
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def check_blocks(*blocks: int) -> tuple[int, ...]:
+    for b in blocks:
+        if b < 16 or b & (b - 1):
+            raise ValueError(f"tile size {b} must be a power of two >= 16 (tl.dot needs 16 "
+                             f"rows and columns at least). Fix: pass 16, 32, 64 or 128.")
+    return blocks
+
+
+def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Shapes q (b, heads, s_q, d), k = v (b, groups, s_k, d), heads % groups == 0, d <= 128."""
+    check_tensors("flash_attention", q, k, v)
+    check_float("flash_attention", q, k, v)
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(f"flash_attention: expected q (b, heads, s_q, d) and k, v (b, groups, s_k, d), "
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}.")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"flash_attention: q {tuple(q.shape)} and k {tuple(k.shape)} must share batch "
+                         f"and head dim, and query heads must be a multiple of key/value heads.")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"flash_attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}.")
+    if q.shape[3] > MAX_HEAD_DIM:
+        raise ValueError(f"flash_attention: head dim {q.shape[3]} is above {MAX_HEAD_DIM}, the largest "
+                         f"this kernel supports. Fix: use the torch or flash attention backend.")

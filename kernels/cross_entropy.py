@@ -25,46 +25,61 @@ import triton.language as tl
 from megalite.kernels._utils import INTERPRET, check_float, check_tensors
 
 
+# Reductions call tl.reduce with the combine functions tl.sum / tl.max use: identical when
+# compiled, and it skips a jit-wrapper call that costs milliseconds in the CPU interpreter.
+
 @triton.jit
-def _ce_stats_kernel(Z, TARGET, MAX, SUMEXP, TLOGIT, n_cols, stride_row, vocab_start, vocab_size,
-                     ignore_index, BLOCK_V: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    base = Z + row * stride_row
-    target = tl.load(TARGET + row)
-    local_t = target - vocab_start
-    m = tl.full([], float("-inf"), tl.float32)
-    s = tl.zeros([], tl.float32)
-    t_logit = tl.zeros([], tl.float32)
+def _ce_stats_kernel(Z, TARGET, MAX, SUMEXP, TLOGIT, n_rows, n_cols, stride_row, vocab_start,
+                     vocab_size, ignore_index, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    row_ok = rows < n_rows
+    base = Z + rows.to(tl.int64)[:, None] * stride_row
+    target = tl.load(TARGET + rows, mask=row_ok, other=ignore_index)
+    local_t = (target - vocab_start)[:, None]
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    s = tl.full([BLOCK_R], 0.0, tl.float32)
+    t_logit = tl.full([BLOCK_R], 0.0, tl.float32)
     for start in range(0, n_cols, BLOCK_V):
         cols = start + tl.arange(0, BLOCK_V)
-        valid = (cols < n_cols) & (cols + vocab_start < vocab_size)
-        z = tl.load(base + cols, mask=valid, other=float("-inf")).to(tl.float32)
-        m_new = tl.maximum(m, tl.max(z, 0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # slice of padding so far
-        s = s * tl.exp(m - m_safe) + tl.sum(tl.exp(z - m_safe), 0)
+        valid = row_ok[:, None] & ((cols < n_cols) & (cols + vocab_start < vocab_size))[None, :]
+        z = tl.load(base + cols[None, :], mask=valid, other=float("-inf")).to(tl.float32)
+        m_new = tl.maximum(m, tl.reduce(z, 1, tl.standard._elementwise_max))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # only padding so far
+        s = s * tl.exp(m - m_safe) + tl.reduce(tl.exp(z - m_safe[:, None]), 1,
+                                               tl.standard._sum_combine)
         m = m_new
-        t_logit += tl.sum(tl.where(valid & (cols == local_t), z, 0.0), 0)
-    tl.store(MAX + row, m)
-    tl.store(SUMEXP + row, s)
-    tl.store(TLOGIT + row, tl.where(target == ignore_index, 0.0, t_logit))
+        hit = valid & (cols[None, :] == local_t)
+        t_logit += tl.reduce(tl.where(hit, z, 0.0), 1, tl.standard._sum_combine)
+    tl.store(MAX + rows, m, mask=row_ok)
+    tl.store(SUMEXP + rows, s, mask=row_ok)
+    tl.store(TLOGIT + rows, tl.where(target == ignore_index, 0.0, t_logit), mask=row_ok)
 
 
 @triton.jit
-def _ce_grad_kernel(Z, TARGET, LSE, GRAD, DZ, n_cols, stride_row, vocab_start, vocab_size,
-                    ignore_index, BLOCK_V: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _ce_grad_kernel(Z, TARGET, LSE, GRAD, DZ, n_rows, n_cols, stride_row, vocab_start, vocab_size,
+                    ignore_index, BLOCK_R: tl.constexpr, BLOCK_V: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
-    target = tl.load(TARGET + row)
-    g = tl.where(target == ignore_index, 0.0, tl.load(GRAD + row).to(tl.float32))
-    valid = (cols < n_cols) & (cols + vocab_start < vocab_size)
-    z = tl.load(Z + row * stride_row + cols, mask=valid, other=float("-inf")).to(tl.float32)
-    p = tl.exp(z - tl.load(LSE + row))
-    dz = (p - tl.where(cols == target - vocab_start, 1.0, 0.0)) * g
-    tl.store(DZ + row * n_cols + cols, dz.to(DZ.dtype.element_ty), mask=cols < n_cols)
+    row_ok = rows < n_rows
+    target = tl.load(TARGET + rows, mask=row_ok, other=ignore_index)
+    g = tl.load(GRAD + rows, mask=row_ok, other=0.0).to(tl.float32)
+    g = tl.where(target == ignore_index, 0.0, g)
+    lse = tl.load(LSE + rows, mask=row_ok, other=0.0)
+    valid = row_ok[:, None] & ((cols < n_cols) & (cols + vocab_start < vocab_size))[None, :]
+    rows64 = rows.to(tl.int64)[:, None]
+    z = tl.load(Z + rows64 * stride_row + cols[None, :], mask=valid, other=float("-inf"))
+    p = tl.exp(z.to(tl.float32) - lse[:, None])
+    onehot = tl.where(cols[None, :] == (target - vocab_start)[:, None], 1.0, 0.0)
+    dz = (p - onehot) * g[:, None]
+    tl.store(DZ + rows64 * n_cols + cols[None, :], dz.to(DZ.dtype.element_ty),
+             mask=row_ok[:, None] & (cols < n_cols)[None, :])
 
 
-def _block_v(n_cols: int) -> int:
-    return 256 if INTERPRET else 4096 if n_cols >= 4096 else 1024
+def _tiles(n_cols: int) -> tuple[int, int, int]:
+    """(BLOCK_R rows, BLOCK_V vocabulary columns, num_warps) per program step."""
+    if INTERPRET:
+        return 32, 256, 1
+    return 1, 4096 if n_cols >= 4096 else 1024, 8
 
 
 def _rows(logits: torch.Tensor, target: torch.Tensor, what: str):
@@ -87,10 +102,11 @@ def cross_entropy_stats(logits: torch.Tensor, target: torch.Tensor, vocab_start:
     rows, n = z.shape
     vocab_size = vocab_start + n if vocab_size is None else vocab_size
     stats = torch.empty((3, rows), device=z.device, dtype=torch.float32)
+    block_r, block_v, warps = _tiles(n)
     if rows:
-        _ce_stats_kernel[(rows,)](z, t, stats[0], stats[1], stats[2], n, z.stride(0), vocab_start,
-                                  vocab_size, ignore_index, BLOCK_V=_block_v(n),
-                                  num_warps=1 if INTERPRET else 8)
+        _ce_stats_kernel[(triton.cdiv(rows, block_r),)](
+            z, t, stats[0], stats[1], stats[2], rows, n, z.stride(0), vocab_start, vocab_size,
+            ignore_index, BLOCK_R=block_r, BLOCK_V=block_v, num_warps=warps)
     return tuple(x.view(logits.shape[:-1]) for x in stats)
 
 
@@ -102,12 +118,12 @@ def cross_entropy_grad(logits: torch.Tensor, target: torch.Tensor, lse: torch.Te
     rows, n = z.shape
     vocab_size = vocab_start + n if vocab_size is None else vocab_size
     dz = torch.empty((rows, n), device=z.device, dtype=logits.dtype)
+    block_r, block_v, warps = _tiles(n)
     if rows and n:
-        block = _block_v(n)
-        _ce_grad_kernel[(rows, triton.cdiv(n, block))](
-            z, t, lse.reshape(-1).float().contiguous(), grad_loss.reshape(-1).contiguous(), dz, n,
-            z.stride(0), vocab_start, vocab_size, ignore_index, BLOCK_V=block,
-            num_warps=1 if INTERPRET else 8)
+        _ce_grad_kernel[(triton.cdiv(rows, block_r), triton.cdiv(n, block_v))](
+            z, t, lse.reshape(-1).float().contiguous(), grad_loss.reshape(-1).contiguous(), dz, rows,
+            n, z.stride(0), vocab_start, vocab_size, ignore_index, BLOCK_R=block_r,
+            BLOCK_V=block_v, num_warps=warps)
     return dz.view(logits.shape)
 
 

@@ -9,8 +9,9 @@ and values in blocks of ``BLOCK_N`` with the online softmax: for each block,
 
 and at the end ``o_i = acc_i / l_i`` and ``lse_i = ln 2 * (m_i + log2 l_i)`` (natural log).
 The probabilities are never stored. Causal masking with offsets keeps key j for query i iff
-``j + k_offset <= i + q_offset``; blocks wholly past that diagonal are skipped and blocks
-wholly before it run without a mask. A query that sees no key gets o = 0, lse = -inf.
+``j + k_offset <= i + q_offset``; key blocks wholly past the tile's diagonal are skipped.
+Without causal masking and with s_k a multiple of BLOCK_N no mask is applied. A query that
+sees no key gets o = 0, lse = -inf.
 
 Layout: q (b, heads, s_q, d), k and v (b, groups, s_k, d) with ``heads % groups == 0``;
 query head h reads key/value head ``h // (heads // groups)``. fp32, fp16, bf16; softmax
@@ -28,50 +29,20 @@ import torch
 import triton
 import triton.language as tl
 
-from megalite.kernels._utils import INTERPRET, check_float, check_tensors, next_power_of_2
+from megalite.kernels._utils import INTERPRET, check_attention_inputs, check_blocks, next_power_of_2
 from megalite.kernels.attention_reference import attention_reference, merge_attention  # noqa: F401
 from megalite.kernels.flash_attention_bwd import flash_attention_backward
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-MAX_HEAD_DIM = 128
-
-
-@triton.jit
-def _fwd_inner(acc, m_i, l_i, q, k_base, v_base, offs_m, offs_d, lo, hi, s_k, delta, qk_scale,
-               HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-               CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
-    """Online-softmax update of (acc, m_i, l_i) with the key blocks [lo, hi)."""
-    for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_ptrs = offs_n[:, None] * HEAD_DIM + offs_d[None, :]
-        kv_mask = (offs_n[:, None] < s_k) & (offs_d[None, :] < HEAD_DIM)
-        k = tl.load(k_base + kv_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + kv_ptrs, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
-        if MASKED:
-            visible = offs_n[None, :] < s_k
-            if CAUSAL:
-                visible = visible & (offs_n[None, :] <= offs_m[:, None] + delta)
-            s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
-        p = tl.exp2(s - m_safe[:, None])
-        alpha = tl.exp2(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
-        m_i = m_new
-    return acc, m_i, l_i
 
 
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, s_q, s_k, delta, qk_scale, heads, groups,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
-                PREC: tl.constexpr):
+                BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, MASK_N: tl.constexpr,
+                UPCAST: tl.constexpr, PREC: tl.constexpr):
+    # Reductions call tl.reduce with the combine functions tl.sum / tl.max use: the same code
+    # when compiled, and it skips a jit-wrapper call that costs milliseconds in the interpreter.
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
     kv = (bh // heads) * groups + (bh % heads) // (heads // groups)
@@ -86,20 +57,33 @@ def _fwd_kernel(Q, K, V, O, LSE, s_q, s_k, delta, qk_scale, heads, groups,
     if UPCAST:
         q = q.to(tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if CAUSAL:
-        # Row i sees keys j <= i + delta: the first row sees [0, start_m + delta], the last
-        # row of the tile sees [0, start_m + BLOCK_M - 1 + delta].
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+    hi = s_k
+    if CAUSAL:  # the tile's last row, start_m + BLOCK_M - 1, sees keys j <= it + delta
         hi = tl.maximum(tl.minimum(s_k, start_m + BLOCK_M + delta), 0)
-        full = tl.maximum(tl.minimum(s_k, start_m + delta + 1), 0) // BLOCK_N * BLOCK_N
-    else:
-        hi = s_k
-        full = s_k // BLOCK_N * BLOCK_N
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, offs_m, offs_d, 0, full, s_k,
-                               delta, qk_scale, HEAD_DIM, BLOCK_N, False, CAUSAL, UPCAST, PREC)
-    acc, m_i, l_i = _fwd_inner(acc, m_i, l_i, q, k_base, v_base, offs_m, offs_d, full, hi, s_k,
-                               delta, qk_scale, HEAD_DIM, BLOCK_N, True, CAUSAL, UPCAST, PREC)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        kv_ptrs = offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+        kv_mask = (offs_n[:, None] < s_k) & (offs_d[None, :] < HEAD_DIM)
+        k = tl.load(k_base + kv_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + kv_ptrs, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
+        if MASK_N:
+            visible = offs_n[None, :] < s_k
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None] + delta)
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.reduce(p, 1, tl.standard._sum_combine)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        m_i = m_new
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
@@ -107,31 +91,14 @@ def _fwd_kernel(Q, K, V, O, LSE, s_q, s_k, delta, qk_scale, heads, groups,
     tl.store(LSE + bh.to(tl.int64) * s_q + offs_m, lse, mask=offs_m < s_q)
 
 
-def _fwd_config(head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages). The interpreter runs one program at a time:
-    bigger tiles mean fewer (slow) Python-level steps."""
+def _fwd_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Under the interpreter one small config (it
+    runs program after program). fp32 tiles take twice the shared memory: smaller ones."""
     if INTERPRET:
         return 32, 32, 1, 1
-    if head_dim <= 64:
-        return 128, 64, 4, 3
-    return 128, 64, 8, 3
-
-
-def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Shapes q (b, heads, s_q, d), k = v (b, groups, s_k, d), heads % groups == 0, d <= 128."""
-    check_tensors("flash_attention", q, k, v)
-    check_float("flash_attention", q, k, v)
-    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
-        raise ValueError(f"flash_attention: expected q (b, heads, s_q, d) and k, v (b, groups, s_k, d), "
-                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}.")
-    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"flash_attention: q {tuple(q.shape)} and k {tuple(k.shape)} must share batch "
-                         f"and head dim, and query heads must be a multiple of key/value heads.")
-    if not (q.dtype == k.dtype == v.dtype):
-        raise TypeError(f"flash_attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}.")
-    if q.shape[3] > MAX_HEAD_DIM:
-        raise ValueError(f"flash_attention: head dim {q.shape[3]} is above {MAX_HEAD_DIM}, the largest "
-                         f"this kernel supports. Fix: use the torch or flash attention backend.")
+    if dtype == torch.float32:
+        return 64, 32, 4, 2
+    return (128, 64, 4, 3) if head_dim <= 64 else (128, 64, 8, 3)
 
 
 def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
@@ -143,8 +110,8 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     b, heads, s_q, d = q.shape
     groups, s_k = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    bm, bn, warps, stages = _fwd_config(d)
-    bm, bn = block_m or bm, block_n or bn
+    bm, bn, warps, stages = _fwd_config(d, q.dtype)
+    bm, bn = check_blocks(block_m or bm, block_n or bn)
     out = torch.empty_like(q)
     lse = torch.empty((b, heads, s_q), device=q.device, dtype=torch.float32)
     if out.numel() == 0:
@@ -153,6 +120,7 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     _fwd_kernel[grid](q, k, v, out, lse, s_q, s_k, int(q_offset) - int(k_offset), scale * LOG2E,
                       heads, groups, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn,
                       BLOCK_D=max(16, next_power_of_2(d)), CAUSAL=bool(causal),
+                      MASK_N=bool(causal) or s_k % bn != 0,
                       UPCAST=INTERPRET, PREC="ieee" if q.dtype == torch.float32 else "tf32",
                       num_warps=warps, num_stages=stages)
     return out, lse
@@ -167,6 +135,7 @@ class _FlashAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, causal, q_offset, k_offset, scale):
         out, lse = flash_attention_forward(q, k, v, causal, q_offset, k_offset, scale)
         ctx.save_for_backward(q, k, v, out, lse)
+        ctx.set_materialize_grads(False)  # an unused lse brings no gradient, not zeros
         ctx.args = (causal, q_offset, k_offset, scale)
         return out, lse
 

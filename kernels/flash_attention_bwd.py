@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megalite.kernels._utils import INTERPRET, next_power_of_2
+from megalite.kernels._utils import INTERPRET, check_attention_inputs, check_blocks, next_power_of_2
 
 LOG2E = 1.4426950408889634
 
@@ -38,16 +38,7 @@ def _delta_kernel(O, DO, DELTA, n_rows, HEAD_DIM: tl.constexpr, BLOCK_M: tl.cons
     mask = (rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM)
     o = tl.load(O + ptrs, mask=mask, other=0.0).to(tl.float32)
     do = tl.load(DO + ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(DELTA + rows, tl.sum(o * do, 1), mask=rows < n_rows)
-
-
-@triton.jit
-def _load_rows(base, offs, n, offs_d, HEAD_DIM: tl.constexpr, UPCAST: tl.constexpr):
-    x = tl.load(base + offs[:, None] * HEAD_DIM + offs_d[None, :],
-                mask=(offs[:, None] < n) & (offs_d[None, :] < HEAD_DIM), other=0.0)
-    if UPCAST:
-        x = x.to(tl.float32)
-    return x
+    tl.store(DELTA + rows, tl.reduce(o * do, 1, tl.standard._sum_combine), mask=rows < n_rows)
 
 
 @triton.jit
@@ -61,24 +52,32 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, s_q, s_k, delta_pos, qk_scale,
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     kv_off = bg.to(tl.int64) * s_k * HEAD_DIM
-    k = _load_rows(K + kv_off, offs_n, s_k, offs_d, HEAD_DIM, UPCAST)
-    v = _load_rows(V + kv_off, offs_n, s_k, offs_d, HEAD_DIM, UPCAST)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    kv_ptrs = offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+    kv_mask = (offs_n[:, None] < s_k) & (offs_d[None, :] < HEAD_DIM)
+    k = tl.load(K + kv_off + kv_ptrs, mask=kv_mask, other=0.0)
+    v = tl.load(V + kv_off + kv_ptrs, mask=kv_mask, other=0.0)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
+    dv = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
     lo = 0
     if CAUSAL:  # query i sees key start_n iff i >= start_n - delta_pos
         lo = tl.maximum(start_n - delta_pos, 0) // BLOCK_M * BLOCK_M
     for hq in range(0, per_group):
-        bh = (bg // groups) * heads + (bg % groups) * per_group + hq
-        q_base = Q + bh.to(tl.int64) * s_q * HEAD_DIM
-        do_base = DO + bh.to(tl.int64) * s_q * HEAD_DIM
+        bh = ((bg // groups) * heads + (bg % groups) * per_group + hq).to(tl.int64)
         for start_m in range(lo, s_q, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
-            q = _load_rows(q_base, offs_m, s_q, offs_d, HEAD_DIM, UPCAST)
-            do = _load_rows(do_base, offs_m, s_q, offs_d, HEAD_DIM, UPCAST)
-            lse = tl.load(LSE + bh.to(tl.int64) * s_q + offs_m, mask=offs_m < s_q, other=0.0)
+            q_ptrs = bh * s_q * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+            q_mask = (offs_m[:, None] < s_q) & (offs_d[None, :] < HEAD_DIM)
+            q = tl.load(Q + q_ptrs, mask=q_mask, other=0.0)
+            do = tl.load(DO + q_ptrs, mask=q_mask, other=0.0)
+            if UPCAST:
+                q = q.to(tl.float32)
+                do = do.to(tl.float32)
+            lse = tl.load(LSE + bh * s_q + offs_m, mask=offs_m < s_q, other=0.0)
             lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-            dlt = tl.load(DELTA + bh.to(tl.int64) * s_q + offs_m, mask=offs_m < s_q, other=0.0)
+            dlt = tl.load(DELTA + bh * s_q + offs_m, mask=offs_m < s_q, other=0.0)
             visible = (offs_m[None, :] < s_q) & (offs_n[:, None] < s_k)
             if CAUSAL:
                 visible = visible & (offs_n[:, None] <= offs_m[None, :] + delta_pos)
@@ -88,10 +87,8 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, s_q, s_k, delta_pos, qk_scale,
             dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
             ds_t = p_t * (dp_t - dlt[None, :])
             dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PREC)
-    ptrs = offs_n[:, None] * HEAD_DIM + offs_d[None, :]
-    mask = (offs_n[:, None] < s_k) & (offs_d[None, :] < HEAD_DIM)
-    tl.store(DK + kv_off + ptrs, (dk * scale).to(DK.dtype.element_ty), mask=mask)
-    tl.store(DV + kv_off + ptrs, dv.to(DV.dtype.element_ty), mask=mask)
+    tl.store(DK + kv_off + kv_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + kv_off + kv_ptrs, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
@@ -100,25 +97,33 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, s_q, s_k, delta_pos, qk_scale, scale
                BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
                PREC: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+    bh = tl.program_id(1).to(tl.int64)
     kv = (bh // heads) * groups + (bh % heads) // (heads // groups)
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    q_off = bh.to(tl.int64) * s_q * HEAD_DIM
-    kv_base = kv.to(tl.int64) * s_k * HEAD_DIM
-    q = _load_rows(Q + q_off, offs_m, s_q, offs_d, HEAD_DIM, UPCAST)
-    do = _load_rows(DO + q_off, offs_m, s_q, offs_d, HEAD_DIM, UPCAST)
-    lse = tl.load(LSE + bh.to(tl.int64) * s_q + offs_m, mask=offs_m < s_q, other=0.0)
+    q_ptrs = bh * s_q * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+    q_mask = (offs_m[:, None] < s_q) & (offs_d[None, :] < HEAD_DIM)
+    q = tl.load(Q + q_ptrs, mask=q_mask, other=0.0)
+    do = tl.load(DO + q_ptrs, mask=q_mask, other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse = tl.load(LSE + bh * s_q + offs_m, mask=offs_m < s_q, other=0.0)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    dlt = tl.load(DELTA + bh.to(tl.int64) * s_q + offs_m, mask=offs_m < s_q, other=0.0)
-    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    dlt = tl.load(DELTA + bh * s_q + offs_m, mask=offs_m < s_q, other=0.0)
+    dq = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
     hi = s_k
     if CAUSAL:
         hi = tl.maximum(tl.minimum(s_k, start_m + BLOCK_M + delta_pos), 0)
     for start_n in range(0, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        k = _load_rows(K + kv_base, offs_n, s_k, offs_d, HEAD_DIM, UPCAST)
-        v = _load_rows(V + kv_base, offs_n, s_k, offs_d, HEAD_DIM, UPCAST)
+        kv_ptrs = kv * s_k * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+        kv_mask = (offs_n[:, None] < s_k) & (offs_d[None, :] < HEAD_DIM)
+        k = tl.load(K + kv_ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(V + kv_ptrs, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
         visible = (offs_n[None, :] < s_k) & (offs_m[:, None] < s_q)
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= offs_m[:, None] + delta_pos)
@@ -127,16 +132,17 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, s_q, s_k, delta_pos, qk_scale, scale
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p * (dp - dlt[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
-    tl.store(DQ + q_off + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
-             (dq * scale).to(DQ.dtype.element_ty),
-             mask=(offs_m[:, None] < s_q) & (offs_d[None, :] < HEAD_DIM))
+    tl.store(DQ + q_ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=q_mask)
 
 
-def _bwd_config(head_dim: int) -> dict:
-    """Tiles: dk/dv programs hold a (BLOCK_N, d) pair of accumulators, dq programs one
-    (BLOCK_M, d). One small config under the interpreter."""
+def _bwd_config(head_dim: int, dtype: torch.dtype) -> dict:
+    """Tiles (BLOCK_M, BLOCK_N, num_warps, num_stages): dk/dv programs hold a (BLOCK_N, d) pair
+    of accumulators, dq programs one (BLOCK_M, d). One small config under the interpreter;
+    fp32 tiles take twice the shared memory: smaller ones."""
     if INTERPRET:
         return dict(kv=(32, 32, 1, 1), q=(32, 32, 1, 1))
+    if dtype == torch.float32:
+        return dict(kv=(32, 64, 4, 2), q=(64, 32, 4, 2))
     warps = 4 if head_dim <= 64 else 8
     return dict(kv=(32, 128, warps, 3), q=(128, 32, warps, 3))
 
@@ -160,6 +166,11 @@ def flash_attention_backward(q, k, v, out, dout, lse, causal: bool = True, q_off
     """(dq, dk, dv) for one (q, k/v) pair given the global ``lse`` (b, heads, s_q) and either
     the global ``out``/``dout`` or their precomputed ``delta`` (see module docstring).
     Gradients come back in the inputs' dtypes; dk, dv summed over each group's query heads."""
+    check_attention_inputs(q, k, v)
+    if dout.shape != q.shape or lse.shape != q.shape[:3] or (delta is None and out.shape != q.shape):
+        raise ValueError(f"flash_attention_backward: out and dout must have q's shape "
+                         f"{tuple(q.shape)} and lse {tuple(q.shape[:3])}, got dout "
+                         f"{tuple(dout.shape)}, lse {tuple(lse.shape)}.")
     q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
     b, heads, s_q, d = q.shape
     groups, s_k = k.shape[1], k.shape[2]
@@ -172,17 +183,17 @@ def flash_attention_backward(q, k, v, out, dout, lse, causal: bool = True, q_off
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    cfg = _bwd_config(d)
+    cfg = _bwd_config(d, q.dtype)
     common = dict(HEAD_DIM=d, BLOCK_D=max(16, next_power_of_2(d)), CAUSAL=bool(causal),
                   UPCAST=INTERPRET, PREC="ieee" if q.dtype == torch.float32 else "tf32")
     args = (s_q, s_k, int(q_offset) - int(k_offset), scale * LOG2E, scale, heads, groups)
     bm, bn, warps, stages = cfg["kv"]
-    bm, bn = block_m or bm, block_n or bn
+    bm, bn = check_blocks(block_m or bm, block_n or bn)
     _dkdv_kernel[(triton.cdiv(s_k, bn), b * groups)](
         q, k, v, dout, lse, delta, dk, dv, *args, BLOCK_M=bm, BLOCK_N=bn, **common,
         num_warps=warps, num_stages=stages)
     bm, bn, warps, stages = cfg["q"]
-    bm, bn = block_m or bm, block_n or bn
+    bm, bn = check_blocks(block_m or bm, block_n or bn)
     _dq_kernel[(triton.cdiv(s_q, bm), b * heads)](
         q, k, v, dout, lse, delta, dq, *args, BLOCK_M=bm, BLOCK_N=bn, **common,
         num_warps=warps, num_stages=stages)

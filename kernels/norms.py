@@ -11,10 +11,9 @@ Backward with g = w dy (elementwise), c1 = mean(xhat g), c2 = mean(g):
     LayerNorm: dx = rstd (g - xhat c1 - c2)      RMSNorm: dx = rstd (g - xhat c1)
     dw = sum_rows dy xhat,  db = sum_rows dy
 
-The forward runs one row per program (the whole row in one block, any n up to 65536, not
-only powers of two). The backward gives each program a run of rows; it keeps fp32 partial
-sums of dw, db over its rows, which are then added with a torch sum (deterministic, no
-atomics). Any leading shape: rows = x.numel() / n.
+Each program step takes a tile of rows, each row whole in one padded block (any n up to
+65536, not only powers of two). The backward's programs walk over row tiles keeping fp32
+partial sums of dw, db, which are then added with a torch sum (deterministic, no atomics). Any leading shape: rows = x.numel() / n.
 """
 from __future__ import annotations
 
@@ -27,58 +26,69 @@ from megalite.kernels._utils import INTERPRET, check_float, check_tensors, next_
 MAX_HIDDEN = 65536
 
 
+# Reductions call tl.reduce with the combine function tl.sum uses: identical when compiled,
+# and it skips a jit-wrapper call that costs milliseconds per call in the CPU interpreter.
+
 @triton.jit
-def _norm_fwd_kernel(X, W, B, Y, MEAN, RSTD, n_cols, eps, RMS: tl.constexpr,
-                     HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
+def _norm_fwd_kernel(X, W, B, Y, MEAN, RSTD, n_rows, n_cols, eps, RMS: tl.constexpr,
+                     HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    x = tl.load(X + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
+    col_ok = cols < n_cols
+    mask = (rows < n_rows)[:, None] & col_ok[None, :]
+    ptrs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+    x = tl.load(X + ptrs, mask=mask, other=0.0).to(tl.float32)
     if RMS:
         xc = x
     else:
-        mean = tl.sum(x, 0) / n_cols
-        xc = tl.where(mask, x - mean, 0.0)
-        tl.store(MEAN + row, mean)
-    rstd = 1.0 / tl.sqrt(tl.sum(xc * xc, 0) / n_cols + eps)
-    tl.store(RSTD + row, rstd)
-    y = xc * rstd * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+        mean = tl.reduce(x, 1, tl.standard._sum_combine) / n_cols
+        xc = tl.where(mask, x - mean[:, None], 0.0)
+        tl.store(MEAN + rows, mean, mask=rows < n_rows)
+    rstd = 1.0 / tl.sqrt(tl.reduce(xc * xc, 1, tl.standard._sum_combine) / n_cols + eps)
+    tl.store(RSTD + rows, rstd, mask=rows < n_rows)
+    y = xc * rstd[:, None] * tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if HAS_BIAS:
-        y += tl.load(B + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * n_cols + cols, y.to(Y.dtype.element_ty), mask=mask)
+        y += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    tl.store(Y + ptrs, y.to(Y.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _norm_bwd_kernel(X, W, DY, DX, MEAN, RSTD, DW_PART, DB_PART, n_rows, n_cols, rows_per_program,
-                     RMS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+def _norm_bwd_kernel(X, W, DY, DX, MEAN, RSTD, DW_PART, DB_PART, n_rows, n_cols, n_tiles,
+                     RMS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_R: tl.constexpr,
+                     BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
-    mask = cols < n_cols
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    dw = tl.zeros([BLOCK], tl.float32)
-    db = tl.zeros([BLOCK], tl.float32)
-    first = pid.to(tl.int64) * rows_per_program  # int64 row index: rows * n may pass 2^31
-    for row in range(first, tl.minimum(first + rows_per_program, n_rows)):
-        x = tl.load(X + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + row * n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + row)
+    col_ok = cols < n_cols
+    w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    dw = tl.full([BLOCK_R, BLOCK], 0.0, tl.float32)
+    db = tl.full([BLOCK_R, BLOCK], 0.0, tl.float32)
+    for tile in range(pid, n_tiles, tl.num_programs(0)):
+        rows = tile * BLOCK_R + tl.arange(0, BLOCK_R)
+        mask = (rows < n_rows)[:, None] & col_ok[None, :]
+        ptrs = rows.to(tl.int64)[:, None] * n_cols + cols[None, :]
+        x = tl.load(X + ptrs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + ptrs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=rows < n_rows, other=0.0)[:, None]
         if RMS:
             xhat = x * rstd
         else:
-            xhat = tl.where(mask, (x - tl.load(MEAN + row)) * rstd, 0.0)
+            mean = tl.load(MEAN + rows, mask=rows < n_rows, other=0.0)[:, None]
+            xhat = tl.where(mask, (x - mean) * rstd, 0.0)
         g = w * dy
-        c1 = tl.sum(xhat * g, 0) / n_cols
+        c1 = tl.reduce(xhat * g, 1, tl.standard._sum_combine)[:, None] / n_cols
         if RMS:
             dx = (g - xhat * c1) * rstd
         else:
-            dx = (g - xhat * c1 - tl.sum(g, 0) / n_cols) * rstd
-        tl.store(DX + row * n_cols + cols, dx.to(DX.dtype.element_ty), mask=mask)
+            c2 = tl.reduce(g, 1, tl.standard._sum_combine)[:, None] / n_cols
+            dx = (g - xhat * c1 - c2) * rstd
+        tl.store(DX + ptrs, dx.to(DX.dtype.element_ty), mask=mask)
         dw += dy * xhat
         if HAS_BIAS:
             db += dy
-    tl.store(DW_PART + pid * n_cols + cols, dw, mask=mask)
+    tl.store(DW_PART + pid * n_cols + cols, tl.reduce(dw, 0, tl.standard._sum_combine), mask=col_ok)
     if HAS_BIAS:
-        tl.store(DB_PART + pid * n_cols + cols, db, mask=mask)
+        tl.store(DB_PART + pid * n_cols + cols, tl.reduce(db, 0, tl.standard._sum_combine),
+                 mask=col_ok)
 
 
 def _check(what: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -93,39 +103,43 @@ def _check(what: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
                          f"program can hold. Fix: use the torch norm (no --fused-kernels).")
 
 
-def _warps(block: int) -> int:
-    return 1 if INTERPRET else min(16, max(1, block // 256))
+def _tiles(n_cols: int) -> tuple[int, int, int]:
+    """(BLOCK, BLOCK_R, num_warps): a tile of BLOCK_R rows by the whole padded row. Under the
+    interpreter many rows per tile (each program step costs the same whatever its size)."""
+    block = next_power_of_2(n_cols)
+    if INTERPRET:
+        return block, max(1, min(64, 8192 // block)), 1
+    return block, max(1, min(16, 4096 // block)), min(16, max(4, block // 512))
 
 
 def norm_forward(x, weight, bias, eps: float, rms: bool):
     """(y, mean, rstd) for x (rows, n) contiguous; mean is empty for RMSNorm."""
     rows, n = x.shape
-    block = next_power_of_2(n)
+    block, block_r, warps = _tiles(n)
     y = torch.empty_like(x)
     mean = torch.empty(0 if rms else rows, device=x.device, dtype=torch.float32)
     rstd = torch.empty(rows, device=x.device, dtype=torch.float32)
     if rows:
-        _norm_fwd_kernel[(rows,)](x, weight, bias if bias is not None else weight, y,
-                                  rstd if rms else mean, rstd,
-                                  n, float(eps), RMS=rms, HAS_BIAS=bias is not None, BLOCK=block,
-                                  num_warps=_warps(block))
+        _norm_fwd_kernel[(triton.cdiv(rows, block_r),)](
+            x, weight, bias if bias is not None else weight, y, rstd if rms else mean, rstd, rows, n,
+            float(eps), RMS=rms, HAS_BIAS=bias is not None, BLOCK_R=block_r, BLOCK=block,
+            num_warps=warps)
     return y, mean, rstd
 
 
 def norm_backward(dy, x, weight, has_bias: bool, mean, rstd, rms: bool):
     """(dx, dw, db) with dw, db in the weight's dtype (db None without a bias)."""
     rows, n = x.shape
-    block = next_power_of_2(n)
-    programs = max(1, min(rows, 8 if INTERPRET else 4 * _sm_count(x.device)))
-    per_program = triton.cdiv(rows, programs) if rows else 1
-    programs = triton.cdiv(rows, per_program) if rows else 1
+    block, block_r, warps = _tiles(n)
+    n_tiles = triton.cdiv(rows, block_r)
+    programs = max(1, min(n_tiles, 1 if INTERPRET else 4 * _sm_count(x.device)))
     dx = torch.empty_like(x)
     dw_part = torch.zeros((programs, n), device=x.device, dtype=torch.float32)
     db_part = torch.zeros((programs, n), device=x.device, dtype=torch.float32) if has_bias else dw_part
     if rows:
-        _norm_bwd_kernel[(programs,)](x, weight, dy, dx, mean if not rms else rstd, rstd, dw_part,
-                                      db_part, rows, n, per_program, RMS=rms, HAS_BIAS=has_bias,
-                                      BLOCK=block, num_warps=_warps(block))
+        _norm_bwd_kernel[(programs,)](x, weight, dy, dx, rstd if rms else mean, rstd, dw_part,
+                                      db_part, rows, n, n_tiles, RMS=rms, HAS_BIAS=has_bias,
+                                      BLOCK_R=block_r, BLOCK=block, num_warps=warps)
     db = db_part.sum(0).to(weight.dtype) if has_bias else None
     return dx, dw_part.sum(0).to(weight.dtype), db
 

@@ -1,0 +1,222 @@
+#!/usr/bin/env python
+"""Each Triton kernel against its alternatives, side by side: time, throughput, max error.
+
+- attention: megalite Triton flash attention vs torch SDPA (default choice; on a GPU also
+  forced to its flash backend, FlashAttention-2) vs flash-attn (when installed).
+  TFLOP/s: forward 4*B*H*N^2*D, backward 2.5x that, half of each when causal.
+- layernorm / rmsnorm: Triton vs torch. GB/s: forward reads x and writes y, backward reads
+  x and dy and writes dx.
+- cross-entropy: Triton (stats + gradient, no probabilities stored) vs torch F.cross_entropy.
+  GB/s: forward reads the logits, backward reads them and writes their gradient.
+
+Max error: against a float64 torch reference (attention on a GPU: the last 64 queries of the
+first batch element, which see every key; backward errors only up to N = 2048).
+
+On a CPU the Triton kernels run in the interpreter (TRITON_INTERPRET=1, set here) at one small
+size: those times say nothing about speed; only the errors mean something.
+
+    python tools/bench_kernels.py [--quick] [--json PATH]
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch  # noqa: E402
+
+GPU = torch.cuda.is_available()
+if not GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
+
+import torch.nn.functional as F  # noqa: E402
+
+from megalite.kernels.attention_reference import attention_reference  # noqa: E402
+from megalite.kernels.cross_entropy import cross_entropy  # noqa: E402
+from megalite.kernels.flash_attention import flash_attention  # noqa: E402
+from megalite.kernels.norms import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference  # noqa: E402
+from megalite.layers.backends import flash_missing  # noqa: E402
+
+DEVICE = "cuda" if GPU else "cpu"
+
+
+def timed(fn, reps: int) -> float:
+    """Median milliseconds of fn() (triton's do_bench on a GPU)."""
+    if GPU:
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=25, rep=100)
+    fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def max_err(a, ref) -> float:
+    return (a.double() - ref.double()).abs().max().item()
+
+
+def fwd_bwd(make_fwd, inputs, grad, reps):
+    """(fwd ms, bwd ms, out, input grads); bwd ms = (fwd + bwd) - fwd."""
+    leaves = [x.detach().requires_grad_() for x in inputs]
+    out = make_fwd(*leaves)
+    out.backward(grad)
+    grads = [x.grad for x in leaves]
+    with torch.no_grad():
+        t_fwd = timed(lambda: make_fwd(*inputs), reps)
+
+    def step():
+        for x in leaves:
+            x.grad = None
+        make_fwd(*leaves).backward(grad)
+    return t_fwd, max(timed(step, reps) - t_fwd, 0.0), out.detach(), grads
+
+
+# -- attention -------------------------------------------------------------------------------------
+
+def attention_impls():
+    impls = {"triton": lambda q, k, v: flash_attention(q, k, v, causal=True),
+             "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
+    if GPU:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def sdpa_flash(q, k, v):
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        impls["sdpa-flash"] = sdpa_flash
+    if flash_missing() is None:
+        from flash_attn import flash_attn_func
+
+        impls["flash-attn"] = lambda q, k, v: flash_attn_func(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True).transpose(1, 2)
+    return impls
+
+
+def bench_attention(cases, dtype, reps):
+    rows = []
+    for b, h, n, d in cases:
+        gen = torch.Generator(DEVICE).manual_seed(0)
+        q, k, v, dout = (torch.randn(b, h, n, d, device=DEVICE, dtype=dtype, generator=gen)
+                         for _ in range(4))
+        tail = min(n, 64)  # reference rows: the last queries, which see every key
+        ref_out, _ = attention_reference(q[:1, :, -tail:].double(), k[:1].double(), v[:1].double(),
+                                         True, n - tail, 0)
+        ref_grads = None
+        if n <= 2048:
+            leaves = [x[:1].detach().double().requires_grad_() for x in (q, k, v)]
+            attention_reference(*leaves, True)[0].backward(dout[:1].double())
+            ref_grads = [x.grad for x in leaves]
+        flops = 4 * b * h * n * n * d / 2  # causal
+        for name, fn in attention_impls().items():
+            if name == "sdpa-flash" and dtype == torch.float32:
+                continue
+            try:
+                t_f, t_b, out, grads = fwd_bwd(fn, (q, k, v), dout, reps)
+            except (RuntimeError, torch.cuda.OutOfMemoryError) as e:  # e.g. math SDPA at 16k
+                rows.append(dict(kernel="attention", case=f"B{b} H{h} N{n} D{d}", impl=name,
+                                 error=str(e).splitlines()[0][:80]))
+                continue
+            bwd_err = (max(max_err(g[:1], r) for g, r in zip(grads, ref_grads))
+                       if ref_grads is not None else None)
+            rows.append(dict(kernel="attention", case=f"B{b} H{h} N{n} D{d} causal",
+                             dtype=str(dtype).split(".")[-1], impl=name, fwd_ms=t_f, bwd_ms=t_b,
+                             fwd_rate=flops / t_f / 1e9, bwd_rate=2.5 * flops / t_b / 1e9 if t_b else None,
+                             unit="TFLOP/s", fwd_err=max_err(out[:1, :, -tail:], ref_out),
+                             bwd_err=bwd_err))
+    return rows
+
+
+# -- norms and cross-entropy -----------------------------------------------------------------------
+
+def bench_rowwise(kernel, cases, dtype, reps):
+    rows = []
+    for r, n in cases:
+        gen = torch.Generator(DEVICE).manual_seed(0)
+        if kernel == "cross-entropy":
+            x = torch.randn(r, n, device=DEVICE, dtype=dtype, generator=gen) * 3
+            target = torch.randint(0, n, (r,), device=DEVICE, generator=gen)
+            grad = torch.randn(r, device=DEVICE, generator=gen)
+            impls = {"triton": lambda z: cross_entropy(z, target),
+                     "torch": lambda z: F.cross_entropy(z.float(), target, reduction="none")}
+            ref = lambda z: F.cross_entropy(z, target, reduction="none")  # noqa: E731
+            inputs, io_fwd, io_bwd = (x,), r * n * x.element_size(), 2 * r * n * x.element_size()
+        else:
+            x = torch.randn(r, n, device=DEVICE, dtype=dtype, generator=gen)
+            w = 1 + 0.1 * torch.randn(n, device=DEVICE, dtype=dtype, generator=gen)
+            bias = torch.randn(n, device=DEVICE, dtype=dtype, generator=gen)
+            grad = torch.randn(r, n, device=DEVICE, dtype=dtype, generator=gen)
+            if kernel == "layernorm":
+                impls = {"triton": lambda z, w, b: layer_norm(z, w, b),
+                         "torch": lambda z, w, b: F.layer_norm(z, (n,), w, b)}
+                ref = lambda z, w, b: layer_norm_reference(z, w, b)  # noqa: E731
+                inputs = (x, w, bias)
+            else:
+                impls = {"triton": lambda z, w: rms_norm(z, w),
+                         "torch": lambda z, w: rms_norm_reference(z, w)}
+                ref = lambda z, w: rms_norm_reference(z, w)  # noqa: E731
+                inputs = (x, w)
+            io_fwd, io_bwd = 2 * r * n * x.element_size(), 3 * r * n * x.element_size()
+        leaves = [t.detach().double().requires_grad_() for t in inputs]
+        ref_out = ref(*leaves)
+        ref_out.backward(grad.double())
+        for name, fn in impls.items():
+            t_f, t_b, out, grads = fwd_bwd(fn, inputs, grad, reps)
+            rows.append(dict(kernel=kernel, case=f"{r}x{n}", dtype=str(dtype).split(".")[-1],
+                             impl=name, fwd_ms=t_f, bwd_ms=t_b, fwd_rate=io_fwd / t_f / 1e6,
+                             bwd_rate=io_bwd / t_b / 1e6 if t_b else None, unit="GB/s",
+                             fwd_err=max_err(out, ref_out),
+                             bwd_err=max(max_err(g, l.grad) for g, l in zip(grads, leaves))))
+    return rows
+
+
+def print_table(rows):
+    fmt = "{:<14} {:<26} {:<6} {:<11} {:>9} {:>9} {:>9} {:>9} {:>8} {:>9} {:>9}"
+    print(fmt.format("kernel", "case", "dtype", "impl", "fwd ms", "bwd ms", "fwd rate", "bwd rate",
+                     "unit", "fwd err", "bwd err"))
+    num = lambda x, f: "-" if x is None else format(x, f)  # noqa: E731
+    for r in rows:
+        if "error" in r:
+            print(f"{r['kernel']:<14} {r['case']:<26} {'':<6} {r['impl']:<11} failed: {r['error']}")
+            continue
+        print(fmt.format(r["kernel"], r["case"], r["dtype"], r["impl"], num(r["fwd_ms"], ".3f"),
+                         num(r["bwd_ms"], ".3f"), num(r["fwd_rate"], ".2f"), num(r["bwd_rate"], ".2f"),
+                         r["unit"], num(r["fwd_err"], ".1e"), num(r["bwd_err"], ".1e")))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", help="also write the rows to this JSON file")
+    p.add_argument("--quick", action="store_true", help="GPU: only the smallest sizes")
+    args = p.parse_args()
+    if GPU:
+        seqs = [1024, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384]
+        attn = [(max(1, 16384 // n), 16, n, 128) for n in seqs] + [(max(1, 16384 // n), 32, n, 64)
+                                                                 for n in seqs[:2]]
+        dtypes, reps = [torch.bfloat16], None
+        norm_cases, ce_cases = [(16384, 1024), (16384, 4096), (8192, 8192)], [(4096, 50304), (4096, 128256)]
+        print(f"device: {torch.cuda.get_device_name()}")
+    else:
+        attn, dtypes, reps = [(1, 2, 128, 64)], [torch.float32, torch.float16], 3
+        norm_cases, ce_cases = [(64, 1000)], [(32, 1000)]
+        print("NOTE: no GPU: the Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1), one "
+              "small size. CPU times are NOT meaningful; only the errors are.")
+    rows = []
+    for dtype in dtypes:
+        rows += bench_attention(attn, dtype, reps)
+        rows += bench_rowwise("layernorm", norm_cases, dtype, reps)
+        rows += bench_rowwise("rmsnorm", norm_cases, dtype, reps)
+        rows += bench_rowwise("cross-entropy", ce_cases, dtype, reps)
+    print_table(rows)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name() if GPU else "cpu (interpreter)",
+                       "rows": rows}, f, indent=1)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

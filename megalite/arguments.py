@@ -31,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--attention-backend", choices=["auto", "triton", "flash", "torch"], default="torch",
                    help="auto picks the fastest available")
     g.add_argument("--fused-kernels", action="store_true", help="Triton LayerNorm/RMSNorm and cross-entropy")
+    g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
+                   help="recompute activations in backward: full layers, or only core attention")
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform")
+    g.add_argument("--recompute-num-layers", type=int, default=1)
     g.add_argument("--vocab-size", type=int, default=None,
                    help="vocabulary size (--mock-data / NullTokenizer); otherwise from the tokenizer")
 
@@ -111,7 +115,8 @@ def config_from_args(args: argparse.Namespace, vocab_size: int) -> Config:
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, attention_backend=args.attention_backend,
-        fused_kernels=args.fused_kernels,
+        fused_kernels=args.fused_kernels, recompute_granularity=args.recompute_granularity,
+        recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
     )
     parallel = ParallelConfig(
         tensor_model_parallel_size=args.tensor_model_parallel_size,

@@ -38,6 +38,9 @@ class ModelConfig:
     init_method_std: float = 0.02
     attention_backend: str = "torch"  # auto, triton, flash, torch (see megalite.layers.attention)
     fused_kernels: bool = False  # Triton norms and cross-entropy
+    recompute_granularity: str | None = None  # None, "full" or "selective"
+    recompute_method: str = "uniform"  # full: "uniform" (groups of N layers) or "block" (first N)
+    recompute_num_layers: int = 1
 
     def __post_init__(self):
         if self.ffn_hidden_size is None and self.hidden_size > 0:
@@ -200,6 +203,12 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
     if m.position_embedding_type not in ("learned_absolute", "rope"):
         raise ConfigError(f"--position-embedding-type {m.position_embedding_type!r} is unknown. "
                           f"Fix: use learned_absolute or rope.")
+    if m.recompute_granularity not in (None, "full", "selective"):
+        raise ConfigError(f"--recompute-granularity {m.recompute_granularity!r} is unknown. Fix: full "
+                          f"or selective.")
+    if m.recompute_method not in ("uniform", "block"):
+        raise ConfigError(f"--recompute-method {m.recompute_method!r} is unknown. Fix: uniform or block.")
+    _positive("--recompute-num-layers", m.recompute_num_layers)
     if m.normalization not in ("LayerNorm", "RMSNorm"):
         raise ConfigError(f"--normalization {m.normalization!r} is unknown. Fix: use LayerNorm or "
                           f"RMSNorm.")

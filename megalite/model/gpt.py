@@ -41,6 +41,7 @@ from megalite.context_parallel.ring_attention import ring_attention
 from megalite.parallel import comm
 from megalite.parallel.random import get_rng_tracker, init_full_tensor
 from megalite.parallel.sharding import mark_sequence_parallel
+from megalite.recompute import checkpointed, run_layers
 
 
 class ParallelDropout(nn.Dropout):
@@ -91,17 +92,21 @@ class SelfAttention(nn.Module):
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         dropout_p = self.cfg.attention_dropout if self.training else 0.0
+        if self.cfg.recompute_granularity == "selective" and self.training and torch.is_grad_enabled():
+            out = checkpointed(self.core_attention, q, k, v, dropout_p)  # s^2 memory, few FLOPs
+        else:
+            out = self.core_attention(q, k, v, dropout_p)
+        return self.proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
+
+    def core_attention(self, q, k, v, dropout_p: float) -> torch.Tensor:
         if self.cp_group is not None:
             # This rank holds a shard of the sequence: attend over all of it round the CP ring.
-            out = ring_attention(q, k, v, self.cp_group, causal=True)
-        elif dropout_p > 0:
+            return ring_attention(q, k, v, self.cp_group, causal=True)
+        if dropout_p > 0:
             # Attention probabilities belong to this rank's heads: a TP-split tensor.
             with get_rng_tracker().fork():
-                out = attention(q, k, v, causal=True, dropout_p=dropout_p,
-                                backend=self.cfg.attention_backend)
-        else:
-            out = attention(q, k, v, causal=True, backend=self.cfg.attention_backend)
-        return self.proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
+                return attention(q, k, v, causal=True, dropout_p=dropout_p, backend=self.cfg.attention_backend)
+        return attention(q, k, v, causal=True, backend=self.cfg.attention_backend)
 
 
 class MLP(nn.Module):
@@ -214,8 +219,8 @@ class GPTModel(nn.Module):
         rope = None
         if self.cfg.position_embedding_type == "rope":
             rope = rotary_angles(position_ids, self.cfg.head_dim, self.cfg.rotary_base)
-        for layer in self.layers.values():
-            x = layer(x, rope)
+        x = run_layers(list(self.layers.values()), x, rope, self.cfg.recompute_granularity,
+                       self.cfg.recompute_method, self.cfg.recompute_num_layers, self.training)
         if not self.post_process:
             return x
         logits = self.output_logits(self.final_norm(x))

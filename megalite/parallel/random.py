@@ -97,6 +97,15 @@ class RNGTracker:
             self._states[name] = self._get_state()
             self._set_state(saved)
 
+    def stream_states(self) -> dict:
+        """Copies of the non-default streams (for activation recomputation)."""
+        return {name: (cpu.clone(), None if cuda is None else cuda.clone())
+                for name, (cpu, cuda) in self._states.items()}
+
+    def set_stream_states(self, states: dict) -> None:
+        self._states = {name: (cpu.clone(), None if cuda is None else cuda.clone())
+                        for name, (cpu, cuda) in states.items()}
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Byte tensors of every stream (for checkpoints: no pickling needed)."""
         out = {"default.cpu": torch.get_rng_state()}

@@ -23,6 +23,7 @@ setup(
         # GPU-only backends: never required, import-guarded, never in CI.
         "flash": ["flash-attn>=2.5"],
         "te": ["transformer-engine>=1.8"],
-        "dev": ["pytest>=8"],
+        "tensorboard": ["tensorboard>=2.14"],
+        "dev": ["pytest>=8", "transformers>=4.40", "tensorboard>=2.14"],
     },
 )

@@ -89,6 +89,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-interval", type=int, default=1000)
     g.add_argument("--eval-iters", type=int, default=10)
     g.add_argument("--log-json", type=str, default=None, help="write one JSON object per iteration")
+    g.add_argument("--tensorboard-dir", type=str, default=None, help="write TensorBoard scalars here")
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help="peak TFLOP/s per GPU for MFU (default: detected GPU's dense bf16 peak)")
+    g.add_argument("--profile", action="store_true", help="torch.profiler trace per rank")
+    g.add_argument("--profile-step-start", type=int, default=2)
+    g.add_argument("--profile-step-end", type=int, default=3)
+    g.add_argument("--profile-dir", type=str, default="profile")
+    g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
+                   help="a collective that does not complete in time raises a clear error on every rank")
     g = p.add_argument_group("checkpoints")
     g.add_argument("--save", type=str, default=None, help="checkpoint directory (also saved at the end and on SIGTERM)")
     g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")

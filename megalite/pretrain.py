@@ -7,9 +7,11 @@ group or model is built.
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import sys
+from datetime import timedelta
 import time
 import warnings
 
@@ -29,6 +31,9 @@ from megalite.parallel.random import model_parallel_seed
 from megalite.pipeline.partition import build_model_chunks, virtual_stages
 from megalite.pipeline.schedules import Trace
 from megalite.data_parallel.accounting import describe_memory
+from megalite.faults import CollectiveTimeout, TrainingDiverged, check_finite, hang_report, looks_like_timeout
+from megalite.monitor import Monitor, memory_line
+from megalite.profiling import Profiler
 from megalite.training import LossScaler, build_data_parallel_optimizer, evaluate, train_step
 
 
@@ -66,10 +71,14 @@ def setup(argv=None):
         warnings.warn(warning)
     if config.data.data_path and not config.data.mock_data:
         IndexedDataset(config.data.data_path)  # missing or corrupt files fail here, before any group
+    if torch.cuda.is_available():  # the field's advice, unless the user chose otherwise
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     if world_size > 1 and not dist.is_initialized():
         backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend)
-    grid = build_grid(config.parallel, world_size, rank)
+        dist.init_process_group(backend, timeout=timedelta(minutes=args.distributed_timeout_minutes))
+    grid = build_grid(config.parallel, world_size, rank,
+                      timeout=timedelta(minutes=args.distributed_timeout_minutes))
     return args, config, tokenizer, grid
 
 
@@ -155,42 +164,61 @@ def pretrain(argv=None) -> list[dict]:
     log_file = open(args.log_json, "a" if args.load else "w") if args.log_json and grid.rank == 0 else None
     log_lines: list[dict] = []
     tokens_per_step = global_batch * m.seq_length
+    monitor = Monitor(m, grid.layout.world_size, tokens_per_step, t.train_iters, args.peak_tflops,
+                      args.tensorboard_dir, enabled=grid.rank == 0)
+    profiler = Profiler(args, grid.rank) if args.profile else None
     term = TermSignal() if args.save else None
-    kill_at = int(os.environ.get("MEGALITE_TEST_KILL_AT_ITERATION", "0"))  # fault injection (tests)
+    faults = {k: int(os.environ.get(f"MEGALITE_TEST_{k}", "0"))  # fault injection for the tests
+              for k in ("KILL_AT_ITERATION", "NAN_AT_ITERATION", "HANG_AT_ITERATION")}
+    skipped_total = 0
     start = time.perf_counter()
     iteration = start_iteration
     for iteration in range(start_iteration, t.train_iters):
+        if profiler:
+            profiler.step(iteration + 1)
+        if faults["HANG_AT_ITERATION"] == iteration + 1 and grid.rank == int(os.environ["MEGALITE_TEST_HANG_RANK"]):
+            time.sleep(float(os.environ.get("MEGALITE_TEST_HANG_SECONDS", "30")))
         step_start = time.perf_counter()
         micro_batches = [next(train_iter) for _ in range(num_micro)]
+        if faults["NAN_AT_ITERATION"] == iteration + 1:
+            micro_batches[0] = {**micro_batches[0], "loss_mask": micro_batches[0]["loss_mask"] * float("nan")}
         trace = Trace() if args.pipeline_trace and iteration == t.train_iters - 1 else None
-        with count_collectives() as traffic:
-            result = train_step(model, optimizer, micro_batches, t, iteration, scaler, grid, trace)
+        try:
+            with count_collectives() as traffic:
+                result = train_step(model, optimizer, micro_batches, t, iteration, scaler, grid, trace)
+        except RuntimeError as error:
+            if dist.is_initialized() and looks_like_timeout(error):
+                raise hang_report(grid, args.distributed_timeout_minutes * 60) from error
+            raise
+        check_finite(result, iteration + 1, t.fp16)
+        skipped_total += int(result.skipped)
         if trace is not None:
             write_trace(args.pipeline_trace, trace, grid, num_micro, len(model))
         elapsed = time.perf_counter() - step_start
+        memory, memory_stats = memory_line(optimizer)
         record = {"iteration": iteration + 1, "loss": result.loss, "lr": result.lr,
                   "grad_norm": result.grad_norm, "loss_scale": result.loss_scale,
-                  "skipped": result.skipped, "elapsed_ms": elapsed * 1e3,
-                  "tokens_per_sec": tokens_per_step / elapsed,
-                  "comm_bytes": {k: v["bytes"] for k, v in traffic.items()},
-                  "memory_bytes": optimizer.memory_bytes()}
+                  "skipped": result.skipped, "skipped_total": skipped_total, "elapsed_ms": elapsed * 1e3,
+                  **monitor.metrics(elapsed), "times_ms": result.times_ms,
+                  "comm_bytes": {k: v["bytes"] for k, v in traffic.items()}, "memory_bytes": memory_stats}
         log_lines.append(record)
-        if (iteration + 1) % t.log_interval == 0 or iteration == start_iteration:
-            say(f"iter {iteration + 1:>5}/{t.train_iters} | loss {result.loss:.4f} | lr {result.lr:.3e} "
-                f"| grad norm {result.grad_norm:.3f} | {elapsed * 1e3:7.1f} ms | "
-                f"{tokens_per_step / elapsed:8.0f} tokens/s" + (" | skipped (inf/nan)" if result.skipped else ""))
-        if iteration == start_iteration and traffic:
-            say("collectives/step (rank 0, bytes handed): " + ", ".join(
-                f"{k} {v['calls']} calls {v['bytes'] / 2**20:.2f} MiB" for k, v in sorted(traffic.items())))
+        if result.skipped:
+            say(f"iteration {iteration + 1}: inf/nan gradients, step skipped (loss scale now {result.loss_scale:g})")
         if valid_iter is not None and (iteration + 1) % t.eval_interval == 0:
             with optimizer.full_weights():
                 val = evaluate(model, [next(valid_iter) for _ in range(t.eval_iters * num_micro)], t, grid)
-            say(f"validation at iter {iteration + 1}: loss {val:.4f} | ppl {min(1e9, 2.718281828 ** val):.2f}")
             record["valid_loss"] = val
+        monitor.log(record, memory, (iteration + 1) % t.log_interval == 0 or iteration == start_iteration)
+        if "valid_loss" in record:
+            say(f"validation at iter {iteration + 1}: loss {record['valid_loss']:.4f} | "
+                f"ppl {min(1e9, math.exp(min(record['valid_loss'], 30))):.2f}")
+        if iteration == start_iteration and traffic:
+            say("collectives/step (rank 0, bytes handed): " + ", ".join(
+                f"{k} {v['calls']} calls {v['bytes'] / 2**20:.2f} MiB" for k, v in sorted(traffic.items())))
         if log_file:
             log_file.write(json.dumps(record) + "\n")
             log_file.flush()
-        if kill_at and iteration + 1 == kill_at:
+        if faults["KILL_AT_ITERATION"] == iteration + 1:
             os.kill(os.getpid(), signal.SIGKILL)
         stop = term is not None and term.agreed()
         if args.save and ((args.save_interval and (iteration + 1) % args.save_interval == 0) or stop):
@@ -200,6 +228,9 @@ def pretrain(argv=None) -> list[dict]:
         if stop:
             say(f"SIGTERM: saved iteration {iteration + 1} and stopping")
             break
+    monitor.close()
+    if profiler:
+        profiler.finish()
     total = time.perf_counter() - start
     if log_lines:
         say(f"done: {len(log_lines)} iterations in {total:.1f} s, "
@@ -231,6 +262,12 @@ def main(argv=None) -> int:
     except (DatasetError, FileNotFoundError, CheckpointError) as e:
         print(f"megalite: input error: {e}", file=sys.stderr)
         return 2
+    except TrainingDiverged as e:
+        print(f"megalite: training stopped: {e}", file=sys.stderr)
+        return 3
+    except CollectiveTimeout as e:
+        print(f"megalite: distributed timeout: {e}", file=sys.stderr, flush=True)
+        return 4
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -35,7 +35,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn, rank, world_size, port, args, kwargs, results, env):
+def _worker(fn, rank, world_size, port, args, kwargs, results, env, pg_timeout_s=None):
     import torch
     import torch.distributed as dist
 
@@ -45,8 +45,11 @@ def _worker(fn, rank, world_size, port, args, kwargs, results, env):
                        "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": env.get(
                            "LOCAL_WORLD_SIZE", str(world_size))})
     try:
+        from datetime import timedelta
+
+        extra = {"timeout": timedelta(seconds=pg_timeout_s)} if pg_timeout_s else {}
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size)
+                                world_size=world_size, **extra)
         value = fn(rank, world_size, *args, **kwargs)
         # Plain pickle copies tensor bytes; the queue's own pickler would hand over
         # shared-memory handles that die with this process. (Trusted: our own child.)
@@ -64,13 +67,13 @@ def _worker(fn, rank, world_size, port, args, kwargs, results, env):
 
 
 def run_world(fn, world_size: int, *args, timeout: float = 120.0, env: dict | None = None,
-              **kwargs) -> list:
+              pg_timeout_s: float | None = None, **kwargs) -> list:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on a fresh gloo world; return results."""
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     port = free_port()
     env = {"OMP_NUM_THREADS": "1", **(env or {})}
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, kwargs, results, env),
+    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, kwargs, results, env, pg_timeout_s),
                          daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
@@ -90,6 +93,8 @@ def run_world(fn, world_size: int, *args, timeout: float = 120.0, env: dict | No
                     raise WorldError(f"rank(s) {dead} died (exit codes "
                                      f"{[procs[r].exitcode for r in dead]}) without reporting")
                 continue
+            if rank in outcomes:
+                continue  # a late error after this rank already returned (e.g. in teardown)
             outcomes[rank] = (status, value)
             if status == "error":
                 break  # fail fast: peers may now be stuck waiting for this rank

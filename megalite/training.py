@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 from dataclasses import dataclass
 
 import torch
@@ -139,7 +140,7 @@ def context_parallel_batches(micro_batches, grid):
 
 
 def forward_backward(model, micro_batches, t: TrainConfig, loss_scale: float = 1.0, grid=None,
-                     trace=None) -> torch.Tensor:
+                     trace=None, timers: dict | None = None) -> torch.Tensor:
     """Accumulate gradients over the micro-batches; return the mean loss (detached).
 
     Without pipeline parallelism: one micro-batch after another. With it: the schedule of
@@ -148,20 +149,29 @@ def forward_backward(model, micro_batches, t: TrainConfig, loss_scale: float = 1
     chunks = as_chunks(model)
     num_micro = len(micro_batches)
     micro_batches = context_parallel_batches(micro_batches, grid)
+    timers = {} if timers is None else timers
     if grid is None or (grid.layout.pp == 1 and len(chunks) == 1):
         total = torch.zeros(())
         for batch in micro_batches:
+            start = time.perf_counter()
             loss = stage_loss(stage_forward(chunks[0], None, batch, t), batch)
+            middle = time.perf_counter()
             (loss * (loss_scale / num_micro)).backward()
+            timers["forward"] = timers.get("forward", 0.0) + middle - start
+            timers["backward"] = timers.get("backward", 0.0) + time.perf_counter() - middle
             total += loss.detach()
         return total / num_micro
-    from megalite.pipeline.schedules import PipelineRunner
+    from megalite.pipeline.schedules import PipelineRunner, Trace
+
+    trace = trace if trace is not None else Trace()  # its F/B events give the time split
 
     runner = PipelineRunner(chunks, micro_batches, grid,
                             activation_shape(chunks[0], micro_batches[0]["tokens"].shape[0]),
                             lambda c, x, b: stage_forward(c, x, b, t), stage_loss, trace=trace,
                             loss_scale=loss_scale, dtype=next(chunks[0].parameters()).dtype)
     runner.run(t.pipeline_schedule)
+    for op, key in (("F", "forward"), ("B", "backward")):
+        timers[key] = timers.get(key, 0.0) + sum(e[4] - e[3] for e in trace.events if e[0] == op)
     total = torch.stack(runner.losses).sum() / num_micro if runner.losses else torch.zeros(())
     return comm.all_reduce(total, grid.pp_group)
 
@@ -228,6 +238,7 @@ class StepResult:
     lr: float
     loss_scale: float
     skipped: bool
+    times_ms: dict | None = None  # forward, backward, grad_sync (not overlapped), optimizer
 
 
 def embedding_allreduce_gradients(params, embedding_group) -> None:
@@ -254,8 +265,12 @@ def distributed_train_step(model, optimizer, micro_batches, t: TrainConfig, iter
     """One step with the data-parallel optimizer (DDP / ZeRO): gradients are reduced in
     buckets during backward, then unscaled, measured, clipped and applied on the shards."""
     optimizer.zero_grad(num_micro=len(micro_batches))
-    loss = forward_backward(model, micro_batches, t, scaler.scale, grid, trace)
+    timers: dict = {}
+    loss = forward_backward(model, micro_batches, t, scaler.scale, grid, trace, timers)
+    start = time.perf_counter()
     optimizer.finish_grad_sync()
+    timers["grad_sync"] = time.perf_counter() - start
+    start = time.perf_counter()
     norm = optimizer.grad_norm(scaler.scale)
     found_inf = not torch.isfinite(norm).item()
     scaler.update(found_inf)
@@ -263,10 +278,12 @@ def distributed_train_step(model, optimizer, micro_batches, t: TrainConfig, iter
     if not found_inf:
         coeff = min(1.0, t.clip_grad / (norm.item() + 1e-6)) if t.clip_grad > 0 else 1.0
         optimizer.step(lr, coeff)
+    timers["optimizer"] = time.perf_counter() - start
     if grid is not None:
         comm.all_reduce(loss, grid.dp_cp_group)
         loss /= comm.group_size(grid.dp_cp_group)
-    return StepResult(loss.item(), norm.item(), lr, scaler.scale, found_inf)
+    return StepResult(loss.item(), norm.item(), lr, scaler.scale, found_inf,
+                      {k: v * 1e3 for k, v in timers.items()})
 
 
 def train_step(model, optimizer, micro_batches, t: TrainConfig, iteration: int,

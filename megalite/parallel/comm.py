@@ -47,7 +47,13 @@ def count_collectives():
         _STATS = previous
 
 
-def _record(kind: str, tensor: torch.Tensor, full_numel: int | None = None) -> None:
+# The collective most recently started by this rank: (kind, group), for hang reports.
+LAST_COLLECTIVE: tuple[str, object] | None = None
+
+
+def _record(kind: str, tensor: torch.Tensor, full_numel: int | None = None, group=None) -> None:
+    global LAST_COLLECTIVE
+    LAST_COLLECTIVE = (kind, group)
     if _STATS is not None:
         entry = _STATS[kind]
         entry["calls"] += 1
@@ -85,26 +91,26 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce (counted); returns ``x``."""
     if group_size(group) > 1:
-        _record("all_reduce", x)
+        _record("all_reduce", x, group=group)
         dist.all_reduce(x, op=op, group=group)
     return x
 
 
 def all_reduce_async(x: torch.Tensor, group):
     """Start an in-place sum all-reduce (counted); returns the work handle."""
-    _record("all_reduce", x)
+    _record("all_reduce", x, group=group)
     return dist.all_reduce(x, group=group, async_op=True)
 
 
 def reduce_scatter_async(out: torch.Tensor, x: torch.Tensor, group):
     """Start a sum reduce-scatter of flat ``x`` into ``out`` (rank r gets chunk r)."""
-    _record("reduce_scatter", x)
+    _record("reduce_scatter", x, group=group)
     return _reduce_scatter_flat(out, x, group=group, async_op=True)
 
 
 def all_gather_async(out: torch.Tensor, x: torch.Tensor, group):
     """Start an all-gather of flat ``x`` into ``out`` (rank order)."""
-    _record("all_gather", x, out.numel())
+    _record("all_gather", x, out.numel(), group=group)
     return _all_gather_flat(out, x, group=group, async_op=True)
 
 
@@ -115,7 +121,7 @@ def all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
         return x
     x = x.contiguous()
     out = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    _record("all_gather", x, out.numel())
+    _record("all_gather", x, out.numel(), group=group)
     _all_gather_flat(out, x, group=group)
     return out
 
@@ -130,7 +136,7 @@ def reduce_scatter_dim0(x: torch.Tensor, group) -> torch.Tensor:
                          f"size must be divisible by the group size")
     x = x.contiguous()
     out = torch.empty((x.shape[0] // world,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
-    _record("reduce_scatter", x)
+    _record("reduce_scatter", x, group=group)
     _reduce_scatter_flat(out, x, group=group)
     return out
 

@@ -152,7 +152,7 @@ class ProcessGrid:
     """
 
     def __init__(self, layout: GridLayout, rank: int, gpus_per_node: int | None = None,
-                 backend: str | None = None):
+                 backend: str | None = None, timeout=None):
         import torch.distributed as dist
 
         self.layout = layout
@@ -167,7 +167,7 @@ class ProcessGrid:
             mine = None
             for ranks in layout.groups(kind):
                 # Every rank creates every group, in the same order (a torch.distributed rule).
-                group = dist.new_group(ranks, backend=backend) if distributed else None
+                group = dist.new_group(ranks, backend=backend, timeout=timeout) if distributed else None
                 if rank in ranks:
                     mine = (group, ranks)
             setattr(self, f"{kind}_group", mine[0] if mine else None)
@@ -204,8 +204,9 @@ class ProcessGrid:
 
 
 def build_grid(parallel: ParallelConfig, world_size: int, rank: int,
-               gpus_per_node: int | None = None) -> ProcessGrid:
-    """Validate the layout against the world and the machine, then build the groups."""
+               gpus_per_node: int | None = None, timeout=None) -> ProcessGrid:
+    """Validate the layout against the world and the machine, then build the groups
+    (``timeout``: a timedelta for every collective on them; torch's default otherwise)."""
     gpus_per_node = gpus_per_node or gpus_per_node_from_env(world_size)
     layout = GridLayout.from_config(parallel, world_size)
-    return ProcessGrid(layout, rank, gpus_per_node)
+    return ProcessGrid(layout, rank, gpus_per_node, timeout=timeout)

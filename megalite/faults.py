@@ -1,0 +1,74 @@
+"""Turning distributed faults into clear errors: collective timeouts and divergence.
+
+A collective that times out (``--distributed-timeout-minutes``) raises on the ranks that
+did arrive. :func:`hang_report` then names the operation and the group this rank was in
+(from the last collective it started) and finds the ranks that did not arrive: every
+surviving rank marks itself alive in the job's rendezvous store and, after a short grace
+period, reads which ranks of the group never did.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch.distributed as dist
+
+from megalite.parallel import comm
+from megalite.parallel.grid import GROUP_ORDER
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective did not complete: names the operation, the group and the missing ranks."""
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss or the gradients became NaN/inf in bf16/fp32 training."""
+
+
+def looks_like_timeout(error: BaseException) -> bool:
+    text = str(error).lower()
+    return any(w in text for w in ("timed out", "timeout", "connection closed", "connection reset",
+                                   "broken pipe", "peer"))
+
+
+def _group_name(grid, group) -> tuple[str, list[int]]:
+    if group is None:
+        return "world", list(range(dist.get_world_size()))
+    for kind in GROUP_ORDER:
+        if getattr(grid, f"{kind}_group", None) is group:
+            return kind, list(getattr(grid, f"{kind}_ranks"))
+    try:
+        return "custom", dist.get_process_group_ranks(group)
+    except Exception:  # noqa: BLE001 - a group we cannot name
+        return "unknown", []
+
+
+def hang_report(grid, timeout_s: float, grace_s: float = 3.0) -> CollectiveTimeout:
+    kind, group = comm.LAST_COLLECTIVE or ("unknown operation", None)
+    name, ranks = _group_name(grid, group)
+    missing: list[int] = []
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"megalite/alive/{grid.rank}", "1")
+        time.sleep(grace_s)
+        missing = [r for r in ranks if not store.check([f"megalite/alive/{r}"])]
+    except Exception:  # noqa: BLE001 - the store may be gone with the failed ranks
+        missing = []
+    who = f"rank(s) {missing} did not arrive" if missing else "the missing ranks could not be determined"
+    return CollectiveTimeout(
+        f"rank {grid.rank}: {kind} on the {name} group (ranks {ranks}) did not complete within "
+        f"{timeout_s:.0f} s: {who}. A rank that does not arrive is usually slow (data loading, a "
+        f"checkpoint), crashed, or running a different collective; check its log. "
+        f"(--distributed-timeout-minutes sets the limit.)")
+
+
+def check_finite(result, iteration: int, fp16: bool) -> None:
+    """bf16/fp32: a non-finite loss or gradient stops the run; fp16: the loss scaler skips it."""
+    if fp16:
+        return
+    if not math.isfinite(result.loss) or not math.isfinite(result.grad_norm):
+        raise TrainingDiverged(
+            f"iteration {iteration}: loss {result.loss}, gradient norm {result.grad_norm}: the run "
+            f"diverged (bf16/fp32 training has no loss scaler to skip the step). Fix: resume from the "
+            f"last checkpoint with a lower --lr or more --lr-warmup-iters, check the data, or "
+            f"use --clip-grad.")

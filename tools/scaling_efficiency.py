@@ -1,0 +1,85 @@
+#!/usr/bin/env python
+"""Data-parallel scaling efficiency: throughput(N) / (N x throughput(1)).
+
+    python tools/scaling_efficiency.py --ranks 1 2 4 [pretrain_gpt.py flags...]
+    python tools/scaling_efficiency.py --logs run1/log.jsonl run2/log.jsonl run4/log.jsonl --ranks 1 2 4
+
+Runs the same model (weak scaling: the same micro batch per rank, so the global batch grows
+with N) at each number of data-parallel ranks, here as local gloo processes, or reads the
+--log-json logs of such runs, and takes the median tokens/s after the first iterations.
+The practitioners' reading: efficiency below 0.7, look at communication (bucket size,
+overlap, the interconnect); below 0.5 the run is communication-bound: change the layout
+(less DP, more TP inside a node) or the network. On a CPU with few cores the processes
+compete for the same cores, so the numbers only demonstrate the tool.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+DEFAULT = ["--mock-data", "--vocab-size", "512", "--num-layers", "2", "--hidden-size", "64",
+           "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "4",
+           "--train-iters", "8", "--log-interval", "1000", "--overlap-grad-reduce"]
+
+
+def _run(rank, world, argv):
+    from megalite.pretrain import pretrain
+    return [r["tokens_per_sec"] for r in pretrain(argv)]
+
+
+def median_throughput(tokens_per_sec: list[float], skip: int = 2) -> float:
+    return statistics.median(tokens_per_sec[skip:] or tokens_per_sec)
+
+
+def verdict(efficiency: float) -> str:
+    if efficiency < 0.5:
+        return "communication-bound: change the layout or the interconnect"
+    if efficiency < 0.7:
+        return "look at communication"
+    return "ok"
+
+
+def table(ranks: list[int], throughputs: list[float]) -> list[dict]:
+    base = throughputs[0] / ranks[0]
+    rows = []
+    for n, tput in zip(ranks, throughputs):
+        eff = tput / (n * base)
+        rows.append({"ranks": n, "tokens_per_sec": tput, "efficiency": eff, "verdict": verdict(eff)})
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
+    p.add_argument("--logs", nargs="*", default=None, help="--log-json files of runs at --ranks")
+    p.add_argument("--json", default=None)
+    a, rest = p.parse_known_args()
+    if a.logs:
+        throughputs = [median_throughput([json.loads(x)["tokens_per_sec"] for x in open(f) if x.strip()])
+                       for f in a.logs]
+    else:
+        from megalite.testing import run_world
+        argv = rest or DEFAULT
+        throughputs = []
+        for n in a.ranks:
+            micro = int(argv[argv.index("--micro-batch-size") + 1]) if "--micro-batch-size" in argv else 4
+            extra = ["--global-batch-size", str(micro * n)]
+            throughputs.append(median_throughput(run_world(_run, n, argv + extra, timeout=600)[0]))
+    rows = table(a.ranks, throughputs)
+    print(f"{'DP ranks':>8} {'tokens/s':>10} {'efficiency':>10}  reading")
+    for r in rows:
+        print(f"{r['ranks']:>8} {r['tokens_per_sec']:>10,.0f} {r['efficiency']:>10.2f}  {r['verdict']}")
+    if not a.logs:
+        print("(CPU processes share the machine's cores: a demonstration of the tool, not a measurement "
+              "of megalite's scaling.)")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,569 @@
+"""Layout planner: memory, bubble and communication per GPU for every candidate layout.
+
+Pure arithmetic (no processes, no tensors); ``tools/plan_parallel.py`` is its command line.
+Units: bytes; memory is compared in GiB (2**30 bytes: a "24 GB" card holds 24 GiB).
+
+**Model state** (per rank, Psi = parameters this rank's TP/PP shard holds, N = DP x CP,
+the ranks that share one shard of the model and reduce its gradients; megalite's grid
+reduces over ``dp_cp``). Mixed precision with Adam stores per parameter 2 bytes of bf16
+weights + 2 bytes of bf16 gradients + 12 bytes of fp32 optimizer state (4 master weight
++ 4 Adam m + 4 Adam v) = **16 bytes**, and the ZeRO stages divide the parts by N
+(``megalite.data_parallel.accounting.zero_theory_bytes``): 16 Psi, 4 Psi + 12 Psi/N,
+2 Psi + 14 Psi/N, 16 Psi/N. A 7B model therefore needs 16 x 7e9 = 112 GB before
+activations. (A rougher rule counts fp16 weights + fp16 gradients + 4 bytes of optimizer
+state = 8 bytes/param, i.e. 56 GB for 7B; that undercounts Adam, which keeps an fp32
+master copy and two fp32 moments. Both exceed a 24 GB GPU many times over, so plain DDP
+is impossible either way; the planner uses the 16-byte figure and reports its parts.)
+megalite's ``--bf16`` accumulates gradients in fp32 by default (``fp32_grads``: 18 bytes).
+
+Psi of a rank on pipeline stage p, with TP = t: its L/P layers, whose large matrices are
+split over TP and whose norms and row-parallel biases are replicated, plus on the first
+stage the word embedding (vocabulary padded to a multiple of 128 t, split over TP) and
+learned positions, and on the last stage the final norm and the output layer (with tied
+embeddings and P > 1 the last stage holds its own copy of the word embedding).
+
+**Activations** per layer and micro-batch (Korthikanti et al. 2022, "Reducing Activation
+Recomputation in Large Transformer Models"), 16-bit, with dropout masks of 1 byte,
+for s tokens, micro batch b, hidden h, a heads::
+
+    s b h (34 + 5 a s / h)     bytes without recomputation, t = 1
+    s b h (10 + 24/t + 5 a s / (h t))            with TP, no sequence parallelism
+    s b h / t (34 + 5 a s / h)                   with TP and sequence parallelism
+    selective recomputation drops the 5 a s / h term (attention scores, recomputed);
+    full recomputation keeps only the layer input, 2 s b h (/t under SP), plus one
+    layer's full activations while it is recomputed during backward.
+
+The 34 is 10 replicated (norm inputs 2+2, QKV and FC1 inputs 2+2, two dropout masks 1+1)
+plus 24 split over TP (Q, K, V 2+2+2, attention output 2, GELU input and output 2 x 8 for
+an FFN of 4h); the code computes the parts from the real FFN size, key/value groups and
+SwiGLU (which stores gate, up, silu(gate) and their product: 8 s b f instead of 4 s b f).
+The last stage adds fp32 logits for the loss, 4 s b V / t. With CP each rank holds s/CP
+tokens. ``flash_attention=True`` drops the scores term as selective recomputation does
+(flash-style kernels never store the s x s probabilities).
+
+Micro-batches in flight: 1 without PP (gradient accumulation finishes each backward
+before the next forward); under 1F1B stage p holds min(P - p, M), so the first stage P.
+Pipeline bubble: (P - 1) / (M + P - 1) with M = global batch / (micro batch x DP).
+
+**Communication** per step, bytes on the wire per rank (ring collectives: an all-reduce
+moves 2 (n-1)/n of the tensor, all-gather and reduce-scatter (n-1)/n each), w and g the
+weight and gradient bytes::
+
+    DP, ZeRO-0: all-reduce of the gradients             2 Psi g (N-1)/N
+    ZeRO-1: reduce-scatter gradients + all-gather weights   Psi (g + w) (N-1)/N
+    ZeRO-2: reduce-scatter every micro-batch (megalite)     Psi (M g + w) (N-1)/N
+    ZeRO-3: + weights gathered before each forward and backward: Psi M (g + 2 w) (N-1)/N,
+            1.5x DDP at M = 1
+    TP: 4 all-reduces of b s h (2 bytes) per layer per micro-batch (6 with full recompute)
+    PP: each micro-batch's activation forward and its gradient backward, b s h (/t under SP)
+    CP: K and V passed round the ring, (CP-1) times forward and twice that backward
+
+A group runs on NVLink (~450 GB/s) when all its ranks are on one node and on InfiniBand
+(~50 GB/s) otherwise; rank order is megalite's grid, ``rank = tp + TP*(cp + CP*(dp + DP*pp))``.
+Times assume no overlap with compute (an upper bound on what communication can cost).
+
+**Recommendation**: the first layout that fits along the practitioners' ladder (see
+``RUNGS`` and ``ladder_key``): DDP; ZeRO-1; ZeRO-2; TP inside a node (2, 4, 8, with
+sequence parallelism); PP across nodes (TP as large as the node allows); ZeRO-3; then CP
+for sequences whose activations fit no other way (CP 2 climbs the same ladder, then CP 4
+...). Within a step, recomputation none before selective; full recomputation (about a third
+more compute: the forward runs twice) only when nothing fits without it. The explanation
+names why each simpler step does not fit, and points at a fitting layout with much less
+communication when there is one.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+
+from megalite import config as megalite_config
+from megalite.config import (Config, ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainConfig,
+                             validate)
+from megalite.data_parallel.accounting import zero_theory_bytes
+from megalite.parallel.grid import GridLayout
+
+GiB = 2**30
+RECOMPUTE = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    gpu_memory_gb: float  # per GPU, as on the spec sheet (GiB)
+    gpus_per_node: int
+    nodes: int = 1
+    nvlink_gbps: float = 450.0  # GB/s per GPU inside a node
+    ib_gbps: float = 50.0  # GB/s per GPU across nodes
+    headroom: float = 0.10  # fraction kept free: CUDA context, allocator fragmentation, workspaces
+
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    @property
+    def usable_bytes(self) -> float:
+        return self.gpu_memory_gb * GiB * (1 - self.headroom)
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str = "bf16"
+    weight_bytes: int = 2
+    grad_bytes: int = 2
+    act_bytes: int = 2  # activations (dropout masks are 1 byte regardless)
+    optimizer_bytes: int = 12  # fp32 master + Adam m + Adam v
+
+    @property
+    def bytes_per_param(self) -> int:
+        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+def precision(name: str = "bf16", fp32_grads: bool = False) -> Precision:
+    if name not in ("bf16", "fp16", "fp32"):
+        raise ValueError(f"precision {name!r} is unknown; use bf16, fp16 or fp32")
+    w = 4 if name == "fp32" else 2
+    return Precision(name, w, 4 if fp32_grads else w, w)
+
+
+@dataclass(frozen=True)
+class Layout:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    zero: int = 0
+    recompute: str = "none"
+
+    @property
+    def sp(self) -> bool:  # sequence parallelism always accompanies TP here (Megatron practice)
+        return self.tp > 1
+
+    def describe(self) -> str:
+        parts = [f"TP {self.tp}" + (" (SP)" if self.sp else "")] if self.tp > 1 else []
+        parts += [f"{k} {v}" for k, v in (("CP", self.cp), ("PP", self.pp)) if v > 1]
+        parts.append(f"DP {self.dp}")
+        return " x ".join(parts) + f", ZeRO-{self.zero}, recompute {self.recompute}"
+
+
+# -- parameters ------------------------------------------------------------------------------------
+
+def layer_parameters(m: ModelConfig, tp: int = 1) -> tuple[int, int]:
+    """(split over TP, replicated) parameters of one transformer layer on one TP rank.
+
+    GPT-2 (LayerNorm, biases, FFN 4h, no GQA): split (12 h^2 + 7 h) / t, replicated 6 h
+    (two norms of 2h, the attention projection and FC2 biases, added after the reduction)."""
+    h, d, a, g, f = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size
+    bias = int(m.add_bias_linear)
+    sections = 2 if m.swiglu else 1
+    qkv = (a + 2 * g) * d
+    split = h * qkv + bias * qkv + a * d * h + h * sections * f + bias * sections * f + f * h
+    replicated = 2 * _norm_parameters(m) + 2 * bias * h
+    return split // tp, replicated
+
+
+def _norm_parameters(m: ModelConfig) -> int:
+    return 2 * m.hidden_size if m.normalization == "LayerNorm" else m.hidden_size
+
+
+def stage_parameters(m: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0) -> int:
+    """Psi of one rank on pipeline stage ``stage``: what its weights and gradients hold."""
+    split, replicated = layer_parameters(m, tp)
+    psi = (m.num_layers // pp) * (split + replicated)
+    embedding = m.padded_vocab_size(tp) * m.hidden_size // tp
+    tied = not m.untie_embeddings_and_output_weights
+    first, last = stage == 0, stage == pp - 1
+    if first:
+        psi += embedding
+        if m.position_embedding_type == "learned_absolute":
+            psi += m.max_position_embeddings * m.hidden_size
+    if last:
+        psi += _norm_parameters(m)
+        if not tied or not first:  # the output layer, or the last stage's copy of the embedding
+            psi += embedding
+    return psi
+
+
+def total_parameters(m: ModelConfig) -> int:
+    """Parameters of the whole model, real (unpadded) vocabulary, tied embedding once."""
+    split, replicated = layer_parameters(m)
+    vocab = m.vocab_size * m.hidden_size * (1 if not m.untie_embeddings_and_output_weights else 2)
+    positions = m.max_position_embeddings * m.hidden_size if m.position_embedding_type == "learned_absolute" else 0
+    return m.num_layers * (split + replicated) + vocab + positions + _norm_parameters(m)
+
+
+def model_state_bytes(psi: int, n: int, zero: int, prec: Precision) -> dict[str, float]:
+    """Weights, gradients, fp32 master + Adam state per rank (the ZeRO arithmetic)."""
+    s = zero_theory_bytes(psi, n, zero, prec.weight_bytes, prec.grad_bytes)
+    scale = prec.optimizer_bytes / 12  # zero_theory_bytes counts 12 bytes of optimizer state
+    return {"weights": s["weights"], "gradients": s["gradients"],
+            "master_and_optimizer": s["master_and_optimizer"] * scale,
+            "total": s["weights"] + s["gradients"] + s["master_and_optimizer"] * scale}
+
+
+# -- activations -----------------------------------------------------------------------------------
+
+def layer_activation_bytes(m: ModelConfig, micro: int, tp: int = 1, sp: bool = False, cp: int = 1,
+                           recompute: str = "none", act_bytes: int = 2, flash_attention: bool = False) -> float:
+    """Bytes one layer keeps for backward per micro-batch (module docstring)."""
+    s, b, h, a = m.seq_length / cp, micro, m.hidden_size, m.num_attention_heads
+    kv = m.num_query_groups / a
+    sbh, sbf, B = s * b * h, s * b * m.ffn_hidden_size, act_bytes
+    if recompute == "full":
+        return B * sbh / (tp if sp else 1)
+    replicated = (4 * B + 2) * sbh  # norm inputs, QKV and FC1 inputs, two dropout masks: 10 sbh
+    mlp = (4 if m.swiglu else 2) * B * sbf
+    split = B * sbh * (2 + 2 * kv) + mlp  # Q, K, V, attention output; MLP: 24 sbh for GPT-2
+    scores = 0.0 if recompute == "selective" or flash_attention else (2 * B + 1) * a * s * s * b  # 5 a s^2 b
+    return replicated / (tp if sp else 1) + (split + scores) / tp
+
+
+def in_flight(pp: int, stage: int, num_micro: int) -> int:
+    """Micro-batches whose activations a stage holds at once under 1F1B: min(P - p, M)."""
+    return min(pp - stage, num_micro)
+
+
+def stage_activation_bytes(m: ModelConfig, layout: Layout, stage: int, micro: int, num_micro: int,
+                           prec: Precision, flash_attention: bool = False) -> float:
+    t, sp, cp = layout.tp, layout.sp, layout.cp
+    args = dict(micro=micro, tp=t, sp=sp, cp=cp, act_bytes=prec.act_bytes, flash_attention=flash_attention)
+    per_mb = (m.num_layers // layout.pp) * layer_activation_bytes(m, recompute=layout.recompute, **args)
+    sbh = m.seq_length / cp * micro * m.hidden_size / (t if sp else 1)
+    if stage == 0:
+        per_mb += sbh  # embedding dropout mask
+    if stage == layout.pp - 1:
+        per_mb += prec.act_bytes * sbh + 4 * m.seq_length / cp * micro * m.padded_vocab_size(t) / t
+    total = per_mb * in_flight(layout.pp, stage, num_micro)
+    if layout.recompute == "full":  # the layer being recomputed during backward
+        total += layer_activation_bytes(m, recompute="none", **args)
+    return total
+
+
+def pipeline_bubble(pp: int, num_micro: int) -> float:
+    """Idle fraction of a 1F1B or GPipe step: (P - 1) / (M + P - 1)."""
+    return (pp - 1) / (num_micro + pp - 1)
+
+
+# -- communication ---------------------------------------------------------------------------------
+
+def group_spans_nodes(layout: Layout, kind: str, gpus_per_node: int) -> bool:
+    """Whether any group of this kind ('tp', 'cp', 'dp_cp', 'pp') has ranks on two nodes."""
+    return _spans(layout.tp, layout.cp, layout.dp, layout.pp, kind, gpus_per_node)
+
+
+@functools.lru_cache(maxsize=4096)
+def _spans(tp: int, cp: int, dp: int, pp: int, kind: str, gpus_per_node: int) -> bool:
+    grid = GridLayout(tp=tp, cp=cp, dp=dp, pp=pp)  # megalite's rank order, pure arithmetic
+    return any(len({r // gpus_per_node for r in ranks}) > 1 for ranks in grid.groups(kind))
+
+
+def communication(m: ModelConfig, layout: Layout, psi: int, micro: int, num_micro: int, prec: Precision,
+                  hw: Hardware) -> dict[str, dict]:
+    """Per kind: wire bytes per rank per step, the link it runs on and the time there."""
+    n, t, M = layout.dp * layout.cp, layout.tp, num_micro
+    w, g = prec.weight_bytes, prec.grad_bytes
+    ring = (n - 1) / n
+    dp = {0: 2 * psi * g, 1: psi * (g + w), 2: psi * (M * g + w), 3: psi * M * (g + 2 * w)}[layout.zero] * ring
+    layers = m.num_layers // layout.pp
+    bsh = micro * m.seq_length / layout.cp * m.hidden_size * prec.act_bytes
+    passes = 6 if layout.recompute == "full" else 4
+    tp = M * layers * passes * bsh * 2 * (t - 1) / t
+    pp = 2 * M * bsh / (t if layout.sp else 1) if layout.pp > 1 else 0.0
+    kv = bsh * 2 * m.num_query_groups / m.num_attention_heads / t
+    cp = M * layers * (3 + (layout.recompute == "full")) * (layout.cp - 1) * kv
+    result = {}
+    for kind, group, volume in (("dp", "dp_cp", dp), ("tp", "tp", tp), ("pp", "pp", pp), ("cp", "cp", cp)):
+        if volume <= 0:
+            continue
+        slow = group_spans_nodes(layout, group, hw.gpus_per_node)
+        gbps = hw.ib_gbps if slow else hw.nvlink_gbps
+        result[kind] = {"bytes": volume, "link": "InfiniBand" if slow else "NVLink",
+                        "seconds": volume / (gbps * 1e9)}
+    return result
+
+
+# -- one layout ------------------------------------------------------------------------------------
+
+@dataclass
+class Estimate:
+    layout: Layout
+    num_micro: int
+    stage: int  # the pipeline stage with the most memory
+    psi: int  # parameters on that stage's ranks
+    memory: dict  # weights, gradients, master_and_optimizer, activations, buffers, total (bytes)
+    bubble: float
+    comm: dict
+    fits: bool
+
+    @property
+    def comm_seconds(self) -> float:
+        return sum(c["seconds"] for c in self.comm.values())
+
+    def to_dict(self) -> dict:
+        return {**dataclasses.asdict(self), "layout": dataclasses.asdict(self.layout),
+                "description": self.layout.describe(), "comm_seconds": self.comm_seconds}
+
+
+def estimate(m: ModelConfig, layout: Layout, global_batch: int, micro: int, prec: Precision, hw: Hardware,
+             flash_attention: bool = False) -> Estimate:
+    """Memory of the fullest pipeline stage, the bubble and the communication of one layout."""
+    num_micro = global_batch // (micro * layout.dp)
+    best = None
+    for stage in range(layout.pp):
+        psi = stage_parameters(m, layout.tp, layout.pp, stage)
+        mem = model_state_bytes(psi, layout.dp * layout.cp, layout.zero, prec)
+        mem["activations"] = stage_activation_bytes(m, layout, stage, micro, num_micro, prec, flash_attention)
+        mem["buffers"] = 0.0
+        if layout.zero == 3:  # two layers gathered (current + prefetch), embeddings kept for the step
+            split, replicated = layer_parameters(m, layout.tp)
+            mem["buffers"] = prec.weight_bytes * (2 * (split + replicated)
+                                                  + psi - (m.num_layers // layout.pp) * (split + replicated))
+        mem["total"] += mem["activations"] + mem["buffers"]
+        if best is None or mem["total"] > best[2]["total"]:
+            best = (stage, psi, mem)
+    stage, psi, mem = best
+    comm = communication(m, layout, psi, micro, num_micro, prec, hw)
+    return Estimate(layout, num_micro, stage, psi, mem, pipeline_bubble(layout.pp, num_micro), comm,
+                    mem["total"] <= hw.usable_bytes)
+
+
+def check_layout(m: ModelConfig, layout: Layout, global_batch: int, micro: int, hw: Hardware) -> str | None:
+    """None if megalite's validation accepts the layout, else its message (the reason).
+
+    The layout is judged for the target cluster, not this machine: the attention backend is
+    set to torch (its local availability is not the question), and CP is folded into the
+    world (CP ranks replaced by a world CP times smaller: the same DP) after checking the
+    two CP rules here (sequence in 2 CP chunks; under SP, s/CP divisible by TP)."""
+    s, cp, tp = m.seq_length, layout.cp, layout.tp
+    if cp > 1 and s % (2 * cp):
+        return (f"--seq-length ({s}) must be divisible by 2 * --context-parallel-size ({2 * cp}): the "
+                f"load-balanced causal split cuts each sequence into 2*CP equal chunks.")
+    if cp > 1 and layout.sp and (s // cp) % tp:
+        return f"--seq-length / CP ({s // cp}) must be divisible by TP ({tp}) for sequence parallelism."
+    model = dataclasses.replace(m, attention_backend="torch", fused_kernels=False)
+    cfg = Config(model, ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=layout.pp,
+                                       sequence_parallel=layout.sp),
+                 TrainConfig(micro_batch_size=micro, global_batch_size=global_batch, zero_stage=layout.zero),
+                 DataConfig(mock_data=True))
+    try:
+        validate(cfg, hw.world_size // cp, hw.gpus_per_node)
+    except ConfigError as e:
+        return str(e)
+    return None
+
+
+# -- all candidates and the recommendation ---------------------------------------------------------
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidate_layouts(m: ModelConfig, hw: Hardware, max_cp: int = 8) -> list[Layout]:
+    """TP in divisors of GPUs per node up to 8, CP powers of two up to ``max_cp``, PP dividing
+    the layers, DP what remains; every ZeRO stage (only 0 when DP x CP = 1) and recomputation."""
+    world, out = hw.world_size, []
+    for tp in (d for d in _divisors(hw.gpus_per_node) if d <= 8):
+        for cp in (c for c in (1, 2, 4, 8, 16, 32) if c <= max_cp):
+            for pp in _divisors(m.num_layers):
+                if world % (tp * cp * pp):
+                    continue
+                dp = world // (tp * cp * pp)
+                for zero in range(4 if dp * cp > 1 else 1):  # nothing to shard over one rank
+                    for rc in RECOMPUTE:
+                        out.append(Layout(tp, pp, dp, cp, zero, rc))
+    return out
+
+
+RUNGS = ("data parallel", "tensor parallel inside a node", "pipeline parallel",
+         "ZeRO-3", "context parallel")
+
+
+def rung(layout: Layout) -> int:
+    if layout.cp > 1:
+        return 4
+    if layout.zero == 3:
+        return 3
+    if layout.pp > 1:
+        return 2
+    return 1 if layout.tp > 1 else 0
+
+
+def ladder_key(layout: Layout) -> tuple:
+    """Sort key of the practitioners' order (module docstring): full recomputation last;
+    then CP (1 first; each larger CP climbs the other rungs again); then the rung; TP
+    ascending inside the TP rung, but once PP is needed TP as large as the node allows
+    (Narayanan et al. 2021); then recomputation none before selective; then the ZeRO stage
+    (ZeRO-1 keeps DDP's traffic; megalite's ZeRO-2 reduce-scatters every micro-batch)."""
+    inner = rung(dataclasses.replace(layout, cp=1))  # CP layouts climb the same ladder inside
+    tp_order = -layout.tp if inner == 2 else layout.tp
+    return (layout.recompute == "full", layout.cp, inner, layout.pp, tp_order,
+            RECOMPUTE.index(layout.recompute), layout.zero)
+
+
+@dataclass
+class Plan:
+    model: ModelConfig
+    hardware: Hardware
+    precision: Precision
+    global_batch: int
+    micro: int
+    estimates: list[Estimate]  # valid layouts, in ladder order
+    invalid: dict = field(default_factory=dict)  # Layout -> reason megalite refuses it
+    choice: Estimate | None = None
+    reasons: list[str] = field(default_factory=list)
+
+    def fitting(self) -> list[Estimate]:
+        return [e for e in self.estimates if e.fits]
+
+
+def plan(m: ModelConfig, hw: Hardware, global_batch: int, micro: int, prec: Precision | None = None,
+         flash_attention: bool = False, max_cp: int = 8) -> Plan:
+    prec = prec or precision()
+    checked: dict[tuple, str | None] = {}
+    estimates, invalid = [], {}
+    for layout in sorted(candidate_layouts(m, hw, max_cp), key=ladder_key):
+        key = (layout.tp, layout.pp, layout.cp, layout.zero)
+        if key not in checked:
+            checked[key] = check_layout(m, layout, global_batch, micro, hw)
+        if checked[key]:
+            invalid[layout] = checked[key]
+            continue
+        estimates.append(estimate(m, layout, global_batch, micro, prec, hw, flash_attention))
+    result = Plan(m, hw, prec, global_batch, micro, estimates, invalid)
+    fitting = result.fitting()
+    result.choice = fitting[0] if fitting else None
+    result.reasons = explain(result)
+    return result
+
+
+def _gib(x: float) -> str:
+    return f"{x / GiB:.1f} GiB"
+
+
+def _breakdown(e: Estimate) -> str:
+    mem = e.memory
+    return (f"weights {_gib(mem['weights'])} + gradients {_gib(mem['gradients'])} + master/Adam "
+            f"{_gib(mem['master_and_optimizer'])} + activations {_gib(mem['activations'])}"
+            + (f" + gathered weights {_gib(mem['buffers'])}" if mem["buffers"] else ""))
+
+
+def megalite_gaps(layout: Layout) -> list[str]:
+    """What megalite itself cannot run yet for this layout (read from its flags and config)."""
+    from megalite.arguments import build_parser
+
+    flags = {s for a in build_parser()._actions for s in a.option_strings}
+    gaps = []
+    if layout.recompute != "none" and "--recompute-granularity" not in flags:
+        gaps.append(f"--recompute-granularity {layout.recompute} (planned in megalite, issue 9)")
+    if layout.cp > 1:
+        if "context_parallel_size" in getattr(megalite_config, "NOT_YET_SUPPORTED", {}):
+            gaps.append("--context-parallel-size (not yet supported in megalite, issue 7)")
+        else:
+            gaps.append("--context-parallel-size needs --attention-backend triton (ring attention merges "
+                        "partial results with the log-sum-exp)")
+    return gaps
+
+
+def _step(layout: Layout) -> tuple:
+    """The step of the ladder a layout belongs to, as a user would name it: DDP, ZeRO-1 and
+    ZeRO-2 apart; then TP t; PP p (any TP); ZeRO-3 with TP t; CP c."""
+    r = rung(layout)
+    return (r, [layout.zero, layout.tp, layout.pp, layout.tp, layout.cp][r])
+
+
+def _step_name(step: tuple) -> str:
+    r, n = step
+    if r == 0:
+        return ["DDP", "ZeRO-1", "ZeRO-2"][n]
+    return ["", "TP {}", "PP {}", "ZeRO-3 with TP {}", "CP {}"][r].format(n)
+
+
+def _in_flight_words(e: Estimate) -> str:
+    n = in_flight(e.layout.pp, e.stage, e.num_micro)
+    where = f"pipeline stage {e.stage}" if e.layout.pp > 1 else "each GPU"
+    return f"{n} micro-batch{'es' if n > 1 else ''} of activations in flight on {where}"
+
+
+def _simpler_layouts(p: Plan) -> list[str]:
+    """One line per simpler step of the ladder, up to the chosen layout: its smallest memory
+    (best ZeRO stage and recomputation up to selective) against the usable memory; then the
+    variants of the chosen step tried before it."""
+    usable, chosen = p.hardware.usable_bytes, p.choice
+    order = [e for e in p.estimates if e.layout.recompute != "full"]
+    if chosen is not None and chosen in order:
+        order = order[:order.index(chosen)]
+    steps: dict[tuple, list[Estimate]] = {}
+    for e in order:
+        steps.setdefault(_step(e.layout), []).append(e)
+    before = steps.pop(_step(chosen.layout), []) if chosen is not None else []
+    lines = []
+    for step, tried in steps.items():
+        best = min(tried, key=lambda e: e.memory["total"])
+        lines.append(f"Not {_step_name(step)}: {best.layout.describe()} needs {_gib(best.memory['total'])} > "
+                     f"{_gib(usable)} usable ({_breakdown(best)}).")
+    if before:
+        shown = ", ".join(f"{e.layout.describe()}: {_gib(e.memory['total'])}" for e in before[-4:])
+        lines.append(f"Within {_step_name(_step(chosen.layout))}, the simpler variants do not fit "
+                     f"({'last ' + str(min(4, len(before))) + ' of ' + str(len(before)) if len(before) > 4 else 'all'}"
+                     f" tried: {shown}).")
+    return lines
+
+
+def explain(p: Plan) -> list[str]:
+    """Plain-words reasons: the model-state arithmetic, why each simpler rung fails, the choice."""
+    m, hw, prec = p.model, p.hardware, p.precision
+    psi_all = total_parameters(m)
+    usable = hw.usable_bytes
+    ddp = model_state_bytes(stage_parameters(m), 1, 0, prec)["total"]
+    lines = [f"{psi_all / 1e9:.2f}B parameters x {prec.bytes_per_param} bytes ({prec.weight_bytes} weights + "
+             f"{prec.grad_bytes} gradients + {prec.optimizer_bytes} fp32 master and Adam moments) = "
+             f"{ddp / 1e9:.1f} GB ({_gib(ddp)}) of weights+grads+optimizer state per model copy, before "
+             f"activations; a GPU has {hw.gpu_memory_gb:g} GiB, {_gib(usable)} usable after "
+             f"{hw.headroom:.0%} headroom."]
+    if ddp > usable:
+        lines.append(f"So plain data parallelism (DDP, a full copy per GPU) is impossible: the model state "
+                     f"alone is {ddp / usable:.1f}x the usable memory.")
+    chosen = p.choice
+    lines += _simpler_layouts(p)
+    if chosen is None:
+        lines.append("Nothing fits, even with full recomputation and ZeRO-3: use more or larger GPUs, "
+                     "a smaller micro batch or sequence, or CPU offload of the optimizer (--offload-optimizer).")
+        return lines
+    lay = chosen.layout
+    lines.append(f"Recommended: {lay.describe()}: {_gib(chosen.memory['total'])} per GPU "
+                 f"({_breakdown(chosen)}), {_in_flight_words(chosen)}.")
+    why = []
+    if lay.zero == 1:
+        why.append(f"ZeRO-1 shards the fp32 master weights and Adam moments over the {lay.dp * lay.cp} "
+                   f"data-parallel ranks for DDP's traffic (reduce-scatter + all-gather = one all-reduce)")
+    if lay.zero == 2:
+        why.append(f"ZeRO-2 also shards the gradients over the {lay.dp * lay.cp} data-parallel ranks, "
+                   f"but megalite reduce-scatters them every micro-batch ({chosen.num_micro} per step)")
+    if lay.tp > 1:
+        why.append(f"TP {lay.tp} splits every layer inside a node, its per-layer all-reduces on "
+                   f"{chosen.comm['tp']['link']}")
+    if lay.pp > 1:
+        why.append(f"PP {lay.pp} cuts the layers into stages (p2p on {chosen.comm['pp']['link']}); bubble "
+                   f"(P-1)/(M+P-1) = {chosen.bubble:.1%} with M = {chosen.num_micro}")
+    if lay.zero == 3:
+        why.append("ZeRO-3 shards the weights too, gathering each layer before use (1.5x DDP traffic)")
+    if lay.cp > 1:
+        why.append(f"CP {lay.cp} splits the long sequence, dividing activations by {lay.cp}")
+    if lay.recompute == "selective":
+        why.append("selective recomputation recomputes the attention scores instead of storing them (a few % compute)")
+    if lay.recompute == "full":
+        why.append("full recomputation stores only each layer's input (~33% more compute)")
+    if why:
+        lines.append("Why: " + "; ".join(why) + ".")
+    comm = ", ".join(f"{k.upper()} {c['bytes'] / 1e9:.2f} GB on {c['link']} {c['seconds'] * 1e3:.0f} ms"
+                     for k, c in chosen.comm.items())
+    lines.append(f"Communication per step per GPU (no overlap): {comm or 'none'}.")
+    comparable = [e for e in p.fitting() if RECOMPUTE.index(e.layout.recompute) <= RECOMPUTE.index(lay.recompute)]
+    cheaper = min(comparable, key=lambda e: e.comm_seconds)
+    if cheaper.comm_seconds < 0.5 * chosen.comm_seconds:
+        lines.append(f"Less communication among the layouts that fit: {cheaper.layout.describe()} "
+                     f"({cheaper.comm_seconds * 1e3:.0f} ms against {chosen.comm_seconds * 1e3:.0f} ms per step, "
+                     f"{_gib(cheaper.memory['total'])} per GPU, bubble {cheaper.bubble:.1%}): worth measuring.")
+    gaps = megalite_gaps(lay)
+    if gaps:
+        lines.append("megalite today: " + "; ".join(gaps) + ".")
+    return lines

@@ -1,0 +1,139 @@
+#!/usr/bin/env python
+"""Plan a parallel layout: memory per GPU, pipeline bubble and communication of every
+candidate (TP, PP, DP, CP, ZeRO stage, recomputation), and a recommendation in plain words.
+
+The arithmetic (and its sources) is in ``megalite/planner.py``. Memory per GPU = weights +
+gradients + fp32 master and Adam state under the layout's ZeRO stage + activations of the
+micro-batches in flight (+ ZeRO-3's gathered layers), against the GPU memory less a headroom.
+
+    python tools/plan_parallel.py --num-layers 32 --hidden-size 4096 --num-attention-heads 32 \\
+        --seq-length 4096 --vocab-size 32000 --global-batch-size 64 --micro-batch-size 1 \\
+        --gpu-memory-gb 24 --gpus-per-node 8 --nodes 1 [--json plan.json]
+"""
+import argparse
+import json
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from megalite.config import ModelConfig  # noqa: E402
+from megalite.planner import GiB, Hardware, plan, precision, total_parameters  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("model (megalite / Megatron-LM flag names)")
+    g.add_argument("--num-layers", type=int, required=True)
+    g.add_argument("--hidden-size", type=int, required=True)
+    g.add_argument("--num-attention-heads", type=int, required=True)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4*hidden (SwiGLU: ~8/3*hidden)")
+    g.add_argument("--num-query-groups", type=int, default=None, help="grouped-query attention")
+    g.add_argument("--seq-length", type=int, required=True)
+    g.add_argument("--max-position-embeddings", type=int, default=None)
+    g.add_argument("--vocab-size", type=int, required=True)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--swiglu", action="store_true")
+    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
+    g = p.add_argument_group("batch")
+    g.add_argument("--global-batch-size", type=int, required=True)
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g = p.add_argument_group("hardware")
+    g.add_argument("--gpu-memory-gb", type=float, required=True, help="per GPU, as on the spec sheet (GiB)")
+    g.add_argument("--gpus-per-node", type=int, default=8)
+    g.add_argument("--nodes", type=int, default=1)
+    g.add_argument("--nvlink-gbps", type=float, default=450.0, help="GB/s per GPU inside a node")
+    g.add_argument("--ib-gbps", type=float, default=50.0, help="GB/s per GPU across nodes")
+    g.add_argument("--headroom", type=float, default=0.10,
+                   help="fraction of GPU memory kept free (CUDA context, fragmentation, workspaces)")
+    g = p.add_argument_group("precision and options")
+    g.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16",
+                   help="bf16/fp16: mixed precision with fp32 master weights and Adam (16 bytes/param)")
+    g.add_argument("--fp32-grads", action="store_true",
+                   help="4-byte gradient buffers (megalite's default with --bf16: 18 bytes/param)")
+    g.add_argument("--flash-attention", action="store_true",
+                   help="the attention kernel never stores the s x s scores (flash-attn, SDPA, Triton)")
+    g.add_argument("--max-context-parallel", type=int, default=8, help="largest CP considered")
+    g.add_argument("--top", type=int, default=15, help="rows of the table of layouts that fit")
+    g.add_argument("--json", default=None, help="write the whole plan (every candidate) as JSON")
+    return p
+
+
+def model_from_args(a) -> ModelConfig:
+    return ModelConfig(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
+                       ffn_hidden_size=a.ffn_hidden_size, num_query_groups=a.num_query_groups,
+                       vocab_size=a.vocab_size, make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,
+                       seq_length=a.seq_length, max_position_embeddings=a.max_position_embeddings,
+                       position_embedding_type=a.position_embedding_type, normalization=a.normalization,
+                       swiglu=a.swiglu, add_bias_linear=not a.disable_bias_linear,
+                       untie_embeddings_and_output_weights=a.untie_embeddings_and_output_weights)
+
+
+def table(estimates, usable: float) -> list[str]:
+    head = (f"{'TP':>3} {'PP':>3} {'CP':>3} {'DP':>4} {'ZeRO':>4} {'recompute':>9} | {'total':>6} {'weights':>7} "
+            f"{'grads':>6} {'m+Adam':>6} {'activ':>6} {'bufs':>5} | {'M':>4} {'bubble':>6} | comm ms/step "
+            f"(N = NVLink, I = InfiniBand)")
+    rows = [head, "-" * len(head)]
+    for e in estimates:
+        lay, mem = e.layout, e.memory
+        comm = " ".join(f"{k.upper()} {c['seconds'] * 1e3:.0f}{c['link'][0]}" for k, c in e.comm.items())
+        rows.append(f"{lay.tp:>3} {lay.pp:>3} {lay.cp:>3} {lay.dp:>4} {lay.zero:>4} {lay.recompute:>9} | "
+                    f"{mem['total'] / GiB:>6.1f} {mem['weights'] / GiB:>7.1f} {mem['gradients'] / GiB:>6.1f} "
+                    f"{mem['master_and_optimizer'] / GiB:>6.1f} {mem['activations'] / GiB:>6.1f} "
+                    f"{mem['buffers'] / GiB:>5.1f} | {e.num_micro:>4} {e.bubble:>6.1%} | {comm or '-'}")
+    rows.append(f"(GiB per GPU on the fullest pipeline stage; {usable / GiB:.1f} GiB usable)")
+    return rows
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    m = model_from_args(a)
+    hw = Hardware(a.gpu_memory_gb, a.gpus_per_node, a.nodes, a.nvlink_gbps, a.ib_gbps, a.headroom)
+    prec = precision(a.precision, a.fp32_grads)
+    result = plan(m, hw, a.global_batch_size, a.micro_batch_size, prec, a.flash_attention, a.max_context_parallel)
+    print(f"model: {total_parameters(m) / 1e9:.2f}B parameters, {m.num_layers} layers, hidden {m.hidden_size}, "
+          f"{m.num_attention_heads} heads ({m.num_query_groups} KV groups), FFN {m.ffn_hidden_size}"
+          f"{' SwiGLU' if m.swiglu else ''}, vocab {m.vocab_size}, seq {m.seq_length}; global batch "
+          f"{a.global_batch_size}, micro batch {a.micro_batch_size}")
+    print(f"hardware: {hw.world_size} GPUs = {hw.nodes} node(s) x {hw.gpus_per_node}, {hw.gpu_memory_gb:g} GiB each; "
+          f"NVLink {hw.nvlink_gbps:g} GB/s inside a node, InfiniBand {hw.ib_gbps:g} GB/s across; precision "
+          f"{prec.name}" + (" (fp32 gradients)" if a.fp32_grads else ""))
+    if not result.estimates:
+        print("\nmegalite refuses every layout for this model and cluster:", file=sys.stderr)
+        for reason in sorted(set(result.invalid.values()))[:8]:
+            print(f"  - {reason}", file=sys.stderr)
+        return 2
+    print()
+    for line in result.reasons:
+        print(line)
+    fitting = result.fitting()
+    print(f"\n{len(fitting)} of {len(result.estimates)} valid layouts fit ({len(result.invalid)} refused by "
+          f"megalite's validation); the first {min(a.top, len(fitting))} in the practitioners' order:")
+    for row in table(fitting[: a.top], hw.usable_bytes):
+        print(row)
+    refused = {}  # one example per rule (the message with its numbers taken out)
+    for layout, reason in result.invalid.items():
+        refused.setdefault(re.sub(r"\d+", "N", reason), (layout, reason.split(" Fix:")[0]))
+    if refused:
+        print("\nrefused by megalite's validation (one example per rule):")
+        for layout, reason in refused.values():
+            print(f"  {layout.describe()}: {reason}")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"model": vars(m), "hardware": vars(hw), "precision": vars(prec),
+                       "global_batch_size": a.global_batch_size, "micro_batch_size": a.micro_batch_size,
+                       "model_parameters": total_parameters(m),
+                       "recommendation": result.choice.to_dict() if result.choice else None,
+                       "reasons": result.reasons, "candidates": [e.to_dict() for e in result.estimates],
+                       "refused": [{"layout": vars(k), "reason": v} for k, v in result.invalid.items()]},
+                      f, indent=1)
+        print(f"plan written to {a.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -143,20 +143,21 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if fused:
             return _fused_vocab_parallel_ce_forward(ctx, logits, target, vocab_start, vocab_size,
                                                     ignore_index, group)
-        z = logits.float()
+        # One fp32 working copy, then everything in place (this runs on the full logits).
+        z = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
         local_vocab = z.shape[-1]
-        cols = torch.arange(vocab_start, vocab_start + local_vocab, device=z.device)
-        z = z.masked_fill(cols >= vocab_size, float("-inf"))
+        if vocab_start + local_vocab > vocab_size:  # padding columns in this slice
+            z[..., max(0, vocab_size - vocab_start):] = float("-inf")
         row_max = z.max(dim=-1).values
         if group_size(group) > 1:
             comm.all_reduce(row_max, group, op=dist.ReduceOp.MAX)
-        z = z - row_max.unsqueeze(-1)
-        exp = z.exp()
+        z.sub_(row_max.unsqueeze(-1))
         ignored = target == ignore_index
         local_target = target - vocab_start
         mine = (local_target >= 0) & (local_target < local_vocab) & ~ignored
         safe_index = local_target.clamp(0, local_vocab - 1).unsqueeze(-1)
         target_logit = torch.where(mine, z.gather(-1, safe_index).squeeze(-1), torch.zeros_like(row_max))
+        exp = z.exp_()
         stats = torch.stack([exp.sum(dim=-1), target_logit])
         if group_size(group) > 1:
             comm.all_reduce(stats, group)

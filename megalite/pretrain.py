@@ -147,6 +147,10 @@ def pretrain(argv=None) -> list[dict]:
         say(f"loaded {args.load} at iteration {meta['iteration']} (layout then {meta['layout']}; "
             f"RNG {'restored' if meta['rng_restored'] else 'reseeded: different layout'})")
     say(describe_memory(optimizer, dp))
+    if start_iteration >= t.train_iters:
+        say(f"the checkpoint is at iteration {start_iteration}, --train-iters is {t.train_iters}: nothing "
+            f"left to train (raise --train-iters to continue)")
+        return []
 
     global_batch = t.global_batch_size
     num_evals = t.train_iters // t.eval_interval + 1

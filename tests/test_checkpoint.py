@@ -153,3 +153,15 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
     assert b"SIGTERM: saved iteration" in out
     saved = int((tmp_path / "ckpt" / "latest").read_text())
     assert saved >= 3 and (tmp_path / "ckpt" / f"iter_{saved:07d}" / "metadata.json").exists()
+
+
+def test_zero3_checkpoint_resumes_exactly(tmp_path):
+    argv = BASE + ["--zero-stage", "3", "--train-iters", "6"]
+    full = run_world(_run, 2, argv + ["--save", str(tmp_path / "a"), "--save-interval", "3"])[0]
+    # 'latest' is 6 (saved at the end): resuming a finished run trains nothing, without error.
+    assert run_world(_run, 2, argv + ["--load", str(tmp_path / "a")])[0] == []
+    import shutil
+    shutil.copytree(tmp_path / "a" / "iter_0000003", tmp_path / "b" / "iter_0000003")
+    (tmp_path / "b" / "latest").write_text("3")
+    resumed = run_world(_run, 2, argv + ["--load", str(tmp_path / "b")])[0]
+    assert resumed == full[3:]

@@ -7,6 +7,7 @@ import time, which is what decides how the kernels here were compiled.
 """
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -65,3 +66,18 @@ def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
     if q.shape[3] > MAX_HEAD_DIM:
         raise ValueError(f"flash_attention: head dim {q.shape[3]} is above {MAX_HEAD_DIM}, the largest "
                          f"this kernel supports. Fix: use the torch or flash attention backend.")
+
+
+def on_input_device(fn):
+    """Run a kernel launcher with the GPU of its first tensor argument as the current device:
+    Triton launches on the current device, which need not be the tensor's (one process that
+    touches two GPUs, or a caller that never called ``torch.cuda.set_device``)."""
+    @functools.wraps(fn)
+    def launch(*args, **kwargs):
+        first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if first is not None and first.is_cuda and first.device.index != torch.cuda.current_device():
+            with torch.cuda.device(first.device):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+
+    return launch

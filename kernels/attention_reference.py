@@ -8,6 +8,19 @@ key has ``lse_i = -inf`` and ``o_i = 0``.
 
 Grouped-query attention: q has ``heads`` heads and k, v have ``groups`` heads; query head h
 reads key/value head ``h // (heads / groups)`` (consecutive query heads share a group).
+
+Block functions (``attention_block_forward``, ``attention_block_backward``,
+``attention_block_delta``): the "math" path of ring attention on any device, with the
+signatures and semantics of the Triton ``flash_attention_forward``, ``flash_attention_backward``
+and ``attention_delta``. They materialize one block's (s_q, s_k) scores, compute in float32
+for 16-bit inputs (float64 stays float64) and create every tensor on the inputs' device, so
+they also run on CUDA and on ``meta`` tensors. Backward of one (q, k/v) block, from the
+*global* lse and ``delta_i = do_i . o_i``, with ``p_ij = exp(s_ij - lse_i)`` over visible keys:
+
+    dv_j = sum_i p_ij do_i,  dp_ij = do_i . v_j,  ds_ij = p_ij (dp_ij - delta_i),
+    dq_i = scale sum_j ds_ij k_j,  dk_j = scale sum_i ds_ij q_i
+
+(the block's exact share of the full gradients: sum it over the key/value blocks).
 """
 from __future__ import annotations
 
@@ -77,3 +90,74 @@ def merge_attention(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor,
     out = (out1.to(acc) * (w1 / safe_total).unsqueeze(-1)
            + out2.to(acc) * (w2 / safe_total).unsqueeze(-1))
     return out.to(out1.dtype), lse
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float32 for 16-bit and float32 inputs, float64 for float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _check_block_inputs(what: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] \
+            or q.shape[3] != k.shape[3] or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"{what}: expected q (b, heads, s_q, d) and k, v (b, groups, s_k, d) with "
+                         f"heads a multiple of groups, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+                         f"v {tuple(v.shape)}.")
+
+
+@torch.no_grad()
+def attention_block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
+                            q_offset: int = 0, k_offset: int = 0, scale: float | None = None):
+    """(out, lse) of one block, as ``flash_attention_forward``: out in q's dtype, lse
+    (b, heads, s_q) in float32 (float64 for float64 inputs); no autograd."""
+    _check_block_inputs("attention_block_forward", q, k, v)
+    acc = _compute_dtype(q.dtype)
+    out, lse = attention_reference(q.to(acc), k.to(acc), v.to(acc), causal=causal,
+                                   q_offset=q_offset, k_offset=k_offset, scale=scale)
+    return out.to(q.dtype), lse
+
+
+def attention_block_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
+    """delta_i = sum_d do_id o_id, shape out.shape[:-1], float32 (float64 for float64)."""
+    acc = _compute_dtype(out.dtype)
+    return (out.to(acc) * dout.to(acc)).sum(dim=-1)
+
+
+@torch.no_grad()
+def attention_block_backward(q, k, v, out, dout, lse, causal: bool = True, q_offset: int = 0,
+                             k_offset: int = 0, scale: float | None = None, *, delta=None,
+                             dlse=None):
+    """(dq, dk, dv) of one (q, k/v) block from the global ``lse`` and ``out``/``dout`` (or their
+    ``delta``), as ``flash_attention_backward``: in the inputs' dtypes, dk and dv summed over
+    each group's query heads. A gradient on lse enters as ``delta - dlse``."""
+    _check_block_inputs("attention_block_backward", q, k, v)
+    if dout.shape != q.shape or lse.shape != q.shape[:3] or (delta is None and out.shape != q.shape):
+        raise ValueError(f"attention_block_backward: out and dout must have q's shape "
+                         f"{tuple(q.shape)} and lse {tuple(q.shape[:3])}, got dout "
+                         f"{tuple(dout.shape)}, lse {tuple(lse.shape)}.")
+    acc = _compute_dtype(q.dtype)
+    b, heads, s_q, d = q.shape
+    groups, s_k = k.shape[1], k.shape[2]
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    if delta is None:
+        delta = attention_block_delta(out, dout)
+    if dlse is not None:
+        delta = delta - dlse
+    # Query heads grouped by their key/value head: (b, groups, heads/groups, s, d) against
+    # k, v of shape (b, groups, 1, s_k, d), so GQA sums dk, dv over dim 2.
+    q_g = q.to(acc).reshape(b, groups, heads // groups, s_q, d)
+    do_g = dout.to(acc).reshape(b, groups, heads // groups, s_q, d)
+    k_g, v_g = k.to(acc).unsqueeze(2), v.to(acc).unsqueeze(2)
+    lse_g = lse.to(acc).reshape(b, groups, heads // groups, s_q, 1)
+    delta_g = delta.to(acc).reshape(b, groups, heads // groups, s_q, 1)
+    # A row that sees no key anywhere has lse = -inf: its p is 0, not exp(+inf).
+    lse_g = lse_g.masked_fill(lse_g == float("-inf"), float("inf"))
+    p = torch.exp(torch.matmul(q_g, k_g.transpose(-1, -2)) * scale - lse_g)
+    if causal:
+        visible = causal_visible(s_q, s_k, q_offset, k_offset, q.device)
+        p = p.masked_fill(~visible, 0.0)
+    dv = torch.matmul(p.transpose(-1, -2), do_g).sum(dim=2)
+    ds = p * (torch.matmul(do_g, v_g.transpose(-1, -2)) - delta_g)
+    dq = torch.matmul(ds, k_g) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q_g).sum(dim=2) * scale
+    return dq.reshape(q.shape).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megalite.kernels._utils import INTERPRET, check_float, check_tensors
+from megalite.kernels._utils import INTERPRET, check_float, check_tensors, on_input_device
 
 
 # Reductions call tl.reduce with the combine functions tl.sum / tl.max use: identical when
@@ -94,6 +94,7 @@ def _rows(logits: torch.Tensor, target: torch.Tensor, what: str):
     return z, target.reshape(-1).contiguous()
 
 
+@on_input_device
 def cross_entropy_stats(logits: torch.Tensor, target: torch.Tensor, vocab_start: int = 0,
                         vocab_size: int | None = None, ignore_index: int = -100):
     """Per-row fp32 (row_max, sum_exp relative to row_max, target_logit) of this vocabulary
@@ -110,6 +111,7 @@ def cross_entropy_stats(logits: torch.Tensor, target: torch.Tensor, vocab_start:
     return tuple(x.view(logits.shape[:-1]) for x in stats)
 
 
+@on_input_device
 def cross_entropy_grad(logits: torch.Tensor, target: torch.Tensor, lse: torch.Tensor,
                        grad_loss: torch.Tensor, vocab_start: int = 0, vocab_size: int | None = None,
                        ignore_index: int = -100) -> torch.Tensor:

@@ -29,7 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megalite.kernels._utils import INTERPRET, check_attention_inputs, check_blocks, next_power_of_2
+from megalite.kernels._utils import (INTERPRET, check_attention_inputs, check_blocks, next_power_of_2,
+                                     on_input_device)
 from megalite.kernels.attention_reference import attention_reference, merge_attention  # noqa: F401
 from megalite.kernels.flash_attention_bwd import flash_attention_backward
 
@@ -101,6 +102,7 @@ def _fwd_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
     return (128, 64, 4, 3) if head_dim <= 64 else (128, 64, 8, 3)
 
 
+@on_input_device
 def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                             q_offset: int = 0, k_offset: int = 0, scale: float | None = None,
                             block_m: int | None = None, block_n: int | None = None):

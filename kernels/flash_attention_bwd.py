@@ -24,7 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megalite.kernels._utils import INTERPRET, check_attention_inputs, check_blocks, next_power_of_2
+from megalite.kernels._utils import (INTERPRET, check_attention_inputs, check_blocks, next_power_of_2,
+                                     on_input_device)
 
 LOG2E = 1.4426950408889634
 
@@ -147,6 +148,7 @@ def _bwd_config(head_dim: int, dtype: torch.dtype) -> dict:
     return dict(kv=(32, 128, warps, 3), q=(128, 32, warps, 3))
 
 
+@on_input_device
 def attention_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     """delta_i = sum_d do_id o_id in float32, shape out.shape[:-1]."""
     out, dout = out.contiguous(), dout.contiguous()
@@ -160,6 +162,7 @@ def attention_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
     return delta
 
 
+@on_input_device
 def flash_attention_backward(q, k, v, out, dout, lse, causal: bool = True, q_offset: int = 0,
                              k_offset: int = 0, scale: float | None = None, *, delta=None,
                              dlse=None, block_m: int | None = None, block_n: int | None = None):

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megalite.kernels._utils import INTERPRET, check_float, check_tensors, next_power_of_2
+from megalite.kernels._utils import INTERPRET, check_float, check_tensors, next_power_of_2, on_input_device
 
 MAX_HIDDEN = 65536
 
@@ -112,6 +112,7 @@ def _tiles(n_cols: int) -> tuple[int, int, int]:
     return block, max(1, min(16, 4096 // block)), min(16, max(4, block // 512))
 
 
+@on_input_device
 def norm_forward(x, weight, bias, eps: float, rms: bool):
     """(y, mean, rstd) for x (rows, n) contiguous; mean is empty for RMSNorm."""
     rows, n = x.shape
@@ -127,6 +128,7 @@ def norm_forward(x, weight, bias, eps: float, rms: bool):
     return y, mean, rstd
 
 
+@on_input_device
 def norm_backward(dy, x, weight, has_bias: bool, mean, rstd, rms: bool):
     """(dx, dw, db) with dw, db in the weight's dtype (db None without a bias)."""
     rows, n = x.shape

@@ -28,8 +28,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--attention-dropout", type=float, default=0.1)
     g.add_argument("--init-method-std", type=float, default=0.02)
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--attention-backend", choices=["auto", "triton", "flash", "torch"], default="torch",
-                   help="auto picks the fastest available")
+    g.add_argument("--attention-backend", choices=["auto", "triton", "flash", "torch"], default="auto",
+                   help="auto: the fastest exact backend for each call (triton on a GPU, torch on a CPU)")
     g.add_argument("--fused-kernels", action="store_true", help="Triton LayerNorm/RMSNorm and cross-entropy")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
                    help="recompute activations in backward: full layers, or only core attention")
@@ -55,6 +55,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fp32 gradient buffers (default: on with --bf16/--fp16)")
     g.add_argument("--pipeline-schedule", choices=["1f1b", "gpipe"], default="1f1b",
                    help="with PP > 1 and no virtual stages; gpipe = all forward, then all backward")
+
+    g = p.add_argument_group("device")
+    g.add_argument("--device", choices=["auto", "cuda", "cpu", "meta"], default="auto",
+                   help="auto: this rank's GPU (LOCAL_RANK) when there is one, else the CPU; meta: "
+                        "shapes only, nothing computed (a dry run)")
+    g.add_argument("--fake-process-group", action="store_true",
+                   help="play rank RANK of a world of WORLD_SIZE alone, on torch's fake backend "
+                        "(collectives return at once); with --device meta a placement and memory dry run")
+    g.add_argument("--disable-tf32", action="store_true",
+                   help="exact fp32 matmuls on Ampere and later (TF32 is on by default there)")
 
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=4)

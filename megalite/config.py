@@ -36,7 +36,7 @@ class ModelConfig:
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
     init_method_std: float = 0.02
-    attention_backend: str = "torch"  # auto, triton, flash, torch (see megalite.layers.attention)
+    attention_backend: str = "auto"  # auto, triton, flash, torch (see megalite.layers.attention)
     fused_kernels: bool = False  # Triton norms and cross-entropy
     recompute_granularity: str | None = None  # None, "full" or "selective"
     recompute_method: str = "uniform"  # full: "uniform" (groups of N layers) or "block" (first N)
@@ -251,12 +251,16 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
     if cp > 1:
         _divides("--seq-length", m.seq_length, "2 * --context-parallel-size", 2 * cp,
                  "the load-balanced causal split cuts each sequence into 2*CP equal chunks.")
-        if m.attention_backend != "triton":
-            raise ConfigError(f"--context-parallel-size {cp} needs an attention backend that returns "
-                              f"the log-sum-exp of each row (ring attention merges partial results "
-                              f"with it): our Triton kernels. --attention-backend "
-                              f"{m.attention_backend} does not. Fix: --attention-backend triton "
-                              f"(on a CPU with TRITON_INTERPRET=1).")
+        if m.attention_backend == "flash":
+            raise ConfigError(f"--context-parallel-size {cp} with --attention-backend flash: ring "
+                              f"attention merges per-block results through each row's log-sum-exp, "
+                              f"and runs on our Triton kernels or the torch math path, not yet on "
+                              f"flash-attn. Fix: --attention-backend triton (GPU), torch or auto.")
+        if m.attention_dropout > 0:
+            raise ConfigError(f"--context-parallel-size {cp} with --attention-dropout "
+                              f"{m.attention_dropout}: ring attention has no attention dropout (its "
+                              f"blocks never hold the whole row of probabilities to drop from). "
+                              f"Fix: --attention-dropout 0.")
     if p.sequence_parallel:
         if tp == 1:
             raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1 (it "

@@ -9,6 +9,9 @@ period, reads which ranks of the group never did.
 from __future__ import annotations
 
 import math
+import os
+import sys
+import threading
 import time
 
 import torch.distributed as dist
@@ -52,6 +55,12 @@ def hang_report(grid, timeout_s: float, grace_s: float = 3.0) -> CollectiveTimeo
         store.set(f"megalite/alive/{grid.rank}", "1")
         time.sleep(grace_s)
         missing = [r for r in ranks if not store.check([f"megalite/alive/{r}"])]
+        store.set(f"megalite/reported/{grid.rank}", "1")
+        if grid.rank == 0:  # rank 0 hosts the store: keep it up until the others have read it
+            deadline = time.monotonic() + 2 * grace_s
+            others = [f"megalite/reported/{r}" for r in ranks if r not in missing]
+            while not store.check(others) and time.monotonic() < deadline:
+                time.sleep(0.1)
     except Exception:  # noqa: BLE001 - the store may be gone with the failed ranks
         missing = []
     who = f"rank(s) {missing} did not arrive" if missing else "the missing ranks could not be determined"
@@ -60,6 +69,49 @@ def hang_report(grid, timeout_s: float, grace_s: float = 3.0) -> CollectiveTimeo
         f"{timeout_s:.0f} s: {who}. A rank that does not arrive is usually slow (data loading, a "
         f"checkpoint), crashed, or running a different collective; check its log. "
         f"(--distributed-timeout-minutes sets the limit.)")
+
+
+class HangWatchdog:
+    """Under NCCL a collective that never completes is found by NCCL's own watchdog, which
+    dumps its flight recorder and tears the process down (TORCH_NCCL_ASYNC_ERROR_HANDLING):
+    no Python exception reaches :func:`hang_report`. This thread prints megalite's message
+    first: when the loop has not called :meth:`beat` for ``timeout_s`` (a little under the
+    collective timeout), it names the last collective this rank started and its group, and
+    where the flight recorder dump goes. It only prints; NCCL decides about the process."""
+
+    def __init__(self, grid, timeout_s: float, stream=None, poll_s: float = 1.0):
+        self.grid, self.timeout_s, self.poll_s = grid, timeout_s, poll_s
+        self.stream = stream or sys.stderr
+        self.reported = False
+        self._last = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="megalite-hang-watchdog", daemon=True)
+        self._thread.start()
+
+    def beat(self) -> None:
+        self._last = time.monotonic()
+        self.reported = False
+
+    def message(self, waited_s: float) -> str:
+        kind, group = comm.LAST_COLLECTIVE or ("no collective yet", None)
+        name, ranks = _group_name(self.grid, group)
+        dump = os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/nccl_trace_rank_")
+        return (f"megalite: rank {self.grid.rank}: no progress for {waited_s:.0f} s; the last collective "
+                f"it started was {kind} on the {name} group (ranks {ranks}). A rank of that group is "
+                f"probably slow, crashed, or in a different collective. When NCCL's watchdog times "
+                f"out it dumps its flight recorder to {dump}<rank> (read them with "
+                f"`python -m torch.distributed.flight_recorder.fr_trace`).")
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            waited = time.monotonic() - self._last
+            if waited > self.timeout_s and not self.reported:
+                self.reported = True
+                print(self.message(waited), file=self.stream, flush=True)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2 * self.poll_s)
 
 
 def check_finite(result, iteration: int, fp16: bool) -> None:

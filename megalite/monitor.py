@@ -17,34 +17,102 @@ import torch
 from megalite.config import ModelConfig
 from megalite.model.gpt import count_parameters
 
-# Dense bf16 peak TFLOP/s (vendor datasheets, without sparsity).
-PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0,
-               "L4": 121.0, "A10": 125.0, "RTX 4090": 165.0, "V100": 125.0, "MI300X": 1307.0}
+# Dense 16-bit tensor-core peak TFLOP/s (bf16, fp32 accumulate; no 2:4 sparsity), keyed by the
+# exact ``torch.cuda.get_device_name()``: variants of one chip differ (an H100 PCIe is 756, an
+# SXM 989) and a substring match confuses them ("A10" is in "A100", "H100" in "H100 PCIe").
+# Vendor datasheets quote the sparse figure: these are half of it. A name missing here gives
+# no MFU and a one-time message; --peak-tflops sets the figure for any GPU.
+PEAK_TFLOPS: dict[str, float] = {
+    # Blackwell
+    "NVIDIA B200": 2250.0,
+    # Hopper
+    "NVIDIA H100 80GB HBM3": 989.4,     # H100 SXM5
+    "NVIDIA H100 PCIe": 756.0,
+    "NVIDIA H100 NVL": 835.0,
+    "NVIDIA H200": 989.4,               # H200 SXM (our test machine; measured 769-798 on 8192^3)
+    "NVIDIA H200 NVL": 835.0,
+    "NVIDIA GH200 480GB": 989.4,
+    "NVIDIA H800": 989.4,               # H800 SXM5
+    "NVIDIA H800 PCIe": 756.0,
+    "NVIDIA H20": 148.0,
+    # Ampere
+    "NVIDIA A100-SXM4-80GB": 312.0,
+    "NVIDIA A100-SXM4-40GB": 312.0,
+    "NVIDIA A100-SXM-80GB": 312.0,
+    "NVIDIA A100 80GB PCIe": 312.0,
+    "NVIDIA A100-PCIE-40GB": 312.0,
+    "NVIDIA A800-SXM4-80GB": 312.0,
+    "NVIDIA A800-SXM4-40GB": 312.0,
+    "NVIDIA A800 80GB PCIe": 312.0,
+    "NVIDIA A10": 125.0,
+    "NVIDIA RTX A6000": 154.8,
+    "NVIDIA GeForce RTX 3090": 71.0,    # GeForce: bf16 with fp32 accumulate runs at half rate
+    # Ada Lovelace
+    "NVIDIA L40S": 362.05,
+    "NVIDIA L40": 181.05,
+    "NVIDIA L4": 121.0,
+    "NVIDIA GeForce RTX 4090": 165.2,   # fp32 accumulate (330.3 is fp16 accumulate)
+    # Volta has no bf16: its fp16 tensor-core peak (for --fp16 runs)
+    "Tesla V100-SXM2-16GB": 125.0,
+    "Tesla V100-SXM2-32GB": 125.0,
+    "Tesla V100-PCIE-16GB": 112.0,
+    "Tesla V100-PCIE-32GB": 112.0,
+    # AMD (ROCm torch reports through torch.cuda)
+    "AMD Instinct MI300X": 1307.4,
+}
+
+_unknown_reported: set[str] = set()
 
 
 def flops_per_token(cfg: ModelConfig) -> float:
     return 6.0 * count_parameters(cfg) + 12.0 * cfg.num_layers * cfg.hidden_size * cfg.seq_length
 
 
-def detect_peak_tflops() -> float | None:
+def detect_peak_tflops(report_unknown: bool = True, stream=None,
+                       device: torch.device | None = None) -> float | None:
+    """The GPU's dense bf16 peak from ``PEAK_TFLOPS`` (exact name), or None without a GPU or
+    for a name not in the table (then, once per name, a message naming the device and
+    ``--peak-tflops``). ``device``: the run's device; None means the current CUDA device, a
+    non-CUDA one (a CPU or meta run on a GPU machine) has no peak."""
+    if device is not None and device.type != "cuda":
+        return None
     if not torch.cuda.is_available():
         return None
-    name = torch.cuda.get_device_name()
-    for key, value in PEAK_TFLOPS.items():
-        if key in name:
-            return value
-    return None
+    index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+    name = torch.cuda.get_device_name(index)
+    peak = PEAK_TFLOPS.get(name.strip())
+    if peak is None and report_unknown and name not in _unknown_reported:
+        _unknown_reported.add(name)
+        print(f"megalite: no peak TFLOP/s known for the GPU {name!r}: MFU is not reported. Fix: pass "
+              f"--peak-tflops N (its dense bf16 tensor-core TFLOP/s, without sparsity).",
+              file=stream or sys.stderr, flush=True)
+    return peak
 
 
-def memory_line(optimizer) -> tuple[str, dict]:
-    """GPU: allocated / reserved / peak; CPU: the optimizer's accounting of tensor bytes."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        stats = {"allocated": torch.cuda.memory_allocated(), "reserved": torch.cuda.memory_reserved(),
-                 "peak": torch.cuda.max_memory_allocated()}
+def memory_line(optimizer, reset_peak: bool = False, device: torch.device | None = None) -> tuple[str, dict]:
+    """This rank's memory: on a GPU allocated / reserved / peak allocated of the current CUDA
+    device, the peak since the last reset; on the CPU (or meta) the optimizer's accounting of
+    tensor bytes. ``reset_peak``: reset the GPU peak afterwards (pass True for a step whose
+    line is printed, so each printed peak covers the steps since the previous one).
+    ``device``: where the model lives; None means the current CUDA device once CUDA is
+    initialized, else the CPU."""
+    on_gpu = device.type == "cuda" if device is not None else (torch.cuda.is_available()
+                                                               and torch.cuda.is_initialized())
+    if on_gpu:
+        index = device.index if device is not None and device.index is not None else torch.cuda.current_device()
+        stats = {"allocated": torch.cuda.memory_allocated(index), "reserved": torch.cuda.memory_reserved(index),
+                 "peak": torch.cuda.max_memory_allocated(index)}
+        if reset_peak:
+            torch.cuda.reset_peak_memory_stats(index)
         return (f"mem {stats['allocated'] / 2**30:.2f}/{stats['reserved'] / 2**30:.2f}/"
                 f"{stats['peak'] / 2**30:.2f} GiB (alloc/reserved/peak)"), stats
     stats = optimizer.memory_bytes()
     return f"mem {sum(stats.values()) / 2**20:.1f} MiB (weights+grads+optimizer)", stats
+
+
+def _value(x, spec: str) -> str:
+    """A logged value, or n/a where there is none (a meta dry run computes nothing)."""
+    return "n/a" if x is None else format(x, spec)
 
 
 class Monitor:
@@ -53,10 +121,12 @@ class Monitor:
 
     def __init__(self, cfg: ModelConfig, world_size: int, tokens_per_step: int, train_iters: int,
                  peak_tflops: float | None = None, tensorboard_dir: str | None = None, enabled: bool = True,
-                 stream=None):
+                 stream=None, device: torch.device | None = None):
         self.flops_per_step = flops_per_token(cfg) * tokens_per_step
         self.world_size, self.tokens_per_step, self.train_iters = world_size, tokens_per_step, train_iters
-        self.peak = peak_tflops if peak_tflops is not None else detect_peak_tflops()
+        if peak_tflops is None:
+            peak_tflops = detect_peak_tflops(report_unknown=enabled, device=device)
+        self.peak = peak_tflops
         self.enabled = enabled
         self.stream = stream or sys.stdout
         self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
@@ -79,8 +149,8 @@ class Monitor:
 
     def line(self, record: dict, memory: str) -> str:
         times = record.get("times_ms", {})
-        parts = [f"iter {record['iteration']:>5}/{self.train_iters}", f"loss {record['loss']:.4f}",
-                 f"lr {record['lr']:.3e}", f"grad norm {record['grad_norm']:.3f}",
+        parts = [f"iter {record['iteration']:>5}/{self.train_iters}", f"loss {_value(record['loss'], '.4f')}",
+                 f"lr {record['lr']:.3e}", f"grad norm {_value(record['grad_norm'], '.3f')}",
                  f"scale {record['loss_scale']:g}", f"skipped {record['skipped_total']}",
                  f"{record['tokens_per_sec']:,.0f} tok/s", f"{record['tflops_per_gpu']:.3g} TFLOP/s/GPU"]
         if "mfu" in record:
@@ -103,7 +173,7 @@ class Monitor:
             step = record["iteration"]
             for key in ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_sec", "tflops_per_gpu", "mfu",
                         "valid_loss"):
-                if key in record:
+                if record.get(key) is not None:
                     self.writer.add_scalar(f"train/{key}", record[key], step)
             for key, value in record.get("times_ms", {}).items():
                 self.writer.add_scalar(f"time_ms/{key}", value, step)

@@ -31,7 +31,9 @@ from megalite.parallel.random import model_parallel_seed
 from megalite.pipeline.partition import build_model_chunks, virtual_stages
 from megalite.pipeline.schedules import Trace
 from megalite.data_parallel.accounting import describe_memory
-from megalite.faults import CollectiveTimeout, TrainingDiverged, check_finite, hang_report, looks_like_timeout
+from megalite.device import host_barrier, init_distributed, resolve_device, to_device
+from megalite.faults import (CollectiveTimeout, HangWatchdog, TrainingDiverged, check_finite, hang_report,
+                             looks_like_timeout)
 from megalite.monitor import Monitor, memory_line
 from megalite.profiling import Profiler
 from megalite.training import LossScaler, build_data_parallel_optimizer, evaluate, train_step
@@ -51,6 +53,10 @@ def _tokenizer_for(args):
     return build_tokenizer(args.tokenizer_type, args.tokenizer_model)
 
 
+def _value(x, spec: str = ".4f") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
 class RankZeroPrinter:
     def __init__(self, rank: int):
         self.rank = rank
@@ -60,26 +66,47 @@ class RankZeroPrinter:
             print(*parts, **kw, flush=True)
 
 
-def setup(argv=None):
-    """Parse and validate (before any group or model), then init the world and the grid."""
-    args = build_parser().parse_args(argv)
+def _world_from_env(args) -> tuple[int, int]:
+    """(world size, rank) from torchrun's variables; a fake process group needs both given."""
+    if args.fake_process_group and not ("WORLD_SIZE" in os.environ and "RANK" in os.environ):
+        raise ConfigError("--fake-process-group plays one rank of a world: set WORLD_SIZE and RANK in "
+                          "the environment, e.g. WORLD_SIZE=16 RANK=5 python pretrain_gpt.py "
+                          "--fake-process-group --device meta ...")
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
+    if not 0 <= rank < world_size:
+        raise ConfigError(f"RANK={rank} is outside the world of WORLD_SIZE={world_size}. Fix: 0 <= RANK < WORLD_SIZE.")
+    return world_size, rank
+
+
+def set_tf32(enabled: bool) -> None:
+    """TF32 tensor cores for fp32 matmuls and convolutions on Ampere and later (10-bit
+    mantissa inputs, fp32 accumulation): the usual choice for training speed. Off for exact
+    comparisons (``--disable-tf32``). No effect on a CPU."""
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+
+
+def setup(argv=None):
+    """Parse and validate (before any group or model), then, in this order: the device
+    (``LOCAL_RANK`` -> ``set_device``), the default process group, the grid's groups."""
+    args = build_parser().parse_args(argv)
+    world_size, rank = _world_from_env(args)
     tokenizer = _tokenizer_for(args)
     config = config_from_args(args, tokenizer.vocab_size)
     for warning in validate(config, world_size, gpus_per_node_from_env(world_size)):
-        warnings.warn(warning)
+        if rank == 0:
+            warnings.warn(warning)
     if config.data.data_path and not config.data.mock_data:
         IndexedDataset(config.data.data_path)  # missing or corrupt files fail here, before any group
-    if torch.cuda.is_available():  # the field's advice, unless the user chose otherwise
-        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
-        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
-    if world_size > 1 and not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, timeout=timedelta(minutes=args.distributed_timeout_minutes))
-    grid = build_grid(config.parallel, world_size, rank,
-                      timeout=timedelta(minutes=args.distributed_timeout_minutes))
-    return args, config, tokenizer, grid
+    device = resolve_device(args.device, args.fake_process_group)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    set_tf32(not args.disable_tf32)
+    timeout = timedelta(minutes=args.distributed_timeout_minutes)
+    init_distributed(device, world_size, rank, timeout, fake=args.fake_process_group)
+    grid = build_grid(config.parallel, world_size, rank, timeout=timeout)
+    return args, config, tokenizer, grid, device
 
 
 def write_trace(trace_dir: str, trace, grid, num_micro: int, num_chunks: int) -> None:
@@ -103,10 +130,11 @@ class TermSignal:
     def _handle(self, signum, frame):
         self.received = True
 
-    def agreed(self) -> bool:
+    def agreed(self, grid) -> bool:
+        """Any rank signalled: a host value, so a CPU tensor on the gloo control group."""
         flag = torch.tensor([1.0 if self.received else 0.0])
         if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=grid.control_group)
         return bool(flag.item())
 
     def restore(self):
@@ -114,9 +142,10 @@ class TermSignal:
 
 
 def pretrain(argv=None) -> list[dict]:
-    args, config, tokenizer, grid = setup(argv)
+    args, config, tokenizer, grid, device = setup(argv)
     m, t = config.model, config.train
-    say = RankZeroPrinter(grid.rank)
+    reporter = grid.rank == 0 or args.fake_process_group  # a fake rank is the only process: it reports
+    say = RankZeroPrinter(0 if reporter else grid.rank)
     dp = grid.layout.dp
     num_micro = t.global_batch_size // (t.micro_batch_size * dp)
     say(grid.describe())
@@ -128,11 +157,14 @@ def pretrain(argv=None) -> list[dict]:
         schedule = f"interleaved 1F1B, {v} chunks per rank" if v > 1 else t.pipeline_schedule
         say(f"pipeline: {grid.layout.pp} stages x {v} chunk(s) of {m.num_layers // (grid.layout.pp * v)} "
             f"layer(s); schedule {schedule}")
+    say(f"device: {device}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
+        + (f"; fake process group: this process is rank {grid.rank} of {grid.layout.world_size}"
+           if args.fake_process_group else ""))
     say(f"batch: global {t.global_batch_size} = micro {t.micro_batch_size} x DP {dp} x "
         f"{num_micro} accumulation steps; {t.train_iters} iterations")
 
-    model_parallel_seed(t.seed, grid)
-    model = build_model_chunks(config, grid)  # this rank's pipeline chunks (one without PP)
+    model_parallel_seed(t.seed, grid, device)
+    model = build_model_chunks(config, grid, device)  # this rank's pipeline chunks (one without PP)
     for chunk in model:
         chunk.init_weights(t.seed)
     optimizer = build_data_parallel_optimizer(model, t, grid)
@@ -165,16 +197,19 @@ def pretrain(argv=None) -> list[dict]:
         for _ in range((start_iteration // t.eval_interval) * t.eval_iters * num_micro):
             next(valid_iter)
 
-    log_file = open(args.log_json, "a" if args.load else "w") if args.log_json and grid.rank == 0 else None
+    log_file = open(args.log_json, "a" if args.load else "w") if args.log_json and reporter else None
     log_lines: list[dict] = []
     tokens_per_step = global_batch * m.seq_length
     monitor = Monitor(m, grid.layout.world_size, tokens_per_step, t.train_iters, args.peak_tflops,
-                      args.tensorboard_dir, enabled=grid.rank == 0)
+                      args.tensorboard_dir, enabled=reporter, device=device)
     profiler = Profiler(args, grid.rank) if args.profile else None
     term = TermSignal() if args.save else None
     faults = {k: int(os.environ.get(f"MEGALITE_TEST_{k}", "0"))  # fault injection for the tests
               for k in ("KILL_AT_ITERATION", "NAN_AT_ITERATION", "HANG_AT_ITERATION")}
     skipped_total = 0
+    watchdog = None
+    if device.type == "cuda" and dist.is_initialized() and not args.fake_process_group:
+        watchdog = HangWatchdog(grid, 0.9 * args.distributed_timeout_minutes * 60)
     start = time.perf_counter()
     iteration = start_iteration
     for iteration in range(start_iteration, t.train_iters):
@@ -183,7 +218,7 @@ def pretrain(argv=None) -> list[dict]:
         if faults["HANG_AT_ITERATION"] == iteration + 1 and grid.rank == int(os.environ["MEGALITE_TEST_HANG_RANK"]):
             time.sleep(float(os.environ.get("MEGALITE_TEST_HANG_SECONDS", "30")))
         step_start = time.perf_counter()
-        micro_batches = [next(train_iter) for _ in range(num_micro)]
+        micro_batches = [to_device(next(train_iter), device) for _ in range(num_micro)]
         if faults["NAN_AT_ITERATION"] == iteration + 1:
             micro_batches[0] = {**micro_batches[0], "loss_mask": micro_batches[0]["loss_mask"] * float("nan")}
         trace = Trace() if args.pipeline_trace and iteration == t.train_iters - 1 else None
@@ -194,12 +229,14 @@ def pretrain(argv=None) -> list[dict]:
             if dist.is_initialized() and looks_like_timeout(error):
                 raise hang_report(grid, args.distributed_timeout_minutes * 60) from error
             raise
-        check_finite(result, iteration + 1, t.fp16)
+        if device.type != "meta" and not args.fake_process_group:  # no values / made-up collectives
+            check_finite(result, iteration + 1, t.fp16)
         skipped_total += int(result.skipped)
         if trace is not None:
             write_trace(args.pipeline_trace, trace, grid, num_micro, len(model))
         elapsed = time.perf_counter() - step_start
-        memory, memory_stats = memory_line(optimizer)
+        print_line = (iteration + 1) % t.log_interval == 0 or iteration == start_iteration
+        memory, memory_stats = memory_line(optimizer, reset_peak=print_line, device=device)
         record = {"iteration": iteration + 1, "loss": result.loss, "lr": result.lr,
                   "grad_norm": result.grad_norm, "loss_scale": result.loss_scale,
                   "skipped": result.skipped, "skipped_total": skipped_total, "elapsed_ms": elapsed * 1e3,
@@ -210,10 +247,13 @@ def pretrain(argv=None) -> list[dict]:
             say(f"iteration {iteration + 1}: inf/nan gradients, step skipped (loss scale now {result.loss_scale:g})")
         if valid_iter is not None and (iteration + 1) % t.eval_interval == 0:
             with optimizer.full_weights():
-                val = evaluate(model, [next(valid_iter) for _ in range(t.eval_iters * num_micro)], t, grid)
+                val = evaluate(model, [to_device(next(valid_iter), device)
+                                       for _ in range(t.eval_iters * num_micro)], t, grid)
             record["valid_loss"] = val
-        monitor.log(record, memory, (iteration + 1) % t.log_interval == 0 or iteration == start_iteration)
-        if "valid_loss" in record:
+        if device.type == "meta":  # nothing was computed: no values to report (n/a), unlike a NaN
+            record.update({k: None for k in ("loss", "grad_norm", "valid_loss") if k in record})
+        monitor.log(record, memory, print_line)
+        if record.get("valid_loss") is not None:
             say(f"validation at iter {iteration + 1}: loss {record['valid_loss']:.4f} | "
                 f"ppl {min(1e9, math.exp(min(record['valid_loss'], 30))):.2f}")
         if iteration == start_iteration and traffic:
@@ -222,9 +262,11 @@ def pretrain(argv=None) -> list[dict]:
         if log_file:
             log_file.write(json.dumps(record) + "\n")
             log_file.flush()
+        if watchdog is not None:
+            watchdog.beat()
         if faults["KILL_AT_ITERATION"] == iteration + 1:
             os.kill(os.getpid(), signal.SIGKILL)
-        stop = term is not None and term.agreed()
+        stop = term is not None and term.agreed(grid)
         if args.save and ((args.save_interval and (iteration + 1) % args.save_interval == 0) or stop):
             path = save_checkpoint(args.save, iteration + 1, optimizer, scaler, config, grid,
                                    (iteration + 1) * global_batch, args.keep_last)
@@ -233,13 +275,15 @@ def pretrain(argv=None) -> list[dict]:
             say(f"SIGTERM: saved iteration {iteration + 1} and stopping")
             break
     monitor.close()
+    if watchdog is not None:
+        watchdog.stop()
     if profiler:
         profiler.finish()
     total = time.perf_counter() - start
     if log_lines:
         say(f"done: {len(log_lines)} iterations in {total:.1f} s, "
             f"{len(log_lines) * tokens_per_step / total:.0f} tokens/s overall; "
-            f"loss {log_lines[0]['loss']:.4f} -> {log_lines[-1]['loss']:.4f}")
+            f"loss {_value(log_lines[0]['loss'])} -> {_value(log_lines[-1]['loss'])}")
     if log_file:
         log_file.close()
         say(f"log: {os.path.abspath(args.log_json)}")
@@ -252,8 +296,7 @@ def pretrain(argv=None) -> list[dict]:
         say(f"saved checkpoint {os.path.abspath(path)}")
     if term is not None:
         term.restore()
-    if dist.is_initialized():
-        dist.barrier()
+    host_barrier(grid)
     return log_lines
 
 

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from dataclasses import dataclass
 
 import torch
 
 from megalite.config import TrainConfig
+from megalite.device import host_value
 from megalite.parallel import comm
 from megalite.parallel.sharding import is_tensor_parallel
+from megalite.timers import Clock, StepTimers
 
 
 def lr_at(iteration: int, t: TrainConfig) -> float:
@@ -93,11 +94,22 @@ class LossScaler:
 
 
 def autocast_context(t: TrainConfig, device_type: str = "cpu"):
-    if t.bf16:
-        return torch.autocast(device_type, dtype=torch.bfloat16)
-    if t.fp16:
-        return torch.autocast(device_type, dtype=torch.float16)
-    return contextlib.nullcontext()
+    """Mixed precision on the model's device type: matmuls in bf16/fp16, while autocast keeps
+    norms, softmax and the loss in fp32 (see the README's precision policy). A meta dry run
+    has no autocast: the weights are already in the 16-bit dtype there."""
+    if device_type == "meta" or not (t.bf16 or t.fp16):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, dtype=torch.bfloat16 if t.bf16 else torch.float16)
+
+
+def model_device(chunks) -> torch.device:
+    """The device of a model (or list of chunks): where every tensor it meets is made."""
+    return next(as_chunks(chunks)[0].parameters()).device
+
+
+def is_finite(x: torch.Tensor) -> bool:
+    """Whether a scalar is finite; a meta tensor has no value and counts as finite."""
+    return x.device.type == "meta" or bool(torch.isfinite(x).item())
 
 
 def masked_mean(losses: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
@@ -113,7 +125,7 @@ def as_chunks(model) -> list[torch.nn.Module]:
 def stage_forward(chunk, input_tensor, batch, t: TrainConfig):
     """Run one model chunk on one micro-batch: embed (first stage) or continue from the
     received activation; the loss chunk returns per-token losses."""
-    with autocast_context(t):
+    with autocast_context(t, model_device(chunk).type):
         return chunk(batch["tokens"] if chunk.pre_process else None, batch["position_ids"],
                      labels=batch["labels"] if chunk.post_process else None, hidden=input_tensor)
 
@@ -147,32 +159,34 @@ def forward_backward(model, micro_batches, t: TrainConfig, loss_scale: float = 1
     ``t.pipeline_schedule`` (interleaved when there are several chunks); the loss, known on
     the last stage, is summed over the pipeline group so every stage reports it."""
     chunks = as_chunks(model)
+    device = model_device(chunks)
     num_micro = len(micro_batches)
     micro_batches = context_parallel_batches(micro_batches, grid)
-    timers = {} if timers is None else timers
+    timers = StepTimers(Clock(device)) if timers is None else timers
     if grid is None or (grid.layout.pp == 1 and len(chunks) == 1):
-        total = torch.zeros(())
+        total = torch.zeros((), device=device)
         for batch in micro_batches:
-            start = time.perf_counter()
+            start = timers.mark()
             loss = stage_loss(stage_forward(chunks[0], None, batch, t), batch)
-            middle = time.perf_counter()
+            middle = timers.mark()
             (loss * (loss_scale / num_micro)).backward()
-            timers["forward"] = timers.get("forward", 0.0) + middle - start
-            timers["backward"] = timers.get("backward", 0.0) + time.perf_counter() - middle
+            timers.add("forward", start, middle)
+            timers.add("backward", middle, timers.mark())
             total += loss.detach()
         return total / num_micro
     from megalite.pipeline.schedules import PipelineRunner, Trace
 
-    trace = trace if trace is not None else Trace()  # its F/B events give the time split
+    trace = trace if trace is not None else Trace(timers.clock)  # its F/B events give the time split
 
     runner = PipelineRunner(chunks, micro_batches, grid,
                             activation_shape(chunks[0], micro_batches[0]["tokens"].shape[0]),
                             lambda c, x, b: stage_forward(c, x, b, t), stage_loss, trace=trace,
-                            loss_scale=loss_scale, dtype=next(chunks[0].parameters()).dtype)
+                            loss_scale=loss_scale, dtype=next(chunks[0].parameters()).dtype, device=device)
     runner.run(t.pipeline_schedule)
+    events = trace.events
     for op, key in (("F", "forward"), ("B", "backward")):
-        timers[key] = timers.get(key, 0.0) + sum(e[4] - e[3] for e in trace.events if e[0] == op)
-    total = torch.stack(runner.losses).sum() / num_micro if runner.losses else torch.zeros(())
+        timers.add_seconds(key, sum(e[4] - e[3] for e in events if e[0] == op))
+    total = torch.stack(runner.losses).sum() / num_micro if runner.losses else torch.zeros((), device=device)
     return comm.all_reduce(total, grid.pp_group)
 
 
@@ -213,7 +227,7 @@ def global_grad_norm(params, model_parallel_group=None, tp_rank: int = 0) -> tor
     rank 0 only (they are identical on every TP rank: counting them TP times would inflate
     the norm), then all-reduced over the model-parallel group (TP x PP). The last stage's
     copy of a tied embedding is skipped: the first stage counts it."""
-    total = torch.zeros((), dtype=torch.float32)
+    total = torch.zeros((), dtype=torch.float32, device=params[0].device if params else None)
     for p in params:
         if p.grad is None or getattr(p, "embedding_copy", False):
             continue
@@ -265,25 +279,25 @@ def distributed_train_step(model, optimizer, micro_batches, t: TrainConfig, iter
     """One step with the data-parallel optimizer (DDP / ZeRO): gradients are reduced in
     buckets during backward, then unscaled, measured, clipped and applied on the shards."""
     optimizer.zero_grad(num_micro=len(micro_batches))
-    timers: dict = {}
+    timers = StepTimers(Clock(model_device(model)))
     loss = forward_backward(model, micro_batches, t, scaler.scale, grid, trace, timers)
-    start = time.perf_counter()
+    start = timers.mark()
     optimizer.finish_grad_sync()
-    timers["grad_sync"] = time.perf_counter() - start
-    start = time.perf_counter()
+    middle = timers.mark()
+    timers.add("grad_sync", start, middle)
     norm = optimizer.grad_norm(scaler.scale)
-    found_inf = not torch.isfinite(norm).item()
+    found_inf = not is_finite(norm)
     scaler.update(found_inf)
     lr = lr_at(iteration, t)
     if not found_inf:
-        coeff = min(1.0, t.clip_grad / (norm.item() + 1e-6)) if t.clip_grad > 0 else 1.0
+        norm_value = host_value(norm)
+        coeff = min(1.0, t.clip_grad / (norm_value + 1e-6)) if t.clip_grad > 0 and norm_value == norm_value else 1.0
         optimizer.step(lr, coeff)
-    timers["optimizer"] = time.perf_counter() - start
+    timers.add("optimizer", middle, timers.mark())
     if grid is not None:
         comm.all_reduce(loss, grid.dp_cp_group)
         loss /= comm.group_size(grid.dp_cp_group)
-    return StepResult(loss.item(), norm.item(), lr, scaler.scale, found_inf,
-                      {k: v * 1e3 for k, v in timers.items()})
+    return StepResult(host_value(loss), host_value(norm), lr, scaler.scale, found_inf, timers.milliseconds())
 
 
 def train_step(model, optimizer, micro_batches, t: TrainConfig, iteration: int,
@@ -302,7 +316,7 @@ def train_step(model, optimizer, micro_batches, t: TrainConfig, iteration: int,
             if p.grad is not None:
                 p.grad.div_(scaler.scale)
     norm = global_grad_norm(params, grid.mp_group if grid else None, grid.tp_rank if grid else 0)
-    found_inf = not torch.isfinite(norm).item()
+    found_inf = not is_finite(norm)
     scaler.update(found_inf)
     lr = lr_at(iteration, t)
     if not found_inf:
@@ -313,7 +327,7 @@ def train_step(model, optimizer, micro_batches, t: TrainConfig, iteration: int,
     if grid is not None:
         comm.all_reduce(loss, grid.dp_cp_group)
         loss /= comm.group_size(grid.dp_cp_group)
-    return StepResult(loss.item(), norm.item(), lr, scaler.scale, found_inf)
+    return StepResult(host_value(loss), host_value(norm), lr, scaler.scale, found_inf)
 
 
 @torch.no_grad()
@@ -329,12 +343,13 @@ def evaluate(model, batches, t: TrainConfig, grid=None) -> float:
         from megalite.pipeline.schedules import forward_only
 
         losses = forward_only(chunks, batches, grid, activation_shape(chunks[0], batches[0]["tokens"].shape[0]),
-                              lambda c, x, b: stage_forward(c, x, b, t), stage_loss)
+                              lambda c, x, b: stage_forward(c, x, b, t), stage_loss,
+                              dtype=next(chunks[0].parameters()).dtype, device=model_device(chunks))
     for c in chunks:
         c.train()
-    total = torch.stack(losses).sum() / len(batches) if losses else torch.zeros(())
+    total = torch.stack(losses).sum() / len(batches) if losses else torch.zeros((), device=model_device(chunks))
     if grid is not None:
         comm.all_reduce(total, grid.pp_group)
         comm.all_reduce(total, grid.dp_cp_group)
         total /= comm.group_size(grid.dp_cp_group)
-    return total.item()
+    return host_value(total)

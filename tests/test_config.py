@@ -83,7 +83,28 @@ def test_rule_message(config, world, fragments):
     check(config, world, *fragments)
 
 
-def test_context_parallel_needs_a_backend_with_lse():
-    check(cfg(parallel={"context_parallel_size": 2}), 2, "--context-parallel-size 2 needs an attention "
-          "backend that returns the log-sum-exp", "--attention-backend torch does not",
-          "Fix: --attention-backend triton")
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
+def test_context_parallel_runs_on_every_backend_with_lse(backend):
+    """Ring attention's blocks: the torch math path or the Triton kernels (the interpreter here)."""
+    c = cfg(model={"attention_backend": backend, "attention_dropout": 0.0},
+            parallel={"context_parallel_size": 2})
+    assert validate(c, 2) == []
+
+
+def test_default_attention_backend_is_auto():
+    assert ModelConfig().attention_backend == "auto"
+
+
+def test_context_parallel_refuses_flash(monkeypatch):
+    import megalite.layers.attention as attention
+    monkeypatch.setattr(attention, "flash_missing", lambda *a: None)  # as if on a GPU with flash-attn
+    check(cfg(model={"attention_backend": "flash", "attention_dropout": 0.0},
+              parallel={"context_parallel_size": 2}), 2,
+          "--context-parallel-size 2 with --attention-backend flash", "log-sum-exp",
+          "not yet on flash-attn", "Fix: --attention-backend triton (GPU), torch or auto")
+
+
+def test_context_parallel_refuses_attention_dropout():
+    check(cfg(model={"attention_dropout": 0.1}, parallel={"context_parallel_size": 2}), 2,
+          "--context-parallel-size 2 with --attention-dropout 0.1",
+          "ring attention has no attention dropout", "Fix: --attention-dropout 0.")

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from megalite.config import ModelConfig
-from megalite.monitor import Monitor, flops_per_token
+from megalite import monitor as monitor_module
+from megalite.monitor import Monitor, detect_peak_tflops, flops_per_token, memory_line
 from megalite.pretrain import main, pretrain
 from megalite.testing import run_world
 
@@ -26,6 +27,76 @@ def test_flops_and_mfu_against_hand_computation():
     m = monitor.metrics(elapsed_s=0.5)
     expected_tflops = (6 * n + 12 * L * h * S) * 1000 / 0.5 / 4 / 1e12
     assert m["tflops_per_gpu"] == pytest.approx(expected_tflops) and m["mfu"] == pytest.approx(expected_tflops / 2)
+
+
+def _fake_gpu(monkeypatch, name, index=0):
+    """torch.cuda as seen on a machine whose current device (``index``) is called ``name``."""
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: index)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: asked.append(device) or name)
+    monkeypatch.setattr(monitor_module, "_unknown_reported", set())
+    return asked
+
+
+@pytest.mark.parametrize("name,peak", [
+    ("NVIDIA H100 80GB HBM3", 989.4),   # SXM
+    ("NVIDIA H100 PCIe", 756.0),        # not the SXM figure, although "H100" is in its name
+    ("NVIDIA H100 NVL", 835.0),
+    ("NVIDIA H200", 989.4),
+    ("NVIDIA A100-SXM4-80GB", 312.0),
+    ("NVIDIA A10", 125.0),              # not the A100 figure, although "A10" is in "A100"
+    ("NVIDIA L4", 121.0),               # not L40 / L40S
+    ("NVIDIA L40S", 362.05),
+    ("NVIDIA GeForce RTX 4090", 165.2),
+])
+def test_peak_tflops_is_looked_up_by_the_exact_device_name(monkeypatch, name, peak, capsys):
+    asked = _fake_gpu(monkeypatch, name, index=3)
+    assert detect_peak_tflops() == peak
+    assert asked == [3]  # the current device, not device 0
+    assert detect_peak_tflops(device=torch.device("cuda", 1)) == peak and asked[-1] == 1
+    assert detect_peak_tflops(device=torch.device("cpu")) is None  # a CPU run on a GPU machine
+    assert capsys.readouterr().err == ""
+
+
+def test_unknown_gpu_gives_no_mfu_and_one_message_naming_it_and_the_flag(monkeypatch, capsys):
+    _fake_gpu(monkeypatch, "NVIDIA H100 Mystery Edition")
+    cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=200, seq_length=16)
+    monitor = Monitor(cfg, world_size=1, tokens_per_step=1000, train_iters=10)
+    assert monitor.peak is None and "mfu" not in monitor.metrics(0.5)
+    Monitor(cfg, world_size=1, tokens_per_step=1000, train_iters=10)  # the same name again: silent
+    err = capsys.readouterr().err
+    assert err.count("'NVIDIA H100 Mystery Edition'") == 1 and "--peak-tflops" in err
+    # ranks that do not log stay silent; --peak-tflops wins over the table
+    _fake_gpu(monkeypatch, "Some Other GPU")
+    assert Monitor(cfg, 1, 1000, 10, enabled=False).peak is None and capsys.readouterr().err == ""
+    assert Monitor(cfg, 1, 1000, 10, peak_tflops=100.0).metrics(0.5)["mfu"] > 0
+
+
+def test_gpu_memory_line_reports_the_current_device_and_resets_its_peak(monkeypatch):
+    calls = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    for fn, value in (("memory_allocated", 1 << 30), ("memory_reserved", 3 << 30), ("max_memory_allocated", 2 << 30)):
+        monkeypatch.setattr(torch.cuda, fn, lambda device=None, fn=fn, value=value: calls.append((fn, device)) or value)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: calls.append(("reset", device)))
+    line, stats = memory_line(None)
+    assert line.startswith("mem 1.00/3.00/2.00 GiB") and stats == {"allocated": 1 << 30, "reserved": 3 << 30,
+                                                                 "peak": 2 << 30}
+    assert {d for _, d in calls} == {2} and ("reset", 2) not in calls
+    calls.clear()
+    memory_line(None, reset_peak=True)
+    assert calls[-1] == ("reset", 2)
+    calls.clear()
+    memory_line(None, reset_peak=True, device=torch.device("cuda", 5))
+    assert {d for _, d in calls} == {5}
+
+    class Optimizer:
+        def memory_bytes(self):
+            return {"weights": 1 << 20, "grads": 1 << 20}
+    line, stats = memory_line(Optimizer(), reset_peak=True, device=torch.device("cpu"))
+    assert line.startswith("mem 2.0 MiB") and stats == {"weights": 1 << 20, "grads": 1 << 20}
 
 
 def test_log_line_json_and_tensorboard(tmp_path, capsys):

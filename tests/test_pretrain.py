@@ -55,18 +55,21 @@ def test_real_data_path_tokenizer_preprocess_train(tmp_path):
     assert model(tokens).shape == (2, 32, 512)
 
 
-def test_torchrun_data_parallel_matches_single_process(tmp_path):
-    """2 ranks under torchrun (DP=2) give the single-process loss curve (fp32, no dropout)."""
+@pytest.mark.parametrize("layout,flags", [("DP 2", []), ("CP 2", ["--context-parallel-size", "2"])])
+def test_torchrun_data_parallel_matches_single_process(tmp_path, layout, flags):
+    """2 ranks under torchrun (DP=2, or CP=2 with the default attention backend and without
+    the Triton interpreter) give the single-process loss curve (fp32, no dropout)."""
     argv = SMALL + MOCK + ["--train-iters", "3", "--hidden-dropout", "0", "--attention-dropout", "0"]
     serial = pretrain(argv)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env.pop("TRITON_INTERPRET", None)
     log = tmp_path / "log.jsonl"
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc_per_node", "2", os.path.join(ROOT, "pretrain_gpt.py"), *argv,
-                           "--log-json", str(log)], env=env, capture_output=True, text=True,
+                           *flags, "--log-json", str(log)], env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "DP 2" in proc.stdout
+    assert layout in proc.stdout
     parallel = [json.loads(line) for line in open(log)]
     for s, p in zip(serial, parallel):
         assert abs(s["loss"] - p["loss"]) / s["loss"] < 1e-5

@@ -36,8 +36,7 @@ from megalite.pipeline.partition import build_model_chunks  # noqa: E402
 
 def rank_chunks(config, layout: GridLayout, tp: int, pp: int):
     grid = types.SimpleNamespace(layout=layout, pp_rank=pp, tp_group=OfflineGroup(tp, layout.tp))
-    with torch.device("meta"):
-        return build_model_chunks(config, grid)
+    return build_model_chunks(config, grid, device=torch.device("meta"))
 
 
 def reshard(src: str, dst: str, tp: int, pp: int, vp_layers, dp: int, zero: int) -> str:

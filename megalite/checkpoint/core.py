@@ -17,12 +17,12 @@ import shutil
 import signal
 
 import torch
-import torch.distributed as dist
 
 from megalite import __version__
 from megalite.checkpoint.format import (FORMAT_VERSION, VOCAB_PARAMS, CheckpointError, PieceReader,
                                         fsync_path, iteration_dir, read_latest, write_json_atomic,
                                         write_rank_files)
+from megalite.device import host_barrier
 from megalite.parallel.random import get_rng_tracker
 from megalite.parallel.sharding import is_tensor_parallel, shard_tensor
 
@@ -33,9 +33,8 @@ SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_
                 "swiglu", "add_bias_linear", "untie_embeddings_and_output_weights")
 
 
-def _barrier():
-    if dist.is_initialized():
-        dist.barrier()
+def _barrier(grid=None):
+    host_barrier(grid)  # a host-side wait: the gloo control group under NCCL
 
 
 def _coords(grid):
@@ -81,7 +80,7 @@ def save_checkpoint(root: str, iteration: int, optimizer, scaler, config, grid, 
     if c["rank"] == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-    _barrier()
+    _barrier(grid)
     tensors, pieces = {}, []
     states = {"weight": optimizer.master, "exp_avg": optimizer.exp_avg, "exp_avg_sq": optimizer.exp_avg_sq}
     for i, p, name, (a, z), offset in _param_ranges(optimizer):
@@ -98,7 +97,7 @@ def save_checkpoint(root: str, iteration: int, optimizer, scaler, config, grid, 
     write_rank_files(tmp, c["rank"], tensors, pieces)
     if os.environ.get("MEGALITE_TEST_KILL_DURING_SAVE") == str(iteration):  # fault injection (tests)
         os.kill(os.getpid(), signal.SIGKILL)
-    _barrier()
+    _barrier(grid)
     if c["rank"] == 0:
         files = sorted(f for f in os.listdir(tmp) if f.endswith(".safetensors"))
         write_json_atomic(os.path.join(tmp, "metadata.json"), {
@@ -118,7 +117,7 @@ def save_checkpoint(root: str, iteration: int, optimizer, scaler, config, grid, 
         os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
         if keep_last:
             _prune(root, keep_last)
-    _barrier()
+    _barrier(grid)
     return final
 
 

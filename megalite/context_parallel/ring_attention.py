@@ -1,4 +1,4 @@
-"""Ring attention over the context-parallel (CP) group, on the Triton flash-attention kernels.
+"""Ring attention over the context-parallel (CP) group, on any device.
 
 Each of C ranks holds a shard of the sequence's queries, keys and values. Causal layout
 (load-balanced): the sequence is cut into 2C chunks and rank r holds chunks r and 2C-1-r,
@@ -8,28 +8,83 @@ Non-causal: rank r holds the r-th contiguous C-th of the sequence.
 Forward, C steps. At step i rank r holds the K/V of rank (r - i) mod C; before computing on
 it, it posts the isend of that block to rank r+1 and the irecv of the next one from r-1, so
 the transfer overlaps the compute. For each (query chunk, key chunk) pair it calls the
-kernel: key chunk after query chunk -> skipped (fully masked, no work); same chunk -> the
-causal kernel; earlier chunk -> the unmasked kernel. Partial results are merged exactly
-through their log-sum-exp: lse = logaddexp(lse1, lse2), out = sum_j out_j exp(lse_j - lse).
+block forward: key chunk after query chunk -> skipped (fully masked, no work); same chunk ->
+causal (top-left aligned diagonal); earlier chunk -> unmasked. Partial results are merged
+exactly through their log-sum-exp: lse = logaddexp(lse1, lse2), out = sum_j out_j exp(lse_j - lse).
 
 Backward, C steps again. delta = rowsum(dO * O) is computed once; each step gives, from
 the *global* lse, this rank's dQ contribution (kept) and dK/dV for the visiting block,
 which travel with it round the ring: after C hops the accumulated dK/dV reach their owner.
-Communication is point-to-point only; the whole sequence is never gathered.
+Communication is point-to-point only (batched isend/irecv to the ring neighbours): every
+K/V block must meet every query shard once, and a ring does that moving one block per step
+per rank, so the whole sequence is never gathered and each rank holds O(s/C) of it.
+
+Block functions (``backend``), the same numbers up to rounding:
+- ``triton``: the Triton flash-attention kernels (``flash_attention_forward`` /
+  ``flash_attention_backward``; the GPU default). On a CPU only under ``TRITON_INTERPRET=1``.
+- ``torch``: the math path of ``megalite.kernels.attention_reference`` (one block's scores
+  materialized, float32 for 16-bit inputs); runs on any device, ``meta`` included.
+- ``auto``: triton on a CUDA tensor when the kernels can run there, else torch.
+- ``flash``: not yet (flash-attn under ring attention is a later step): an error names the fix.
 """
 from __future__ import annotations
 
 import time
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
 
-from megalite.kernels.attention_reference import merge_attention
-from megalite.kernels.flash_attention import flash_attention_forward
-from megalite.kernels.flash_attention_bwd import attention_delta, flash_attention_backward
+from megalite.kernels.attention_reference import (attention_block_backward, attention_block_delta,
+                                                  attention_block_forward, merge_attention)
+from megalite.layers.attention import TRITON_MAX_HEAD_DIM, BackendUnavailable
+from megalite.layers.backends import triton_missing
 from megalite.parallel import comm
 
 RING_TAG = 7
+RING_BACKENDS = ("auto", "triton", "torch")
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+class BlockOps(NamedTuple):
+    """The per-block functions of one backend, with the Triton kernels' signatures."""
+    name: str
+    forward: Callable  # (q, k, v, causal=, scale=) -> (out like q, lse float32 or float64)
+    backward: Callable  # (q, k, v, out, dout, lse, causal=, scale=, delta=) -> (dq, dk, dv)
+    delta: Callable  # (out, dout) -> rowsum(dout * out), float32 or float64
+
+
+def resolve_ring_backend(backend: str, q: torch.Tensor) -> str:
+    """The block functions' backend for this call, triton or torch (see the module
+    docstring); flash, a backend that cannot run here, or an unknown name raises."""
+    device = q.device.type
+    if backend == "auto":
+        triton_fits = q.dtype in TRITON_DTYPES and q.shape[-1] <= TRITON_MAX_HEAD_DIM
+        return "triton" if device == "cuda" and triton_fits and triton_missing("cuda") is None else "torch"
+    if backend == "flash":
+        raise BackendUnavailable(
+            "ring attention (--context-parallel-size > 1) does not run on flash-attn yet: it "
+            "merges per-block results through each row's log-sum-exp, which the Triton kernels and "
+            "the torch math path return. Fix: --attention-backend triton (GPU) or torch (or auto).")
+    if backend == "triton":
+        why = triton_missing(device)
+        if why:
+            raise BackendUnavailable(f"ring attention on the triton backend cannot run: {why}. "
+                                     f"Fix: set that up, or use --attention-backend torch or auto.")
+    elif backend != "torch":
+        raise BackendUnavailable(f"ring attention backend {backend!r} is unknown; use one of "
+                                 f"{', '.join(RING_BACKENDS)}.")
+    return backend
+
+
+def block_ops(backend: str, q: torch.Tensor) -> BlockOps:
+    """The block functions for ``backend`` on q's device; Triton is imported only when chosen."""
+    if resolve_ring_backend(backend, q) == "triton":
+        from megalite.kernels.flash_attention import flash_attention_forward
+        from megalite.kernels.flash_attention_bwd import attention_delta, flash_attention_backward
+
+        return BlockOps("triton", flash_attention_forward, flash_attention_backward, attention_delta)
+    return BlockOps("torch", attention_block_forward, attention_block_backward, attention_block_delta)
 
 
 class RingExchange:
@@ -47,8 +102,8 @@ class RingExchange:
         received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
         ops = []
         for t, r in zip(tensors, received):
-            ops.append(dist.P2POp(dist.isend, t, self.next, tag=RING_TAG))
-            ops.append(dist.P2POp(dist.irecv, r, self.prev, tag=RING_TAG))
+            ops.append(dist.P2POp(dist.isend, t, self.next, self.group, RING_TAG))
+            ops.append(dist.P2POp(dist.irecv, r, self.prev, self.group, RING_TAG))
             comm._record("send", t)
         self.events.append(("posted", time.perf_counter()))
         return received, dist.batch_isend_irecv(ops)
@@ -81,8 +136,9 @@ def _pairs(rank, src, size, causal):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, exchange):
+    def forward(ctx, q, k, v, group, causal, scale, exchange, ops):
         size, rank = exchange.size, exchange.rank
+        acc_dtype = torch.promote_types(q.dtype, torch.float32)  # partials merged in float32
         n = 2 if causal else 1
         q_parts = q.chunk(n, dim=2)
         acc = [None] * n
@@ -94,8 +150,8 @@ class _RingAttention(torch.autograd.Function):
             k_parts, v_parts = k_cur.chunk(n, dim=2), v_cur.chunk(n, dim=2)
             for qi, qa, ki, ka, diag in _pairs(rank, src, size, causal):
                 WORK_LOG.append((qa, ka, diag))
-                o, lse = flash_attention_forward(q_parts[qi], k_parts[ki], v_parts[ki], causal=diag, scale=scale)
-                o = o.float()
+                o, lse = ops.forward(q_parts[qi], k_parts[ki], v_parts[ki], causal=diag, scale=scale)
+                o = o.to(acc_dtype)
                 acc[qi] = (o, lse) if acc[qi] is None else merge_attention(acc[qi][0], acc[qi][1], o, lse)
             exchange.events.append(("computed", time.perf_counter()))
             if pending is not None:
@@ -103,48 +159,51 @@ class _RingAttention(torch.autograd.Function):
         out = torch.cat([a[0] for a in acc], dim=2).to(q.dtype)
         lse = torch.cat([a[1] for a in acc], dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale, ctx.exchange = causal, scale, exchange
+        ctx.causal, ctx.scale, ctx.exchange, ctx.ops = causal, scale, exchange, ops
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        exchange, causal, scale = ctx.exchange, ctx.causal, ctx.scale
+        exchange, causal, scale, ops = ctx.exchange, ctx.causal, ctx.scale, ctx.ops
         size, rank = exchange.size, exchange.rank
         n = 2 if causal else 1
+        acc_dtype = torch.promote_types(q.dtype, torch.float32)
         dout = dout.contiguous()
-        delta = attention_delta(out, dout)
+        delta = ops.delta(out, dout)
         q_parts, o_parts, do_parts = q.chunk(n, 2), out.chunk(n, 2), dout.chunk(n, 2)
         lse_parts, delta_parts = lse.chunk(n, 2), delta.chunk(n, 2)
-        dq = torch.zeros(q.shape, dtype=torch.float32)
+        dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
         dq_parts = dq.chunk(n, 2)
         k_cur, v_cur = k, v
-        dk_acc = torch.zeros(k.shape, dtype=torch.float32)
-        dv_acc = torch.zeros(v.shape, dtype=torch.float32)
+        dk_acc = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
+        dv_acc = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
         for i in range(size):
             src = (rank - i) % size
             pending = exchange.start([k_cur, v_cur]) if i < size - 1 else None
             k_parts, v_parts = k_cur.chunk(n, 2), v_cur.chunk(n, 2)
             dk_parts, dv_parts = dk_acc.chunk(n, 2), dv_acc.chunk(n, 2)
             for qi, qa, ki, ka, diag in _pairs(rank, src, size, causal):
-                dq_p, dk_p, dv_p = flash_attention_backward(
+                dq_p, dk_p, dv_p = ops.backward(
                     q_parts[qi], k_parts[ki], v_parts[ki], o_parts[qi], do_parts[qi], lse_parts[qi],
                     causal=diag, scale=scale, delta=delta_parts[qi])
-                dq_parts[qi].add_(dq_p.float())
-                dk_parts[ki].add_(dk_p.float())
-                dv_parts[ki].add_(dv_p.float())
+                dq_parts[qi].add_(dq_p.to(acc_dtype))
+                dk_parts[ki].add_(dk_p.to(acc_dtype))
+                dv_parts[ki].add_(dv_p.to(acc_dtype))
             # The visiting block's gradients travel on with it; after C hops they are home.
             dk_acc, dv_acc = exchange.finish(exchange.start([dk_acc, dv_acc]))
             if pending is not None:
                 k_cur, v_cur = exchange.finish(pending)
-        return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype), None, None, None, None, None
 
 
 def ring_attention(q, k, v, group, causal: bool = True, scale: float | None = None,
-                   exchange: RingExchange | None = None) -> torch.Tensor:
+                   exchange: RingExchange | None = None, backend: str = "auto") -> torch.Tensor:
     """Exact attention of this rank's queries over the whole sequence's keys and values.
 
     q: (b, heads, s_local, d); k, v: (b, groups, s_local, d), in the layout of
-    :func:`megalite.context_parallel.data.context_parallel_slice`."""
+    :func:`megalite.context_parallel.data.context_parallel_slice`. ``backend``: auto, triton
+    or torch (the block functions, see the module docstring); flash raises. No dropout."""
+    ops = block_ops(backend, q)
     exchange = exchange or RingExchange(group)
-    return _RingAttention.apply(q, k, v, group, causal, scale, exchange)
+    return _RingAttention.apply(q, k, v, group, causal, scale, exchange, ops)

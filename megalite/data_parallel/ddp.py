@@ -94,12 +94,13 @@ class GradSync:
         self.dp = comm.group_size(group)
         self.buckets = build_buckets(groups, self.dp, comm.group_rank(group), stage)
         params = [p for g in groups for p in g]
+        self.device = params[0].device  # every buffer lives where the model's gradients do
         self._where = {}
         for b in self.buckets:
             if stage <= 1:
-                b.grad = torch.zeros(b.numel, dtype=grad_dtype)
+                b.grad = self._zeros(b.numel)
             else:
-                b.grad_shard = torch.zeros(b.shard[1] - b.shard[0], dtype=grad_dtype)
+                b.grad_shard = self._zeros(b.shard[1] - b.shard[0])
             for p, (start, numel) in zip(b.params, b.offsets):
                 self._where[p] = (b, start, numel)
         self._counts: dict = {}
@@ -110,6 +111,9 @@ class GradSync:
         self.launch_log: list[tuple[int, int, bool, int]] = []
         self._arrived = 0
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+
+    def _zeros(self, numel: int) -> torch.Tensor:
+        return torch.zeros(numel, dtype=self.grad_dtype, device=self.device)
 
     # -- per step ---------------------------------------------------------------------------------
     def start_step(self, num_micro: int) -> None:
@@ -134,7 +138,7 @@ class GradSync:
         else:
             micro = min(self._counts[param], self.num_micro - 1)
             if micro not in bucket.staging:
-                bucket.staging[micro] = torch.zeros(bucket.numel, dtype=self.grad_dtype)
+                bucket.staging[micro] = self._zeros(bucket.numel)
             bucket.staging[micro][start: start + numel].add_(g)
         param.grad = None  # moved into the bucket
         self._counts[param] += 1
@@ -160,7 +164,7 @@ class GradSync:
         else:  # a parameter without gradient in this micro-batch contributes zeros
             source = b.staging.pop(micro, None)
             if source is None:
-                source = torch.zeros(b.numel, dtype=self.grad_dtype)
+                source = self._zeros(b.numel)
         if self.dp == 1:
             if self.stage >= 2:
                 b.grad_shard.add_(source)
@@ -168,7 +172,7 @@ class GradSync:
         if self.stage == 0:
             b.pending.append((comm.all_reduce_async(source, self.group), None, None))
             return
-        out = torch.empty(b.numel // self.dp, dtype=self.grad_dtype)
+        out = torch.empty(b.numel // self.dp, dtype=self.grad_dtype, device=self.device)
         target = b.grad[b.shard[0]: b.shard[1]] if self.stage == 1 else b.grad_shard
         b.pending.append((comm.reduce_scatter_async(out, source, self.group), out, target))
 

@@ -30,7 +30,7 @@ class ShardedParameters:
         self._bucket_of = {}
         for b in sync.buckets:
             dtype = b.params[0].dtype
-            full = torch.zeros(b.numel, dtype=dtype)
+            full = torch.zeros(b.numel, dtype=dtype, device=b.params[0].device)
             for p, (start, numel) in zip(b.params, b.offsets):
                 full[start: start + numel] = p.detach().reshape(-1)
             self.shards.append(full[b.shard[0]: b.shard[1]].clone())

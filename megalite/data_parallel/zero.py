@@ -35,12 +35,29 @@ from megalite.parallel import comm
 from megalite.parallel.sharding import is_tensor_parallel
 
 
-def _flat_masks(bucket, shard, fn) -> torch.Tensor:
+def _flat_masks(bucket, shard, fn, device) -> torch.Tensor:
     """A per-element float mask of the bucket's shard: fn(param) for each parameter's range."""
-    full = torch.zeros(bucket.numel)
+    lo, hi = shard
+    mask = torch.zeros(hi - lo, device=device)
+    for a, z in _shard_ranges(bucket, shard, fn):
+        mask[a:z] = 1.0
+    return mask
+
+
+def _shard_ranges(bucket, shard, fn) -> list[tuple[int, int]]:
+    """[a, z) ranges of the bucket's shard (shard-relative) held by parameters with fn(param)."""
+    lo, hi = shard
+    ranges = []
     for p, (start, numel) in zip(bucket.params, bucket.offsets):
-        full[start: start + numel] = float(fn(p))
-    return full[shard[0]: shard[1]].clone()
+        a, z = max(start, lo), min(start + numel, hi)
+        if a < z and fn(p):
+            ranges.append((a - lo, z - lo))
+    return ranges
+
+
+def host_device(device: torch.device) -> torch.device:
+    """Where offloaded optimizer state lives: the CPU (or meta, in a meta dry run)."""
+    return torch.device("meta") if device.type == "meta" else torch.device("cpu")
 
 
 class DistributedOptimizer:
@@ -76,22 +93,31 @@ class DistributedOptimizer:
             for p in g:
                 p.data = p.data.to(param_dtype)
         self.sync = GradSync(groups, stage=stage, group=self.group, overlap=overlap, grad_dtype=grad_dtype)
-        self.state_device = torch.device("cpu") if offload else params[0].device
+        self.device = params[0].device
+        self.state_device = host_device(self.device) if offload else self.device
+        pinned = offload and self.device.type == "cuda"
         tp_rank = grid.tp_rank if grid is not None else 0
         self.master, self.exp_avg, self.exp_avg_sq = [], [], []
-        self.decay_mask, self.norm_mask, self.sp_mask = [], [], []
+        self.decay_mask, self.norm_mask, self.sp_ranges = [], [], []
+        self._host_grad, self._host_weight = [], []  # offload: pinned staging buffers
         for b in self.sync.buckets:
-            flat = torch.zeros(b.numel, dtype=torch.float32)
+            flat = torch.zeros(b.numel, dtype=torch.float32, device=self.device)
             for p, (start, numel) in zip(b.params, b.offsets):
                 flat[start: start + numel] = masters[p].reshape(-1)
             lo, hi = b.shard
             self.master.append(flat[lo:hi].clone().to(self.state_device))
             self.exp_avg.append(torch.zeros(hi - lo, device=self.state_device))
             self.exp_avg_sq.append(torch.zeros(hi - lo, device=self.state_device))
-            self.decay_mask.append(_flat_masks(b, b.shard, lambda p: p.ndim >= 2 and "norm" not in names[p]))
+            self.decay_mask.append(_flat_masks(b, b.shard, lambda p: p.ndim >= 2 and "norm" not in names[p],
+                                               self.state_device))
             self.norm_mask.append(_flat_masks(b, b.shard, lambda p: not getattr(p, "embedding_copy", False)
-                                              and (is_tensor_parallel(p) or tp_rank == 0)).bool())
-            self.sp_mask.append(_flat_masks(b, b.shard, lambda p: getattr(p, "sequence_parallel", False)).bool())
+                                              and (is_tensor_parallel(p) or tp_rank == 0), self.device))
+            self.sp_ranges.append(_shard_ranges(b, b.shard, lambda p: getattr(p, "sequence_parallel", False)))
+            if offload:
+                self._host_grad.append(torch.empty(hi - lo, dtype=grad_dtype, device=self.state_device,
+                                                   pin_memory=pinned))
+                self._host_weight.append(torch.empty(hi - lo, dtype=param_dtype, device=self.state_device,
+                                                     pin_memory=pinned))
         self.step_count = 0
         self.param_groups = [{"lr": t.lr}]  # for schedulers and logging
         self.sharded = ShardedParameters(self.chunks, self.sync, self.group) if stage == 3 else None
@@ -109,16 +135,20 @@ class DistributedOptimizer:
             self.sharded.end_step()
         if self.grid is None:
             return
-        for b, sp in zip(self.sync.buckets, self.sp_mask):
-            if sp.any() and comm.group_size(self.grid.tp_group) > 1:
+        for b, ranges in zip(self.sync.buckets, self.sp_ranges):
+            if ranges and comm.group_size(self.grid.tp_group) > 1:
                 g = self.sync.shard_grad(b)
-                g[sp] = comm.all_reduce(g[sp].clone(), self.grid.tp_group)
+                flat = comm.all_reduce(torch.cat([g[a:z] for a, z in ranges]), self.grid.tp_group)
+                offset = 0
+                for a, z in ranges:
+                    g[a:z].copy_(flat[offset: offset + z - a])
+                    offset += z - a
             if getattr(b.params[0], "tied_embedding", False) and comm.group_size(self.grid.embedding_group) > 1:
                 comm.all_reduce(self.sync.shard_grad(b), self.grid.embedding_group)
 
     def grad_norm(self, loss_scale: float = 1.0) -> torch.Tensor:
         """Unscale the gradient shards and return the global L2 norm (fp32)."""
-        total = torch.zeros((), dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
         for b, mask in zip(self.sync.buckets, self.norm_mask):
             g = self.sync.shard_grad(b)
             if loss_scale != 1.0:
@@ -136,31 +166,50 @@ class DistributedOptimizer:
         t = self.t
         self.step_count += 1
         bc1, bc2 = 1 - t.adam_beta1 ** self.step_count, 1 - t.adam_beta2 ** self.step_count
+        grads = self._host_grads() if self.offload else [self.sync.shard_grad(b) for b in self.sync.buckets]
         for i, b in enumerate(self.sync.buckets):
-            g = self.sync.shard_grad(b).to(self.state_device, torch.float32)
+            g = grads[i].float()
             if clip_coeff != 1.0:
                 g = g * clip_coeff
             m, v, w = self.exp_avg[i], self.exp_avg_sq[i], self.master[i]
             m.lerp_(g, 1 - t.adam_beta1)
             v.mul_(t.adam_beta2).addcmul_(g, g, value=1 - t.adam_beta2)
             denom = (v.sqrt() / bc2 ** 0.5).add_(t.adam_eps)
-            w.mul_(1 - lr * t.weight_decay * self.decay_mask[i].to(w.device))
+            w.mul_(1 - lr * t.weight_decay * self.decay_mask[i])
             w.addcdiv_(m, denom, value=-lr / bc1)
         self.param_groups[0]["lr"] = lr
         self.publish()
+
+    def _host_grads(self) -> list[torch.Tensor]:
+        """Offload: every gradient shard copied into its pinned host buffer. The copies are
+        queued without blocking the host and waited for once, together."""
+        for b, host in zip(self.sync.buckets, self._host_grad):
+            host.copy_(self.sync.shard_grad(b), non_blocking=True)
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return self._host_grad
+
+    def _weight_shard(self, i: int) -> torch.Tensor:
+        """Master shard i in the model dtype, on the model's device (where the collectives
+        run); offloaded masters travel through a pinned buffer."""
+        if not self.offload:
+            return self.master[i].to(self.model_dtype)
+        host = self._host_weight[i]
+        host.copy_(self.master[i])
+        return host.to(self.device, non_blocking=True)
 
     @torch.no_grad()
     def publish(self) -> None:
         """Make the model's weights equal to the master weights (cast to the model dtype)."""
         if self.stage == 3:
-            self.sharded.load_shards([w.to(self.model_dtype) for w in self.master])
+            self.sharded.load_shards([self._weight_shard(i) for i in range(len(self.master))])
             return
         for i, b in enumerate(self.sync.buckets):
-            shard = self.master[i].to(self.model_dtype)
+            shard = self._weight_shard(i)
             if self.stage == 0 or comm.group_size(self.group) == 1:
                 full = shard
             else:
-                full = torch.empty(b.numel, dtype=self.model_dtype)
+                full = torch.empty(b.numel, dtype=self.model_dtype, device=self.device)
                 comm.all_gather_async(full, shard.contiguous(), self.group).wait()
             for p, (start, numel) in zip(b.params, b.offsets):
                 p.copy_(full[start: start + numel].view_as(p))

@@ -11,6 +11,7 @@ importing it, so asking whether flash-attn or transformer-engine exist imports n
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import sys
@@ -18,6 +19,7 @@ import sys
 import torch
 
 
+@functools.lru_cache(maxsize=None)  # asked on every attention call: look the package up once
 def _installed(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None
@@ -25,6 +27,7 @@ def _installed(module: str) -> bool:
         return False
 
 
+@functools.lru_cache(maxsize=None)
 def cuda_available() -> bool:
     return torch.cuda.is_available()
 

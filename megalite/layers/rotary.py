@@ -11,7 +11,8 @@ import torch
 
 def rotary_angles(position_ids: torch.Tensor, head_dim: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of shape (b, 1, s, head_dim) for integer positions of shape (b, s)."""
-    inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=position_ids.device) / head_dim
+    inv_freq = base ** -exponents
     angles = position_ids.to(torch.float32)[..., None] * inv_freq  # (b, s, d/2)
     angles = torch.cat([angles, angles], dim=-1)[:, None]
     return angles.cos(), angles.sin()

@@ -101,7 +101,7 @@ class SelfAttention(nn.Module):
     def core_attention(self, q, k, v, dropout_p: float) -> torch.Tensor:
         if self.cp_group is not None:
             # This rank holds a shard of the sequence: attend over all of it round the CP ring.
-            return ring_attention(q, k, v, self.cp_group, causal=True)
+            return ring_attention(q, k, v, self.cp_group, causal=True, backend=self.cfg.attention_backend)
         if dropout_p > 0:
             # Attention probabilities belong to this rank's heads: a TP-split tensor.
             with get_rng_tracker().fork():
@@ -234,10 +234,17 @@ class GPTModel(nn.Module):
     # -- initialization --------------------------------------------------------------------------
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:
-        """GPT-2 init, reproducible per parameter from (seed, global name), layout-independent."""
+        """GPT-2 init, reproducible per parameter from (seed, global name), layout-independent.
+
+        Each full tensor is drawn on the CPU (one parameter at a time, so the whole model is
+        never held there), sliced to this rank's shard and copied to the parameter's device:
+        the same seed gives the same model on every device and under every layout. On meta
+        there is nothing to draw."""
         std = self.cfg.init_method_std
         output_std = std / math.sqrt(2.0 * self.cfg.num_layers)
         for name, param in self.named_parameters():
+            if param.device.type == "meta":
+                continue
             leaf = name.rsplit(".", 1)[-1]
             full_shape = getattr(param, "full_shape", tuple(param.shape))
             if "norm" in name:
@@ -256,6 +263,29 @@ class GPTModel(nn.Module):
                 full = init_full_tensor(full_shape, seed, name, std)
             shard = param.shard_fn(full) if hasattr(param, "shard_fn") else full
             param.copy_(shard)
+
+
+def materialize(module: nn.Module, device: torch.device) -> nn.Module:
+    """Give a module built on the meta device uninitialized storage on ``device``, keeping
+    every Parameter's attributes (TP split, sequence-parallel marks): ``Module.to_empty``
+    would make new Parameter objects without them. On meta, nothing to do."""
+    device = torch.device(device)
+    if device.type == "meta":
+        return module
+    done: dict = {}
+    for mod in module.modules():
+        for name, param in list(mod._parameters.items()):
+            if param is None or param.device == device:
+                continue
+            if param not in done:
+                new = nn.Parameter(torch.empty_like(param, device=device), requires_grad=param.requires_grad)
+                new.__dict__.update(param.__dict__)
+                done[param] = new
+            mod._parameters[name] = done[param]
+        for name, buf in list(mod._buffers.items()):
+            if buf is not None and buf.device != device:
+                mod._buffers[name] = torch.empty_like(buf, device=device)
+    return module
 
 
 def count_parameters(cfg: ModelConfig) -> int:

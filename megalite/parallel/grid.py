@@ -163,16 +163,27 @@ class ProcessGrid:
         if distributed and dist.get_world_size() != layout.world_size:
             raise ConfigError(f"the process group has {dist.get_world_size()} ranks but the grid "
                               f"{layout} needs {layout.world_size}.")
+        made: dict[tuple[int, ...], object] = {}
         for kind in GROUP_ORDER:
-            mine = None
-            for ranks in layout.groups(kind):
-                # Every rank creates every group, in the same order (a torch.distributed rule).
-                group = dist.new_group(ranks, backend=backend, timeout=timeout) if distributed else None
-                if rank in ranks:
-                    mine = (group, ranks)
-            setattr(self, f"{kind}_group", mine[0] if mine else None)
-            setattr(self, f"{kind}_ranks", mine[1] if mine else [rank])
+            ranks = layout.group_of(kind, rank) if kind != "embedding" else self._embedding_ranks(layout, rank)
+            group = None
+            if distributed and len(ranks) > 1:  # a group of one is None: nothing to communicate
+                key = tuple(ranks)
+                if key not in made:  # two kinds with the same ranks share one communicator
+                    made[key] = _new_group(ranks, backend, timeout)
+                group = made[key]
+            setattr(self, f"{kind}_group", group)
+            setattr(self, f"{kind}_ranks", ranks or [rank])
+        # Host-side control values (stop flags) travel on gloo, never through a GPU stream.
+        self.control_group = _control_group(timeout) if distributed else None
         self.neighbours = layout.neighbours(rank)
+
+    @staticmethod
+    def _embedding_ranks(layout: GridLayout, rank: int) -> list[int]:
+        for ranks in layout.groups("embedding"):
+            if rank in ranks:
+                return ranks
+        return []  # a middle pipeline stage is in no embedding group
 
     # Convenience accessors, so model and training code never compute ranks themselves.
     @property
@@ -201,6 +212,40 @@ class ProcessGrid:
 
     def describe(self) -> str:
         return self.layout.describe(self.gpus_per_node)
+
+
+_GROUPS: dict = {}  # rank list -> group of the current world, for grids built more than once
+
+
+def _new_group(ranks: list[int], backend, timeout):
+    """One process group. ``use_local_synchronization``: only its members take part in its
+    creation (no store round trip for every rank of the world per group, which at 1,000+
+    ranks and thousands of groups dominates startup), so each rank creates only the groups
+    it belongs to. Such groups are named after their rank list, so one rank list can be
+    created only once per world: a grid built again (tests build many) reuses it."""
+    import torch.distributed as dist
+
+    from megalite.device import register_meta
+
+    if _GROUPS.get("world") is not dist.group.WORLD:  # a new world: the old groups are gone
+        _GROUPS.clear()
+        _GROUPS["world"] = dist.group.WORLD
+    key = tuple(ranks)
+    if key not in _GROUPS:
+        group = dist.new_group(ranks, backend=backend, timeout=timeout, use_local_synchronization=True)
+        register_meta(group)
+        _GROUPS[key] = group
+    return _GROUPS[key]
+
+
+def _control_group(timeout):
+    """A gloo group over the world for host-side values: the default group itself when it is
+    gloo (or fake), a new gloo group when the default is NCCL."""
+    import torch.distributed as dist
+
+    if dist.get_backend() in ("gloo", "fake"):
+        return None  # None = the default group
+    return dist.new_group(backend="gloo", timeout=timeout)
 
 
 def build_grid(parallel: ParallelConfig, world_size: int, rank: int,

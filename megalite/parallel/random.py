@@ -55,31 +55,37 @@ def dropout_seeds(seed: int, tp_rank: int = 0, cp_rank: int = 0, dp_rank: int = 
 
 
 class RNGTracker:
-    """Named random streams for the devices in use (CPU, plus CUDA when present)."""
+    """Named random streams: each holds a CPU generator state and, when the model runs on a
+    GPU, that GPU's generator state (dropout on CUDA tensors draws from the CUDA generator).
+
+    ``seed(seeds, device)`` seeds every stream on the CPU and on ``device`` when it is a CUDA
+    device; checkpoints save and restore both, so a GPU resume is bit-exact like a CPU one.
+    """
 
     def __init__(self):
         self._states: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        self.cuda_device: torch.device | None = None
 
-    @staticmethod
-    def _get_state():
-        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    def _get_state(self):
+        cuda = torch.cuda.get_rng_state(self.cuda_device) if self.cuda_device is not None else None
         return torch.get_rng_state(), cuda
 
-    @staticmethod
-    def _set_state(state):
+    def _set_state(self, state):
         cpu, cuda = state
         torch.set_rng_state(cpu)
-        if cuda is not None:
-            torch.cuda.set_rng_state(cuda)
+        if cuda is not None and self.cuda_device is not None:
+            torch.cuda.set_rng_state(cuda, self.cuda_device)
 
-    def seed(self, seeds: dict[str, int]) -> None:
-        """Seed every stream; the global generator is left on the "default" stream."""
+    def seed(self, seeds: dict[str, int], device=None) -> None:
+        """Seed every stream; the global generators are left on the "default" stream."""
+        device = torch.device(device) if device is not None else None
+        self.cuda_device = device if device is not None and device.type == "cuda" else None
         self._states.clear()
         for name, value in seeds.items():
             if name == "default":
                 continue
             saved = self._get_state()
-            torch.manual_seed(value)
+            torch.manual_seed(value)  # the CPU generator and every CUDA one
             self._states[name] = self._get_state()
             self._set_state(saved)
         torch.manual_seed(seeds["default"])
@@ -107,18 +113,33 @@ class RNGTracker:
                         for name, (cpu, cuda) in states.items()}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Byte tensors of every stream (for checkpoints: no pickling needed)."""
-        out = {"default.cpu": torch.get_rng_state()}
-        for name, (cpu, _) in self._states.items():
+        """Byte tensors of every stream, ``<name>.cpu`` and ``<name>.cuda`` (for checkpoints:
+        no pickling needed)."""
+        cpu, cuda = self._get_state()
+        out = {"default.cpu": cpu}
+        if cuda is not None:
+            out["default.cuda"] = cuda
+        for name, (cpu, cuda) in self._states.items():
             out[f"{name}.cpu"] = cpu.clone()
+            if cuda is not None:
+                out[f"{name}.cuda"] = cuda.clone()
         return out
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        torch.set_rng_state(state["default.cpu"])
+        """Restore what ``state_dict`` saved; CUDA states only when this run is on a GPU
+        (a CPU checkpoint resumed on a GPU keeps the GPU streams as seeded)."""
+        streams: dict[str, dict[str, torch.Tensor]] = {}
         for key, value in state.items():
-            name = key.rsplit(".", 1)[0]
-            if name != "default":
-                self._states[name] = (value.clone(), self._states.get(name, (None, None))[1])
+            name, kind = key.rsplit(".", 1)
+            streams.setdefault(name, {})[kind] = value.clone()
+        for name, kinds in streams.items():
+            current = self._get_state() if name == "default" else self._states.get(name, (None, None))
+            cuda = kinds.get("cuda") if self.cuda_device is not None else None
+            restored = (kinds.get("cpu", current[0]), cuda if cuda is not None else current[1])
+            if name == "default":
+                self._set_state(restored)
+            else:
+                self._states[name] = restored
 
 
 _TRACKER = RNGTracker()
@@ -128,12 +149,13 @@ def get_rng_tracker() -> RNGTracker:
     return _TRACKER
 
 
-def model_parallel_seed(seed: int, grid=None) -> RNGTracker:
-    """Seed the dropout streams for this rank's place in the grid (see module docstring)."""
+def model_parallel_seed(seed: int, grid=None, device=None) -> RNGTracker:
+    """Seed the dropout streams for this rank's place in the grid (see module docstring), on
+    the CPU and on ``device`` when it is a GPU."""
     if grid is None:
         seeds = dropout_seeds(seed)
     else:
         c = grid.coord
         seeds = dropout_seeds(seed, c.tp, c.cp, c.dp, c.pp, grid.layout.cp)
-    _TRACKER.seed(seeds)
+    _TRACKER.seed(seeds, device)
     return _TRACKER

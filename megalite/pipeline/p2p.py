@@ -32,7 +32,8 @@ class PipeComm:
     def __init__(self, grid, shape: tuple[int, ...], dtype=torch.float32, device="cpu"):
         self.next_rank = grid.neighbours["pp_next"]
         self.prev_rank = grid.neighbours["pp_prev"]
-        self.shape, self.dtype, self.device = tuple(shape), dtype, device
+        self.group = grid.pp_group  # NCCL batches p2p per communicator: the pp one, not the world
+        self.shape, self.dtype, self.device = tuple(shape), dtype, torch.device(device)
 
     def _empty(self) -> torch.Tensor:
         return torch.empty(self.shape, dtype=self.dtype, device=self.device)
@@ -41,17 +42,17 @@ class PipeComm:
         """Post the given sends/receives together; return (from_prev, from_next)."""
         ops, from_prev, from_next = [], None, None
         if send_next is not None:
-            ops.append(dist.P2POp(dist.isend, self._checked(send_next), self.next_rank, tag=ACTIVATION))
+            ops.append(dist.P2POp(dist.isend, self._checked(send_next), self.next_rank, self.group, ACTIVATION))
             comm._record("send", send_next)
         if recv_prev:
             from_prev = self._empty()
-            ops.append(dist.P2POp(dist.irecv, from_prev, self.prev_rank, tag=ACTIVATION))
+            ops.append(dist.P2POp(dist.irecv, from_prev, self.prev_rank, self.group, ACTIVATION))
         if send_prev is not None:
-            ops.append(dist.P2POp(dist.isend, self._checked(send_prev), self.prev_rank, tag=GRADIENT))
+            ops.append(dist.P2POp(dist.isend, self._checked(send_prev), self.prev_rank, self.group, GRADIENT))
             comm._record("send", send_prev)
         if recv_next:
             from_next = self._empty()
-            ops.append(dist.P2POp(dist.irecv, from_next, self.next_rank, tag=GRADIENT))
+            ops.append(dist.P2POp(dist.irecv, from_next, self.next_rank, self.group, GRADIENT))
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
@@ -60,9 +61,10 @@ class PipeComm:
         return from_prev, from_next
 
     def _checked(self, tensor: torch.Tensor) -> torch.Tensor:
-        if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype:
-            raise RuntimeError(f"pipeline p2p: sending {tuple(tensor.shape)} {tensor.dtype} but the "
-                               f"receiver expects {self.shape} {self.dtype} (from the config)")
+        if tuple(tensor.shape) != self.shape or tensor.dtype != self.dtype or tensor.device != self.device:
+            raise RuntimeError(f"pipeline p2p: sending {tuple(tensor.shape)} {tensor.dtype} on {tensor.device} "
+                               f"but the receiver expects {self.shape} {self.dtype} on {self.device} "
+                               f"(from the config and the model)")
         return tensor.detach().contiguous()
 
     # Readable names for the one-directional cases.

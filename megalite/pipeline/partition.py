@@ -8,8 +8,10 @@ global chunk P*V - 1 applies the final norm, output layer and loss (last stage).
 """
 from __future__ import annotations
 
+import torch
+
 from megalite.config import Config
-from megalite.model.gpt import GPTModel
+from megalite.model.gpt import GPTModel, materialize
 
 
 def virtual_stages(config: Config) -> int:
@@ -26,15 +28,21 @@ def chunk_layers(num_layers: int, pp_size: int, vp_size: int, pp_rank: int, chun
     return range(g * per_chunk, (g + 1) * per_chunk)
 
 
-def build_model_chunks(config: Config, grid) -> list[GPTModel]:
-    """This rank's model chunks (one per virtual stage), parameters not yet initialized."""
+def build_model_chunks(config: Config, grid, device=None) -> list[GPTModel]:
+    """This rank's model chunks (one per virtual stage), parameters not yet initialized.
+
+    Built on the meta device (no memory, no init work), then given storage on ``device``
+    (default: the CPU), where ``init_weights`` fills them: the full model never exists in
+    fp32 on the host."""
     P, V = grid.layout.pp, virtual_stages(config)
     chunks = []
     for c in range(V):
         g = c * P + grid.pp_rank
-        chunks.append(GPTModel(
-            config.model, pre_process=g == 0, post_process=g == P * V - 1,
-            layer_range=chunk_layers(config.model.num_layers, P, V, grid.pp_rank, c),
-            tp_group=grid.tp_group, sequence_parallel=config.parallel.sequence_parallel,
-            cp_group=getattr(grid, "cp_group", None)))
+        with torch.device("meta"):
+            chunk = GPTModel(
+                config.model, pre_process=g == 0, post_process=g == P * V - 1,
+                layer_range=chunk_layers(config.model.num_layers, P, V, grid.pp_rank, c),
+                tp_group=grid.tp_group, sequence_parallel=config.parallel.sequence_parallel,
+                cp_group=getattr(grid, "cp_group", None))
+        chunks.append(materialize(chunk, device if device is not None else torch.device("cpu")))
     return chunks

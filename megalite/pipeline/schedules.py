@@ -20,26 +20,34 @@ micro-batch. Every step is recorded in a :class:`Trace` when one is given.
 """
 from __future__ import annotations
 
-import time
 from collections import deque
 
 import torch
 from torch.autograd.variable import Variable
 
 from megalite.pipeline.p2p import PipeComm
+from megalite.timers import Clock
 
 
 class Trace:
-    """(op, micro-batch, chunk, start, end) for every step of this rank; times from perf_counter."""
+    """(op, micro-batch, chunk, start, end) for every step of this rank, in perf_counter
+    seconds. On a GPU the marks are CUDA events (see :mod:`megalite.timers`), resolved to
+    times when ``events`` is first read, so the trace shows when the device ran each step."""
 
-    def __init__(self):
-        self.events: list[tuple[str, int, int, float, float]] = []
+    def __init__(self, clock: Clock | None = None):
+        self.clock = clock or Clock()
+        self._marks: list[tuple[str, int, int, object, object]] = []
 
     def record(self, op: str, micro: int, chunk: int, fn):
-        start = time.perf_counter()
+        start = self.clock.mark()
         result = fn()
-        self.events.append((op, micro, chunk, start, time.perf_counter()))
+        self._marks.append((op, micro, chunk, start, self.clock.mark()))
         return result
+
+    @property
+    def events(self) -> list[tuple[str, int, int, float, float]]:
+        seconds = self.clock.seconds
+        return [(op, micro, chunk, seconds(a), seconds(b)) for op, micro, chunk, a, b in self._marks]
 
 
 def _release(output: torch.Tensor) -> None:
@@ -68,12 +76,12 @@ class PipelineRunner:
     """
 
     def __init__(self, chunks, micro_batches, grid, shape, forward_fn, loss_fn, trace: Trace | None = None,
-                 dtype=torch.float32, loss_scale: float = 1.0):
+                 dtype=torch.float32, loss_scale: float = 1.0, device="cpu"):
         self.chunks, self.batches, self.grid = chunks, micro_batches, grid
         self.P, self.V, self.M = grid.layout.pp, len(chunks), len(micro_batches)
         self.rank = grid.pp_rank
         self.forward_fn, self.loss_fn, self.loss_scale = forward_fn, loss_fn, loss_scale
-        self.comm = PipeComm(grid, shape, dtype)
+        self.comm = PipeComm(grid, shape, dtype, device)
         self.trace = trace
         self.losses: list[torch.Tensor] = []
         self.max_in_flight = 0  # micro-batches whose backward is still pending, peak
@@ -283,9 +291,10 @@ class PipelineRunner:
             self.run_1f1b()
 
 
-def forward_only(chunks, micro_batches, grid, shape, forward_fn, loss_fn, dtype=torch.float32) -> list:
+def forward_only(chunks, micro_batches, grid, shape, forward_fn, loss_fn, dtype=torch.float32,
+                 device="cpu") -> list:
     """Evaluation: every micro-batch goes through all chunks in order; no backward."""
-    comm = PipeComm(grid, shape, dtype)
+    comm = PipeComm(grid, shape, dtype, device)
     P, V, rank = grid.layout.pp, len(chunks), grid.pp_rank
     losses = []
     with torch.no_grad():

@@ -1,0 +1,130 @@
+"""The second oracle: one rank of a 16-rank layout, alone, on meta tensors and the fake
+process group (``--fake-process-group --device meta``).
+
+A whole training iteration (forward, backward, pipeline schedule, DP/ZeRO reductions,
+optimizer step, recomputation) runs on meta tensors; any tensor the framework creates on
+the CPU meets a meta tensor and raises, so a passing run proves placement. The last test
+proves the oracle can fail: one buffer put back on the CPU is caught, with the device named.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megalite.config import ConfigError
+from megalite.pretrain import pretrain
+
+MODEL = ["--mock-data", "--vocab-size", "500", "--num-layers", "8", "--hidden-size", "64",
+         "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "2",
+         "--global-batch-size", "32", "--train-iters", "2", "--eval-interval", "2", "--eval-iters", "1",
+         "--log-interval", "1"]
+LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+         "--num-query-groups", "2", "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
+
+# Layouts of 16 ranks, rank = tp + TP*(cp + CP*(dp + DP*pp)), and one rank of every role:
+# first / middle / last pipeline stage, TP and CP positions, DP position.
+LAYOUTS = {
+    "tp2-pp2-dp4-zero1-virtual": (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                   "--zero-stage", "1", "--num-layers-per-virtual-pipeline-stage", "2",
+                                   "--overlap-grad-reduce"], [0, 1, 6, 8, 15]),
+    "tp2-cp2-pp2-dp2-sp": (["--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
+                            "--pipeline-model-parallel-size", "2", "--sequence-parallel",
+                            "--attention-dropout", "0"], [0, 3, 5, 10, 15]),
+    "tp4-dp4-zero3": (["--tensor-model-parallel-size", "4", "--zero-stage", "3"], [0, 3, 13]),
+    "tp2-pp4-dp2-zero2-offload-recompute": (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4",
+                                             "--zero-stage", "2", "--offload-optimizer",
+                                             "--recompute-granularity", "full"], [0, 5, 9, 15]),
+    "llama-tp2-pp2-dp4-bf16": (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                "--bf16", *LLAMA], [0, 7, 8, 15]),
+}
+
+
+def dry_run(monkeypatch, world: int, rank: int, flags: list[str]) -> list[dict]:
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("LOCAL_RANK", str(rank % 8))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    try:
+        return pretrain(["--fake-process-group", "--device", "meta", *MODEL, *flags])
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_meta_dry_run_every_role(monkeypatch, layout):
+    flags, ranks = LAYOUTS[layout]
+    for rank in ranks:
+        log = dry_run(monkeypatch, 16, rank, flags)
+        assert [r["iteration"] for r in log] == [1, 2], (layout, rank)
+        # No values on meta (n/a), but the accounting and the traffic are real.
+        assert all(r["loss"] is None and r["grad_norm"] is None for r in log)
+        memory = log[-1]["memory_bytes"]
+        assert memory["weights"] > 0 and memory["master_weights"] > 0, (layout, rank, memory)
+        assert log[-1]["comm_bytes"], (layout, rank)  # every layout here communicates on every rank
+        assert "valid_loss" in log[-1]  # evaluation ran too
+
+
+def test_meta_dry_run_memory_matches_a_real_rank(monkeypatch):
+    """The accounting of the meta rank equals a real single-process CPU run's of the same
+    shard (same model, TP=1 PP=1, ZeRO-1 over DP 4: one quarter of the optimizer state)."""
+    meta = dry_run(monkeypatch, 4, 2, ["--zero-stage", "1"])[-1]["memory_bytes"]
+    flags = ["--fake-process-group", "--device", "cpu", *MODEL, "--zero-stage", "1"]
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "2")
+    try:
+        cpu = pretrain(flags)[-1]["memory_bytes"]
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    assert meta == cpu
+
+
+def test_oracle_catches_a_cpu_buffer(monkeypatch):
+    """Put one buffer back on the CPU (the gradient bucket of DDP, as it was before the
+    placement work): the meta dry run must fail, naming the devices."""
+    from megalite.data_parallel import ddp
+
+    monkeypatch.setattr(ddp.GradSync, "_zeros", lambda self, n: torch.zeros(n, dtype=self.grad_dtype))
+    with pytest.raises(RuntimeError, match="device cpu.*meta|meta.*cpu"):
+        dry_run(monkeypatch, 16, 0, LAYOUTS["tp4-dp4-zero3"][0])
+
+
+def test_oracle_catches_a_cpu_rotary_table(monkeypatch):
+    """The same for a tensor made inside the model's forward (the rotary frequencies)."""
+    from megalite.layers import rotary
+
+    def on_cpu(position_ids, head_dim, base):
+        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        angles = position_ids.to(torch.float32)[..., None] * inv_freq
+        angles = torch.cat([angles, angles], dim=-1)[:, None]
+        return angles.cos(), angles.sin()
+
+    monkeypatch.setattr("megalite.model.gpt.rotary_angles", on_cpu)
+    assert rotary.rotary_angles is not on_cpu
+    with pytest.raises(RuntimeError, match="device cpu.*meta|meta.*cpu"):
+        dry_run(monkeypatch, 16, 0, LAYOUTS["llama-tp2-pp2-dp4-bf16"][0])
+
+
+def test_fake_process_group_needs_world_and_rank(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ConfigError, match="set WORLD_SIZE and RANK"):
+        pretrain(["--fake-process-group", "--device", "meta", *MODEL])
+
+
+def test_meta_device_with_a_real_world_is_refused(monkeypatch):
+    from megalite.device import init_distributed
+
+    with pytest.raises(ConfigError, match="--fake-process-group"):
+        init_distributed(torch.device("meta"), 4, 0, timeout=None)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without a GPU")
+def test_cuda_without_a_gpu_is_refused():
+    from megalite.device import resolve_device
+
+    with pytest.raises(ConfigError, match="--device cuda was asked for, but torch sees no CUDA GPU"):
+        resolve_device("cuda")
+    assert resolve_device("auto") == torch.device("cpu")

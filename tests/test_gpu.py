@@ -1,0 +1,264 @@
+"""GPU acceptance tests, marked ``gpu``: skipped without CUDA (tests/conftest.py).
+
+    TRITON_INTERPRET=0 python3 -m pytest -m gpu tests/        (scripts/gpu_check.sh runs this)
+
+1. The Triton kernels compiled for the GPU, in bf16 and fp16, against float64 torch
+   references computed on the GPU: flash attention forward and backward (non-powers of two,
+   GQA/MQA, offsets, rows without keys), the fused LayerNorm/RMSNorm forward and backward,
+   and the cross-entropy (per-slice statistics combined as TP ranks do, and the autograd
+   loss with padding and ignored targets).
+   Error measure as in test_kernels.py: max |a - ref| / max(1, max |ref|). The bounds are
+   about 4x the rounding of a 16-bit output (half an ulp: bf16 2^-9, fp16 2^-11 relative),
+   which dominates: a kernel that feeds 16-bit P and dS to the tensor cores and accumulates
+   in fp32 lands at bf16 ~4e-3, fp16 ~5e-4 (emulated in torch at these shapes).
+2. CUDA dropout streams of ``megalite.parallel.random``: the tensor-parallel stream differs
+   from the default one and leaves it undisturbed, re-seeding reproduces both, and
+   ``state_dict``/``load_state_dict`` restore both bit-exactly.
+3. A serial fp32 run on CUDA with TF32 off matches the CPU run's losses within 1e-4 for 10
+   iterations (each run in its own process: device flags and TF32 are process-wide).
+
+On a CPU machine everything here is skipped.
+"""
+from __future__ import annotations
+
+import copy
+import inspect
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.gpu
+
+REPO = Path(__file__).resolve().parent.parent
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+OUT_TOL = {"bf16": 1.6e-2, "fp16": 2e-3}   # 16-bit outputs and gradients
+LSE_TOL = 5e-4                             # fp32 statistics from 16-bit inputs
+CE_GRAD_TOL = {"bf16": 8e-3, "fp16": 2e-3}
+
+
+def err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    a, ref = a.double(), ref.double()
+    if a.numel() == 0:
+        return 0.0
+    return (a - ref).abs().max().item() / max(1.0, ref.abs().max().item())
+
+
+@pytest.fixture
+def compiled():
+    """The kernels compiled for the GPU (not the CPU interpreter, which conftest.py selects by
+    default: it would run them on host copies of the CUDA tensors)."""
+    from megalite.kernels._utils import INTERPRET
+
+    if INTERPRET:
+        pytest.skip("TRITON_INTERPRET=1 was set when megalite.kernels was imported: the kernels run in "
+                    "the CPU interpreter. Run with TRITON_INTERPRET=0 (scripts/gpu_check.sh does).")
+    torch.manual_seed(0)
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+# -- 1. kernels ------------------------------------------------------------------------------------
+
+# (batch, heads, groups, s_q, s_k, head_dim, causal, q_offset, k_offset)
+ATTENTION_SHAPES = [
+    (2, 4, 4, 128, 128, 64, True, 0, 0),        # exact tiles
+    (1, 4, 4, 197, 197, 64, True, 0, 0),        # partial tiles
+    (2, 8, 2, 300, 300, 128, True, 0, 0),       # GQA, head dim 128
+    (1, 4, 1, 333, 333, 32, False, 0, 0),       # multi-query, no mask, s_k not a tile multiple
+    (1, 6, 3, 61, 97, 80, True, 50, 10),        # GQA, head dim 80 (padded to 128), offsets, s_q != s_k
+    (1, 2, 2, 40, 30, 64, True, 0, 25),         # the first 25 queries see no key
+    (1, 8, 8, 1024, 1024, 128, True, 0, 0),     # many tiles per program
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", ATTENTION_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_flash_attention_16bit_forward_backward_on_cuda(compiled, dtype, shape):
+    from megalite.kernels.attention_reference import attention_reference
+    from megalite.kernels.flash_attention import flash_attention
+
+    b, h, g, sq, sk, d, causal, q_off, k_off = shape
+    dev, dt = compiled, DTYPES[dtype]
+    q, dout = (torch.randn(b, h, sq, d, device=dev).to(dt) for _ in range(2))
+    k, v = (torch.randn(b, g, sk, d, device=dev).to(dt) for _ in range(2))
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = flash_attention(*leaves, causal, q_off, k_off, return_lse=True)
+    out.backward(dout)
+    torch.cuda.synchronize()
+    ref64 = [x.double().requires_grad_() for x in (q, k, v)]
+    ref_out, ref_lse = attention_reference(*ref64, causal, q_off, k_off)
+    ref_out.backward(dout.double())
+
+    assert out.dtype == dt and lse.dtype == torch.float32 and lse.shape == (b, h, sq)
+    assert all(x.grad.dtype == dt for x in leaves)
+    assert not any(torch.isnan(t).any() for t in (out, lse, *(x.grad for x in leaves)))
+    empty = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), empty), "rows without a visible key must have lse = -inf"
+    assert err(out, ref_out) < OUT_TOL[dtype]
+    assert err(lse[~empty], ref_lse[~empty]) < LSE_TOL
+    for name, x, r in zip(("dq", "dk", "dv"), leaves, ref64):
+        assert err(x.grad, r.grad) < OUT_TOL[dtype], (name, err(x.grad, r.grad))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", ["layer", "rms"])
+@pytest.mark.parametrize("shape", [(4096, 1024), (3, 77, 1000), (17, 5120), (8, 8192)], ids=str)
+def test_fused_norms_16bit_on_cuda(compiled, dtype, kind, shape):
+    from megalite.kernels.norms import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
+
+    dev, dt, n = compiled, DTYPES[dtype], shape[-1]
+    x = (torch.randn(*shape, device=dev) * 2 + 0.5).to(dt)
+    w = (1 + 0.1 * torch.randn(n, device=dev)).to(dt)
+    bias = torch.randn(n, device=dev).to(dt) if kind == "layer" else None
+    dy = torch.randn(*shape, device=dev).to(dt)
+    params = [x, w] + ([bias] if bias is not None else [])
+    leaves = [p.clone().requires_grad_() for p in params]
+    y = layer_norm(*leaves, 1e-5) if kind == "layer" else rms_norm(*leaves, 1e-5)
+    y.backward(dy)
+    torch.cuda.synchronize()
+    ref64 = [p.double().requires_grad_() for p in params]
+    ref = (layer_norm_reference(*ref64, 1e-5) if kind == "layer" else rms_norm_reference(*ref64, 1e-5))
+    ref.backward(dy.double())
+    assert y.dtype == dt and y.shape == x.shape
+    assert err(y, ref) < OUT_TOL[dtype]
+    for name, leaf, r in zip(("dx", "dw", "db"), leaves, ref64):
+        assert leaf.grad.dtype == dt and err(leaf.grad, r.grad) < OUT_TOL[dtype], (name, err(leaf.grad, r.grad))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,vocab,vocab_size", [(1000, 50304, 50257), (64, 128256, None), (7, 1000, 999)],
+                         ids=str)
+def test_cross_entropy_16bit_on_cuda(compiled, dtype, rows, vocab, vocab_size):
+    """The autograd loss with padding columns and an ignored target, and the per-slice
+    statistics of 4 vocabulary slices combined as tensor-parallel ranks combine them."""
+    from megalite.kernels.cross_entropy import (cross_entropy, cross_entropy_grad, cross_entropy_reference,
+                                                cross_entropy_stats)
+
+    dev, dt = compiled, DTYPES[dtype]
+    real = vocab_size or vocab
+    logits = (torch.randn(rows, vocab, device=dev) * 3).to(dt)
+    target = torch.randint(0, real, (rows,), device=dev)
+    target[0] = -100
+    grad = torch.randn(rows, device=dev)
+    leaf = logits.clone().requires_grad_()
+    loss = cross_entropy(leaf, target, vocab_size=vocab_size)
+    loss.backward(grad)
+    ref64 = logits.double().requires_grad_()
+    ref = cross_entropy_reference(ref64, target, vocab_size=vocab_size)
+    ref.backward(grad.double())
+    torch.cuda.synchronize()
+    assert loss.dtype == torch.float32 and loss[0] == 0 and (leaf.grad[0] == 0).all()
+    assert err(loss, ref) < 1e-4
+    assert leaf.grad.dtype == dt and err(leaf.grad, ref64.grad) < CE_GRAD_TOL[dtype]
+    if vocab_size:
+        assert (leaf.grad[:, vocab_size:] == 0).all()
+
+    slices = 4 if vocab % 4 == 0 else 1
+    local = vocab // slices
+    parts = [cross_entropy_stats(logits[:, r * local:(r + 1) * local], target, r * local, real)
+             for r in range(slices)]
+    big = torch.stack([p[0] for p in parts]).max(0).values
+    lse = big + torch.log(sum(p[1] * torch.exp(p[0] - big) for p in parts))
+    combined = (lse - sum(p[2] for p in parts)).masked_fill(target == -100, 0.0)
+    assert err(combined, ref) < 1e-4
+    dz = torch.cat([cross_entropy_grad(logits[:, r * local:(r + 1) * local], target, lse, grad, r * local, real)
+                    for r in range(slices)], -1)
+    assert err(dz, ref64.grad) < CE_GRAD_TOL[dtype]
+
+
+# -- 2. CUDA dropout streams -----------------------------------------------------------------------
+
+def _seed(seed: int):
+    """model_parallel_seed for a serial run on the current GPU (the device argument when the
+    tracker takes one; older trackers pick CUDA up once it is initialized)."""
+    from megalite.parallel.random import model_parallel_seed
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.zeros(1, device=device)  # CUDA initialized before seeding
+    if "device" in inspect.signature(model_parallel_seed).parameters:
+        return model_parallel_seed(seed, None, device=device)
+    return model_parallel_seed(seed, None)
+
+
+def _mask(n: int = 1 << 16) -> torch.Tensor:
+    return F.dropout(torch.ones(n, device="cuda"), p=0.5, training=True) != 0
+
+
+def test_cuda_dropout_streams_differ_and_reseeding_reproduces_them():
+    tracker = _seed(1234)
+    d1 = _mask()
+    with tracker.fork("tensor-parallel"):
+        t1 = _mask()
+    with tracker.fork("tensor-parallel"):
+        t2 = _mask()
+    d2 = _mask()
+    assert d1.device.type == "cuda" and 0.45 < d1.float().mean().item() < 0.55
+    assert not torch.equal(d1, t1), "the tensor-parallel stream must differ from the default stream"
+    assert not torch.equal(t1, t2) and not torch.equal(d1, d2), "each stream must advance"
+
+    tracker = _seed(1234)
+    assert torch.equal(_mask(), d1)
+    assert torch.equal(_mask(), d2), "fork() must leave the default CUDA stream where it was"
+    with tracker.fork("tensor-parallel"):
+        assert torch.equal(_mask(), t1) and torch.equal(_mask(), t2)
+    tracker = _seed(4321)
+    assert not torch.equal(_mask(), d1), "another seed, other masks"
+
+
+def test_cuda_rng_state_dict_round_trip_is_bit_exact():
+    tracker = _seed(99)
+    _mask()
+    with tracker.fork("tensor-parallel"):
+        _mask()
+    state = copy.deepcopy(tracker.state_dict())
+    want_default = _mask()
+    with tracker.fork("tensor-parallel"):
+        want_tp = _mask()
+    torch.cuda.manual_seed(12345)  # scramble both streams on the GPU (and go on drawing)
+    with tracker.fork("tensor-parallel"):
+        torch.cuda.manual_seed(54321)
+        _mask()
+    _mask()
+    tracker.load_state_dict(state)
+    assert torch.equal(_mask(), want_default), "load_state_dict must restore the default CUDA stream"
+    with tracker.fork("tensor-parallel"):
+        assert torch.equal(_mask(), want_tp), "load_state_dict must restore the tensor-parallel CUDA stream"
+
+
+# -- 3. CUDA fp32 run = CPU run --------------------------------------------------------------------
+
+SERIAL = ["--mock-data", "--vocab-size", "512", "--num-layers", "2", "--hidden-size", "64",
+          "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "4", "--train-iters", "10",
+          "--hidden-dropout", "0", "--attention-dropout", "0", "--seed", "1234", "--log-interval", "1"]
+
+
+def _losses(tmp_path: Path, name: str, flags: list[str], interpret: str) -> list[float]:
+    log = tmp_path / f"{name}.jsonl"
+    env = dict(os.environ, TRITON_INTERPRET=interpret,
+               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    run = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), *SERIAL, *flags, "--log-json", str(log)],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, f"{name} run failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
+    assert len(losses) == 10 and all(math.isfinite(x) for x in losses), (name, losses)
+    return losses
+
+
+@pytest.fixture(scope="module")
+def cpu_losses(tmp_path_factory):
+    return _losses(tmp_path_factory.mktemp("cpu"), "cpu", ["--device", "cpu"], interpret="1")
+
+
+@pytest.mark.parametrize("backend", ["torch", "auto"])  # auto: the Triton attention in fp32 ("ieee" dots)
+def test_fp32_cuda_run_matches_cpu_losses(cpu_losses, tmp_path, backend):
+    cuda = _losses(tmp_path, f"cuda-{backend}", ["--device", "cuda", "--disable-tf32", "--attention-backend",
+                                                 backend], interpret="0")
+    print(f"cpu  losses: {cpu_losses}\ncuda losses ({backend}): {cuda}")
+    diffs = [abs(a - b) for a, b in zip(cpu_losses, cuda)]
+    assert max(diffs) < 1e-4, [f"iter {i + 1}: cpu {a:.6f} cuda {b:.6f}" for i, (a, b) in enumerate(zip(cpu_losses, cuda))]

@@ -1,0 +1,80 @@
+"""GPU-side mechanisms that can be checked on a CPU: the NCCL hang watchdog's message, the
+CUDA-aware RNG tracker's checkpoint keys, the timers' host fallback, batch placement."""
+from __future__ import annotations
+
+import io
+import time
+import types
+
+import torch
+
+from megalite.device import host_value, to_device
+from megalite.faults import HangWatchdog
+from megalite.parallel import comm
+from megalite.parallel.random import RNGTracker
+from megalite.timers import Clock, StepTimers
+
+
+def test_hang_watchdog_names_the_last_collective_and_group():
+    group = object()
+    grid = types.SimpleNamespace(rank=3, tp_group=group, tp_ranks=[2, 3])
+    for kind in ("cp", "dp", "dp_cp", "pp", "mp", "tp_cp", "embedding"):
+        setattr(grid, f"{kind}_group", None)
+    comm.LAST_COLLECTIVE = ("all_reduce", group)
+    out = io.StringIO()
+    watchdog = HangWatchdog(grid, timeout_s=0.2, stream=out, poll_s=0.05)
+    try:
+        time.sleep(0.6)
+    finally:
+        watchdog.stop()
+    text = out.getvalue()
+    assert text.count("megalite: rank 3: no progress") == 1  # once, not once per poll
+    assert "all_reduce on the tp group (ranks [2, 3])" in text and "flight recorder" in text
+
+
+def test_hang_watchdog_quiet_while_beating():
+    grid = types.SimpleNamespace(rank=0)
+    out = io.StringIO()
+    watchdog = HangWatchdog(grid, timeout_s=0.3, stream=out, poll_s=0.05)
+    try:
+        for _ in range(8):
+            time.sleep(0.05)
+            watchdog.beat()
+    finally:
+        watchdog.stop()
+    assert out.getvalue() == ""
+
+
+def test_rng_tracker_round_trip_without_cuda():
+    tracker = RNGTracker()
+    tracker.seed({"default": 1, "tensor-parallel": 2}, device=torch.device("cpu"))
+    state = tracker.state_dict()
+    assert set(state) == {"default.cpu", "tensor-parallel.cpu"}  # no CUDA state on a CPU run
+    with tracker.fork():
+        first = torch.rand(5)
+    default = torch.rand(5)
+    tracker.load_state_dict(state)
+    with tracker.fork():
+        assert torch.equal(torch.rand(5), first)
+    assert torch.equal(torch.rand(5), default)
+
+
+def test_host_clock_and_timers():
+    clock = Clock(torch.device("cpu"))
+    assert not clock.cuda
+    timers = StepTimers(clock)
+    a = timers.mark()
+    time.sleep(0.01)
+    timers.add("forward", a, timers.mark())
+    timers.add_seconds("backward", 0.5)
+    ms = timers.milliseconds()
+    assert ms["backward"] == 500.0 and 9.0 < ms["forward"] < 500.0
+
+
+def test_batches_move_to_the_device():
+    batch = {"tokens": torch.arange(6).view(2, 3)}
+    assert to_device(batch, torch.device("cpu")) is batch
+    meta = to_device(batch, torch.device("meta"))
+    assert meta["tokens"].device.type == "meta" and meta["tokens"].shape == (2, 3)
+    assert host_value(torch.tensor(2.5)) == 2.5
+    assert host_value(torch.empty((), device="meta")) != host_value(torch.empty((), device="meta"))  # NaN

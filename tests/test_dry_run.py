@@ -32,7 +32,7 @@ LAYOUTS = {
                             "--pipeline-model-parallel-size", "2", "--sequence-parallel",
                             "--attention-dropout", "0"], [0, 3, 5, 10, 15]),
     "tp4-dp4-zero3": (["--tensor-model-parallel-size", "4", "--zero-stage", "3"], [0, 3, 13]),
-    "tp2-pp4-dp2-zero2-offload-recompute": (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4",
+    "tp2-pp2-dp4-zero2-offload-recompute": (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                                              "--zero-stage", "2", "--offload-optimizer",
                                              "--recompute-granularity", "full"], [0, 5, 9, 15]),
     "llama-tp2-pp2-dp4-bf16": (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",

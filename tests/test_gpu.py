@@ -22,7 +22,6 @@ On a CPU machine everything here is skipped.
 from __future__ import annotations
 
 import copy
-import inspect
 import json
 import math
 import os
@@ -175,15 +174,10 @@ def test_cross_entropy_16bit_on_cuda(compiled, dtype, rows, vocab, vocab_size):
 # -- 2. CUDA dropout streams -----------------------------------------------------------------------
 
 def _seed(seed: int):
-    """model_parallel_seed for a serial run on the current GPU (the device argument when the
-    tracker takes one; older trackers pick CUDA up once it is initialized)."""
+    """model_parallel_seed for a serial run on the current GPU: every stream gets a CUDA state."""
     from megalite.parallel.random import model_parallel_seed
 
-    device = torch.device("cuda", torch.cuda.current_device())
-    torch.zeros(1, device=device)  # CUDA initialized before seeding
-    if "device" in inspect.signature(model_parallel_seed).parameters:
-        return model_parallel_seed(seed, None, device=device)
-    return model_parallel_seed(seed, None)
+    return model_parallel_seed(seed, None, device=torch.device("cuda", torch.cuda.current_device()))
 
 
 def _mask(n: int = 1 << 16) -> torch.Tensor:

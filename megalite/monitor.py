@@ -152,8 +152,9 @@ class Monitor:
         parts = [f"iter {record['iteration']:>5}/{self.train_iters}", f"loss {_value(record['loss'], '.4f')}",
                  f"lr {record['lr']:.3e}", f"grad norm {_value(record['grad_norm'], '.3f')}",
                  f"scale {record['loss_scale']:g}", f"skipped {record['skipped_total']}",
-                 f"{record['tokens_per_sec']:,.0f} tok/s", f"{record['tflops_per_gpu']:.3g} TFLOP/s/GPU"]
-        if "mfu" in record:
+                 f"{_value(record['tokens_per_sec'], ',.0f')} tok/s",
+                 f"{_value(record['tflops_per_gpu'], '.3g')} TFLOP/s/GPU"]
+        if record.get("mfu") is not None:
             parts.append(f"MFU {100 * record['mfu']:.1f}%")
         parts.append(memory)
         parts.append(" ".join(f"{k} {v:.0f}" for k, v in times.items()) + " ms")

@@ -251,13 +251,14 @@ def pretrain(argv=None) -> list[dict]:
                                        for _ in range(t.eval_iters * num_micro)], t, grid)
             record["valid_loss"] = val
         if device.type == "meta":  # nothing was computed: no values to report (n/a), unlike a NaN
-            record.update({k: None for k in ("loss", "grad_norm", "valid_loss") if k in record})
+            record.update({k: None for k in ("loss", "grad_norm", "valid_loss", "tokens_per_sec",
+                                             "tflops_per_gpu", "mfu") if k in record})
         monitor.log(record, memory, print_line)
         if record.get("valid_loss") is not None:
             say(f"validation at iter {iteration + 1}: loss {record['valid_loss']:.4f} | "
                 f"ppl {min(1e9, math.exp(min(record['valid_loss'], 30))):.2f}")
         if iteration == start_iteration and traffic:
-            say("collectives/step (rank 0, bytes handed): " + ", ".join(
+            say(f"collectives/step (rank {grid.rank}, bytes handed): " + ", ".join(
                 f"{k} {v['calls']} calls {v['bytes'] / 2**20:.2f} MiB" for k, v in sorted(traffic.items())))
         if log_file:
             log_file.write(json.dumps(record) + "\n")
@@ -281,8 +282,8 @@ def pretrain(argv=None) -> list[dict]:
         profiler.finish()
     total = time.perf_counter() - start
     if log_lines:
-        say(f"done: {len(log_lines)} iterations in {total:.1f} s, "
-            f"{len(log_lines) * tokens_per_step / total:.0f} tokens/s overall; "
+        rate = "" if device.type == "meta" else f", {len(log_lines) * tokens_per_step / total:.0f} tokens/s overall"
+        say(f"done: {len(log_lines)} iterations in {total:.1f} s{rate}; "
             f"loss {_value(log_lines[0]['loss'])} -> {_value(log_lines[-1]['loss'])}")
     if log_file:
         log_file.close()

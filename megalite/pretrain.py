@@ -272,6 +272,8 @@ def pretrain(argv=None) -> list[dict]:
             path = save_checkpoint(args.save, iteration + 1, optimizer, scaler, config, grid,
                                    (iteration + 1) * global_batch, args.keep_last)
             say(f"saved checkpoint {os.path.abspath(path)}")
+            if watchdog is not None:
+                watchdog.beat()  # a long save is progress too
         if stop:
             say(f"SIGTERM: saved iteration {iteration + 1} and stopping")
             break

@@ -4,10 +4,8 @@ import itertools
 import pytest
 import torch
 
-from megalite.parallel import comm
-import torch.distributed as dist
-
 from megalite.config import ConfigError, ParallelConfig, validate_layout
+from megalite.parallel import comm
 from megalite.parallel.grid import GROUP_ORDER, GridLayout, build_grid
 from megalite.testing import run_world
 
@@ -136,3 +134,22 @@ def test_real_8_rank_grid_2x2x2():
             ranks, total = out[kind]
             assert ranks == layout.group_of(kind, rank)
             assert total == sum(ranks)
+
+
+def test_group_plan_partitions_each_kind_without_groups_of_one():
+    """What create_groups builds: per kind, non-overlapping groups of 2+ ranks (the NCCL path
+    splits the world once per kind with exactly these lists)."""
+    from megalite.parallel.grid import group_plan
+
+    layout = GridLayout(tp=2, cp=1, dp=2, pp=2)
+    plan = dict(group_plan(layout))
+    assert plan["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert plan["cp"] == [] and plan["tp_cp"] == plan["tp"]  # CP=1: no cp groups; tp_cp is tp
+    assert plan["dp"] == plan["dp_cp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert plan["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]] and plan["embedding"] == plan["pp"]
+    for kind, groups in plan.items():
+        members = [r for g in groups for r in g]
+        assert len(members) == len(set(members)), kind  # a partition: split_group's requirement
+    # PP=4: the embedding groups are first+last stage only; middle stages are in none.
+    plan = dict(group_plan(GridLayout(tp=1, cp=1, dp=1, pp=4)))
+    assert plan["embedding"] == [[0, 3]] and plan["tp"] == [] and plan["pp"] == [[0, 1, 2, 3]]

@@ -163,16 +163,10 @@ class ProcessGrid:
         if distributed and dist.get_world_size() != layout.world_size:
             raise ConfigError(f"the process group has {dist.get_world_size()} ranks but the grid "
                               f"{layout} needs {layout.world_size}.")
-        made: dict[tuple[int, ...], object] = {}
+        groups = create_groups(layout, rank, backend, timeout) if distributed else {}
         for kind in GROUP_ORDER:
             ranks = layout.group_of(kind, rank) if kind != "embedding" else self._embedding_ranks(layout, rank)
-            group = None
-            if distributed and len(ranks) > 1:  # a group of one is None: nothing to communicate
-                key = tuple(ranks)
-                if key not in made:  # two kinds with the same ranks share one communicator
-                    made[key] = _new_group(ranks, backend, timeout)
-                group = made[key]
-            setattr(self, f"{kind}_group", group)
+            setattr(self, f"{kind}_group", groups.get(kind))  # a group of one is None: nothing to send
             setattr(self, f"{kind}_ranks", ranks or [rank])
         # Host-side control values (stop flags) travel on gloo, never through a GPU stream.
         self.control_group = _control_group(timeout) if distributed else None
@@ -214,15 +208,25 @@ class ProcessGrid:
         return self.layout.describe(self.gpus_per_node)
 
 
-_GROUPS: dict = {}  # rank list -> group of the current world, for grids built more than once
+_GROUPS: dict = {}  # the current world's groups, for grids built more than once in one world
 
 
-def _new_group(ranks: list[int], backend, timeout):
-    """One process group. ``use_local_synchronization``: only its members take part in its
-    creation (no store round trip for every rank of the world per group, which at 1,000+
-    ranks and thousands of groups dominates startup), so each rank creates only the groups
-    it belongs to. Such groups are named after their rank list, so one rank list can be
-    created only once per world: a grid built again (tests build many) reuses it."""
+def group_plan(layout: GridLayout) -> list[tuple[str, list[list[int]]]]:
+    """For each kind in GROUP_ORDER, its groups of more than one rank (a group of one needs
+    no communicator). The groups of one kind never overlap."""
+    return [(kind, [g for g in layout.groups(kind) if len(g) > 1]) for kind in GROUP_ORDER]
+
+
+def create_groups(layout: GridLayout, rank: int, backend=None, timeout=None) -> dict:
+    """This rank's process group of every kind (None where it is in no group of 2+ ranks).
+    Two kinds with the same groups share one communicator.
+
+    - NCCL with the default group bound to a GPU (``device_id``): ``split_group`` once per
+      kind, called by every rank with the kind's whole partition: one ``ncclCommSplit`` per
+      kind rather than one communicator bootstrap (and, for non-members, one split) per group.
+    - gloo and fake: ``new_group(..., use_local_synchronization=True)`` for this rank's own
+      groups only: no store round trip for every rank of the world per group.
+    """
     import torch.distributed as dist
 
     from megalite.device import register_meta
@@ -230,12 +234,30 @@ def _new_group(ranks: list[int], backend, timeout):
     if _GROUPS.get("world") is not dist.group.WORLD:  # a new world: the old groups are gone
         _GROUPS.clear()
         _GROUPS["world"] = dist.group.WORLD
-    key = tuple(ranks)
-    if key not in _GROUPS:
-        group = dist.new_group(ranks, backend=backend, timeout=timeout, use_local_synchronization=True)
-        register_meta(group)
-        _GROUPS[key] = group
-    return _GROUPS[key]
+    split = (dist.get_backend() == "nccl" and backend in (None, "nccl")
+             and getattr(dist.group.WORLD, "bound_device_id", None) is not None and hasattr(dist, "split_group"))
+    out = {}
+    for kind, partition in group_plan(layout):
+        if not partition:
+            out[kind] = None
+            continue
+        if split:
+            key = ("split",) + tuple(map(tuple, partition))
+            if key not in _GROUPS:  # every rank calls, with the same partition
+                _GROUPS[key] = dist.split_group(split_ranks=partition, timeout=timeout)
+            out[kind] = _GROUPS[key]
+            continue
+        mine = next((g for g in partition if rank in g), None)
+        if mine is None:
+            out[kind] = None
+            continue
+        # Named after the rank list, so one rank list is created once per world.
+        key = tuple(mine)
+        if key not in _GROUPS:
+            _GROUPS[key] = dist.new_group(mine, backend=backend, timeout=timeout, use_local_synchronization=True)
+            register_meta(_GROUPS[key])
+        out[kind] = _GROUPS[key]
+    return out
 
 
 def _control_group(timeout):

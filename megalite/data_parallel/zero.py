@@ -88,10 +88,6 @@ class DistributedOptimizer:
         groups = [[p for p in g if p.requires_grad] for g in groups]
         groups = [g for g in groups if g]
         params = [p for g in groups for p in g]
-        masters = {p: p.detach().float().clone() for g in groups for p in g}
-        for g in groups:
-            for p in g:
-                p.data = p.data.to(param_dtype)
         self.sync = GradSync(groups, stage=stage, group=self.group, overlap=overlap, grad_dtype=grad_dtype)
         self.device = params[0].device
         self.state_device = host_device(self.device) if offload else self.device
@@ -101,11 +97,13 @@ class DistributedOptimizer:
         self.decay_mask, self.norm_mask, self.sp_ranges = [], [], []
         self._host_grad, self._host_weight = [], []  # offload: pinned staging buffers
         for b in self.sync.buckets:
-            flat = torch.zeros(b.numel, dtype=torch.float32, device=self.device)
+            lo, hi = b.shard  # the fp32 master shard, straight from the (still fp32) weights
+            master = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
             for p, (start, numel) in zip(b.params, b.offsets):
-                flat[start: start + numel] = masters[p].reshape(-1)
-            lo, hi = b.shard
-            self.master.append(flat[lo:hi].clone().to(self.state_device))
+                a, z = max(start, lo), min(start + numel, hi)
+                if a < z:
+                    master[a - lo: z - lo] = p.detach().reshape(-1)[a - start: z - start]
+            self.master.append(master.to(self.state_device))
             self.exp_avg.append(torch.zeros(hi - lo, device=self.state_device))
             self.exp_avg_sq.append(torch.zeros(hi - lo, device=self.state_device))
             self.decay_mask.append(_flat_masks(b, b.shard, lambda p: p.ndim >= 2 and "norm" not in names[p],
@@ -118,6 +116,8 @@ class DistributedOptimizer:
                                                    pin_memory=pinned))
                 self._host_weight.append(torch.empty(hi - lo, dtype=param_dtype, device=self.state_device,
                                                      pin_memory=pinned))
+        for p in params:  # the model now holds its weights in the training dtype
+            p.data = p.data.to(param_dtype)
         self.step_count = 0
         self.param_groups = [{"lr": t.lr}]  # for schedulers and logging
         self.sharded = ShardedParameters(self.chunks, self.sync, self.group) if stage == 3 else None

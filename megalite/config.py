@@ -32,6 +32,10 @@ class ModelConfig:
     norm_epsilon: float = 1e-5
     swiglu: bool = False
     add_bias_linear: bool = True
+    add_qkv_bias: bool = False  # bias on the q/k/v projection even without add_bias_linear (Qwen2)
+    # RoPE frequency scaling: None, or Llama 3.1's {"rope_type": "llama3", "factor", "low_freq_factor",
+    # "high_freq_factor", "original_max_position_embeddings"} (see megalite.layers.rotary)
+    rope_scaling: dict | None = None
     untie_embeddings_and_output_weights: bool = False
     hidden_dropout: float = 0.1
     attention_dropout: float = 0.1
@@ -121,7 +125,9 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    data_path: str | None = None  # prefix of a .bin/.idx pair from tools/preprocess_data.py
+    # prefix of a .bin/.idx pair from tools/preprocess_data.py, or a blend's --data-path
+    # values: weights and prefixes, ["0.7", "A", "0.3", "B"] (see megalite/data/blended.py)
+    data_path: str | list[str] | None = None
     mock_data: bool = False
     split: str = "969,30,1"
     tokenizer_type: str | None = None
@@ -200,6 +206,15 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
         raise ConfigError(f"rotary embeddings need an even head dim, got hidden/heads = "
                           f"{m.hidden_size}/{m.num_attention_heads} = {m.head_dim}. Fix: change "
                           f"--hidden-size or --num-attention-heads.")
+    if m.rope_scaling is not None:
+        if m.position_embedding_type != "rope":
+            raise ConfigError("RoPE scaling (--use-rope-scaling, or a checkpoint's rope_scaling) needs "
+                              "--position-embedding-type rope.")
+        kind = m.rope_scaling.get("rope_type", m.rope_scaling.get("type"))
+        need = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        if kind != "llama3" or any(k not in m.rope_scaling for k in need):
+            raise ConfigError(f"rope_scaling {m.rope_scaling!r}: megalite implements the llama3 schedule "
+                              f"(rope_type 'llama3' with {', '.join(need)}). Fix: use that, or no scaling.")
     if m.position_embedding_type not in ("learned_absolute", "rope"):
         raise ConfigError(f"--position-embedding-type {m.position_embedding_type!r} is unknown. "
                           f"Fix: use learned_absolute or rope.")
@@ -333,4 +348,10 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
     if not d.mock_data and not d.data_path:
         raise ConfigError("no training data: pass --data-path PREFIX (a .bin/.idx pair written "
                           "by tools/preprocess_data.py) or --mock-data.")
+    if d.data_path and not d.mock_data:
+        from megalite.data.blended import parse_data_path
+        try:
+            parse_data_path(d.data_path)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     return warnings

@@ -95,7 +95,7 @@ def test_oracle_catches_a_cpu_rotary_table(monkeypatch):
     """The same for a tensor made inside the model's forward (the rotary frequencies)."""
     from megalite.layers import rotary
 
-    def on_cpu(position_ids, head_dim, base):
+    def on_cpu(position_ids, head_dim, base, scaling=None):
         inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
         angles = position_ids.to(torch.float32)[..., None] * inv_freq
         angles = torch.cat([angles, angles], dim=-1)[:, None]

@@ -1,71 +1,54 @@
 #!/usr/bin/env python
-"""Exchange weights with Hugging Face GPT-2 (config.json + model.safetensors).
+"""Exchange weights with Hugging Face: GPT-2, Llama (2, 3, 3.1/3.2) and Qwen2.
 
     python tools/convert_hf.py --direction import --hf-dir HF --save CKPT
     python tools/convert_hf.py --direction export --load CKPT --hf-dir HF
 
-Import writes a weights-only megalite checkpoint (it loads under any layout; training
-starts a fresh optimizer). Export takes any megalite checkpoint (any layout: pieces are
-assembled) of the GPT-2 architecture. transformers is not needed for either direction.
+Import reads config.json and the safetensors (one file, or shards with their index) tensor
+by tensor and writes a weights-only megalite checkpoint: it loads under any layout
+(``--finetune`` starts a fresh optimizer at iteration 0). Export takes any megalite
+checkpoint (any layout: pieces are assembled) and writes safetensors shards, the index,
+config.json and generation_config.json that transformers loads as they are. Memory: one
+layer at a time. transformers is not needed for either direction.
 """
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import torch  # noqa: E402
-from safetensors.torch import load_file, save_file  # noqa: E402
-
-from megalite.checkpoint import load_serial_model, save_weights_checkpoint  # noqa: E402
-from megalite.checkpoint.hf import (hf_config_from, hf_state_from_megalite, megalite_state_from_hf,  # noqa: E402
-                                    model_config_from_hf)
-from megalite.model.gpt import GPTModel  # noqa: E402
+from megalite.checkpoint.convert import export_hf, import_hf  # noqa: E402,F401
+from megalite.checkpoint.format import CheckpointError  # noqa: E402
+from megalite.checkpoint.hf_llama import UnsupportedModel  # noqa: E402
 
 
-def import_hf(hf_dir: str, save: str) -> str:
-    config_path, weights_path = os.path.join(hf_dir, "config.json"), os.path.join(hf_dir, "model.safetensors")
-    for path in (config_path, weights_path):
-        if not os.path.exists(path):
-            raise SystemExit(f"convert_hf: {path} is missing (a Hugging Face GPT-2 directory has config.json "
-                             f"and model.safetensors; save with save_pretrained(..., safe_serialization=True))")
-    cfg = model_config_from_hf(json.load(open(config_path)))
-    model = GPTModel(cfg)
-    state = megalite_state_from_hf(load_file(weights_path), cfg)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            value = state[name]
-            if name == "word_embeddings.weight":
-                p.zero_()
-                p[: value.shape[0]] = value
-            else:
-                p.copy_(value)
-    return save_weights_checkpoint(save, model)
-
-
-def export_hf(load: str, hf_dir: str) -> str:
-    model = load_serial_model(load)
-    os.makedirs(hf_dir, exist_ok=True)
-    state = hf_state_from_megalite(dict(model.named_parameters()), model.cfg)
-    save_file(state, os.path.join(hf_dir, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(hf_dir, "config.json"), "w") as f:
-        json.dump(hf_config_from(model.cfg), f, indent=2)
-    return hf_dir
-
-
-def main():
+def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--direction", choices=["import", "export"], required=True)
-    p.add_argument("--hf-dir", required=True)
+    p.add_argument("--hf-dir", required=True, help="the Hugging Face model directory (read or written)")
     p.add_argument("--save", help="import: megalite checkpoint directory to write")
     p.add_argument("--load", help="export: megalite checkpoint directory to read")
-    a = p.parse_args()
-    if a.direction == "import":
-        print(f"wrote {import_hf(a.hf_dir, a.save)}")
-    else:
-        print(f"wrote {export_hf(a.load, a.hf_dir)}")
+    p.add_argument("--seq-length", type=int, default=None,
+                   help="import: the training sequence length to record (default: min(max positions, 4096))")
+    p.add_argument("--model-type", choices=["gpt2", "llama", "qwen2"], default=None,
+                   help="export: the Hugging Face architecture (default: the one imported, else from the model)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                   help="export: tensor dtype (default: the imported model's, else the training dtype)")
+    p.add_argument("--max-shard-size-gb", type=float, default=5.0, help="export: bytes per safetensors shard")
+    a = p.parse_args(argv)
+    needed = "save" if a.direction == "import" else "load"
+    if getattr(a, needed) is None:
+        p.error(f"--direction {a.direction} needs --{needed} DIR")
+    try:
+        if a.direction == "import":
+            print(f"wrote {import_hf(a.hf_dir, a.save, a.seq_length)}")
+        else:
+            print(f"wrote {export_hf(a.load, a.hf_dir, a.model_type, a.dtype, int(a.max_shard_size_gb * 2**30))}")
+    except (CheckpointError, UnsupportedModel, ValueError) as e:
+        print(f"convert_hf: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -22,6 +22,7 @@ from megalite import __version__
 from megalite.checkpoint.format import (FORMAT_VERSION, VOCAB_PARAMS, CheckpointError, PieceReader,
                                         fsync_path, iteration_dir, read_latest, write_json_atomic,
                                         write_rank_files)
+from megalite.config import ModelConfig
 from megalite.device import host_barrier
 from megalite.parallel.random import get_rng_tracker
 from megalite.parallel.sharding import is_tensor_parallel, shard_tensor
@@ -30,7 +31,8 @@ KINDS = ("weight", "exp_avg", "exp_avg_sq")
 # Model settings a checkpoint fixes; others (dropout, init std, backends) may change at load.
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups",
                 "vocab_size", "max_position_embeddings", "position_embedding_type", "normalization",
-                "swiglu", "add_bias_linear", "untie_embeddings_and_output_weights")
+                "swiglu", "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
+                "rotary_base", "rope_scaling", "norm_epsilon")
 
 
 def _barrier(grid=None):
@@ -129,8 +131,11 @@ def _prune(root: str, keep_last: int) -> None:
 
 def check_config(saved: dict, model_config) -> None:
     """Refuse a checkpoint whose model shape differs from the run's, listing every difference."""
-    diffs = [f"{f}: checkpoint {saved.get(f)!r}, run {getattr(model_config, f)!r}"
-             for f in SHAPE_FIELDS if saved.get(f) != getattr(model_config, f)]
+    defaults = ModelConfig()  # a field a checkpoint predates has its default value
+    fields = [f for f in SHAPE_FIELDS
+              if not (f == "max_position_embeddings" and model_config.position_embedding_type == "rope")]
+    diffs = [f"{f}: checkpoint {saved.get(f, getattr(defaults, f))!r}, run {getattr(model_config, f)!r}"
+             for f in fields if saved.get(f, getattr(defaults, f)) != getattr(model_config, f)]
     if diffs:
         raise CheckpointError("the checkpoint's model does not match this run's config:\n  "
                               + "\n  ".join(diffs) + "\nFix: use the checkpoint's model flags.")

@@ -1,4 +1,5 @@
-"""Hugging Face GPT-2 <-> megalite weight mapping (no transformers import needed).
+"""Hugging Face GPT-2 <-> megalite weight mapping (no transformers import needed), one unit
+(embeddings and final norm, or one layer) at a time; ``get(name)`` reads one tensor.
 
 HF GPT-2 uses Conv1D layers, ``y = x W + b`` with W of shape (in, out); megalite uses
 ``y = x W^T + b`` with W of shape (out, in), so every matrix is transposed. The fused
@@ -48,35 +49,33 @@ def _qkv_megalite_to_hf(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t.reshape(heads, 3, -1, *rest).transpose(0, 1).reshape(t.shape)
 
 
-def megalite_state_from_hf(hf_state: dict, cfg: ModelConfig) -> dict:
-    s = {k[len("transformer."):] if k.startswith("transformer.") else k: v for k, v in hf_state.items()}
-    out = {"word_embeddings.weight": s["wte.weight"], "position_embeddings.weight": s["wpe.weight"],
-           "final_norm.weight": s["ln_f.weight"], "final_norm.bias": s["ln_f.bias"]}
-    heads = cfg.num_attention_heads
-    for i in range(cfg.num_layers):
-        p, q = f"h.{i}.", f"layers.{i}."
-        out[q + "attn_norm.weight"], out[q + "attn_norm.bias"] = s[p + "ln_1.weight"], s[p + "ln_1.bias"]
-        out[q + "mlp_norm.weight"], out[q + "mlp_norm.bias"] = s[p + "ln_2.weight"], s[p + "ln_2.bias"]
-        out[q + "attn.qkv.weight"] = _qkv_hf_to_megalite(s[p + "attn.c_attn.weight"].t(), heads)
-        out[q + "attn.qkv.bias"] = _qkv_hf_to_megalite(s[p + "attn.c_attn.bias"], heads)
-        out[q + "attn.proj.weight"], out[q + "attn.proj.bias"] = s[p + "attn.c_proj.weight"].t(), s[p + "attn.c_proj.bias"]
-        out[q + "mlp.fc1.weight"], out[q + "mlp.fc1.bias"] = s[p + "mlp.c_fc.weight"].t(), s[p + "mlp.c_fc.bias"]
-        out[q + "mlp.fc2.weight"], out[q + "mlp.fc2.bias"] = s[p + "mlp.c_proj.weight"].t(), s[p + "mlp.c_proj.bias"]
-    return {k: v.contiguous() for k, v in out.items()}
+def import_globals(get, cfg: ModelConfig) -> dict:
+    return {"word_embeddings.weight": get("transformer.wte.weight"), "position_embeddings.weight": get("transformer.wpe.weight"),
+            "final_norm.weight": get("transformer.ln_f.weight"), "final_norm.bias": get("transformer.ln_f.bias")}
 
 
-def hf_state_from_megalite(state: dict, cfg: ModelConfig) -> dict:
-    heads = cfg.num_attention_heads
-    out = {"transformer.wte.weight": state["word_embeddings.weight"][: cfg.vocab_size],
-           "transformer.wpe.weight": state["position_embeddings.weight"],
-           "transformer.ln_f.weight": state["final_norm.weight"], "transformer.ln_f.bias": state["final_norm.bias"]}
-    for i in range(cfg.num_layers):
-        p, q = f"transformer.h.{i}.", f"layers.{i}."
-        out[p + "ln_1.weight"], out[p + "ln_1.bias"] = state[q + "attn_norm.weight"], state[q + "attn_norm.bias"]
-        out[p + "ln_2.weight"], out[p + "ln_2.bias"] = state[q + "mlp_norm.weight"], state[q + "mlp_norm.bias"]
-        out[p + "attn.c_attn.weight"] = _qkv_megalite_to_hf(state[q + "attn.qkv.weight"], heads).t()
-        out[p + "attn.c_attn.bias"] = _qkv_megalite_to_hf(state[q + "attn.qkv.bias"], heads)
-        out[p + "attn.c_proj.weight"], out[p + "attn.c_proj.bias"] = state[q + "attn.proj.weight"].t(), state[q + "attn.proj.bias"]
-        out[p + "mlp.c_fc.weight"], out[p + "mlp.c_fc.bias"] = state[q + "mlp.fc1.weight"].t(), state[q + "mlp.fc1.bias"]
-        out[p + "mlp.c_proj.weight"], out[p + "mlp.c_proj.bias"] = state[q + "mlp.fc2.weight"].t(), state[q + "mlp.fc2.bias"]
-    return {k: v.detach().float().contiguous() for k, v in out.items()}
+def import_layer(get, i: int, cfg: ModelConfig) -> dict:
+    p, q, heads = f"transformer.h.{i}.", f"layers.{i}.", cfg.num_attention_heads
+    return {q + "attn_norm.weight": get(p + "ln_1.weight"), q + "attn_norm.bias": get(p + "ln_1.bias"),
+            q + "mlp_norm.weight": get(p + "ln_2.weight"), q + "mlp_norm.bias": get(p + "ln_2.bias"),
+            q + "attn.qkv.weight": _qkv_hf_to_megalite(get(p + "attn.c_attn.weight").t(), heads),
+            q + "attn.qkv.bias": _qkv_hf_to_megalite(get(p + "attn.c_attn.bias"), heads),
+            q + "attn.proj.weight": get(p + "attn.c_proj.weight").t(), q + "attn.proj.bias": get(p + "attn.c_proj.bias"),
+            q + "mlp.fc1.weight": get(p + "mlp.c_fc.weight").t(), q + "mlp.fc1.bias": get(p + "mlp.c_fc.bias"),
+            q + "mlp.fc2.weight": get(p + "mlp.c_proj.weight").t(), q + "mlp.fc2.bias": get(p + "mlp.c_proj.bias")}
+
+
+def export_globals(get, cfg: ModelConfig) -> dict:
+    return {"transformer.wte.weight": get("word_embeddings.weight"), "transformer.wpe.weight": get("position_embeddings.weight"),
+            "transformer.ln_f.weight": get("final_norm.weight"), "transformer.ln_f.bias": get("final_norm.bias")}
+
+
+def export_layer(get, i: int, cfg: ModelConfig) -> dict:
+    p, q, heads = f"transformer.h.{i}.", f"layers.{i}.", cfg.num_attention_heads
+    return {p + "ln_1.weight": get(q + "attn_norm.weight"), p + "ln_1.bias": get(q + "attn_norm.bias"),
+            p + "ln_2.weight": get(q + "mlp_norm.weight"), p + "ln_2.bias": get(q + "mlp_norm.bias"),
+            p + "attn.c_attn.weight": _qkv_megalite_to_hf(get(q + "attn.qkv.weight"), heads).t(),
+            p + "attn.c_attn.bias": _qkv_megalite_to_hf(get(q + "attn.qkv.bias"), heads),
+            p + "attn.c_proj.weight": get(q + "attn.proj.weight").t(), p + "attn.c_proj.bias": get(q + "attn.proj.bias"),
+            p + "mlp.c_fc.weight": get(q + "mlp.fc1.weight").t(), p + "mlp.c_fc.bias": get(q + "mlp.fc1.bias"),
+            p + "mlp.c_proj.weight": get(q + "mlp.fc2.weight").t(), p + "mlp.c_proj.bias": get(q + "mlp.fc2.bias")}

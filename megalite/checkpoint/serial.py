@@ -41,26 +41,39 @@ def load_serial_model(path: str, dtype: torch.dtype = torch.float32):
     return model.to(dtype).eval()
 
 
-def save_weights_checkpoint(root: str, model, iteration: int = 0) -> str:
+def save_weights_checkpoint(root: str, model, iteration: int = 0, source: dict | None = None) -> str:
     """A weights-only checkpoint (no optimizer state) of a serial model, e.g. imported
     from Hugging Face; it loads under any layout (the optimizer starts fresh)."""
+    return write_weights_checkpoint(root, model.cfg, [dict(model.named_parameters())], iteration, source)
+
+
+def write_weights_checkpoint(root: str, cfg: ModelConfig, units, iteration: int = 0,
+                             source: dict | None = None) -> str:
+    """A weights-only checkpoint from full tensors given in units (an iterable of
+    ``{global name: tensor}``), one file per unit, so a converter holds one unit (a layer, the
+    embeddings) at a time. ``source``: provenance kept in metadata.json (e.g. the Hugging Face
+    model type and dtype, for the way back)."""
     final = iteration_dir(root, iteration)
     os.makedirs(final, exist_ok=True)
-    tensors, pieces = {}, []
-    for name, p in model.named_parameters():
-        value = p.detach().float()
-        if name in VOCAB_PARAMS:
-            value = value[: model.vocab_size]
-        key = f"weight/{name}/tp0/0"
-        tensors[key] = value.reshape(-1)
-        pieces.append({"key": key, "name": name, "kind": "weight", "tp_rank": 0, "tp_size": 1, "split": None,
-                       "local_shape": list(value.shape), "range": [0, value.numel()]})
-    write_rank_files(final, 0, tensors, pieces)
-    config = Config(model.cfg, ParallelConfig(), TrainConfig(), DataConfig(mock_data=True))
+    files = []
+    for k, unit in enumerate(units):
+        tensors, pieces = {}, []
+        for name, tensor in unit.items():
+            value = tensor.detach().float()
+            if name in VOCAB_PARAMS:
+                value = value[: cfg.vocab_size]
+            key = f"weight/{name}/tp0/0"
+            tensors[key] = value.reshape(-1)
+            pieces.append({"key": key, "name": name, "kind": "weight", "tp_rank": 0, "tp_size": 1, "split": None,
+                           "local_shape": list(value.shape), "range": [0, value.numel()]})
+        write_rank_files(final, k, tensors, pieces)
+        files.append(f"rank{k:05d}.safetensors")
+    config = Config(cfg, ParallelConfig(), TrainConfig(), DataConfig(mock_data=True))
     write_json_atomic(os.path.join(final, "metadata.json"), {
         "format_version": FORMAT_VERSION, "iteration": iteration, "consumed_samples": 0,
         "config": config.to_dict(), "layout": {"tp": 1, "cp": 1, "dp": 1, "pp": 1}, "zero_stage": 0,
-        "optimizer_step": 0, "loss_scaler": None, "files": ["rank00000.safetensors"], "weights_only": True})
-    with open(os.path.join(root, "latest"), "w") as f:
+        "optimizer_step": 0, "loss_scaler": None, "files": files, "weights_only": True, "source": source or {}})
+    with open(os.path.join(root, "latest.tmp"), "w") as f:
         f.write(str(iteration))
+    os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
     return final

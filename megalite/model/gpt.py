@@ -78,7 +78,8 @@ class SelfAttention(nn.Module):
         self.heads_per_group = cfg.num_attention_heads // cfg.num_query_groups
         qkv_out = cfg.num_query_groups * (self.heads_per_group + 2) * cfg.head_dim
         par = dict(tp_group=tp_group, sequence_parallel=sequence_parallel)
-        self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_out, bias=cfg.add_bias_linear, **par)
+        self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_out, bias=cfg.add_bias_linear or cfg.add_qkv_bias,
+                                        **par)
         self.proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
                                       bias=cfg.add_bias_linear, **par)
 
@@ -218,7 +219,7 @@ class GPTModel(nn.Module):
         x = self.embed(tokens, position_ids) if self.pre_process else hidden
         rope = None
         if self.cfg.position_embedding_type == "rope":
-            rope = rotary_angles(position_ids, self.cfg.head_dim, self.cfg.rotary_base)
+            rope = rotary_angles(position_ids, self.cfg.head_dim, self.cfg.rotary_base, self.cfg.rope_scaling)
         x = run_layers(list(self.layers.values()), x, rope, self.cfg.recompute_granularity,
                        self.cfg.recompute_method, self.cfg.recompute_num_layers, self.training)
         if not self.post_process:

@@ -31,6 +31,7 @@ setup(
         "flash": ["flash-attn>=2.5"],
         "te": ["transformer-engine>=1.8"],
         "tensorboard": ["tensorboard>=2.14"],
+        "hf": ["tokenizers>=0.15"],
         "dev": ["pytest>=8", "transformers>=4.40", "tensorboard>=2.14"],
     },
 )

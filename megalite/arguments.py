@@ -23,6 +23,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_true")
+    g.add_argument("--add-qkv-bias", action="store_true",
+                   help="bias on the q/k/v projection even with --disable-bias-linear (Qwen2)")
+    g.add_argument("--use-rope-scaling", action="store_true",
+                   help="Llama 3.1 RoPE frequency scaling (original context 8192, low/high freq factors 1/4)")
+    g.add_argument("--rope-scaling-factor", type=float, default=8.0, help="with --use-rope-scaling")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--hidden-dropout", type=float, default=0.1)
     g.add_argument("--attention-dropout", type=float, default=0.1)
@@ -87,12 +92,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--initial-loss-scale", type=float, default=2.0**16)
 
     g = p.add_argument_group("data")
-    g.add_argument("--data-path", type=str, default=None, help="prefix of a .bin/.idx pair")
-    g.add_argument("--split", type=str, default="969,30,1")
+    g.add_argument("--data-path", type=str, nargs="+", default=None,
+                   help="prefix of a .bin/.idx pair, or a blend: weights and prefixes "
+                        "(0.7 A 0.3 B; weights are normalized)")
+    g.add_argument("--split", type=str, default="969,30,1", help="train,valid,test by documents "
+                   "(of each dataset of a blend)")
     g.add_argument("--mock-data", action="store_true")
     g.add_argument("--tokenizer-type", type=str, default=None,
-                   choices=["SentencePieceTokenizer", "GPTSentencePieceTokenizer", "NullTokenizer"])
-    g.add_argument("--tokenizer-model", type=str, default=None)
+                   choices=["SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+                            "HuggingFaceTokenizer", "NullTokenizer"])
+    g.add_argument("--tokenizer-model", type=str, default=None,
+                   help="SentencePiece .model file; for HuggingFaceTokenizer a local folder "
+                        "holding tokenizer.json")
 
     g = p.add_argument_group("logging and outputs")
     g.add_argument("--log-interval", type=int, default=1)
@@ -121,6 +132,20 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def llama3_rope_scaling(factor: float = 8.0) -> dict:
+    """Megatron's --use-rope-scaling: the Llama 3.1 schedule (see megalite.layers.rotary)."""
+    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}
+
+
+def explicit_args(argv=None) -> set[str]:
+    """The destinations of the flags given on the command line (not left at their defaults)."""
+    parser = build_parser()
+    for action in parser._actions:
+        action.default = argparse.SUPPRESS
+    return set(vars(parser.parse_args(argv)))
+
+
 def config_from_args(args: argparse.Namespace, vocab_size: int) -> Config:
     model = ModelConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -130,7 +155,8 @@ def config_from_args(args: argparse.Namespace, vocab_size: int) -> Config:
         seq_length=args.seq_length, max_position_embeddings=args.max_position_embeddings,
         position_embedding_type=args.position_embedding_type, rotary_base=args.rotary_base,
         normalization=args.normalization, norm_epsilon=args.norm_epsilon, swiglu=args.swiglu,
-        add_bias_linear=not args.disable_bias_linear,
+        add_bias_linear=not args.disable_bias_linear, add_qkv_bias=args.add_qkv_bias,
+        rope_scaling=llama3_rope_scaling(args.rope_scaling_factor) if args.use_rope_scaling else None,
         untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
         hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
         init_method_std=args.init_method_std, attention_backend=args.attention_backend,

@@ -18,10 +18,12 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from megalite.arguments import build_parser, config_from_args
+from megalite.arguments import build_parser, config_from_args, explicit_args
 from megalite.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from megalite.checkpoint.settings import adopt_checkpoint_model, checkpoint_model_settings
 from megalite.config import ConfigError, validate
 from megalite.data import build_data_iterators
+from megalite.data.blended import describe_data, parse_data_path
 from megalite.data.indexed_dataset import DatasetError, IndexedDataset
 from megalite.data.tokenizer import build_tokenizer
 from megalite.model.gpt import count_parameters
@@ -48,8 +50,9 @@ def _tokenizer_for(args):
                               "(the range of the random token ids). Fix: add --vocab-size N.")
         return build_tokenizer("NullTokenizer", vocab_size=args.vocab_size)
     if not args.tokenizer_model:
-        raise ConfigError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model PATH "
-                          f"(a sentencepiece .model from tools/train_tokenizer.py).")
+        what = ("a local folder holding tokenizer.json" if args.tokenizer_type == "HuggingFaceTokenizer"
+                else "a sentencepiece .model from tools/train_tokenizer.py")
+        raise ConfigError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model PATH ({what}).")
     return build_tokenizer(args.tokenizer_type, args.tokenizer_model)
 
 
@@ -92,13 +95,19 @@ def setup(argv=None):
     (``LOCAL_RANK`` -> ``set_device``), the default process group, the grid's groups."""
     args = build_parser().parse_args(argv)
     world_size, rank = _world_from_env(args)
+    saved = checkpoint_model_settings(args.load) if args.load else None
+    if saved and args.mock_data and args.vocab_size is None and args.tokenizer_type in (None, "NullTokenizer"):
+        args.vocab_size = saved["vocab_size"]  # mock data over the checkpoint's vocabulary
     tokenizer = _tokenizer_for(args)
     config = config_from_args(args, tokenizer.vocab_size)
+    if saved:  # the model is the checkpoint's; contradicting flags are refused
+        adopt_checkpoint_model(config.model, saved, explicit_args(argv), tokenizer.vocab_size, args.load)
     for warning in validate(config, world_size, gpus_per_node_from_env(world_size)):
         if rank == 0:
             warnings.warn(warning)
     if config.data.data_path and not config.data.mock_data:
-        IndexedDataset(config.data.data_path)  # missing or corrupt files fail here, before any group
+        for prefix in parse_data_path(config.data.data_path)[0]:
+            IndexedDataset(prefix)  # missing or corrupt files fail here, before any group
     device = resolve_device(args.device, args.fake_process_group)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -193,6 +202,8 @@ def pretrain(argv=None) -> list[dict]:
         train_samples=t.train_iters * global_batch,
         valid_samples=num_evals * t.eval_iters * global_batch,
         test_samples=t.eval_iters * global_batch, consumed_train_samples=consumed)
+    for line in describe_data(getattr(train_iter, "dataset", None)):
+        say(line)
     if valid_iter is not None:  # continue validation where the interrupted run was
         for _ in range((start_iteration // t.eval_interval) * t.eval_iters * num_micro):
             next(valid_iter)

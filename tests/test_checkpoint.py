@@ -134,7 +134,8 @@ def test_mismatched_config_lists_the_fields(tmp_path, capsys):
     argv[argv.index("--num-layers") + 1] = "2"
     assert main(argv + ["--train-iters", "3", "--load", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "num_layers: checkpoint 4, run 2" in err and "hidden_size: checkpoint 32, run 64" in err
+    assert "--num-layers: the checkpoint has 4, the command line gives 2" in err
+    assert "--hidden-size: the checkpoint has 32, the command line gives 64" in err
     assert main(BASE + ["--train-iters", "3", "--load", str(tmp_path / "nowhere")]) == 2
     assert "does not exist" in capsys.readouterr().err
 

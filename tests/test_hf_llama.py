@@ -1,6 +1,7 @@
 """Hugging Face Llama and Qwen2 in and out: logits equal to transformers', bit-equal export,
 sharded (streamed) input, and clear errors. Random models made by transformers; no download."""
 import json
+import math
 import os
 import sys
 
@@ -134,3 +135,107 @@ def test_bad_inputs_are_clear_errors(tmp_path):
               open(tmp_path / "hf" / "config.json", "w"))
     with pytest.raises(UnsupportedModel, match="sliding_window 64"):
         import_hf(str(tmp_path / "hf"), str(tmp_path / "x"))
+
+
+# -- generation with a KV cache ----------------------------------------------------------------------
+
+def test_kv_cache_decoding_equals_full_forward(tmp_path):
+    """Logits of the prompt in one pass, then token by token through the cache, equal one
+    full forward over the whole sequence (Llama with RoPE; GPT-2 with learned positions)."""
+    from megalite.config import ModelConfig
+    from megalite.layers.kv_cache import KVCache
+    from megalite.model.gpt import GPTModel
+
+    llama(tmp_path)
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+    gpt2 = GPTModel(ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=300,
+                                seq_length=64, hidden_dropout=0.0, attention_dropout=0.0))
+    gpt2.init_weights(5)
+    for model in (load_serial_model(str(tmp_path / "ckpt")), gpt2.eval()):
+        cfg = model.cfg
+        ids = torch.randint(0, cfg.vocab_size, (1, 24), generator=torch.Generator().manual_seed(4))
+        with torch.no_grad():
+            full = model(ids)
+            cache = KVCache(model.layers.keys(), 1, cfg.num_query_groups, cfg.head_dim, 24, torch.float32,
+                            torch.device("cpu"))
+            parts = [model(ids[:, :10], kv_cache=cache)]
+            parts += [model(ids[:, i: i + 1], kv_cache=cache) for i in range(10, 24)]
+        torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-5, atol=1e-5)
+
+
+def _hf_greedy(model, prompt, n):
+    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                         eos_token_id=None, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_generate_greedy_equals_transformers_and_any_layout(tmp_path, capsys):
+    import generate as generate_tool
+    from reshard_checkpoint import reshard
+
+    model = llama(tmp_path)
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+    prompt = [5, 17, 42, 7, 300]
+    want = _hf_greedy(model, prompt, 20)
+    for ckpt in (tmp_path / "ckpt", tmp_path / "tp2"):
+        if ckpt.name == "tp2":  # the same weights, saved as tensor-parallel pieces of 2 ranks
+            reshard(str(tmp_path / "ckpt"), str(ckpt), tp=2, pp=1, vp_layers=None, dp=1, zero=0)
+        assert generate_tool.main(["--load", str(ckpt), "--prompt-ids", ",".join(map(str, prompt)),
+                                   "--max-new-tokens", "20", "--greedy", "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["ids"] == want, ckpt.name
+
+
+def test_sampling_is_seeded_and_respects_top_k():
+    from megalite.generation import Sampling, next_token
+
+    logits = torch.linspace(0, 3, 50)
+    draw = lambda s, seed: [next_token(logits, s, torch.Generator().manual_seed(seed)) for _ in range(1)][0]
+    top2 = Sampling(greedy=False, top_k=2, seed=0)
+    picks = {next_token(logits, top2, g) for g in [torch.Generator().manual_seed(i) for i in range(40)]}
+    assert picks <= {48, 49} and len(picks) == 2
+    nucleus = Sampling(greedy=False, top_p=1e-3)
+    assert {draw(nucleus, i) for i in range(10)} == {49}  # only the most probable survives
+    assert draw(Sampling(greedy=False, temperature=0.7), 3) == draw(Sampling(greedy=False, temperature=0.7), 3)
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        Sampling(greedy=False, temperature=0).check()
+
+
+# -- fine-tuning an imported model under any layout ---------------------------------------------------
+
+def _finetune(rank, world, argv):
+    from megalite.pretrain import pretrain
+    return [r["loss"] for r in pretrain(argv)]
+
+
+def test_imported_llama_finetunes_the_same_under_tp2_pp2_and_dp2_zero1(tmp_path):
+    from megalite.testing import run_world
+
+    llama(tmp_path)
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+    # No model flags: layers, sizes, heads, KV groups, RoPE, RMSNorm, SwiGLU, untied, vocab come from the checkpoint.
+    argv = ["--load", str(tmp_path / "ckpt"), "--finetune", "--mock-data", "--seq-length", "32",
+            "--micro-batch-size", "2", "--global-batch-size", "8", "--train-iters", "10", "--lr", "1e-3",
+            "--hidden-dropout", "0", "--attention-dropout", "0", "--adam-eps", "1e-5", "--log-interval", "100"]
+    serial = run_world(_finetune, 1, argv)[0]
+    assert len(serial) == 10 and all(math.isfinite(x) for x in serial)
+    tp2pp2 = run_world(_finetune, 4, argv + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])[0]
+    dp2 = run_world(_finetune, 2, argv + ["--zero-stage", "1"])[0]
+    for losses in (tp2pp2, dp2):
+        assert max(abs(a - b) / abs(b) for a, b in zip(losses, serial)) < 1e-5, (losses, serial)
+
+
+def test_load_refuses_flags_that_contradict_the_checkpoint(tmp_path):
+    from megalite.config import ConfigError
+    from megalite.pretrain import pretrain
+
+    llama(tmp_path)
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+    base = ["--load", str(tmp_path / "ckpt"), "--finetune", "--mock-data", "--seq-length", "32", "--train-iters", "1"]
+    with pytest.raises(ConfigError, match=r"--num-layers: the checkpoint has 4, the command line gives 3"):
+        pretrain(base + ["--num-layers", "3"])
+    with pytest.raises(ConfigError, match=r"--normalization: the checkpoint has 'RMSNorm'.*'LayerNorm'"):
+        pretrain(base + ["--normalization", "LayerNorm"])
+    with pytest.raises(ConfigError, match="the tokenizer has 2000 ids but the checkpoint's model only 1000"):
+        pretrain(base + ["--vocab-size", "2000"])
+    log = pretrain(base + ["--num-layers", "4", "--swiglu"])  # agreeing flags are fine
+    assert len(log) == 1

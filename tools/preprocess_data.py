@@ -4,6 +4,11 @@
         --output-prefix data_cache/stdlib --tokenizer-type GPTSentencePieceTokenizer \\
         --tokenizer-model data_cache/tok.model --append-eod --workers 2
 
+With a local Hugging Face tokenizer (a folder holding tokenizer.json; needs the
+`tokenizers` package): --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR.
+Each document then starts with BOS when the tokenizer adds one (Llama 2/3), as in
+Megatron.
+
 The input is JSONL (one object per line, text under --json-keys) or plain text
 (documents separated by blank lines).  Train with --data-path PREFIX.
 """
@@ -26,7 +31,8 @@ def main(argv=None) -> None:
                         help="writes PREFIX.bin and PREFIX.idx")
     parser.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES,
                         default="GPTSentencePieceTokenizer")
-    parser.add_argument("--tokenizer-model", help="SentencePiece .model file")
+    parser.add_argument("--tokenizer-model", help="SentencePiece .model file, or for HuggingFaceTokenizer "
+                                                   "a folder holding tokenizer.json")
     parser.add_argument("--vocab-size", type=int, help="only for NullTokenizer")
     parser.add_argument("--append-eod", action="store_true",
                         help="append the end-of-document id after every document")

@@ -3,12 +3,13 @@
 Modules:
 
 * ``corpus``:            a default JSONL corpus from the Python stdlib sources;
-* ``tokenizer``:         ``build_tokenizer`` (SentencePiece / Null tokenizers);
+* ``tokenizer``:         ``build_tokenizer`` (SentencePiece / Hugging Face / Null);
 * ``tokenizer_training``: train a byte-fallback SentencePiece model;
 * ``documents``:         read documents from ``.jsonl`` or ``.txt`` files;
 * ``indexed_dataset``:   the memory-mapped ``.bin``/``.idx`` token format;
 * ``preprocess``:        tokenize a corpus into an indexed dataset;
 * ``gpt_dataset``:       ``split_documents``, ``GPTDataset``, ``MockGPTDataset``;
+* ``blended``:           ``BlendedDataset``: ``--data-path 0.7 A 0.3 B`` blends;
 * ``sampler``:           ``PretrainingSampler`` (data-parallel micro-batches);
 * ``builder``:           ``build_data_iterators`` for the training loop.
 
@@ -29,6 +30,9 @@ _EXPORTS = {
     "split_documents": "gpt_dataset",
     "GPTDataset": "gpt_dataset",
     "MockGPTDataset": "gpt_dataset",
+    "BlendedDataset": "blended",
+    "parse_data_path": "blended",
+    "describe_data": "blended",
     "PretrainingSampler": "sampler",
     "build_data_iterators": "builder",
 }

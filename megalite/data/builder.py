@@ -21,8 +21,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from megalite.data.blended import build_blended_datasets, parse_data_path
 from megalite.data.gpt_dataset import GPTDataset, MockGPTDataset, split_documents
-from megalite.data.indexed_dataset import IndexedDataset
+from megalite.data.indexed_dataset import DatasetError, IndexedDataset
 from megalite.data.sampler import PretrainingSampler
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -72,7 +73,7 @@ class MicroBatchIterator:
 def _check_vocab(dataset: IndexedDataset, vocab_size: int, eod_token: int | None) -> None:
     max_id = int(dataset.tokens.max()) if dataset.num_tokens else -1
     if max_id >= vocab_size:
-        raise ValueError(
+        raise DatasetError(
             f"Dataset {dataset.prefix} contains token id {max_id}, but the vocabulary size "
             f"is {vocab_size} (ids must be < {vocab_size}). Use the tokenizer the data was "
             f"preprocessed with, or re-run tools/preprocess_data.py with this tokenizer."
@@ -82,15 +83,17 @@ def _check_vocab(dataset: IndexedDataset, vocab_size: int, eod_token: int | None
                          f"(vocab_size={vocab_size}).")
 
 
-def build_datasets(*, data_prefix: str | None, mock: bool, split: str, vocab_size: int,
-                   seq_length: int, seed: int, num_samples: list[int],
+def build_datasets(*, data_prefix: str | list[str] | None, mock: bool, split: str,
+                   vocab_size: int, seq_length: int, seed: int, num_samples: list[int],
                    eod_token: int | None = None) -> list:
     """The [train, valid, test] datasets (``None`` for an empty split).
 
     ``mock=True`` takes precedence over ``data_prefix``; mock splits use seeds
     ``3*seed + k`` (k = 0, 1, 2) so they differ from each other.  Real data is
     split by documents with :func:`split_documents` and every split uses
-    ``seed`` (their documents differ already).
+    ``seed`` (their documents differ already).  ``data_prefix`` is one prefix
+    or the ``--data-path`` values of a blend (``["0.7", "A", "0.3", "B"]``; see
+    :mod:`megalite.data.blended`); a single prefix behaves as it always has.
     """
     if mock:
         return [MockGPTDataset(vocab_size, seq_length, n, 3 * seed + k) if n > 0 else None
@@ -98,7 +101,14 @@ def build_datasets(*, data_prefix: str | None, mock: bool, split: str, vocab_siz
     if not data_prefix:
         raise ValueError("No training data: pass --data-path PREFIX (made by "
                          "tools/preprocess_data.py) or --mock-data.")
-    indexed = IndexedDataset(data_prefix)
+    prefixes, weights = parse_data_path(data_prefix)
+    if len(prefixes) > 1:
+        blend = [IndexedDataset(prefix) for prefix in prefixes]
+        for indexed in blend:
+            _check_vocab(indexed, vocab_size, eod_token)
+        return build_blended_datasets(blend, weights, split=split, seq_length=seq_length,
+                                      seed=seed, num_samples=num_samples)
+    indexed = IndexedDataset(prefixes[0])
     _check_vocab(indexed, vocab_size, eod_token)
     ranges = split_documents(len(indexed), split)
     return [GPTDataset(indexed, doc_range, seq_length, n, seed)
@@ -106,8 +116,9 @@ def build_datasets(*, data_prefix: str | None, mock: bool, split: str, vocab_siz
             for doc_range, n in zip(ranges, num_samples)]
 
 
-def build_data_iterators(*, data_prefix: str | None, mock: bool, split: str, vocab_size: int,
-                         seq_length: int, seed: int, micro_batch_size: int, dp_rank: int,
+def build_data_iterators(*, data_prefix: str | list[str] | None, mock: bool, split: str,
+                         vocab_size: int, seq_length: int, seed: int, micro_batch_size: int,
+                         dp_rank: int,
                          dp_size: int, train_samples: int, valid_samples: int,
                          test_samples: int, consumed_train_samples: int = 0,
                          eod_token: int | None = None):

@@ -99,8 +99,10 @@ class GPTDataset:
         self.seq_length = seq_length
         self.num_samples = num_samples
         self.seed = seed = check_seed(seed)
+        self.doc_range = doc_range
         docs = np.arange(doc_range.start, doc_range.stop, dtype=np.int64)
         tokens_per_epoch = int(indexed_dataset.sizes[doc_range.start:doc_range.stop].sum())
+        self.tokens_per_epoch = tokens_per_epoch
         if tokens_per_epoch < seq_length + 1:
             raise ValueError(
                 f"Documents {doc_range} hold {tokens_per_epoch} tokens, fewer than one "

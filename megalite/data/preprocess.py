@@ -1,10 +1,13 @@
 """Tokenize a corpus into an indexed dataset (the core of tools/preprocess_data.py).
 
 Each document of the input (see :mod:`megalite.data.documents` for the
-formats) is tokenized; with ``append_eod`` the tokenizer's end-of-document id
-is appended.  Documents that tokenize to nothing are skipped.  The ids are
-written, in input order, to ``output_prefix.bin``/``.idx`` with the smallest
-dtype that holds the vocabulary (see :mod:`megalite.data.indexed_dataset`).
+formats) is tokenized with ``tokenizer.tokenize`` (which puts BOS first when the
+tokenizer's ``add_bos`` says so: a Hugging Face tokenizer such as Llama's; BOS
+per document, as Megatron does); with ``append_eod`` the tokenizer's
+end-of-document id is appended.  Documents that tokenize to nothing (or to BOS
+alone) are skipped.  The ids are written, in input order, to
+``output_prefix.bin``/``.idx`` with the smallest dtype that holds the
+vocabulary (see :mod:`megalite.data.indexed_dataset`).
 
 With ``workers > 1`` tokenization runs in a pool of processes (started with
 "spawn", so it is safe after torch is imported).  Each worker rebuilds the
@@ -78,6 +81,12 @@ def preprocess(input_path: str, output_prefix: str, tokenizer, json_key: str = "
     """
     if not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers={workers!r} must be an integer >= 1 (--workers).")
+    if append_eod and tokenizer.eod is None:
+        raise ValueError(
+            f"append_eod is set, but {tokenizer!r} has no end-of-document (EOS) token. Name "
+            f"one (eos_token in tokenizer_config.json) or drop --append-eod."
+        )
+    bos = getattr(tokenizer, "bos", None) if getattr(tokenizer, "add_bos", False) else None
     start = time.perf_counter()
     docs = iter_documents(input_path, json_key)
     dtype = best_dtype(tokenizer.vocab_size)
@@ -93,7 +102,7 @@ def preprocess(input_path: str, output_prefix: str, tokenizer, json_key: str = "
     try:
         with IndexedDatasetBuilder(output_prefix, dtype) as builder:
             for ids in encoded:
-                if len(ids) == 0:
+                if len(ids) == 0 or (bos is not None and len(ids) == 1 and ids[0] == bos):
                     skipped += 1
                     continue
                 if append_eod:

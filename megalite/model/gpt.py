@@ -33,6 +33,7 @@ from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.layers.attention import attention
+from megalite.layers.kv_cache import cached_attention
 from megalite.layers.norms import build_norm
 from megalite.layers.rotary import apply_rotary, rotary_angles
 from megalite.layers.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
@@ -83,7 +84,8 @@ class SelfAttention(nn.Module):
         self.proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
                                       bias=cfg.add_bias_linear, **par)
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                cache=None) -> torch.Tensor:
         d, hpg = self.cfg.head_dim, self.heads_per_group
         qkv = self.qkv(x)  # (s, b, local groups * (hpg + 2) * d): whole groups of this rank
         s, b = qkv.shape[:2]
@@ -93,7 +95,9 @@ class SelfAttention(nn.Module):
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         dropout_p = self.cfg.attention_dropout if self.training else 0.0
-        if self.cfg.recompute_granularity == "selective" and self.training and torch.is_grad_enabled():
+        if cache is not None:  # generation: these positions attend over every position so far
+            out = cached_attention(q, *cache.extend(k, v))
+        elif self.cfg.recompute_granularity == "selective" and self.training and torch.is_grad_enabled():
             out = checkpointed(self.core_attention, q, k, v, dropout_p)  # s^2 memory, few FLOPs
         else:
             out = self.core_attention(q, k, v, dropout_p)
@@ -143,8 +147,8 @@ class TransformerBlock(nn.Module):
         self.mlp = MLP(cfg, tp_group, sequence_parallel)
         self.dropout = ParallelDropout(cfg.hidden_dropout, sequence_parallel)
 
-    def forward(self, x: torch.Tensor, rope=None) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), rope))
+    def forward(self, x: torch.Tensor, rope=None, cache=None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), rope, cache))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
@@ -212,16 +216,24 @@ class GPTModel(nn.Module):
         return F.linear(enter(x, self.tp_group), self.word_embeddings.weight)
 
     def forward(self, tokens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, hidden: torch.Tensor | None = None):
+                labels: torch.Tensor | None = None, hidden: torch.Tensor | None = None, kv_cache=None):
+        """``kv_cache`` (generation, :class:`megalite.layers.kv_cache.KVCache`): ``tokens`` are the
+        next positions after the cached ones; their keys and values join the cache."""
         ref = tokens if tokens is not None else labels
         if position_ids is None and ref is not None:
-            position_ids = torch.arange(ref.shape[1], device=ref.device).expand_as(ref)
+            start = kv_cache.length if kv_cache is not None else 0
+            position_ids = torch.arange(start, start + ref.shape[1], device=ref.device).expand_as(ref)
         x = self.embed(tokens, position_ids) if self.pre_process else hidden
         rope = None
         if self.cfg.position_embedding_type == "rope":
             rope = rotary_angles(position_ids, self.cfg.head_dim, self.cfg.rotary_base, self.cfg.rope_scaling)
-        x = run_layers(list(self.layers.values()), x, rope, self.cfg.recompute_granularity,
-                       self.cfg.recompute_method, self.cfg.recompute_num_layers, self.training)
+        if kv_cache is not None:
+            for name, layer in self.layers.items():
+                x = layer(x, rope, kv_cache.layer(name))
+            kv_cache.advance(position_ids.shape[1])
+        else:
+            x = run_layers(list(self.layers.values()), x, rope, self.cfg.recompute_granularity,
+                           self.cfg.recompute_method, self.cfg.recompute_num_layers, self.training)
         if not self.post_process:
             return x
         logits = self.output_logits(self.final_norm(x))

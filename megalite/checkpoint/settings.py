@@ -1,0 +1,71 @@
+"""``--load``: the model's settings come from the checkpoint, not from the command line.
+
+A checkpoint fixes the model (layers, sizes, heads, KV groups, FFN size, positions and their
+RoPE base and scaling, norm and its epsilon, SwiGLU, biases, tied or not, vocabulary): a user
+resuming or fine-tuning does not retype them. A flag given on the command line that agrees
+is fine; one that contradicts the checkpoint is refused, naming both values. Settings a
+checkpoint does not fix (sequence length, dropout, recomputation, kernels) come from the flags.
+"""
+from __future__ import annotations
+
+from megalite.config import ConfigError, ModelConfig
+
+# Model field -> (the flag that sets it, the argparse destinations of that flag).
+FIXED = {
+    "num_layers": ("--num-layers", ("num_layers",)),
+    "hidden_size": ("--hidden-size", ("hidden_size",)),
+    "num_attention_heads": ("--num-attention-heads", ("num_attention_heads",)),
+    "num_query_groups": ("--num-query-groups", ("num_query_groups",)),
+    "ffn_hidden_size": ("--ffn-hidden-size", ("ffn_hidden_size",)),
+    "position_embedding_type": ("--position-embedding-type", ("position_embedding_type",)),
+    "max_position_embeddings": ("--max-position-embeddings", ("max_position_embeddings",)),
+    "rotary_base": ("--rotary-base", ("rotary_base",)),
+    "rope_scaling": ("--use-rope-scaling", ("use_rope_scaling", "rope_scaling_factor")),
+    "normalization": ("--normalization", ("normalization",)),
+    "norm_epsilon": ("--norm-epsilon", ("norm_epsilon",)),
+    "swiglu": ("--swiglu", ("swiglu",)),
+    "add_bias_linear": ("--disable-bias-linear", ("disable_bias_linear",)),
+    "add_qkv_bias": ("--add-qkv-bias", ("add_qkv_bias",)),
+    "untie_embeddings_and_output_weights": ("--untie-embeddings-and-output-weights",
+                                            ("untie_embeddings_and_output_weights",)),
+    "vocab_size": ("--vocab-size", ("vocab_size",)),
+}
+
+
+def checkpoint_model_settings(load: str) -> dict:
+    """The model section of the config a checkpoint was written with."""
+    from megalite.checkpoint.format import PieceReader
+    from megalite.checkpoint.serial import _checkpoint_dir
+
+    return PieceReader(_checkpoint_dir(load)).metadata["config"]["model"]
+
+
+def adopt_checkpoint_model(model: ModelConfig, saved: dict, given: set[str], tokenizer_vocab: int,
+                           load: str) -> list[str]:
+    """Set ``model``'s fixed fields to the checkpoint's; refuse flags in ``given`` (argparse
+    destinations typed on the command line) that contradict it. Returns the fields taken."""
+    conflicts, taken = [], []
+    for field, (flag, dests) in FIXED.items():
+        if field not in saved:
+            continue  # a checkpoint older than the field: the run's value (its default) stands
+        value, mine = saved[field], getattr(model, field)
+        if field == "vocab_size":
+            continue  # below: the tokenizer decides what the command line says
+        if value == mine:
+            continue
+        if any(d in given for d in dests):
+            conflicts.append(f"{flag}: the checkpoint has {value!r}, the command line gives {mine!r}")
+        else:
+            setattr(model, field, value)
+            taken.append(field)
+    if tokenizer_vocab > saved["vocab_size"]:
+        conflicts.append(f"vocabulary: the tokenizer has {tokenizer_vocab} ids but the checkpoint's model only "
+                         f"{saved['vocab_size']} (the tokenizer does not belong to this model)")
+    elif model.vocab_size != saved["vocab_size"]:
+        model.vocab_size = saved["vocab_size"]  # a model vocabulary larger than the tokenizer's is fine
+        taken.append("vocab_size")
+    if conflicts:
+        raise ConfigError(f"--load {load}: the model's settings come from the checkpoint, and these flags "
+                          f"contradict it:\n  " + "\n  ".join(conflicts) +
+                          "\nFix: drop those flags (the checkpoint's values are used), or load another checkpoint.")
+    return taken

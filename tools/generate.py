@@ -1,0 +1,102 @@
+#!/usr/bin/env python
+"""Generate text from any megalite checkpoint (whatever layout saved it), with a KV cache.
+
+    python tools/generate.py --load CKPT --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR \\
+        --prompt "def fibonacci(n):" --max-new-tokens 64 [--greedy | --temperature 0.8 --top-p 0.9 --seed 1]
+    python tools/generate.py --load CKPT --prompt-ids 5,17,42 --greedy --json
+
+Greedy by default; ``--temperature/--top-k/--top-p`` sample (``--seed`` reproduces). Stops at
+an end-of-sequence id (the tokenizer's, else the checkpoint's Hugging Face config's) or
+after ``--max-new-tokens``. ``--json`` prints ``{"ids": [...], "text": "..."}``.
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+from megalite.checkpoint import CheckpointError, PieceReader, load_serial_model  # noqa: E402
+from megalite.checkpoint.serial import _checkpoint_dir  # noqa: E402
+from megalite.generation import Sampling, generate  # noqa: E402
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--load", required=True, help="megalite checkpoint directory (--save root or an iter_* dir)")
+    p.add_argument("--tokenizer-type", default=None,
+                   choices=["SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer"])
+    p.add_argument("--tokenizer-model", default=None, help="sentencepiece .model, or a folder with tokenizer.json")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="text (needs a tokenizer)")
+    prompt.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 5,17,42")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--greedy", action="store_true", help="argmax decoding (the default unless sampling flags are set)")
+    p.add_argument("--temperature", type=float, default=None)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--json", action="store_true", help='print {"ids": [...], "text": "..."}')
+    return p
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    tokenizer = None
+    if a.tokenizer_type or a.tokenizer_model:
+        from megalite.data.tokenizer import build_tokenizer
+
+        if not (a.tokenizer_type and a.tokenizer_model):
+            print("generate: --tokenizer-type and --tokenizer-model go together", file=sys.stderr)
+            return 2
+        tokenizer = build_tokenizer(a.tokenizer_type, a.tokenizer_model)
+    try:
+        meta = PieceReader(_checkpoint_dir(a.load)).metadata
+        model = load_serial_model(a.load, getattr(torch, a.dtype)).to(a.device)
+    except CheckpointError as e:
+        print(f"generate: {e}", file=sys.stderr)
+        return 2
+    if a.prompt is not None:
+        if tokenizer is None:
+            print("generate: --prompt needs --tokenizer-type and --tokenizer-model (or give --prompt-ids)",
+                  file=sys.stderr)
+            return 2
+        ids = list(tokenizer.tokenize(a.prompt))
+        bos = getattr(tokenizer, "bos", None)
+        if getattr(tokenizer, "add_bos", False) and bos is not None and ids[:1] != [bos]:
+            ids = [bos] + ids
+    else:
+        ids = [int(x) for x in a.prompt_ids.split(",") if x.strip()]
+    vocab = model.cfg.vocab_size
+    if tokenizer is not None and tokenizer.vocab_size > vocab:
+        print(f"generate: the tokenizer has {tokenizer.vocab_size} ids but the model only {vocab}: they do not "
+              f"belong together. Fix: the tokenizer the checkpoint was trained with.", file=sys.stderr)
+        return 2
+    if any(not 0 <= i < vocab for i in ids):
+        print(f"generate: prompt ids must lie in [0, {vocab}) (the model's vocabulary)", file=sys.stderr)
+        return 2
+    eos = tuple(getattr(tokenizer, "eos_ids", None) or ([tokenizer.eod] if tokenizer is not None else []))
+    if not eos:
+        source_eos = (meta.get("source") or {}).get("eos_token_id")
+        eos = tuple(source_eos if isinstance(source_eos, list) else [source_eos] if source_eos is not None else [])
+    sampling = Sampling(greedy=a.greedy or a.temperature is None and a.top_k == 0 and a.top_p == 1.0,
+                        temperature=a.temperature or 1.0, top_k=a.top_k, top_p=a.top_p, seed=a.seed)
+    try:
+        new = generate(model, ids, a.max_new_tokens, sampling, eos)
+    except ValueError as e:
+        print(f"generate: {e}", file=sys.stderr)
+        return 2
+    text = tokenizer.detokenize(new) if tokenizer is not None else None
+    if a.json:
+        print(json.dumps({"ids": new, "text": text}))
+    else:
+        print(text if text is not None else ",".join(map(str, new)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

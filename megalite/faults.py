@@ -20,6 +20,10 @@ from megalite.parallel import comm
 from megalite.parallel.grid import GROUP_ORDER
 
 
+class MegaliteError(RuntimeError):
+    """The one message of an expected failure, as torchrun's error file records it."""
+
+
 class CollectiveTimeout(RuntimeError):
     """A collective did not complete: names the operation, the group and the missing ranks."""
 
@@ -124,3 +128,20 @@ def check_finite(result, iteration: int, fp16: bool) -> None:
             f"diverged (bf16/fp32 training has no loss scaler to skip the step). Fix: resume from the "
             f"last checkpoint with a lower --lr or more --lr-warmup-iters, check the data, or "
             f"use --clip-grad.")
+
+
+def report_failure(kind: str, error: BaseException, code: int, printer: bool) -> int:
+    """``megalite: <kind>: <message>`` on stderr (when ``printer``), and the same message in
+    torchrun's per-rank error file (TORCHELASTIC_ERROR_FILE), which torchrun's failure summary
+    shows instead of "error_file: <N/A>". Returns ``code`` for the process to exit with."""
+    message = f"megalite: {kind}: {error}"
+    if printer:
+        print(message, file=sys.stderr, flush=True)
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+
+        try:
+            raise MegaliteError(message) from None  # the message alone, no chained traceback
+        except MegaliteError as recorded:  # record_exception reads the current traceback
+            get_error_handler().record_exception(recorded)
+    return code

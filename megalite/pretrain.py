@@ -24,7 +24,7 @@ from megalite.checkpoint.settings import adopt_checkpoint_model, checkpoint_mode
 from megalite.config import ConfigError, validate
 from megalite.data import build_data_iterators
 from megalite.data.blended import describe_data, parse_data_path
-from megalite.data.indexed_dataset import DatasetError, IndexedDataset
+from megalite.data.indexed_dataset import DatasetError
 from megalite.data.tokenizer import build_tokenizer
 from megalite.model.gpt import count_parameters
 from megalite.parallel.comm import count_collectives
@@ -35,8 +35,9 @@ from megalite.pipeline.schedules import Trace
 from megalite.data_parallel.accounting import describe_memory
 from megalite.device import host_barrier, init_distributed, resolve_device, to_device
 from megalite.faults import (CollectiveTimeout, HangWatchdog, TrainingDiverged, check_finite, hang_report,
-                             looks_like_timeout)
+                             looks_like_timeout, report_failure)
 from megalite.monitor import Monitor, memory_line
+from megalite.preflight import check_datasets, check_save_location
 from megalite.profiling import Profiler
 from megalite.training import LossScaler, build_data_parallel_optimizer, evaluate, train_step
 
@@ -105,9 +106,11 @@ def setup(argv=None):
     for warning in validate(config, world_size, gpus_per_node_from_env(world_size)):
         if rank == 0:
             warnings.warn(warning)
+    # Fail before the work: bad data or an unusable --save stop here, before any group or step.
     if config.data.data_path and not config.data.mock_data:
-        for prefix in parse_data_path(config.data.data_path)[0]:
-            IndexedDataset(prefix)  # missing or corrupt files fail here, before any group
+        check_datasets(parse_data_path(config.data.data_path)[0], config.model.vocab_size)
+    if args.save:
+        check_save_location(args.save, count_parameters(config.model))
     device = resolve_device(args.device, args.fake_process_group)
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -315,20 +318,23 @@ def pretrain(argv=None) -> list[dict]:
 
 
 def main(argv=None) -> int:
+    """Run, and turn every expected failure into ONE ``megalite:`` message and an exit code:
+    printed by rank 0 (every rank hits the same configuration or input error; the others exit
+    quietly with the same code), and recorded in torchrun's error file on every rank, so
+    torchrun's failure summary names the cause. A timeout is reported by each waiting rank
+    (each names who it waited for)."""
+    argv_list = sys.argv[1:] if argv is None else argv
+    printer = int(os.environ.get("RANK", "0")) == 0 or "--fake-process-group" in argv_list
     try:
         pretrain(argv)
     except ConfigError as e:
-        print(f"megalite: configuration error: {e}", file=sys.stderr)
-        return 2
+        return report_failure("configuration error", e, 2, printer)
     except (DatasetError, FileNotFoundError, CheckpointError) as e:
-        print(f"megalite: input error: {e}", file=sys.stderr)
-        return 2
+        return report_failure("input error", e, 2, printer)
     except TrainingDiverged as e:
-        print(f"megalite: training stopped: {e}", file=sys.stderr)
-        return 3
+        return report_failure("training stopped", e, 3, printer)
     except CollectiveTimeout as e:
-        print(f"megalite: distributed timeout: {e}", file=sys.stderr, flush=True)
-        return 4
+        return report_failure("distributed timeout", e, 4, True)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

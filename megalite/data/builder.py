@@ -70,7 +70,8 @@ class MicroBatchIterator:
         return collate([self.dataset[i] for i in indices])
 
 
-def _check_vocab(dataset: IndexedDataset, vocab_size: int, eod_token: int | None) -> None:
+def check_dataset_vocab(dataset: IndexedDataset, vocab_size: int) -> None:
+    """Every token id of the dataset lies in [0, vocab_size) (else DatasetError)."""
     max_id = int(dataset.tokens.max()) if dataset.num_tokens else -1
     if max_id >= vocab_size:
         raise DatasetError(
@@ -78,6 +79,10 @@ def _check_vocab(dataset: IndexedDataset, vocab_size: int, eod_token: int | None
             f"is {vocab_size} (ids must be < {vocab_size}). Use the tokenizer the data was "
             f"preprocessed with, or re-run tools/preprocess_data.py with this tokenizer."
         )
+
+
+def _check_vocab(dataset: IndexedDataset, vocab_size: int, eod_token: int | None) -> None:
+    check_dataset_vocab(dataset, vocab_size)
     if eod_token is not None and not 0 <= eod_token < vocab_size:
         raise ValueError(f"eod_token={eod_token} must lie in [0, {vocab_size}) "
                          f"(vocab_size={vocab_size}).")

@@ -1,0 +1,81 @@
+"""One message per failure, and failing before the work: configuration errors under torchrun
+(printed once, named in torchrun's summary), unusable --save locations and out-of-vocabulary
+data caught at startup, before any process group, model or step."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from megalite.data import IndexedDatasetBuilder
+from megalite.pretrain import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMALL = ["--mock-data", "--vocab-size", "300", "--num-layers", "2", "--hidden-size", "32",
+         "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "2"]
+
+
+def test_configuration_error_under_torchrun_is_printed_once_and_named_in_the_summary(tmp_path):
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    run = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "4", os.path.join(ROOT, "pretrain_gpt.py"),
+                          *SMALL, "--tensor-model-parallel-size", "3"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert run.returncode != 0
+    lines = run.stderr.splitlines()
+    printed = [line for line in lines if line.startswith("megalite: configuration error:")]
+    assert len(printed) == 1, run.stderr  # rank 0 only, not once per rank
+    assert "world size (4) must be divisible by TP*CP*PP = 3*1*1 = 3" in printed[0]
+    summary = run.stderr[run.stderr.index("Root Cause"):]
+    assert "MegaliteError: megalite: configuration error: world size (4)" in summary  # not "<N/A>"
+
+
+@pytest.mark.parametrize("where", ["under-a-file", "read-only"])
+def test_unusable_save_location_fails_at_startup(tmp_path, capsys, where):
+    if where == "under-a-file":
+        (tmp_path / "file").write_text("x")
+        save = str(tmp_path / "file" / "ckpt")
+        why = "a part of the path is a file"
+    else:
+        save = "/sys/megalite-checkpoint-test"  # sysfs: not writable, even for root
+        if os.access("/sys", os.W_OK) and not os.path.exists(save):
+            try:
+                os.mkdir(save)
+                os.rmdir(save)
+                pytest.skip("/sys is writable here: no read-only filesystem to test with")
+            except OSError:
+                pass
+        why = "cannot create and write checkpoints there"
+    assert main(SMALL + ["--save", save, "--save-interval", "1"]) == 2
+    captured = capsys.readouterr()
+    assert f"megalite: input error: --save {save}: cannot create and write checkpoints there" in captured.err
+    assert why in captured.err and "Fix:" in captured.err
+    assert "iter " not in captured.out and "grid:" not in captured.out  # nothing ran
+
+
+def test_full_filesystem_fails_at_startup_with_the_estimate(tmp_path, capsys, monkeypatch):
+    import shutil
+
+    import megalite.preflight as preflight
+
+    usage = shutil.disk_usage(tmp_path)
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: usage._replace(free=1000))
+    assert main(SMALL + ["--save", str(tmp_path / "ckpt")]) == 2
+    err = capsys.readouterr().err
+    assert "0.00 GiB free on that filesystem, but one checkpoint needs about" in err
+    assert "parameters x 12 bytes" in err and "Fix: free space there, or point --save elsewhere" in err
+
+
+def test_out_of_vocabulary_data_fails_at_startup(tmp_path, capsys):
+    prefix = str(tmp_path / "data")
+    with IndexedDatasetBuilder(prefix, np.uint16) as builder:
+        for doc in range(20):
+            builder.add_document(np.arange(doc, doc + 40) % 250 + (300 if doc == 7 else 0))
+        builder.finalize()
+    argv = [a for a in SMALL if a != "--mock-data"] + ["--data-path", prefix, "--tokenizer-type", "NullTokenizer"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert "megalite: input error: Dataset" in captured.err and "contains token id" in captured.err
+    assert "the vocabulary size is 300" in captured.err
+    assert "grid:" not in captured.out  # before any group or model

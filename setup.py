@@ -25,6 +25,7 @@ setup(
         "numpy>=1.26",
         "sentencepiece>=0.2.0",
         "safetensors>=0.4",
+        "tqdm>=4.60",
     ],
     extras_require={
         # GPU-only backends: never required, import-guarded, never in CI.
@@ -32,6 +33,8 @@ setup(
         "te": ["transformer-engine>=1.8"],
         "tensorboard": ["tensorboard>=2.14"],
         "hf": ["tokenizers>=0.15"],
+        "wandb": ["wandb>=0.16"],
+        "plots": ["matplotlib>=3.7"],
         "dev": ["pytest>=8", "transformers>=4.40", "tensorboard>=2.14"],
     },
 )

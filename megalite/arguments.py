@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 
-from megalite.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
+from megalite.config import Config, ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -111,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--eval-iters", type=int, default=10)
     g.add_argument("--log-json", type=str, default=None, help="write one JSON object per iteration")
     g.add_argument("--tensorboard-dir", type=str, default=None, help="write TensorBoard scalars here")
+    g.add_argument("--wandb-project", type=str, default=None,
+                   help="log the same scalars to this Weights & Biases project (pip install wandb; "
+                        "WANDB_MODE=offline keeps the run on disk)")
+    g.add_argument("--wandb-exp-name", type=str, default=None, help="the W&B run name (None: wandb picks one)")
+    g.add_argument("--wandb-save-dir", type=str, default=None,
+                   help="the W&B run files go to DIR/wandb/ (None: the working directory)")
     g.add_argument("--peak-tflops", type=float, default=None,
                    help="peak TFLOP/s per GPU for MFU (default: detected GPU's dense bf16 peak)")
     g.add_argument("--profile", action="store_true", help="torch.profiler trace per rank")
@@ -146,7 +153,25 @@ def explicit_args(argv=None) -> set[str]:
     return set(vars(parser.parse_args(argv)))
 
 
+WANDB_MISSING = ("--wandb-project needs the wandb package, which is not installed. Fix: pip install wandb "
+                 "(or pip install 'megalite[wandb]'), or drop --wandb-project.")
+
+
+def check_logging_args(args: argparse.Namespace) -> None:
+    """W&B flags: the package is there (checked on every rank, before any group or model) and
+    the run options come with a project."""
+    if getattr(args, "wandb_project", None):
+        if importlib.util.find_spec("wandb") is None:
+            raise ConfigError(WANDB_MISSING)
+    else:
+        for flag in ("wandb_exp_name", "wandb_save_dir"):
+            if getattr(args, flag, None):
+                raise ConfigError(f"--{flag.replace('_', '-')} is set without --wandb-project. Fix: add "
+                                  f"--wandb-project NAME, or drop --{flag.replace('_', '-')}.")
+
+
 def config_from_args(args: argparse.Namespace, vocab_size: int) -> Config:
+    check_logging_args(args)
     model = ModelConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads, ffn_hidden_size=args.ffn_hidden_size,

@@ -86,15 +86,30 @@ def init_distributed(device: torch.device, world_size: int, rank: int, timeout: 
         return
     if world_size == 1:
         return
+    store = _attempt_store(world_size, timeout)
     if device.type == "cuda":
         nccl_environment()
-        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+        dist.init_process_group("nccl", timeout=timeout, device_id=device, **store)
     elif device.type == "cpu":
-        dist.init_process_group("gloo", timeout=timeout)
+        dist.init_process_group("gloo", timeout=timeout, **store)
     else:
         raise ConfigError(f"--device {device.type} with {world_size} processes: a meta run has no real "
                           f"collectives. Fix: add --fake-process-group and run one process per rank "
                           f"you want to check (WORLD_SIZE={world_size} RANK=r).")
+
+
+def _attempt_store(world_size: int, timeout: timedelta) -> dict:
+    """Under torchrun the workers' rendezvous store is the agent's, and it outlives a restart:
+    the keys a failed attempt left there (its ranks' addresses) would be read by the next
+    attempt's ranks, which then connect to dead processes. Give every attempt
+    (TORCHELASTIC_RESTART_COUNT) its own key prefix. Elsewhere: torch's env:// rendezvous."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                           is_master=False, timeout=timeout)
+    return {"store": dist.PrefixStore(f"megalite/attempt_{attempt}", client),
+            "rank": int(os.environ["RANK"]), "world_size": world_size}
 
 
 def is_fake() -> bool:

@@ -9,13 +9,15 @@ divided by the GPU's peak (dense bf16), from ``--peak-tflops`` or the detected G
 """
 from __future__ import annotations
 
+import os
 import sys
-import time
 
 import torch
 
+from megalite.arguments import WANDB_MISSING
 from megalite.config import ModelConfig
 from megalite.model.gpt import count_parameters
+from megalite.progress import is_terminal, progress_bar
 
 # Dense 16-bit tensor-core peak TFLOP/s (bf16, fp32 accumulate; no 2:4 sparsity), keyed by the
 # exact ``torch.cuda.get_device_name()``: variants of one chip differ (an H100 PCIe is 756, an
@@ -115,13 +117,32 @@ def _value(x, spec: str) -> str:
     return "n/a" if x is None else format(x, spec)
 
 
+def scalars(record: dict) -> dict[str, float]:
+    """The scalars of one logged step under their TensorBoard / W&B names (train/loss,
+    time_ms/forward, memory_bytes/weights, ...); values that are None (a meta dry run) are left
+    out."""
+    out = {f"train/{key}": record[key] for key in ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_sec",
+                                                    "tflops_per_gpu", "mfu", "valid_loss")
+           if record.get(key) is not None}
+    for field, group in (("times_ms", "time_ms"), ("memory_bytes", "memory_bytes")):
+        out.update({f"{group}/{key}": value for key, value in record.get(field, {}).items() if value is not None})
+    return out
+
+
 class Monitor:
-    """Formats each logged step, keeps a progress bar with ETA on a terminal, and writes
-    TensorBoard scalars when asked."""
+    """Formats each logged step, keeps a progress bar with ETA (tqdm) under the log lines on a
+    terminal, and writes the scalars to TensorBoard and to Weights & Biases when asked.
+
+    ``wandb_project`` (``--wandb-project``) starts a W&B run named ``wandb_exp_name`` in
+    ``wandb_save_dir`` (default: wandb's, ``./wandb``) with ``config`` (the run's Config as a
+    dict) as its config; ``WANDB_MODE=offline`` keeps it on disk (``wandb sync`` uploads it
+    later). Only an enabled Monitor (the rank that logs) writes anything."""
 
     def __init__(self, cfg: ModelConfig, world_size: int, tokens_per_step: int, train_iters: int,
                  peak_tflops: float | None = None, tensorboard_dir: str | None = None, enabled: bool = True,
-                 stream=None, device: torch.device | None = None):
+                 stream=None, device: torch.device | None = None, wandb_project: str | None = None,
+                 wandb_exp_name: str | None = None, wandb_save_dir: str | None = None,
+                 config: dict | None = None):
         self.flops_per_step = flops_per_token(cfg) * tokens_per_step
         self.world_size, self.tokens_per_step, self.train_iters = world_size, tokens_per_step, train_iters
         if peak_tflops is None:
@@ -129,9 +150,10 @@ class Monitor:
         self.peak = peak_tflops
         self.enabled = enabled
         self.stream = stream or sys.stdout
-        self.tty = enabled and hasattr(self.stream, "isatty") and self.stream.isatty()
-        self.start = time.perf_counter()
+        self.tty = enabled and is_terminal(self.stream)
+        self.bar = None  # the tqdm bar, made at the first logged step (it knows where a resumed run starts)
         self.writer = None
+        self.wandb_run = None
         if tensorboard_dir and enabled:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -139,6 +161,15 @@ class Monitor:
                 raise RuntimeError("--tensorboard-dir needs the tensorboard package: pip install "
                                    "tensorboard (or drop the flag)") from e
             self.writer = SummaryWriter(tensorboard_dir)
+        if wandb_project and enabled:
+            try:
+                import wandb
+            except ImportError as e:  # wandb is an optional package
+                raise RuntimeError(WANDB_MISSING) from e
+            if wandb_save_dir:
+                os.makedirs(wandb_save_dir, exist_ok=True)
+            self.wandb_run = wandb.init(project=wandb_project, name=wandb_exp_name, dir=wandb_save_dir,
+                                        config=config)
 
     def metrics(self, elapsed_s: float) -> dict:
         tflops = self.flops_per_step / elapsed_s / self.world_size / 1e12
@@ -163,34 +194,33 @@ class Monitor:
     def log(self, record: dict, memory: str, print_line: bool) -> None:
         if not self.enabled:
             return
-        if print_line:
-            if self.tty:
-                self.stream.write("\r\033[K")
-            self.stream.write(self.line(record, memory) + "\n")
+        step = record["iteration"]
         if self.tty:
-            self.stream.write(self.progress(record["iteration"]))
+            if self.bar is None:
+                self.bar = progress_bar(stream=self.stream, total=self.train_iters, initial=step - 1,
+                                        desc="training", unit="it")
+            self.bar.update(step - self.bar.n)
+        if print_line:
+            if self.bar is not None:
+                self.bar.write(self.line(record, memory), file=self.stream, nolock=True)  # above the bar
+            else:
+                self.stream.write(self.line(record, memory) + "\n")
         self.stream.flush()
+        values = scalars(record) if self.writer is not None or self.wandb_run is not None else {}
         if self.writer is not None:
-            step = record["iteration"]
-            for key in ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_sec", "tflops_per_gpu", "mfu",
-                        "valid_loss"):
-                if record.get(key) is not None:
-                    self.writer.add_scalar(f"train/{key}", record[key], step)
-            for key, value in record.get("times_ms", {}).items():
-                self.writer.add_scalar(f"time_ms/{key}", value, step)
-            for key, value in record.get("memory_bytes", {}).items():
-                self.writer.add_scalar(f"memory_bytes/{key}", value, step)
+            for key, value in values.items():
+                self.writer.add_scalar(key, value, step)
             self.writer.flush()
-
-    def progress(self, iteration: int) -> str:
-        done = iteration / self.train_iters
-        elapsed = time.perf_counter() - self.start
-        eta = elapsed / max(done, 1e-9) * (1 - done)
-        bar = "#" * int(30 * done) + "." * (30 - int(30 * done))
-        return f"\r[{bar}] {100 * done:5.1f}% ETA {int(eta // 60)}:{int(eta % 60):02d}"
+        if self.wandb_run is not None:
+            self.wandb_run.log(values, step=step)
 
     def close(self) -> None:
-        if self.tty:
-            self.stream.write("\n")
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
         if self.writer is not None:
             self.writer.close()
+            self.writer = None
+        if self.wandb_run is not None:
+            self.wandb_run.finish()
+            self.wandb_run = None

@@ -17,10 +17,11 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
 from megalite.arguments import build_parser, config_from_args, explicit_args
 from megalite.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from megalite.checkpoint.settings import adopt_checkpoint_model, checkpoint_model_settings
+from megalite.checkpoint.settings import adopt_checkpoint_model, checkpoint_config
 from megalite.config import ConfigError, validate
 from megalite.data import build_data_iterators
 from megalite.data.blended import describe_data, parse_data_path
@@ -34,6 +35,7 @@ from megalite.pipeline.partition import build_model_chunks, virtual_stages
 from megalite.pipeline.schedules import Trace
 from megalite.data_parallel.accounting import describe_memory
 from megalite.device import host_barrier, init_distributed, resolve_device, to_device
+from megalite.launch import detect_launch
 from megalite.faults import (CollectiveTimeout, HangWatchdog, TrainingDiverged, check_finite, hang_report,
                              looks_like_timeout, report_failure)
 from megalite.monitor import Monitor, memory_line
@@ -61,26 +63,48 @@ def _value(x, spec: str = ".4f") -> str:
     return "n/a" if x is None else format(x, spec)
 
 
+def _fault_applies(rank: int) -> bool:
+    """Test fault injection: on MEGALITE_TEST_KILL_RANK only (every rank if unset), and only in
+    the first attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT), so a restart can finish."""
+    only = os.environ.get("MEGALITE_TEST_KILL_RANK")
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    return first_attempt and (only is None or int(only) == rank)
+
+
+def describe_layout_change(meta: dict, grid, t) -> str | None:
+    """What changed since the checkpoint was written (layout, accumulation), when anything did."""
+    then, now = meta["layout"], dict(grid.layout.__dict__)
+    if then == now:
+        return None
+    saved = meta["config"]["train"]
+    micro_then = saved["global_batch_size"] // (saved["micro_batch_size"] * then["dp"])
+    micro_now = t.global_batch_size // (t.micro_batch_size * now["dp"])
+    dims = ", ".join(f"{d.upper()} {then[d]} -> {now[d]}" for d in ("tp", "cp", "dp", "pp") if then[d] != now[d])
+    return (f"layout changed since the checkpoint: {dims} (world {grid.layout.world_size}); the checkpoint was "
+            f"re-cut for it (ZeRO shards included). Global batch {t.global_batch_size} "
+            f"{'kept' if saved['global_batch_size'] == t.global_batch_size else 'CHANGED from ' + str(saved['global_batch_size'])}"
+            f": accumulation steps {micro_then} -> {micro_now} per data-parallel rank.")
+
+
 class RankZeroPrinter:
     def __init__(self, rank: int):
         self.rank = rank
 
     def __call__(self, *parts, **kw):
         if self.rank == 0:
-            print(*parts, **kw, flush=True)
+            with tqdm.external_write_mode(file=kw.get("file"), nolock=True):  # above a progress bar
+                print(*parts, **kw, flush=True)
 
 
 def _world_from_env(args) -> tuple[int, int]:
-    """(world size, rank) from torchrun's variables; a fake process group needs both given."""
+    """(world size, rank) from torchrun's variables, else SLURM's (megalite.launch); a fake
+    process group needs WORLD_SIZE and RANK given."""
     if args.fake_process_group and not ("WORLD_SIZE" in os.environ and "RANK" in os.environ):
         raise ConfigError("--fake-process-group plays one rank of a world: set WORLD_SIZE and RANK in "
                           "the environment, e.g. WORLD_SIZE=16 RANK=5 python pretrain_gpt.py "
                           "--fake-process-group --device meta ...")
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    if not 0 <= rank < world_size:
-        raise ConfigError(f"RANK={rank} is outside the world of WORLD_SIZE={world_size}. Fix: 0 <= RANK < WORLD_SIZE.")
-    return world_size, rank
+    args.launch = detect_launch(fake_process_group=args.fake_process_group)  # torchrun, SLURM or one process
+    return args.launch.world_size, args.launch.rank
 
 
 def set_tf32(enabled: bool) -> None:
@@ -96,13 +120,21 @@ def setup(argv=None):
     (``LOCAL_RANK`` -> ``set_device``), the default process group, the grid's groups."""
     args = build_parser().parse_args(argv)
     world_size, rank = _world_from_env(args)
-    saved = checkpoint_model_settings(args.load) if args.load else None
+    # Elastic jobs pass --load D --save D from the first start: nothing to load yet is fine there.
+    args.fresh_start = bool(args.load and args.save and os.path.abspath(args.load) == os.path.abspath(args.save)
+                            and not os.path.exists(os.path.join(args.load, "latest")))
+    saved_config = checkpoint_config(args.load) if args.load and not args.fresh_start else None
+    saved = saved_config["model"] if saved_config else None
     if saved and args.mock_data and args.vocab_size is None and args.tokenizer_type in (None, "NullTokenizer"):
         args.vocab_size = saved["vocab_size"]  # mock data over the checkpoint's vocabulary
     tokenizer = _tokenizer_for(args)
     config = config_from_args(args, tokenizer.vocab_size)
     if saved:  # the model is the checkpoint's; contradicting flags are refused
-        adopt_checkpoint_model(config.model, saved, explicit_args(argv), tokenizer.vocab_size, args.load)
+        given = explicit_args(argv)
+        adopt_checkpoint_model(config.model, saved, given, tokenizer.vocab_size, args.load)
+        batch = saved_config["train"].get("global_batch_size")
+        if batch and not args.finetune and "global_batch_size" not in given:
+            config.train.global_batch_size = batch  # a resumed run keeps its global batch under any DP
     for warning in validate(config, world_size, gpus_per_node_from_env(world_size)):
         if rank == 0:
             warnings.warn(warning)
@@ -161,6 +193,8 @@ def pretrain(argv=None) -> list[dict]:
     dp = grid.layout.dp
     num_micro = t.global_batch_size // (t.micro_batch_size * dp)
     say(grid.describe())
+    if args.launch.source != "single":
+        say(args.launch.describe())
     say(f"model: {count_parameters(m) / 1e6:.2f}M parameters, {m.num_layers} layers, hidden "
         f"{m.hidden_size}, {m.num_attention_heads} heads, vocab {m.vocab_size} (padded "
         f"{m.padded_vocab_size(grid.layout.tp)}), seq {m.seq_length}")
@@ -182,7 +216,7 @@ def pretrain(argv=None) -> list[dict]:
     optimizer = build_data_parallel_optimizer(model, t, grid)
     scaler = LossScaler(t.fp16, t.initial_loss_scale, t.loss_scale)
     start_iteration, consumed = 0, 0
-    if args.load:
+    if args.load and not args.fresh_start:
         meta = load_checkpoint(args.load, optimizer, scaler, config, grid,
                                load_optimizer=not args.no_load_optim, load_rng=not args.no_load_rng)
         start_iteration, consumed = meta["iteration"], meta["consumed_samples"]
@@ -190,6 +224,13 @@ def pretrain(argv=None) -> list[dict]:
             start_iteration, consumed = 0, 0
         say(f"loaded {args.load} at iteration {meta['iteration']} (layout then {meta['layout']}; "
             f"RNG {'restored' if meta['rng_restored'] else 'reseeded: different layout'})")
+        if not (args.finetune or meta.get("weights_only")):
+            change = describe_layout_change(meta, grid, t)
+            if change:
+                say(change)
+    elif args.fresh_start:
+        say(f"--load {args.load}: no checkpoint there yet, starting from iteration 0 (with --save to the same "
+            f"directory, a restarted job resumes from what this run saves)")
     say(describe_memory(optimizer, dp))
     if start_iteration >= t.train_iters:
         say(f"the checkpoint is at iteration {start_iteration}, --train-iters is {t.train_iters}: nothing "
@@ -215,7 +256,8 @@ def pretrain(argv=None) -> list[dict]:
     log_lines: list[dict] = []
     tokens_per_step = global_batch * m.seq_length
     monitor = Monitor(m, grid.layout.world_size, tokens_per_step, t.train_iters, args.peak_tflops,
-                      args.tensorboard_dir, enabled=reporter, device=device)
+                      args.tensorboard_dir, enabled=reporter, device=device, wandb_project=args.wandb_project,
+                      wandb_exp_name=args.wandb_exp_name, wandb_save_dir=args.wandb_save_dir, config=config.to_dict())
     profiler = Profiler(args, grid.rank) if args.profile else None
     term = TermSignal() if args.save else None
     faults = {k: int(os.environ.get(f"MEGALITE_TEST_{k}", "0"))  # fault injection for the tests
@@ -279,7 +321,7 @@ def pretrain(argv=None) -> list[dict]:
             log_file.flush()
         if watchdog is not None:
             watchdog.beat()
-        if faults["KILL_AT_ITERATION"] == iteration + 1:
+        if faults["KILL_AT_ITERATION"] == iteration + 1 and _fault_applies(grid.rank):
             os.kill(os.getpid(), signal.SIGKILL)
         stop = term is not None and term.agreed(grid)
         if args.save and ((args.save_interval and (iteration + 1) % args.save_interval == 0) or stop):

@@ -122,17 +122,42 @@ def test_log_line_json_and_tensorboard(tmp_path, capsys):
     assert acc.Scalars("train/loss")[2].value == pytest.approx(records[2]["loss"])
 
 
+class Tty(io.StringIO):
+    """A stream that says it is a terminal."""
+
+    def isatty(self):
+        return True
+
+
 def test_progress_bar_with_eta_on_a_terminal():
-    class Tty(io.StringIO):
-        def isatty(self):
-            return True
     stream = Tty()
     cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=50, seq_length=8)
     monitor = Monitor(cfg, 1, 64, train_iters=4, stream=stream)
-    record = {"iteration": 2, "loss": 1.0, "lr": 0.1, "grad_norm": 1.0, "loss_scale": 1.0, "skipped_total": 0,
+    lines = []
+    for iteration in (1, 2, 3):
+        record = {"iteration": iteration, "loss": 1.0, "lr": 0.1, "grad_norm": 1.0, "loss_scale": 1.0,
+                  "skipped_total": 0, **monitor.metrics(0.1), "times_ms": {"forward": 1.0}}
+        monitor.log(record, "mem 1 MiB", print_line=iteration < 3)
+        lines.append(monitor.line(record, "mem 1 MiB"))
+    monitor.close()
+    out = stream.getvalue()
+    # tqdm's bar with its ETA ([elapsed<remaining, rate]), redrawn under each log line
+    assert "training:  50%|" in out and "| 2/4 [" in out and "<" in out and "it/s]" in out
+    assert "training:  75%|" in out and out.endswith("\n")  # closed: the last state stays
+    segments = out.replace("\r", "\n").split("\n")  # what a terminal shows line by line
+    assert lines[0] in segments and lines[1] in segments  # the log lines intact, each on its own line
+    assert lines[2] not in out  # print_line=False: the bar only
+
+
+def test_no_bar_characters_when_not_a_terminal():
+    stream = io.StringIO()
+    cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=50, seq_length=8)
+    monitor = Monitor(cfg, 1, 64, train_iters=2, stream=stream)
+    record = {"iteration": 1, "loss": 1.0, "lr": 0.1, "grad_norm": 1.0, "loss_scale": 1.0, "skipped_total": 0,
               **monitor.metrics(0.1), "times_ms": {"forward": 1.0}}
-    monitor.log(record, "mem 1 MiB", print_line=False)
-    assert "50.0% ETA" in stream.getvalue() and "[###############" in stream.getvalue()
+    monitor.log(record, "mem 1 MiB", print_line=True)
+    monitor.close()
+    assert stream.getvalue() == monitor.line(record, "mem 1 MiB") + "\n"
 
 
 def test_profiler_trace_and_summary(tmp_path, capsys):

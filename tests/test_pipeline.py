@@ -251,16 +251,34 @@ def test_pretrain_pipeline_layouts_match_pp1_per_iteration(tmp_path):
     assert len(list((tmp_path / "trace").glob("trace_rank*.json"))) == 4
 
 
-def test_bubble_measure_and_png(tmp_path):
-    from megalite.timeline import draw_timeline, measured_bubble, theory_bubble
+def test_bubble_measure_and_timeline_picture(tmp_path):
+    from megalite.timeline import draw_timeline, measured_bubble, schedule_name, theory_bubble
     # Ideal GPipe-like trace, P=2, M=2, unit forward and backward: each rank idles 2 of 6 units.
     events = [[("F", 0, 0, 0, 1), ("F", 1, 0, 1, 2), ("B", 0, 0, 4, 5), ("B", 1, 0, 5, 6)],
               [("F", 0, 0, 1, 2), ("F", 1, 0, 2, 3), ("B", 0, 0, 3, 4), ("B", 1, 0, 4, 5)]]
     assert measured_bubble(events) == pytest.approx(2 / 6)
     assert theory_bubble(2, 2) == pytest.approx(1 / 3) and theory_bubble(4, 8, 2) == pytest.approx(3 / 19)
-    draw_timeline(events, str(tmp_path / "t.png"))
-    data = (tmp_path / "t.png").read_bytes()
-    assert data[:8] == b"\x89PNG\r\n\x1a\n" and b"IEND" in data[-12:]
+    assert schedule_name(events) == "GPipe" and schedule_name(events, 2) == "interleaved 1F1B"
+    one_f_one_b = [events[0], [("F", 0, 0, 1, 2), ("B", 0, 0, 2, 3), ("F", 1, 0, 3, 4), ("B", 1, 0, 4, 5)]]
+    assert schedule_name(one_f_one_b) == "1F1B"
+
+    matplotlib = pytest.importorskip("matplotlib")
+    import xml.etree.ElementTree as ET
+
+    import matplotlib.image
+    import numpy as np
+    paths = draw_timeline(events, str(tmp_path / "t.png"), labels=["stage 0 (rank 4)", "stage 1 (rank 5)"],
+                          formats=["png", "svg"])
+    assert paths == [str(tmp_path / "t.png"), str(tmp_path / "t.svg")]
+    image = matplotlib.image.imread(paths[0])
+    assert image.ndim == 3 and image.shape[0] > 150 and image.shape[1] > 600
+    assert len(np.unique(image.reshape(-1, image.shape[-1]), axis=0)) > 10  # not a blank picture
+    texts = [e.text or "" for e in ET.parse(paths[1]).iter() if e.tag.endswith("text")]
+    for wanted in ("stage 0 (rank 4)", "stage 1 (rank 5)", "GPipe schedule, P=2 stages, M=2 micro-batches",
+                   "bubble: measured 0.333", "time since the step's first operation (ms)", "forward",
+                   "backward", "idle 33%"):
+        assert any(wanted in t for t in texts), (wanted, texts)
+    assert draw_timeline(events, str(tmp_path / "x.svg")) == [str(tmp_path / "x.svg")]  # format from the name
 
 
 def _tied_worker(rank, world):

@@ -1,12 +1,35 @@
-"""The reporting tools: scaling efficiency and log plots."""
+"""The reporting tools: scaling efficiency, log plots and the benchmark charts. Pictures are
+read back with matplotlib (size, not blank) and SVGs parsed for their text, not compared
+pixel by pixel."""
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+import xml.etree.ElementTree as ET
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import scaling_efficiency  # noqa: E402
+
+
+def check_png(path, min_height=200, min_width=300):
+    import matplotlib.image
+    import numpy as np
+    image = matplotlib.image.imread(str(path))
+    assert image.ndim == 3 and image.shape[0] >= min_height and image.shape[1] >= min_width, image.shape
+    assert len(np.unique(image.reshape(-1, image.shape[-1]), axis=0)) > 10  # not blank
+
+
+def svg_texts(path):
+    return [e.text or "" for e in ET.parse(str(path)).iter() if e.tag.endswith("text")]
+
+
+def assert_texts(texts, *wanted):
+    for w in wanted:
+        assert any(w in t for t in texts), (w, texts)
 
 
 def test_scaling_table_and_thresholds():
@@ -18,23 +41,104 @@ def test_scaling_table_and_thresholds():
 
 def test_scaling_tool_runs_at_1_2_4_ranks(tmp_path):
     out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "scaling_efficiency.py"), "--ranks", "1", "2", "4",
-                          "--json", str(tmp_path / "s.json"), *scaling_efficiency.DEFAULT[:-5], "--train-iters", "4",
+                          "--json", str(tmp_path / "s.json"), "--plot", str(tmp_path / "s.png"),
+                          *scaling_efficiency.DEFAULT[:-5], "--train-iters", "4",
                           "--log-interval", "1000"],
                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads((tmp_path / "s.json").read_text())
     assert [r["ranks"] for r in rows] == [1, 2, 4] and rows[0]["efficiency"] == 1.0
     assert "efficiency" in out.stdout and "demonstration" in out.stdout
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert "chart:" in out.stdout
+        check_png(tmp_path / "s.png")
 
 
-def test_plot_log_writes_a_png(tmp_path):
-    for name, scale in (("a", 1.0), ("b", 1.5)):
-        with open(tmp_path / f"{name}.jsonl", "w") as f:
-            for i in range(1, 11):
-                f.write(json.dumps({"iteration": i, "loss": scale * (5 - 0.3 * i), "tokens_per_sec": 1000 + i,
-                                    "memory_bytes": {"weights": 10}, **({"valid_loss": 4.0} if i == 10 else {})}) + "\n")
+def test_scaling_chart(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = scaling_efficiency.table([1, 2, 4, 8], [1000.0, 1800.0, 2400.0, 3000.0])
+    assert scaling_efficiency.plot(rows, str(tmp_path / "s.svg"), note="a note") == [str(tmp_path / "s.svg")]
+    assert_texts(svg_texts(tmp_path / "s.svg"), "Data-parallel scaling efficiency", "a note", "data-parallel ranks",
+                 "0.7: look at communication", "0.5: communication-bound", "3,000 tok/s")
+
+
+def write_log(path, scale, mfu=False, dry_run_lines=0):
+    with open(path, "w") as f:
+        for i in range(1, 31):
+            dry = i <= dry_run_lines
+            record = {"iteration": i, "loss": None if dry else scale * 5 * 0.97 ** i, "lr": 1e-3, "grad_norm": 1.0,
+                      "tokens_per_sec": None if dry else 1000.0 + i, "tflops_per_gpu": None if dry else 0.01,
+                      "mfu": (0.3 if mfu else None), "elapsed_ms": 512.0,
+                      "memory_bytes": {"weights": 10 * 2**20, "gradients": 10 * 2**20},
+                      "times_ms": {"forward": 100.0, "backward": 200.0 + i, "grad_sync": 5.0, "optimizer": 9.0}}
+            if i % 10 == 0:
+                record["valid_loss"] = scale * 4.5 * 0.98 ** i
+            f.write(json.dumps(record) + "\n")
+        f.write('{"iteration": 31, "loss"')  # a run still writing its next line
+
+
+def test_plot_log_png_and_svg(tmp_path):
+    pytest.importorskip("matplotlib")
+    write_log(tmp_path / "a.jsonl", 1.0)
+    write_log(tmp_path / "b.jsonl", 1.5, dry_run_lines=3)
     out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plot_log.py"), str(tmp_path / "a.jsonl"),
-                          str(tmp_path / "b.jsonl"), "--output", str(tmp_path / "p.png")], capture_output=True, text=True)
+                          str(tmp_path / "b.jsonl"), "--labels", "run A", "run B", "--smooth", "5",
+                          "-o", str(tmp_path / "p.png"), "--format", "png", "svg"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert "a.jsonl (10 iterations)" in out.stdout and "loss: y from" in out.stdout
+    assert "run A: 30 iterations, loss 4.85 -> 2.005" in out.stdout
+    assert "wrote " + str(tmp_path / "p.svg") in out.stdout
+    check_png(tmp_path / "p.png", 600, 1000)
+    assert_texts(svg_texts(tmp_path / "p.svg"), "Training log: run A, run B", "Loss against iteration",
+                 "Loss against tokens seen", "tokens seen", "iteration", "loss (cross-entropy, nats/token)",
+                 "run A", "run B", "validation loss", "tokens/s (all ranks)", "Model TFLOP/s per GPU",
+                 "MiB (logging rank)", "forward", "grad sync", "Time per step: run A")
+
+
+def test_plot_log_reading(tmp_path):
+    import plot_log
+    write_log(tmp_path / "log.jsonl", 1.0, dry_run_lines=2)
+    records = plot_log.load(str(tmp_path / "log.jsonl"))
+    assert len(records) == 30  # the half-written line is skipped
+    seen = plot_log.tokens_seen(records)  # 1000+i tokens/s x 0.512 s per step; dry-run steps: the median
+    median = sorted((1000.0 + i) * 0.512 for i in range(3, 31))[13:15]
+    assert seen[1] == pytest.approx(sum(median) / 2) and seen[30] - seen[29] == pytest.approx(1030 * 0.512)
+    assert plot_log.points(records, lambda r: r["loss"])[0][0] == 3
+    assert plot_log.default_labels(["runs/a/log.jsonl", "runs/b/log.jsonl"]) == ["a/log.jsonl", "b/log.jsonl"]
+    assert plot_log.default_labels(["x/a.jsonl", "y/a.jsonl"]) == ["x/a.jsonl", "y/a.jsonl"]
+    assert plot_log.smoothed([1.0, 2.0, 3.0, 4.0], 3) == [1.5, 2.0, 3.0, 3.5]
+
+
+def test_bench_kernels_chart(tmp_path):
+    pytest.importorskip("matplotlib")
+    import bench_kernels
+    rows = [dict(kernel="attention", case=f"B1 H16 N{n} D128 causal", dtype="bfloat16", impl=impl,
+                 fwd_rate=rate * n / 1024, bwd_rate=rate, unit="TFLOP/s")
+            for n in (1024, 2048, 4096) for impl, rate in (("triton", 200.0), ("sdpa", 150.0))]
+    rows += [dict(kernel="attention", case="B1 H16 N16384 D128", impl="sdpa", error="out of memory"),
+             dict(kernel="rmsnorm", case="64x1000", dtype="float32", impl="triton", fwd_rate=10.0, bwd_rate=5.0,
+                  unit="GB/s")]
+    bench_kernels.plot(rows, str(tmp_path / "k.png"), "test device")
+    bench_kernels.plot(rows, str(tmp_path / "k.svg"), "test device")
+    check_png(tmp_path / "k.png")
+    texts = svg_texts(tmp_path / "k.svg")
+    assert_texts(texts, "Attention forward", "Attention backward", "sequence length N (tokens)", "4096",
+                 "triton D128 bfloat16", "sdpa D128 bfloat16", "Norms and cross-entropy", "failed (not drawn)")
+    if not bench_kernels.GPU:
+        assert_texts(texts, "NOT meaningful")
+
+
+def test_missing_matplotlib_names_the_install(monkeypatch, tmp_path):
+    from megalite import plotting
+    from megalite.timeline import draw_timeline
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    with pytest.raises(ImportError, match="pip install matplotlib"):
+        plotting.require_matplotlib()
+    with pytest.raises(ImportError, match=r"megalite\[plots\]"):
+        draw_timeline([[("F", 0, 0, 0.0, 1.0)]], str(tmp_path / "t.png"))
+
+
+def test_output_paths():
+    from megalite.plotting import output_paths
+    assert output_paths("a/b.svg") == ["a/b.svg"] and output_paths("a/b") == ["a/b.png"]
+    assert output_paths("a/b.png", ["png", "svg"]) == ["a/b.png", "a/b.svg"]
+    assert output_paths("a/b.v1", ["pdf"]) == ["a/b.v1.pdf"]

@@ -15,11 +15,16 @@ first batch element, which see every key; backward errors only up to N = 2048).
 On a CPU the Triton kernels run in the interpreter (TRITON_INTERPRET=1, set here) at one small
 size: those times say nothing about speed; only the errors mean something.
 
-    python tools/bench_kernels.py [--quick] [--json PATH]
+--plot PATH also draws the chart (needs matplotlib; PNG, SVG or PDF by the extension):
+attention forward and backward TFLOP/s against sequence length, one line per implementation
+(and head dim, dtype), and the row-wise kernels' GB/s per implementation.
+
+    python tools/bench_kernels.py [--quick] [--json PATH] [--plot PATH]
 """
 import argparse
 import json
 import os
+import re
 import sys
 import time
 
@@ -187,11 +192,75 @@ def print_table(rows):
                          r["unit"], num(r["fwd_err"], ".1e"), num(r["bwd_err"], ".1e")))
 
 
+def plot(rows, path, device: str) -> list[str]:
+    """The table as a chart: attention TFLOP/s against sequence length (forward, backward)
+    and the row-wise kernels' GB/s; returns the paths written."""
+    from megalite.plotting import new_figure, save
+
+    fig = new_figure(16, 5.2)
+    grid = fig.add_gridspec(1, 3, width_ratios=[1, 1, 1.3])
+    attention = [r for r in rows if r["kernel"] == "attention" and "error" not in r]
+    series = {}
+    for r in attention:
+        n, d = (int(x) for x in re.search(r"N(\d+) D(\d+)", r["case"]).groups())
+        series.setdefault(f"{r['impl']} D{d} {r['dtype']}", []).append((n, r))
+    lengths = sorted({n for pts in series.values() for n, _ in pts})
+    for col, (key, what) in enumerate((("fwd_rate", "forward"), ("bwd_rate", "backward"))):
+        ax = fig.add_subplot(grid[0, col])
+        for i, (name, pts) in enumerate(sorted(series.items())):
+            pts = sorted((n, r[key]) for n, r in pts if r.get(key) is not None)
+            ax.plot([n for n, _ in pts], [v for _, v in pts], marker="o", label=name,
+                    color=f"C{i % 10}", linestyle="-" if "triton" in name else "--")
+        if len(lengths) > 1:
+            ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.minorticks_off()
+        ax.set_ylim(bottom=0)
+        ax.set_xlabel("sequence length N (tokens)")
+        ax.set_ylabel("TFLOP/s (causal attention FLOPs)")
+        ax.set_title(f"Attention {what}")
+        ax.grid(True, alpha=0.3)
+        if series:
+            ax.legend(fontsize=8)
+    ax = fig.add_subplot(grid[0, 2])
+    rowwise = [r for r in rows if r["kernel"] != "attention" and "error" not in r]
+    groups = list(dict.fromkeys(f"{r['kernel']}\n{r['case']}\n{r['dtype']}" for r in rowwise))
+    bars = list(dict.fromkeys((r["impl"], key) for r in rowwise for key in ("fwd_rate", "bwd_rate")))
+    width = 0.8 / max(1, len(bars))
+    for j, (impl, key) in enumerate(bars):
+        values = {f"{r['kernel']}\n{r['case']}\n{r['dtype']}": r.get(key) or 0.0 for r in rowwise
+                  if r["impl"] == impl}
+        ax.bar([g + (j - (len(bars) - 1) / 2) * width for g in range(len(groups))],
+               [values.get(g, 0.0) for g in groups], width, color=f"C{j // 2}",
+               alpha=1.0 if key == "fwd_rate" else 0.55,
+               hatch=None if key == "fwd_rate" else "//",
+               label=f"{impl} {'forward' if key == 'fwd_rate' else 'backward'}")
+    ax.set_xticks(range(len(groups)), groups, fontsize=8)
+    ax.set_ylabel("GB/s (bytes read + written)")
+    ax.set_title("Norms and cross-entropy")
+    ax.grid(True, axis="y", alpha=0.3)
+    if bars:
+        ax.legend(fontsize=8)
+    failed = [f"{r['impl']} {r['case']}" for r in rows if "error" in r]
+    title = f"Triton kernels against their alternatives, {device}"
+    if not GPU:
+        title += ("\nCPU: Triton ran in the interpreter at one small size; these speeds are NOT "
+                  "meaningful (only the errors in the table are)")
+    if failed:
+        title += f"\nfailed (not drawn): {', '.join(failed)}"
+    fig.suptitle(title, fontsize=12, color="black" if GPU else "#b00000")
+    return save(fig, path)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", help="also write the rows to this JSON file")
     p.add_argument("--quick", action="store_true", help="GPU: only the smallest sizes")
+    p.add_argument("--plot", metavar="PATH", help="also draw the chart (.png, .svg, .pdf)")
     args = p.parse_args()
+    if args.plot:  # fail now, not after the benchmark
+        from megalite.plotting import require_matplotlib
+        require_matplotlib()
     if GPU:
         seqs = [1024, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384]
         attn = [(max(1, 16384 // n), 16, n, 128) for n in seqs] + [(max(1, 16384 // n), 32, n, 64)
@@ -211,11 +280,13 @@ def main():
         rows += bench_rowwise("rmsnorm", norm_cases, dtype, reps)
         rows += bench_rowwise("cross-entropy", ce_cases, dtype, reps)
     print_table(rows)
+    device = torch.cuda.get_device_name() if GPU else "cpu (interpreter)"
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name() if GPU else "cpu (interpreter)",
-                       "rows": rows}, f, indent=1)
+            json.dump({"device": device, "rows": rows}, f, indent=1)
         print(f"wrote {args.json}")
+    if args.plot:
+        print(f"chart: {', '.join(plot(rows, args.plot, device))}")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ stages whose compute is a sleep: forward t_f, backward t_b = 2 t_f per stage (sp
 V chunks of t/V each when interleaved). Sleeping stages do not compete for CPU cores, so
 P processes on a 2-core machine behave like P devices and the trace measures the
 schedule itself. Prints measured vs theory, (P-1)/(M+P-1) or (P-1)/(V*M+P-1), and writes
-one timeline PNG per case.
+one timeline picture per case, OUT/pipeline_P{P}_M{M}_V{V}.png (--format png svg for both;
+needs matplotlib): one row per stage, forward / backward per chunk in distinct colours,
+micro-batch numbers, time axis in ms, measured and theoretical bubble in the title.
 
     python tools/bench_pipeline_bubble.py [--stages 4] [--micro-batches 4 8 16] [--out docs/images]
 """
@@ -24,6 +26,7 @@ from torch import nn  # noqa: E402
 from megalite.config import ParallelConfig  # noqa: E402
 from megalite.parallel.grid import build_grid  # noqa: E402
 from megalite.pipeline.schedules import PipelineRunner, Trace  # noqa: E402
+from megalite.plotting import FORMATS, require_matplotlib  # noqa: E402
 from megalite.testing import run_world  # noqa: E402
 from megalite.timeline import draw_timeline, measured_bubble, theory_bubble  # noqa: E402
 
@@ -77,7 +80,9 @@ def main():
     p.add_argument("--virtual", type=int, nargs="+", default=[1, 2])
     p.add_argument("--t-forward-ms", type=float, default=20.0)
     p.add_argument("--out", default="docs/images")
+    p.add_argument("--format", nargs="+", choices=FORMATS, default=["png"], help="picture format(s)")
     args = p.parse_args()
+    require_matplotlib()  # fail now, not after the first case
     os.makedirs(args.out, exist_ok=True)
     P = args.stages
     print(f"P={P}, t_forward={args.t_forward_ms} ms, t_backward=2*t_forward per stage (sleep), gloo p2p")
@@ -87,12 +92,14 @@ def main():
             if v > 1 and m % P != 0:
                 continue
             events = run_world(_worker, P, m, v, args.t_forward_ms / 1e3, timeout=300)
-            png = os.path.join(args.out, f"pipeline_P{P}_M{m}_V{v}.png")
-            draw_timeline(events, png, num_chunks=v)
-            span = max(e[4] for ev in events for e in ev) - min(e[3] for ev in events for e in ev)
             name = "1F1B" if v == 1 else "interleaved"
+            paths = draw_timeline(events, os.path.join(args.out, f"pipeline_P{P}_M{m}_V{v}"), num_chunks=v,
+                                  labels=[f"stage {r} (rank {r})" for r in range(P)],
+                                  schedule="1F1B" if v == 1 else "interleaved 1F1B", num_micro=m,
+                                  formats=args.format)
+            span = max(e[4] for ev in events for e in ev) - min(e[3] for ev in events for e in ev)
             print(f"{name:>14} {m:>4} {v:>3} {measured_bubble(events):>9.3f} {theory_bubble(P, m, v):>8.3f} "
-                  f"{span * 1e3:>8.0f}  {png}")
+                  f"{span * 1e3:>8.0f}  {', '.join(paths)}")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,11 @@
     python tools/pipeline_timeline.py --trace-dir runs/trace --output runs/trace/timeline.png
 
 Prints the measured bubble fraction beside the theory (P-1)/(M+P-1), or (P-1)/(V*M+P-1)
-for the interleaved schedule. Only the ranks of one pipeline (tp=0, dp=0) are drawn.
+for the interleaved schedule. Only the ranks of one pipeline (tp=0, dp=0) are drawn: one
+row per stage, labelled with its global rank, forward and backward (per virtual chunk) in
+distinct colours, micro-batch numbers on the boxes, a time axis in ms and both bubbles in
+the title. The output's extension picks the format (.png, .svg, .pdf); --format writes
+several. Needs matplotlib (pip install matplotlib).
 """
 import argparse
 import os
@@ -13,22 +17,29 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megalite.plotting import FORMATS  # noqa: E402
 from megalite.timeline import draw_timeline, load_traces, measured_bubble, theory_bubble  # noqa: E402
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace-dir", required=True)
-    p.add_argument("--output", default=None, help="PNG path (default: TRACE_DIR/timeline.png)")
+    p.add_argument("--output", "-o", default=None, help="picture path (default: TRACE_DIR/timeline.png)")
+    p.add_argument("--format", nargs="+", choices=FORMATS, default=None,
+                   help="write one file per format (the output's extension replaced)")
+    p.add_argument("--schedule", default=None, help="schedule name for the title (default: guessed "
+                   "from the trace: GPipe, 1F1B or interleaved 1F1B)")
     args = p.parse_args()
     traces = [t for t in load_traces(args.trace_dir) if t["tp_rank"] == 0 and t["dp_rank"] == 0]
     traces.sort(key=lambda t: t["pp_rank"])
     P, V, M = traces[0]["P"], traces[0]["V"], traces[0]["M"]
     events = [t["events"] for t in traces]
+    labels = [f"stage {t['pp_rank']} (rank {t['rank']})" for t in traces]
     out = args.output or os.path.join(args.trace_dir, "timeline.png")
-    draw_timeline(events, out, num_chunks=V)
+    paths = draw_timeline(events, out, num_chunks=V, labels=labels, schedule=args.schedule, num_micro=M,
+                          formats=args.format)
     print(f"P={P} M={M} V={V}: measured bubble {measured_bubble(events):.3f}, "
-          f"theory {theory_bubble(P, M, V):.3f}; timeline: {out}")
+          f"theory {theory_bubble(P, M, V):.3f}; timeline: {', '.join(paths)}")
 
 
 if __name__ == "__main__":

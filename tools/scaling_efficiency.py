@@ -11,6 +11,10 @@ The practitioners' reading: efficiency below 0.7, look at communication (bucket 
 overlap, the interconnect); below 0.5 the run is communication-bound: change the layout
 (less DP, more TP inside a node) or the network. On a CPU with few cores the processes
 compete for the same cores, so the numbers only demonstrate the tool.
+
+--plot PATH also draws efficiency against the number of DP ranks, with the ideal 1.0 and the
+0.7 / 0.5 thresholds, tokens/s at each point (PNG, SVG or PDF by the extension; needs
+matplotlib).
 """
 import argparse
 import json
@@ -52,12 +56,48 @@ def table(ranks: list[int], throughputs: list[float]) -> list[dict]:
     return rows
 
 
+def plot(rows: list[dict], path: str, note: str | None = None) -> list[str]:
+    """Efficiency against DP size, with the threshold lines; returns the paths written."""
+    from megalite.plotting import new_figure, save
+
+    ranks = [r["ranks"] for r in rows]
+    eff = [r["efficiency"] for r in rows]
+    fig = new_figure(7.5, 4.8)
+    ax = fig.add_subplot()
+    ax.axhspan(0, 0.5, color="#d62728", alpha=0.08)
+    ax.axhspan(0.5, 0.7, color="#ff7f0e", alpha=0.08)
+    ax.axhline(1.0, color="0.4", linestyle=":", label="ideal (linear scaling)")
+    ax.axhline(0.7, color="#ff7f0e", linestyle="--", label="0.7: look at communication")
+    ax.axhline(0.5, color="#d62728", linestyle="--", label="0.5: communication-bound")
+    ax.plot(ranks, eff, marker="o", color="C0", linewidth=2, label="measured")
+    for r in rows:
+        ax.annotate(f"{r['tokens_per_sec']:,.0f} tok/s", (r["ranks"], r["efficiency"]),
+                    textcoords="offset points", xytext=(0, 9), ha="center", fontsize=9,
+                    bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor="none", alpha=0.8))
+    if len(set(ranks)) > 1 and min(ranks) > 0 and max(ranks) / min(ranks) >= 4:
+        ax.set_xscale("log", base=2)
+    ax.set_xticks(ranks, [str(n) for n in ranks])
+    ax.minorticks_off()
+    ax.margins(x=0.12)
+    ax.set_ylim(0, max(1.15, max(eff) + 0.15))
+    ax.set_xlabel("data-parallel ranks")
+    ax.set_ylabel("efficiency = tokens/s(N) / (N · tokens/s(1))")
+    ax.set_title("Data-parallel scaling efficiency" + (f"\n{note}" if note else ""), fontsize=11)
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="lower left", fontsize=9)
+    return save(fig, path)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--logs", nargs="*", default=None, help="--log-json files of runs at --ranks")
     p.add_argument("--json", default=None)
+    p.add_argument("--plot", default=None, metavar="PATH", help="also draw the chart (.png, .svg, .pdf)")
     a, rest = p.parse_known_args()
+    if a.plot:  # fail now, not after the runs
+        from megalite.plotting import require_matplotlib
+        require_matplotlib()
     if a.logs:
         throughputs = [median_throughput([json.loads(x)["tokens_per_sec"] for x in open(f) if x.strip()])
                        for f in a.logs]
@@ -79,6 +119,9 @@ def main():
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=2)
+    if a.plot:
+        note = None if a.logs else "CPU processes sharing the cores: a demonstration, not a measurement"
+        print(f"chart: {', '.join(plot(rows, a.plot, note))}")
 
 
 if __name__ == "__main__":

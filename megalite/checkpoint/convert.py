@@ -22,6 +22,7 @@ from megalite.checkpoint import hf_llama as llama
 from megalite.checkpoint.format import PieceReader
 from megalite.checkpoint.hf_io import HFReader, HFShardWriter
 from megalite.checkpoint.serial import _checkpoint_dir, model_config_from, write_weights_checkpoint
+from megalite.progress import track
 
 GPT2 = SimpleNamespace(import_globals=gpt2.import_globals, import_layer=gpt2.import_layer,
                        export_globals=gpt2.export_globals, export_layer=gpt2.export_layer)
@@ -39,8 +40,9 @@ def _family(model_type: str | None):
                                  f"gpt2, {', '.join(llama.ARCHITECTURES)}.")
 
 
-def import_hf(hf_dir: str, save: str, seq_length: int | None = None) -> str:
-    """Write ``hf_dir``'s model as a weights-only megalite checkpoint under ``save``."""
+def import_hf(hf_dir: str, save: str, seq_length: int | None = None, progress: bool = True) -> str:
+    """Write ``hf_dir``'s model as a weights-only megalite checkpoint under ``save``. ``progress``: a
+    bar of the units converted on stderr, when stderr is a terminal."""
     reader = HFReader(hf_dir)
     hf = reader.config
     model_type = hf.get("model_type", "gpt2")
@@ -58,12 +60,15 @@ def import_hf(hf_dir: str, save: str, seq_length: int | None = None) -> str:
     source = {"format": "huggingface", "model_type": model_type,
               "torch_dtype": str(reader.dtype()).removeprefix("torch."),
               **{k: hf[k] for k in SPECIAL if hf.get(k) is not None}}
-    return write_weights_checkpoint(save, cfg, units(), source=source)
+    bar = track(units(), total=cfg.num_layers + 1, enabled=progress, unit=" unit",
+                desc=f"import {model_type}: embeddings + {cfg.num_layers} layers")
+    return write_weights_checkpoint(save, cfg, bar, source=source)
 
 
 def export_hf(load: str, hf_dir: str, model_type: str | None = None, dtype: str | None = None,
-              max_shard_bytes: int = 5 * 2**30) -> str:
-    """Write any megalite checkpoint of a GPT-2 or Llama-family model as a Hugging Face model."""
+              max_shard_bytes: int = 5 * 2**30, progress: bool = True) -> str:
+    """Write any megalite checkpoint of a GPT-2 or Llama-family model as a Hugging Face model.
+    ``progress``: a bar of the units converted on stderr, when stderr is a terminal."""
     reader = PieceReader(_checkpoint_dir(load))
     meta = reader.metadata
     cfg = model_config_from(meta["config"]["model"])
@@ -82,7 +87,8 @@ def export_hf(load: str, hf_dir: str, model_type: str | None = None, dtype: str 
         return reader.full_tensor(name, "weight", cfg.vocab_size)
 
     writer = HFShardWriter(hf_dir, max_shard_bytes)
-    for i in range(-1, cfg.num_layers):
+    for i in track(range(-1, cfg.num_layers), enabled=progress, unit=" unit",
+                   desc=f"export {model_type}: embeddings + {cfg.num_layers} layers"):
         unit = family.export_globals(get, cfg) if i < 0 else family.export_layer(get, i, cfg)
         for name, tensor in unit.items():
             writer.add(name, tensor.to(torch_dtype))

@@ -32,12 +32,12 @@ FIXED = {
 }
 
 
-def checkpoint_model_settings(load: str) -> dict:
-    """The model section of the config a checkpoint was written with."""
+def checkpoint_config(load: str) -> dict:
+    """The config a checkpoint was written with (sections model, parallel, train, data)."""
     from megalite.checkpoint.format import PieceReader
     from megalite.checkpoint.serial import _checkpoint_dir
 
-    return PieceReader(_checkpoint_dir(load)).metadata["config"]["model"]
+    return PieceReader(_checkpoint_dir(load)).metadata["config"]
 
 
 def adopt_checkpoint_model(model: ModelConfig, saved: dict, given: set[str], tokenizer_vocab: int,

@@ -25,6 +25,7 @@ import numpy as np
 from megalite.data.documents import iter_documents
 from megalite.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
 from megalite.data.tokenizer import build_tokenizer
+from megalite.progress import is_terminal, progress_bar
 
 _worker_tokenizer = None
 
@@ -39,36 +40,45 @@ def _encode_in_worker(text: str) -> np.ndarray:
 
 
 class Progress:
-    """Reports documents and tokens per second while preprocessing.
+    """Reports documents and tokens while preprocessing.
 
-    On a terminal one line is redrawn in place (``\\r``) a few times a second;
-    otherwise (logs, CI) a plain line is printed every ``log_interval`` seconds.
+    On a terminal a tqdm bar counts the documents (with their rate) and shows the tokens
+    written; otherwise (logs, CI) a plain line is printed every ``log_interval`` seconds.
     """
 
     def __init__(self, stream: TextIO | None, log_interval: float = 10.0):
         self.stream = stream
-        self.tty = bool(stream is not None and getattr(stream, "isatty", lambda: False)())
+        self.tty = stream is not None and is_terminal(stream)
         self.interval = 0.2 if self.tty else log_interval
         self.start = self.last = time.perf_counter()
+        self.bar = progress_bar(stream=stream, desc="tokenizing", unit=" docs", unit_scale=True) if self.tty else None
 
     def line(self, docs: int, tokens: int) -> str:
         elapsed = max(time.perf_counter() - self.start, 1e-9)
         return (f"{docs:,} docs, {tokens:,} tokens | {docs / elapsed:,.0f} docs/s, "
                 f"{tokens / elapsed:,.0f} tokens/s")
 
+    def tokens(self, tokens: int) -> str:
+        return f"{tokens:,} tokens, {tokens / max(time.perf_counter() - self.start, 1e-9):,.0f} tokens/s"
+
     def update(self, docs: int, tokens: int) -> None:
+        if self.bar is not None:
+            self.bar.update(docs - self.bar.n)  # tqdm redraws at most every 0.1 s
         now = time.perf_counter()
         if self.stream is None or now - self.last < self.interval:
             return
         self.last = now
-        end = "\r" if self.tty else "\n"
-        self.stream.write(("\r" if self.tty else "") + self.line(docs, tokens) + end)
-        self.stream.flush()
+        if self.bar is not None:
+            self.bar.set_postfix_str(self.tokens(tokens), refresh=False)
+        else:
+            self.stream.write(self.line(docs, tokens) + "\n")
+            self.stream.flush()
 
     def close(self, docs: int, tokens: int) -> None:
-        if self.stream is not None and self.tty:
-            self.stream.write("\r" + self.line(docs, tokens) + "\n")
-            self.stream.flush()
+        if self.bar is not None:
+            self.bar.update(docs - self.bar.n)
+            self.bar.set_postfix_str(self.tokens(tokens), refresh=False)
+            self.bar.close()
 
 
 def preprocess(input_path: str, output_prefix: str, tokenizer, json_key: str = "text",

@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--profile-step-start", type=int, default=2)
     g.add_argument("--profile-step-end", type=int, default=3)
     g.add_argument("--profile-dir", type=str, default="profile")
+    g.add_argument("--track-memory", action="store_true",
+                   help="count every tensor storage of each iteration by category, with the peak "
+                        "(memory_tracked in the JSON log; tools/dry_run.py uses it)")
     g.add_argument("--distributed-timeout-minutes", type=float, default=10.0,
                    help="a collective that does not complete in time raises a clear error on every rank")
     g = p.add_argument_group("checkpoints")

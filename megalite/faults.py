@@ -38,7 +38,7 @@ def looks_like_timeout(error: BaseException) -> bool:
                                    "broken pipe", "peer"))
 
 
-def _group_name(grid, group) -> tuple[str, list[int]]:
+def group_name(grid, group) -> tuple[str, list[int]]:
     if group is None:
         return "world", list(range(dist.get_world_size()))
     for kind in GROUP_ORDER:
@@ -52,7 +52,7 @@ def _group_name(grid, group) -> tuple[str, list[int]]:
 
 def hang_report(grid, timeout_s: float, grace_s: float = 3.0) -> CollectiveTimeout:
     kind, group = comm.LAST_COLLECTIVE or ("unknown operation", None)
-    name, ranks = _group_name(grid, group)
+    name, ranks = group_name(grid, group)
     missing: list[int] = []
     try:
         store = dist.distributed_c10d._get_default_store()
@@ -98,7 +98,7 @@ class HangWatchdog:
 
     def message(self, waited_s: float) -> str:
         kind, group = comm.LAST_COLLECTIVE or ("no collective yet", None)
-        name, ranks = _group_name(self.grid, group)
+        name, ranks = group_name(self.grid, group)
         dump = os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", "/tmp/nccl_trace_rank_")
         return (f"megalite: rank {self.grid.rank}: no progress for {waited_s:.0f} s; the last collective "
                 f"it started was {kind} on the {name} group (ranks {ranks}). A rank of that group is "

@@ -6,6 +6,7 @@ group or model is built.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -36,8 +37,9 @@ from megalite.pipeline.schedules import Trace
 from megalite.data_parallel.accounting import describe_memory
 from megalite.device import host_barrier, init_distributed, resolve_device, to_device
 from megalite.launch import detect_launch
-from megalite.faults import (CollectiveTimeout, HangWatchdog, TrainingDiverged, check_finite, hang_report,
-                             looks_like_timeout, report_failure)
+from megalite.faults import (CollectiveTimeout, HangWatchdog, TrainingDiverged, check_finite, group_name,
+                             hang_report, looks_like_timeout, report_failure)
+from megalite.memory_tracker import MemoryTracker
 from megalite.monitor import Monitor, memory_line
 from megalite.preflight import check_datasets, check_save_location
 from megalite.profiling import Profiler
@@ -61,6 +63,28 @@ def _tokenizer_for(args):
 
 def _value(x, spec: str = ".4f") -> str:
     return "n/a" if x is None else format(x, spec)
+
+
+def start_memory_tracker(model, optimizer) -> MemoryTracker:
+    """--track-memory: a tracker that knows the model's weights, gradient buckets and optimizer
+    state; each iteration runs inside it (see megalite.memory_tracker)."""
+    tracker = MemoryTracker()
+    tracker.register([p for chunk in model for p in chunk.parameters()], "parameters")
+    if optimizer.sharded is not None:
+        tracker.register(optimizer.sharded.shards, "parameters")
+    tracker.register([b.grad if b.grad is not None else b.grad_shard for b in optimizer.sync.buckets], "gradients")
+    tracker.register([*optimizer.master, *optimizer.exp_avg, *optimizer.exp_avg_sq, *optimizer._host_grad,
+                      *optimizer._host_weight], "optimizer state")
+    return tracker
+
+
+def bytes_by_group(grid, traffic) -> dict[str, int]:
+    """Bytes handed to collectives per group kind (tp, dp, pp, ...), from the comm counter."""
+    out: dict[str, int] = {}
+    for group, size in traffic.by_group.items():
+        name = "world" if group is None else group_name(grid, group)[0]
+        out[name] = out.get(name, 0) + size
+    return out
 
 
 def _fault_applies(rank: int) -> bool:
@@ -263,6 +287,7 @@ def pretrain(argv=None) -> list[dict]:
     faults = {k: int(os.environ.get(f"MEGALITE_TEST_{k}", "0"))  # fault injection for the tests
               for k in ("KILL_AT_ITERATION", "NAN_AT_ITERATION", "HANG_AT_ITERATION")}
     skipped_total = 0
+    tracker = start_memory_tracker(model, optimizer) if args.track_memory else None
     watchdog = None
     if device.type == "cuda" and dist.is_initialized() and not args.fake_process_group:
         watchdog = HangWatchdog(grid, 0.9 * args.distributed_timeout_minutes * 60)
@@ -279,7 +304,9 @@ def pretrain(argv=None) -> list[dict]:
             micro_batches[0] = {**micro_batches[0], "loss_mask": micro_batches[0]["loss_mask"] * float("nan")}
         trace = Trace() if args.pipeline_trace and iteration == t.train_iters - 1 else None
         try:
-            with count_collectives() as traffic:
+            with count_collectives() as traffic, tracker or contextlib.nullcontext():
+                if tracker is not None:
+                    tracker.reset_peak()
                 result = train_step(model, optimizer, micro_batches, t, iteration, scaler, grid, trace)
         except RuntimeError as error:
             if dist.is_initialized() and looks_like_timeout(error):
@@ -297,7 +324,10 @@ def pretrain(argv=None) -> list[dict]:
                   "grad_norm": result.grad_norm, "loss_scale": result.loss_scale,
                   "skipped": result.skipped, "skipped_total": skipped_total, "elapsed_ms": elapsed * 1e3,
                   **monitor.metrics(elapsed), "times_ms": result.times_ms,
-                  "comm_bytes": {k: v["bytes"] for k, v in traffic.items()}, "memory_bytes": memory_stats}
+                  "comm_bytes": {k: v["bytes"] for k, v in traffic.items()}, "memory_bytes": memory_stats,
+                  "comm_bytes_by_group": bytes_by_group(grid, traffic)}
+        if tracker is not None:
+            record["memory_tracked"] = tracker.summary()
         log_lines.append(record)
         if result.skipped:
             say(f"iteration {iteration + 1}: inf/nan gradients, step skipped (loss scale now {result.loss_scale:g})")

@@ -39,6 +39,7 @@ from megalite.kernels.attention_reference import (attention_block_backward, atte
                                                   attention_block_forward, merge_attention)
 from megalite.layers.attention import TRITON_MAX_HEAD_DIM, BackendUnavailable
 from megalite.layers.backends import triton_missing
+from megalite.memory_tracker import category
 from megalite.parallel import comm
 
 RING_TAG = 7
@@ -99,12 +100,13 @@ class RingExchange:
 
     def start(self, tensors: list[torch.Tensor]):
         tensors = [t.contiguous() for t in tensors]
-        received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
+        with category("communication"):
+            received = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in tensors]
         ops = []
         for t, r in zip(tensors, received):
             ops.append(dist.P2POp(dist.isend, t, self.next, self.group, RING_TAG))
             ops.append(dist.P2POp(dist.irecv, r, self.prev, self.group, RING_TAG))
-            comm._record("send", t)
+            comm._record("send", t, group=self.group)
         self.events.append(("posted", time.perf_counter()))
         return received, dist.batch_isend_irecv(ops)
 

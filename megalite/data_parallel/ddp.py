@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megalite.memory_tracker import category
 from megalite.parallel import comm
 
 
@@ -113,7 +114,8 @@ class GradSync:
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
 
     def _zeros(self, numel: int) -> torch.Tensor:
-        return torch.zeros(numel, dtype=self.grad_dtype, device=self.device)
+        with category("gradients"):
+            return torch.zeros(numel, dtype=self.grad_dtype, device=self.device)
 
     # -- per step ---------------------------------------------------------------------------------
     def start_step(self, num_micro: int) -> None:
@@ -172,7 +174,8 @@ class GradSync:
         if self.stage == 0:
             b.pending.append((comm.all_reduce_async(source, self.group), None, None))
             return
-        out = torch.empty(b.numel // self.dp, dtype=self.grad_dtype, device=self.device)
+        with category("communication"):
+            out = torch.empty(b.numel // self.dp, dtype=self.grad_dtype, device=self.device)
         target = b.grad[b.shard[0]: b.shard[1]] if self.stage == 1 else b.grad_shard
         b.pending.append((comm.reduce_scatter_async(out, source, self.group), out, target))
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from megalite.memory_tracker import category, resized
 from megalite.parallel import comm
 
 
@@ -30,7 +31,8 @@ class ShardedParameters:
         self._bucket_of = {}
         for b in sync.buckets:
             dtype = b.params[0].dtype
-            full = torch.zeros(b.numel, dtype=dtype, device=b.params[0].device)
+            with category("parameters"):
+                full = torch.zeros(b.numel, dtype=dtype, device=b.params[0].device)
             for p, (start, numel) in zip(b.params, b.offsets):
                 full[start: start + numel] = p.detach().reshape(-1)
             self.shards.append(full[b.shard[0]: b.shard[1]].clone())
@@ -55,7 +57,9 @@ class ShardedParameters:
 
     # -- storage -----------------------------------------------------------------------------------
     def _free(self, i: int) -> None:
-        self.full[i].untyped_storage().resize_(0)
+        storage = self.full[i].untyped_storage()
+        storage.resize_(0)
+        resized(storage)
 
     def _is_gathered(self, i: int) -> bool:
         return self.full[i].untyped_storage().size() > 0
@@ -64,7 +68,9 @@ class ShardedParameters:
         if self._is_gathered(i) or i in self.inflight:
             return
         full = self.full[i]
-        full.untyped_storage().resize_(full.numel() * full.element_size())
+        storage = full.untyped_storage()
+        storage.resize_(full.numel() * full.element_size())
+        resized(storage)
         if self.dp == 1:
             full.data.copy_(self.shards[i])
         else:

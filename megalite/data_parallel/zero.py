@@ -31,17 +31,9 @@ import torch
 from megalite.config import TrainConfig
 from megalite.data_parallel.ddp import GradSync, group_by_size
 from megalite.data_parallel.sharded_params import ShardedParameters
+from megalite.memory_tracker import category
 from megalite.parallel import comm
 from megalite.parallel.sharding import is_tensor_parallel
-
-
-def _flat_masks(bucket, shard, fn, device) -> torch.Tensor:
-    """A per-element float mask of the bucket's shard: fn(param) for each parameter's range."""
-    lo, hi = shard
-    mask = torch.zeros(hi - lo, device=device)
-    for a, z in _shard_ranges(bucket, shard, fn):
-        mask[a:z] = 1.0
-    return mask
 
 
 def _shard_ranges(bucket, shard, fn) -> list[tuple[int, int]]:
@@ -51,7 +43,10 @@ def _shard_ranges(bucket, shard, fn) -> list[tuple[int, int]]:
     for p, (start, numel) in zip(bucket.params, bucket.offsets):
         a, z = max(start, lo), min(start + numel, hi)
         if a < z and fn(p):
-            ranges.append((a - lo, z - lo))
+            if ranges and ranges[-1][1] == a - lo:  # adjacent: one range, one operation
+                ranges[-1] = (ranges[-1][0], z - lo)
+            else:
+                ranges.append((a - lo, z - lo))
     return ranges
 
 
@@ -94,7 +89,9 @@ class DistributedOptimizer:
         pinned = offload and self.device.type == "cuda"
         tp_rank = grid.tp_rank if grid is not None else 0
         self.master, self.exp_avg, self.exp_avg_sq = [], [], []
-        self.decay_mask, self.norm_mask, self.sp_ranges = [], [], []
+        # Which elements of each shard are decayed, counted in the norm, or sequence-parallel:
+        # index ranges (no per-element masks: those would cost 4 bytes per parameter each).
+        self.decay_ranges, self.norm_ranges, self.sp_ranges = [], [], []
         self._host_grad, self._host_weight = [], []  # offload: pinned staging buffers
         for b in self.sync.buckets:
             lo, hi = b.shard  # the fp32 master shard, straight from the (still fp32) weights
@@ -106,10 +103,9 @@ class DistributedOptimizer:
             self.master.append(master.to(self.state_device))
             self.exp_avg.append(torch.zeros(hi - lo, device=self.state_device))
             self.exp_avg_sq.append(torch.zeros(hi - lo, device=self.state_device))
-            self.decay_mask.append(_flat_masks(b, b.shard, lambda p: p.ndim >= 2 and "norm" not in names[p],
-                                               self.state_device))
-            self.norm_mask.append(_flat_masks(b, b.shard, lambda p: not getattr(p, "embedding_copy", False)
-                                              and (is_tensor_parallel(p) or tp_rank == 0), self.device))
+            self.decay_ranges.append(_shard_ranges(b, b.shard, lambda p: p.ndim >= 2 and "norm" not in names[p]))
+            self.norm_ranges.append(_shard_ranges(b, b.shard, lambda p: not getattr(p, "embedding_copy", False)
+                                                  and (is_tensor_parallel(p) or tp_rank == 0)))
             self.sp_ranges.append(_shard_ranges(b, b.shard, lambda p: getattr(p, "sequence_parallel", False)))
             if offload:
                 self._host_grad.append(torch.empty(hi - lo, dtype=grad_dtype, device=self.state_device,
@@ -149,11 +145,12 @@ class DistributedOptimizer:
     def grad_norm(self, loss_scale: float = 1.0) -> torch.Tensor:
         """Unscale the gradient shards and return the global L2 norm (fp32)."""
         total = torch.zeros((), dtype=torch.float32, device=self.device)
-        for b, mask in zip(self.sync.buckets, self.norm_mask):
+        for b, ranges in zip(self.sync.buckets, self.norm_ranges):
             g = self.sync.shard_grad(b)
             if loss_scale != 1.0:
                 g.div_(loss_scale)
-            total += (g.float().pow(2) * mask).sum()
+            for a, z in ranges:
+                total += g[a:z].float().pow(2).sum()
         if self.grid is not None:
             if self.stage >= 1:
                 comm.all_reduce(total, self.group)  # disjoint shards across DP
@@ -161,6 +158,7 @@ class DistributedOptimizer:
         return total.sqrt()
 
     @torch.no_grad()
+    @category("optimizer state")
     def step(self, lr: float, clip_coeff: float = 1.0) -> None:
         """AdamW (decoupled weight decay) on the master shards, then publish the weights."""
         t = self.t
@@ -175,7 +173,8 @@ class DistributedOptimizer:
             m.lerp_(g, 1 - t.adam_beta1)
             v.mul_(t.adam_beta2).addcmul_(g, g, value=1 - t.adam_beta2)
             denom = (v.sqrt() / bc2 ** 0.5).add_(t.adam_eps)
-            w.mul_(1 - lr * t.weight_decay * self.decay_mask[i])
+            for a, z in self.decay_ranges[i]:
+                w[a:z].mul_(1 - lr * t.weight_decay)
             w.addcdiv_(m, denom, value=-lr / bc1)
         self.param_groups[0]["lr"] = lr
         self.publish()
@@ -209,7 +208,8 @@ class DistributedOptimizer:
             if self.stage == 0 or comm.group_size(self.group) == 1:
                 full = shard
             else:
-                full = torch.empty(b.numel, dtype=self.model_dtype, device=self.device)
+                with category("communication"):
+                    full = torch.empty(b.numel, dtype=self.model_dtype, device=self.device)
                 comm.all_gather_async(full, shard.contiguous(), self.group).wait()
             for p, (start, numel) in zip(b.params, b.offsets):
                 p.copy_(full[start: start + numel].view_as(p))

@@ -31,16 +31,26 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
+from megalite.memory_tracker import category
+
 # -- traffic accounting --------------------------------------------------------------------------
 
-_STATS: dict[str, dict[str, int]] | None = None
+class CollectiveStats(defaultdict):
+    """``{kind: {calls, bytes}}``, and ``by_group``: ``{group: bytes}`` (None: the world)."""
+
+    def __init__(self):
+        super().__init__(lambda: {"calls": 0, "bytes": 0})
+        self.by_group: dict = defaultdict(int)
+
+
+_STATS: CollectiveStats | None = None
 
 
 @contextlib.contextmanager
 def count_collectives():
-    """Count calls and bytes per collective kind inside the block: ``{kind: {calls, bytes}}``."""
+    """Count calls and bytes per collective kind (and per group) inside the block."""
     global _STATS
-    previous, _STATS = _STATS, defaultdict(lambda: {"calls": 0, "bytes": 0})
+    previous, _STATS = _STATS, CollectiveStats()
     try:
         yield _STATS
     finally:
@@ -56,8 +66,10 @@ def _record(kind: str, tensor: torch.Tensor, full_numel: int | None = None, grou
     LAST_COLLECTIVE = (kind, group)
     if _STATS is not None:
         entry = _STATS[kind]
+        size = (full_numel if full_numel is not None else tensor.numel()) * tensor.element_size()
         entry["calls"] += 1
-        entry["bytes"] += (full_numel if full_numel is not None else tensor.numel()) * tensor.element_size()
+        entry["bytes"] += size
+        _STATS.by_group[group] += size
 
 
 class OfflineGroup:
@@ -120,7 +132,8 @@ def all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
     if world == 1:
         return x
     x = x.contiguous()
-    out = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    with category("communication"):
+        out = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     _record("all_gather", x, out.numel(), group=group)
     _all_gather_flat(out, x, group=group)
     return out
@@ -135,7 +148,8 @@ def reduce_scatter_dim0(x: torch.Tensor, group) -> torch.Tensor:
         raise ValueError(f"reduce-scatter along dim 0 of size {x.shape[0]} over {world} ranks: "
                          f"size must be divisible by the group size")
     x = x.contiguous()
-    out = torch.empty((x.shape[0] // world,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+    with category("communication"):
+        out = torch.empty((x.shape[0] // world,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     _record("reduce_scatter", x, group=group)
     _reduce_scatter_flat(out, x, group=group)
     return out

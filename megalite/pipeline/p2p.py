@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megalite.memory_tracker import category
 from megalite.parallel import comm
 
 ACTIVATION, GRADIENT = 0, 1
@@ -36,20 +37,21 @@ class PipeComm:
         self.shape, self.dtype, self.device = tuple(shape), dtype, torch.device(device)
 
     def _empty(self) -> torch.Tensor:
-        return torch.empty(self.shape, dtype=self.dtype, device=self.device)
+        with category("communication"):
+            return torch.empty(self.shape, dtype=self.dtype, device=self.device)
 
     def communicate(self, send_next=None, send_prev=None, recv_prev=False, recv_next=False):
         """Post the given sends/receives together; return (from_prev, from_next)."""
         ops, from_prev, from_next = [], None, None
         if send_next is not None:
             ops.append(dist.P2POp(dist.isend, self._checked(send_next), self.next_rank, self.group, ACTIVATION))
-            comm._record("send", send_next)
+            comm._record("send", send_next, group=self.group)
         if recv_prev:
             from_prev = self._empty()
             ops.append(dist.P2POp(dist.irecv, from_prev, self.prev_rank, self.group, ACTIVATION))
         if send_prev is not None:
             ops.append(dist.P2POp(dist.isend, self._checked(send_prev), self.prev_rank, self.group, GRADIENT))
-            comm._record("send", send_prev)
+            comm._record("send", send_prev, group=self.group)
         if recv_next:
             from_next = self._empty()
             ops.append(dist.P2POp(dist.irecv, from_next, self.next_rank, self.group, GRADIENT))

@@ -303,21 +303,28 @@ class Estimate:
                 "description": self.layout.describe(), "comm_seconds": self.comm_seconds}
 
 
+def stage_memory(m: ModelConfig, layout: Layout, stage: int, micro: int, num_micro: int, prec: Precision,
+                 flash_attention: bool = False) -> tuple[int, dict]:
+    """(parameters, memory by kind in bytes) of one rank of pipeline stage ``stage``."""
+    psi = stage_parameters(m, layout.tp, layout.pp, stage)
+    mem = model_state_bytes(psi, layout.dp * layout.cp, layout.zero, prec)
+    mem["activations"] = stage_activation_bytes(m, layout, stage, micro, num_micro, prec, flash_attention)
+    mem["buffers"] = 0.0
+    if layout.zero == 3:  # two layers gathered (current + prefetch), embeddings kept for the step
+        split, replicated = layer_parameters(m, layout.tp)
+        mem["buffers"] = prec.weight_bytes * (2 * (split + replicated)
+                                              + psi - (m.num_layers // layout.pp) * (split + replicated))
+    mem["total"] += mem["activations"] + mem["buffers"]
+    return psi, mem
+
+
 def estimate(m: ModelConfig, layout: Layout, global_batch: int, micro: int, prec: Precision, hw: Hardware,
              flash_attention: bool = False) -> Estimate:
     """Memory of the fullest pipeline stage, the bubble and the communication of one layout."""
     num_micro = global_batch // (micro * layout.dp)
     best = None
     for stage in range(layout.pp):
-        psi = stage_parameters(m, layout.tp, layout.pp, stage)
-        mem = model_state_bytes(psi, layout.dp * layout.cp, layout.zero, prec)
-        mem["activations"] = stage_activation_bytes(m, layout, stage, micro, num_micro, prec, flash_attention)
-        mem["buffers"] = 0.0
-        if layout.zero == 3:  # two layers gathered (current + prefetch), embeddings kept for the step
-            split, replicated = layer_parameters(m, layout.tp)
-            mem["buffers"] = prec.weight_bytes * (2 * (split + replicated)
-                                                  + psi - (m.num_layers // layout.pp) * (split + replicated))
-        mem["total"] += mem["activations"] + mem["buffers"]
+        psi, mem = stage_memory(m, layout, stage, micro, num_micro, prec, flash_attention)
         if best is None or mem["total"] > best[2]["total"]:
             best = (stage, psi, mem)
     stage, psi, mem = best

@@ -64,3 +64,40 @@ def test_meta_rank_measures_what_the_real_rank_allocates(monkeypatch, world, fla
         assert memory["peak_by_category"] == real_memory["peak_by_category"]  # in fact: equal
         assert comm == real_comm, rank  # bytes handed to each group's collectives
         assert memory["peak_by_category"]["activations"] > 0 and memory["peak"] > memory["live"]
+
+
+@pytest.mark.parametrize("overlap", [[], ["--overlap-grad-reduce"]], ids=["no-overlap", "overlap"])
+def test_zero2_gradient_memory_does_not_grow_with_micro_batches(monkeypatch, overlap):
+    """ZeRO-2 keeps the reduced shard, plus per bucket at most one staging buffer: 8 micro-batches
+    must not hold 8 copies of the gradients (the tracker found that they did)."""
+    peaks = {}
+    for global_batch in ("4", "32"):  # DP 2 x micro 2: 1 and 8 micro-batches per step
+        flags = ["--zero-stage", "2", "--global-batch-size", global_batch, *overlap]
+        memory, _ = _meta(monkeypatch, 2, 0, [f for f in flags])
+        peaks[global_batch] = memory["peak_by_category"]["gradients"]
+    assert peaks["32"] <= 1.1 * peaks["4"], peaks
+
+
+def test_dry_run_tool_reports_every_role(tmp_path, capsys):
+    import json
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    import dry_run
+
+    out = tmp_path / "plan.json"
+    code = dry_run.main(["--world-size", "16", "--gpus-per-node", "8", "--gpu-memory-gb", "80", "--num-layers", "8",
+                         "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+                         "--vocab-size", "500", "--micro-batch-size", "2", "--global-batch-size", "32",
+                         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4",
+                         "--sequence-parallel", "--zero-stage", "1", "--bf16", "--json", str(out)])
+    assert code == 0
+    plan = json.load(open(out))
+    assert [r["stage"] for r in plan["roles"]] == [0, 1, 2, 3]
+    assert plan["roles"][0]["ranks"] == [0, 3] and plan["roles"][3]["ranks"] == [12, 15]
+    for role in plan["roles"]:
+        assert role["measured_bytes"] > 0 and role["planned_bytes"] > 0 and role["fits"]
+        assert {"tp", "pp", "dp"} <= set(role["comm_bytes"])
+        assert set(role["categories"]) >= {"parameters", "gradients", "optimizer state", "activations"}
+    text = capsys.readouterr().out
+    assert "stage 0 (embeddings)" in text and "stage 3 (output and loss)" in text and "bytes per step" in text

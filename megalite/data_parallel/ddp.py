@@ -125,7 +125,10 @@ class GradSync:
         self.launch_log = []
         self._arrived = 0
         n = len(self.buckets)
-        self._order = [(i, num_micro - 1) for i in range(n)] if self.stage <= 1 else \
+        # Stages 0/1, and 2/3 without overlap: one reduction per bucket after the last micro-batch
+        # (2/3 then sum the micro-batches in one staging buffer: holding one per micro-batch
+        # until the end would cost M full gradients). Stages 2/3 with overlap: one per micro-batch.
+        self._order = [(i, num_micro - 1) for i in range(n)] if self.stage <= 1 or not self.overlap else \
             [(i, j) for j in range(num_micro) for i in range(n)]
         self._next = 0
         for b in self.buckets:
@@ -138,7 +141,7 @@ class GradSync:
         if self.stage <= 1:
             bucket.grad[start: start + numel].add_(g)
         else:
-            micro = min(self._counts[param], self.num_micro - 1)
+            micro = min(self._counts[param], self.num_micro - 1) if self.overlap else 0
             if micro not in bucket.staging:
                 bucket.staging[micro] = self._zeros(bucket.numel)
             bucket.staging[micro][start: start + numel].add_(g)
@@ -164,7 +167,7 @@ class GradSync:
         if self.stage <= 1:
             source = b.grad
         else:  # a parameter without gradient in this micro-batch contributes zeros
-            source = b.staging.pop(micro, None)
+            source = b.staging.pop(micro if self.overlap else 0, None)
             if source is None:
                 source = self._zeros(b.numel)
         if self.dp == 1:
@@ -174,6 +177,11 @@ class GradSync:
         if self.stage == 0:
             b.pending.append((comm.all_reduce_async(source, self.group), None, None))
             return
+        if self.stage >= 2:
+            # The previous micro-batch's reduction of this bucket finished long ago (a whole
+            # micro-batch of compute ran since): fold it in now, so at most one staging buffer
+            # per bucket is alive. Keeping them all until finish() holds M full gradients.
+            self._complete(b)
         with category("communication"):
             out = torch.empty(b.numel // self.dp, dtype=self.grad_dtype, device=self.device)
         target = b.grad[b.shard[0]: b.shard[1]] if self.stage == 1 else b.grad_shard
@@ -184,15 +192,21 @@ class GradSync:
         for all of it, and average over DP: ``shard_grad(b)`` then holds the mean gradient."""
         self._launch_ready(force=True)
         for b in self.buckets:
-            for work, out, target in b.pending:
-                work.wait()
-                if out is not None:
-                    if self.stage >= 2:
-                        target.add_(out)
-                    else:
-                        target.copy_(out)
-            b.pending.clear()
+            self._complete(b)
             self.shard_grad(b).div_(self.dp)
+
+    def _complete(self, b: Bucket) -> None:
+        """Wait for the bucket's reductions in flight and fold their results into its shard.
+        This drops the last reference to their inputs (ZeRO-2/3: a micro-batch's staging
+        buffer), so they are freed here, not at the end of the step."""
+        for work, out, target in b.pending:
+            work.wait()
+            if out is not None:
+                if self.stage >= 2:
+                    target.add_(out)
+                else:
+                    target.copy_(out)
+        b.pending.clear()
 
     def shard_grad(self, b: Bucket) -> torch.Tensor:
         """This rank's reduced gradient shard of bucket ``b`` (a view)."""

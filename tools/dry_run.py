@@ -1,0 +1,148 @@
+#!/usr/bin/env python
+"""Will my layout fit? Dry-run one rank of every role of a layout, measure, compare with the planner.
+
+    python tools/dry_run.py --world-size 1024 --gpus-per-node 8 --gpu-memory-gb 80 \\
+        --num-layers 80 --hidden-size 8192 --num-attention-heads 64 --num-query-groups 8 \\
+        --ffn-hidden-size 28672 --seq-length 8192 --vocab-size 128256 --swiglu --normalization RMSNorm \\
+        --position-embedding-type rope --untie-embeddings-and-output-weights --disable-bias-linear \\
+        --tensor-model-parallel-size 8 --pipeline-model-parallel-size 4 --sequence-parallel \\
+        --zero-stage 1 --micro-batch-size 1 --global-batch-size 1024 --bf16 --json plan.json
+
+Ranks that differ only in their TP, CP or DP position do the same work, so a layout has one
+*role* per pipeline stage (the first also embeds, the last also computes the logits and the
+loss; with virtual stages each holds its chunks). For each role, one rank runs one full
+training iteration (forward, backward, the pipeline schedule, the DP/ZeRO reductions, the
+optimizer step) as a ``--fake-process-group`` rank on meta tensors (``--device meta``: no
+memory, no compute) with ``--track-memory``. Printed per role: weights, gradients, optimizer
+state, activations and communication buffers at the peak, the peak itself, bytes handed to
+each group's collectives per step, and the planner's estimate for the same rank with the
+difference. With ``--device cuda`` (one GPU) the roles run for real on it and
+``torch.cuda.max_memory_allocated`` is reported beside the tracker's peak.
+All other flags are pretrain_gpt.py's; --train-iters and logging flags are set here.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megalite.arguments import build_parser, config_from_args  # noqa: E402
+from megalite.config import ConfigError, validate  # noqa: E402
+from megalite.parallel.grid import GridLayout  # noqa: E402
+from megalite.planner import Layout, precision, stage_memory  # noqa: E402
+
+GiB = 2**30
+
+
+def roles(layout: GridLayout) -> list[dict]:
+    """One rank per pipeline stage (TP, CP and DP positions do the same work)."""
+    out = []
+    for stage in range(layout.pp):
+        what = ["embeddings" if stage == 0 else "", "output and loss" if stage == layout.pp - 1 else ""]
+        ranks = [layout.rank_of(pp=stage), layout.rank_of(tp=layout.tp - 1, cp=layout.cp - 1, dp=layout.dp - 1,
+                                                        pp=stage)]
+        out.append({"role": f"stage {stage}" + (f" ({', '.join(w for w in what if w)})" if any(what) else ""),
+                    "stage": stage, "ranks": sorted(set(ranks))})
+    return out
+
+
+def run_role(flags: list[str], world: int, rank: int, gpus_per_node: int, device: str) -> dict:
+    """One fake-process-group rank, one iteration, memory tracked; its last log record."""
+    from megalite.pretrain import pretrain
+
+    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank % gpus_per_node),
+                      LOCAL_WORLD_SIZE=str(gpus_per_node))
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    quiet = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(quiet):
+            record = pretrain(flags + ["--fake-process-group", "--device", device, "--track-memory",
+                                       "--train-iters", "1", "--eval-interval", "1000000", "--log-interval", "1"])[-1]
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if device == "cuda":
+        record["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated()
+    return record
+
+
+def planned(config, layout: GridLayout, stage: int) -> dict:
+    """The planner's memory for one rank of ``stage`` (megalite.planner.stage_memory)."""
+    t, m = config.train, config.model
+    prec = precision("bf16" if t.bf16 else "fp16" if t.fp16 else "fp32",
+                     fp32_grads=bool(t.accumulate_allreduce_grads_in_fp32) and (t.bf16 or t.fp16))
+    recompute = m.recompute_granularity or "none"
+    plan_layout = Layout(tp=layout.tp, pp=layout.pp, dp=layout.dp, cp=layout.cp, zero=t.zero_stage,
+                         recompute=recompute)
+    num_micro = t.global_batch_size // (t.micro_batch_size * layout.dp)
+    return stage_memory(m, plan_layout, stage, t.micro_batch_size, num_micro, prec, flash_attention=True)[1]
+
+
+def main(argv=None) -> int:
+    own = argparse.ArgumentParser(add_help=False)
+    own.add_argument("--world-size", type=int, required=True)
+    own.add_argument("--gpus-per-node", type=int, default=8)
+    own.add_argument("--gpu-memory-gb", type=float, default=80.0)
+    own.add_argument("--device", choices=["meta", "cuda"], default="meta")
+    own.add_argument("--json", default=None, help="write the per-role results here")
+    args, flags = own.parse_known_args(argv)
+    if "-h" in flags or "--help" in flags:
+        print(__doc__)
+        return 0
+    pre = build_parser().parse_args(flags)
+    if pre.vocab_size is None:
+        print("dry_run: --vocab-size is required (the run uses mock data)", file=sys.stderr)
+        return 2
+    flags = flags + ([] if pre.mock_data else ["--mock-data"])
+    config = config_from_args(build_parser().parse_args(flags), pre.vocab_size)
+    try:
+        validate(config, args.world_size, args.gpus_per_node)
+    except ConfigError as e:
+        print(f"dry_run: configuration error: {e}", file=sys.stderr)
+        return 2
+    layout = GridLayout.from_config(config.parallel, args.world_size)
+    budget = args.gpu_memory_gb * GiB
+    print(f"dry run: world {args.world_size} = TP {layout.tp} x CP {layout.cp} x DP {layout.dp} x PP {layout.pp}, "
+          f"{args.gpus_per_node} GPUs per node, {args.gpu_memory_gb:g} GiB each; one iteration per role on "
+          f"{args.device}")
+    header = (f"{'role':<34} {'ranks':<12} {'weights':>8} {'grads':>8} {'optim':>8} {'activ.':>8} {'comm':>8} "
+              f"{'peak':>8} {'planned':>8} {'diff':>7}  fits   (GiB)")
+    print(header)
+    results = []
+    for role in roles(layout):
+        record = run_role(flags, args.world_size, role["ranks"][0], args.gpus_per_node, args.device)
+        tracked = record["memory_tracked"]
+        at_peak = tracked["peak_by_category"]
+        plan = planned(config, layout, role["stage"])
+        diff = (tracked["peak"] - plan["total"]) / plan["total"]
+        result = {**role, "measured_bytes": tracked["peak"], "planned_bytes": plan["total"],
+                  "difference": diff, "categories": at_peak, "planned_categories": plan,
+                  "comm_bytes": record["comm_bytes_by_group"], "fits": tracked["peak"] <= budget}
+        if "cuda_max_memory_allocated" in record:
+            result["cuda_max_memory_allocated"] = record["cuda_max_memory_allocated"]
+        results.append(result)
+        g = lambda k: at_peak.get(k, 0) / GiB  # noqa: E731
+        print(f"{role['role']:<34} {','.join(map(str, role['ranks'])):<12} {g('parameters'):8.2f} "
+              f"{g('gradients'):8.2f} {g('optimizer state'):8.2f} {g('activations'):8.2f} {g('communication'):8.2f} "
+              f"{tracked['peak'] / GiB:8.2f} {plan['total'] / GiB:8.2f} {100 * diff:+6.1f}%  "
+              f"{'yes' if result['fits'] else 'NO'}")
+        print(f"{'':<34} bytes per step: " + ", ".join(f"{k} {v / GiB:.2f} GiB"
+                                                     for k, v in sorted(record["comm_bytes_by_group"].items())))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"world_size": args.world_size, "layout": dict(layout.__dict__), "roles": results}, f, indent=1)
+        print(f"wrote {args.json}")
+    return 0 if all(r["fits"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -84,6 +84,7 @@ from megalite.data_parallel.accounting import zero_theory_bytes
 from megalite.parallel.grid import GridLayout
 
 GiB = 2**30
+DEFAULT_BUCKET = 40_000_000  # --ddp-bucket-size's default, elements
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -217,6 +218,21 @@ def layer_activation_bytes(m: ModelConfig, micro: int, tp: int = 1, sp: bool = F
     return replicated / (tp if sp else 1) + (split + scores) / tp
 
 
+def megalite_layer_overhead(m: ModelConfig, micro: int, tp: int = 1, sp: bool = False, cp: int = 1,
+                            act_bytes: int = 2) -> float:
+    """What one megalite layer keeps per micro-batch beyond the formula above (measured by the
+    meta dry run, tools/dry_run.py): the torch norms keep fp32 intermediates (RMSNorm its fp32
+    input and normalized output, 8 bytes per element, not 2; LayerNorm under autocast its fp32
+    input, 4), and under sequence parallelism the column-parallel QKV and FC1 keep their
+    gathered full-sequence input, not the shard (Megatron re-gathers it in backward)."""
+    sbh = m.seq_length / cp * micro * m.hidden_size
+    norm = 2 if m.fused_kernels else 8 if m.normalization == "RMSNorm" else 4
+    extra = 2 * max(norm - act_bytes, 0) * sbh / (tp if sp else 1)
+    if sp and tp > 1:
+        extra += 2 * act_bytes * sbh * (1 - 1 / tp)
+    return extra
+
+
 def in_flight(pp: int, stage: int, num_micro: int) -> int:
     """Micro-batches whose activations a stage holds at once under 1F1B: min(P - p, M)."""
     return min(pp - stage, num_micro)
@@ -226,7 +242,10 @@ def stage_activation_bytes(m: ModelConfig, layout: Layout, stage: int, micro: in
                            prec: Precision, flash_attention: bool = False) -> float:
     t, sp, cp = layout.tp, layout.sp, layout.cp
     args = dict(micro=micro, tp=t, sp=sp, cp=cp, act_bytes=prec.act_bytes, flash_attention=flash_attention)
-    per_mb = (m.num_layers // layout.pp) * layer_activation_bytes(m, recompute=layout.recompute, **args)
+    per_layer = layer_activation_bytes(m, recompute=layout.recompute, **args)
+    if layout.recompute != "full":
+        per_layer += megalite_layer_overhead(m, micro, t, sp, cp, prec.act_bytes)
+    per_mb = (m.num_layers // layout.pp) * per_layer
     sbh = m.seq_length / cp * micro * m.hidden_size / (t if sp else 1)
     if stage == 0:
         per_mb += sbh  # embedding dropout mask
@@ -310,10 +329,14 @@ def stage_memory(m: ModelConfig, layout: Layout, stage: int, micro: int, num_mic
     mem = model_state_bytes(psi, layout.dp * layout.cp, layout.zero, prec)
     mem["activations"] = stage_activation_bytes(m, layout, stage, micro, num_micro, prec, flash_attention)
     mem["buffers"] = 0.0
+    split, replicated = layer_parameters(m, layout.tp)
     if layout.zero == 3:  # two layers gathered (current + prefetch), embeddings kept for the step
-        split, replicated = layer_parameters(m, layout.tp)
         mem["buffers"] = prec.weight_bytes * (2 * (split + replicated)
                                               + psi - (m.num_layers // layout.pp) * (split + replicated))
+    if layout.zero >= 2:  # the bucket being filled: a full-size gradient staging buffer (a layer
+        # under ZeRO-3, --ddp-bucket-size elements under ZeRO-2), reduce-scattered when complete
+        bucket = split + replicated if layout.zero == 3 else min(psi, DEFAULT_BUCKET)
+        mem["buffers"] += prec.grad_bytes * bucket
     mem["total"] += mem["activations"] + mem["buffers"]
     return psi, mem
 
@@ -450,7 +473,7 @@ def _breakdown(e: Estimate) -> str:
     mem = e.memory
     return (f"weights {_gib(mem['weights'])} + gradients {_gib(mem['gradients'])} + master/Adam "
             f"{_gib(mem['master_and_optimizer'])} + activations {_gib(mem['activations'])}"
-            + (f" + gathered weights {_gib(mem['buffers'])}" if mem["buffers"] else ""))
+            + (f" + buffers (ZeRO-3 gathered layers, gradient staging) {_gib(mem['buffers'])}" if mem["buffers"] else ""))
 
 
 def megalite_gaps(layout: Layout) -> list[str]:

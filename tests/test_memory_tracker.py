@@ -10,9 +10,13 @@ import torch.distributed as dist
 from megalite.memory_tracker import MemoryTracker, category, resized
 from megalite.testing import run_world
 
+# The real runs use the Triton flash-attention kernel (interpreter): a meta run accounts
+# attention as a flash kernel would run on a GPU (q, k, v, output and log-sum-exp kept, never
+# the s x s probabilities), so this is the real backend to compare it with.
 FLAGS = ["--mock-data", "--vocab-size", "300", "--num-layers", "4", "--hidden-size", "64",
          "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
-         "--train-iters", "2", "--track-memory", "--log-interval", "100"]
+         "--train-iters", "2", "--track-memory", "--log-interval", "100", "--attention-backend", "triton",
+         "--attention-dropout", "0"]
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])
@@ -61,7 +65,9 @@ def test_meta_rank_measures_what_the_real_rank_allocates(monkeypatch, world, fla
     for rank in range(world):
         (memory, comm), (real_memory, real_comm) = _meta(monkeypatch, world, rank, flags), real[rank]
         assert abs(memory["peak"] - real_memory["peak"]) <= 0.05 * real_memory["peak"], (rank, memory, real_memory)
-        assert memory["peak_by_category"] == real_memory["peak_by_category"]  # in fact: equal
+        for kind, size in real_memory["peak_by_category"].items():  # model state: equal; attention's
+            # backward temporaries differ a little (the meta kernel stands in for Triton's)
+            assert abs(memory["peak_by_category"].get(kind, 0) - size) <= 0.05 * real_memory["peak"], kind
         assert comm == real_comm, rank  # bytes handed to each group's collectives
         assert memory["peak_by_category"]["activations"] > 0 and memory["peak"] > memory["live"]
 

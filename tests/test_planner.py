@@ -9,7 +9,8 @@ import torch
 from megalite.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from megalite.model.gpt import count_parameters
 from megalite.planner import (GiB, Hardware, Layout, communication, estimate, group_spans_nodes, in_flight,
-                              layer_activation_bytes, layer_parameters, model_state_bytes, pipeline_bubble,
+                              layer_activation_bytes, layer_parameters, megalite_layer_overhead,
+                              model_state_bytes, pipeline_bubble,
                               plan, precision, stage_parameters, total_parameters)
 
 BF16 = precision("bf16")
@@ -86,7 +87,8 @@ def test_pipeline_first_stage_holds_p_micro_batches():
     m = gpt7b()
     e = estimate(m, Layout(tp=1, pp=4, dp=2), global_batch=64, micro=1, prec=BF16, hw=Hardware(80, 8))
     assert e.stage == 0 and e.num_micro == 32
-    per_mb = 8 * layer_activation_bytes(m, micro=1) + 4096 * 4096  # 8 layers + embedding dropout mask
+    per_layer = layer_activation_bytes(m, micro=1) + megalite_layer_overhead(m, micro=1)  # measured extras
+    per_mb = 8 * per_layer + 4096 * 4096  # 8 layers + embedding dropout mask
     assert e.memory["activations"] == pytest.approx(4 * per_mb)
 
 
@@ -132,13 +134,17 @@ def test_7b_on_24gb_gpus():
     for rung in ("Not DDP", "Not ZeRO-1", "Not ZeRO-2", "Not TP 2", "Within TP 4"):
         assert rung in text
     lay = p.choice.layout
-    assert (lay.tp, lay.pp, lay.dp, lay.cp, lay.zero, lay.recompute) == (4, 1, 2, 1, 1, "selective")
+    # ZeRO-2: with megalite's measured activation extras (fp32 norm intermediates, gathered SP
+    # inputs: 4 s h per layer here) ZeRO-1 no longer fits 24 GB.
+    assert (lay.tp, lay.pp, lay.dp, lay.cp, lay.zero, lay.recompute) == (4, 1, 2, 1, 2, "selective")
     # By hand: TP=4 pads the vocabulary to 32,256 (a multiple of 512).
     psi4 = 32 * ((12 * h * h + 7 * h) // 4 + 6 * h) + 32256 * h // 4 + 4096 * h + 2 * h
     s = 4096
-    act = 32 * 34 * s * h / 4 + s * h / 4 + 2 * s * h / 4 + 4 * s * 32256 / 4  # layers, mask, norm, logits
+    extra = 2 * (4 - 2) * s * h / 4 + 2 * 2 * s * h * (1 - 1 / 4)  # LayerNorm fp32 inputs; gathered inputs
+    act = 32 * (34 * s * h / 4 + extra) + s * h / 4 + 2 * s * h / 4 + 4 * s * 32256 / 4  # + mask, norm, logits
     assert p.choice.psi == psi4
-    assert p.choice.memory["total"] == pytest.approx(4 * psi4 + 12 * psi4 / 2 + act)
+    staging = 2 * min(psi4, 40_000_000)  # ZeRO-2: the gradient bucket being filled (bf16, --ddp-bucket-size)
+    assert p.choice.memory["total"] == pytest.approx(2 * psi4 + 14 * psi4 / 2 + act + staging)
     assert p.choice.memory["total"] <= 0.9 * 24 * GiB < model_state_bytes(psi4, 2, 0, BF16)["total"] + act
 
 
@@ -178,7 +184,7 @@ def test_cli_prints_the_plan_and_writes_json(tmp_path, capsys):
                  "4096", "--vocab-size", "32000", "--global-batch-size", "64", "--micro-batch-size", "1",
                  "--gpu-memory-gb", "24", "--gpus-per-node", "8", "--nodes", "1", "--json", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "impossible" in text and "Recommended: TP 4 (SP) x DP 2, ZeRO-1" in text and "bubble" in text
+    assert "impossible" in text and "Recommended: TP 4 (SP) x DP 2, ZeRO-2" in text and "bubble" in text
     data = json.loads(out.read_text())
     assert data["recommendation"]["layout"]["tp"] == 4 and data["candidates"] and data["refused"]
 
@@ -225,3 +231,16 @@ def test_estimate_within_10_percent_of_measured_accounting():
                 assert value == pytest.approx(est[kind], rel=0.10), (
                     f"TP {tp} PP {pp} DP {dp} ZeRO-{zero}, rank {rank}: {kind} measured {value:,} vs "
                     f"estimated {est[kind]:,.0f}")
+
+
+def test_cli_verify_dry_runs_the_top_candidates(capsys):
+    """--verify K: the first K fitting layouts are dry-run (one rank per stage on meta tensors)
+    and the measured peak is printed next to the estimate."""
+    from tools.plan_parallel import main
+
+    assert main(["--num-layers", "4", "--hidden-size", "128", "--num-attention-heads", "4", "--seq-length", "128",
+                 "--vocab-size", "1000", "--global-batch-size", "8", "--micro-batch-size", "1",
+                 "--gpu-memory-gb", "1", "--gpus-per-node", "4", "--nodes", "1", "--verify", "2"]) == 0
+    text = capsys.readouterr().out
+    lines = [line for line in text.splitlines() if "estimated" in line and "measured" in line]
+    assert len(lines) == 2 and all("GiB" in line and "%" in line for line in lines), text

@@ -58,8 +58,10 @@ def run_role(flags: list[str], world: int, rank: int, gpus_per_node: int, device
     """One fake-process-group rank, one iteration, memory tracked; its last log record."""
     from megalite.pretrain import pretrain
 
-    os.environ.update(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank % gpus_per_node),
-                      LOCAL_WORLD_SIZE=str(gpus_per_node))
+    role_env = dict(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank % gpus_per_node),
+                    LOCAL_WORLD_SIZE=str(gpus_per_node))
+    saved_env = {k: os.environ.get(k) for k in role_env}
+    os.environ.update(role_env)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     quiet = io.StringIO()
@@ -70,6 +72,11 @@ def run_role(flags: list[str], world: int, rank: int, gpus_per_node: int, device
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        for key, value in saved_env.items():  # leave the caller's environment as it was
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     if device == "cuda":
         record["cuda_max_memory_allocated"] = torch.cuda.max_memory_allocated()
     return record
@@ -85,6 +92,23 @@ def planned(config, layout: GridLayout, stage: int) -> dict:
                          recompute=recompute)
     num_micro = t.global_batch_size // (t.micro_batch_size * layout.dp)
     return stage_memory(m, plan_layout, stage, t.micro_batch_size, num_micro, prec, flash_attention=True)[1]
+
+
+def measure_layout(flags: list[str], config, layout: GridLayout, gpus_per_node: int, device: str = "meta",
+                   budget: float = float("inf")):
+    """Yield, per role, the measured peak and categories, the planner's estimate, the bytes per
+    group and whether it fits ``budget`` bytes."""
+    for role in roles(layout):
+        record = run_role(flags, layout.world_size, role["ranks"][0], gpus_per_node, device)
+        tracked = record["memory_tracked"]
+        plan = planned(config, layout, role["stage"])
+        result = {**role, "measured_bytes": tracked["peak"], "planned_bytes": plan["total"],
+                  "difference": (tracked["peak"] - plan["total"]) / plan["total"],
+                  "categories": tracked["peak_by_category"], "planned_categories": plan,
+                  "comm_bytes": record["comm_bytes_by_group"], "fits": tracked["peak"] <= budget}
+        if "cuda_max_memory_allocated" in record:
+            result["cuda_max_memory_allocated"] = record["cuda_max_memory_allocated"]
+        yield result
 
 
 def main(argv=None) -> int:
@@ -118,18 +142,11 @@ def main(argv=None) -> int:
               f"{'peak':>8} {'planned':>8} {'diff':>7}  fits   (GiB)")
     print(header)
     results = []
-    for role in roles(layout):
-        record = run_role(flags, args.world_size, role["ranks"][0], args.gpus_per_node, args.device)
-        tracked = record["memory_tracked"]
-        at_peak = tracked["peak_by_category"]
-        plan = planned(config, layout, role["stage"])
-        diff = (tracked["peak"] - plan["total"]) / plan["total"]
-        result = {**role, "measured_bytes": tracked["peak"], "planned_bytes": plan["total"],
-                  "difference": diff, "categories": at_peak, "planned_categories": plan,
-                  "comm_bytes": record["comm_bytes_by_group"], "fits": tracked["peak"] <= budget}
-        if "cuda_max_memory_allocated" in record:
-            result["cuda_max_memory_allocated"] = record["cuda_max_memory_allocated"]
+    for result in measure_layout(flags, config, layout, args.gpus_per_node, args.device, budget):
         results.append(result)
+        role, at_peak, diff = result, result["categories"], result["difference"]
+        tracked, record = {"peak": result["measured_bytes"]}, {"comm_bytes_by_group": result["comm_bytes"]}
+        plan = {"total": result["planned_bytes"]}
         g = lambda k: at_peak.get(k, 0) / GiB  # noqa: E731
         print(f"{role['role']:<34} {','.join(map(str, role['ranks'])):<12} {g('parameters'):8.2f} "
               f"{g('gradients'):8.2f} {g('optimizer state'):8.2f} {g('activations'):8.2f} {g('communication'):8.2f} "

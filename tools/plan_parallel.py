@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--max-context-parallel", type=int, default=8, help="largest CP considered")
     g.add_argument("--top", type=int, default=15, help="rows of the table of layouts that fit")
     g.add_argument("--json", default=None, help="write the whole plan (every candidate) as JSON")
+    g.add_argument("--verify", type=int, default=0, metavar="K",
+                   help="dry-run the first K fitting layouts (tools/dry_run.py: one rank per pipeline "
+                        "stage on meta tensors) and print measured peak memory next to the estimate")
     return p
 
 
@@ -87,6 +90,45 @@ def table(estimates, usable: float) -> list[str]:
                     f"{mem['buffers'] / GiB:>5.1f} | {e.num_micro:>4} {e.bubble:>6.1%} | {comm or '-'}")
     rows.append(f"(GiB per GPU on the fullest pipeline stage; {usable / GiB:.1f} GiB usable)")
     return rows
+
+
+def verify(a, m, estimates) -> None:
+    """Dry-run each layout (one rank per role, meta tensors) and compare its peak with the estimate."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/, for dry_run
+    from dry_run import measure_layout
+
+    from megalite.arguments import build_parser as pretrain_parser, config_from_args
+
+    print("\nverified by a dry run (one iteration per pipeline stage on meta tensors; the estimate with\n"
+          "flash-style attention, as the dry run and a GPU run it):")
+    for e in estimates:
+        lay = e.layout
+        flags = [f"--{k.replace('_', '-')}={v}" for k, v in (
+            ("num_layers", m.num_layers), ("hidden_size", m.hidden_size), ("num_attention_heads", m.num_attention_heads),
+            ("ffn_hidden_size", m.ffn_hidden_size), ("num_query_groups", m.num_query_groups),
+            ("seq_length", m.seq_length), ("max_position_embeddings", m.max_position_embeddings),
+            ("vocab_size", m.vocab_size), ("make_vocab_size_divisible_by", m.make_vocab_size_divisible_by),
+            ("normalization", m.normalization), ("position_embedding_type", m.position_embedding_type),
+            ("global_batch_size", a.global_batch_size), ("micro_batch_size", a.micro_batch_size),
+            ("tensor_model_parallel_size", lay.tp), ("pipeline_model_parallel_size", lay.pp),
+            ("context_parallel_size", lay.cp), ("zero_stage", lay.zero))]
+        flags += [f for f, on in (("--swiglu", m.swiglu), ("--disable-bias-linear", not m.add_bias_linear),
+                                  ("--untie-embeddings-and-output-weights", m.untie_embeddings_and_output_weights),
+                                  ("--sequence-parallel", lay.sp), (f"--{a.precision}", a.precision != "fp32"),
+                                  ("--no-accumulate-allreduce-grads-in-fp32", not a.fp32_grads))
+                  if on]
+        flags += ["--mock-data", "--overlap-grad-reduce", "--attention-dropout", "0", "--hidden-dropout", "0"]
+        flags += [] if lay.recompute == "none" else ["--recompute-granularity", lay.recompute]
+        config = config_from_args(pretrain_parser().parse_args(flags), m.vocab_size)
+        from megalite.config import validate
+        from megalite.parallel.grid import GridLayout
+
+        world = lay.tp * lay.pp * lay.cp * lay.dp
+        validate(config, world, a.gpus_per_node)
+        results = list(measure_layout(flags, config, GridLayout.from_config(config.parallel, world), a.gpus_per_node))
+        worst = max(results, key=lambda r: r["measured_bytes"])  # the fullest stage, as in the estimate
+        print(f"  {lay.describe():<48} estimated {worst['planned_bytes'] / GiB:7.2f} GiB, measured "
+              f"{worst['measured_bytes'] / GiB:7.2f} GiB ({worst['role']}, {100 * worst['difference']:+.1f}%)")
 
 
 def main(argv=None) -> int:
@@ -122,6 +164,8 @@ def main(argv=None) -> int:
         print("\nrefused by megalite's validation (one example per rule):")
         for layout, reason in refused.values():
             print(f"  {layout.describe()}: {reason}")
+    if a.verify:
+        verify(a, m, fitting[: a.verify])
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"model": vars(m), "hardware": vars(hw), "precision": vars(prec),

@@ -30,8 +30,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megalite.device import is_fake
 from megalite.memory_tracker import category
 from megalite.parallel import comm
+
+
+def _finished(work) -> bool:
+    return work.is_completed()
 
 
 @dataclass
@@ -186,6 +191,8 @@ class GradSync:
             out = torch.empty(b.numel // self.dp, dtype=self.grad_dtype, device=self.device)
         target = b.grad[b.shard[0]: b.shard[1]] if self.stage == 1 else b.grad_shard
         b.pending.append((comm.reduce_scatter_async(out, source, self.group), out, target))
+        if self.stage >= 2:
+            self._fold_finished()
 
     def finish(self) -> None:
         """Start what has not started (no overlap, or parameters without gradients), wait
@@ -194,6 +201,17 @@ class GradSync:
         for b in self.buckets:
             self._complete(b)
             self.shard_grad(b).div_(self.dp)
+
+    def _fold_finished(self) -> None:
+        """Fold every reduction that has already finished into its shard (a non-blocking check),
+        so its output buffer is freed now rather than when the step ends: with all buckets'
+        outputs pending, ZeRO-2/3 would hold a second copy of the gradient shard."""
+        done = _finished if not is_fake() else lambda work: True  # fake works never report completion
+        for b in self.buckets:
+            while b.pending and done(b.pending[0][0]):
+                work, out, target = b.pending.pop(0)
+                work.wait()
+                target.add_(out)
 
     def _complete(self, b: Bucket) -> None:
         """Wait for the bucket's reductions in flight and fold their results into its shard.

@@ -50,6 +50,9 @@ def _shard_ranges(bucket, shard, fn) -> list[tuple[int, int]]:
     return ranges
 
 
+STEP_CHUNK = 1 << 24  # elements per slice of the optimizer step (64 MiB of fp32 temporaries)
+
+
 def host_device(device: torch.device) -> torch.device:
     """Where offloaded optimizer state lives: the CPU (or meta, in a meta dry run)."""
     return torch.device("meta") if device.type == "meta" else torch.device("cpu")
@@ -166,16 +169,20 @@ class DistributedOptimizer:
         bc1, bc2 = 1 - t.adam_beta1 ** self.step_count, 1 - t.adam_beta2 ** self.step_count
         grads = self._host_grads() if self.offload else [self.sync.shard_grad(b) for b in self.sync.buckets]
         for i, b in enumerate(self.sync.buckets):
-            g = grads[i].float()
-            if clip_coeff != 1.0:
-                g = g * clip_coeff
-            m, v, w = self.exp_avg[i], self.exp_avg_sq[i], self.master[i]
-            m.lerp_(g, 1 - t.adam_beta1)
-            v.mul_(t.adam_beta2).addcmul_(g, g, value=1 - t.adam_beta2)
-            denom = (v.sqrt() / bc2 ** 0.5).add_(t.adam_eps)
             for a, z in self.decay_ranges[i]:
-                w[a:z].mul_(1 - lr * t.weight_decay)
-            w.addcdiv_(m, denom, value=-lr / bc1)
+                self.master[i][a:z].mul_(1 - lr * t.weight_decay)
+            # In slices of at most STEP_CHUNK elements: the temporaries (fp32 gradient, clipped
+            # gradient, denominator) stay small instead of three copies of the whole shard.
+            for lo in range(0, grads[i].numel(), STEP_CHUNK):
+                hi = min(lo + STEP_CHUNK, grads[i].numel())
+                g = grads[i][lo:hi].float()
+                if clip_coeff != 1.0:
+                    g = g * clip_coeff
+                m, v, w = self.exp_avg[i][lo:hi], self.exp_avg_sq[i][lo:hi], self.master[i][lo:hi]
+                m.lerp_(g, 1 - t.adam_beta1)
+                v.mul_(t.adam_beta2).addcmul_(g, g, value=1 - t.adam_beta2)
+                denom = (v.sqrt() / bc2 ** 0.5).add_(t.adam_eps)
+                w.addcdiv_(m, denom, value=-lr / bc1)
         self.param_groups[0]["lr"] = lr
         self.publish()
 

@@ -98,9 +98,31 @@ def resolve_backend(backend: str, q: torch.Tensor, dropout_p: float = 0.0) -> st
     return backend
 
 
+class _MetaFlashAttention(torch.autograd.Function):
+    """Attention on meta tensors (a dry run), with the memory of the kernels that run on a GPU
+    (Triton, flash-attn, SDPA's flash / memory-efficient): backward keeps q, k, v, the output
+    and one fp32 log-sum-exp per row, never the (s_q x s_k) probabilities that the math path
+    materializes. Nothing is computed on meta, so only the shapes and dtypes matter."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # as the Triton kernel takes them
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
               dropout_p: float = 0.0, backend: str = "torch") -> torch.Tensor:
     """Output (b, heads, s_q, d) from q (b, heads, s_q, d), k, v (b, groups, s_k, d)."""
+    if q.device.type == "meta":
+        return _MetaFlashAttention.apply(q, k, v)
     backend = resolve_backend(backend, q, dropout_p)
     if backend == "triton":
         from megalite.kernels.flash_attention import flash_attention

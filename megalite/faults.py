@@ -145,3 +145,12 @@ def report_failure(kind: str, error: BaseException, code: int, printer: bool) ->
         except MegaliteError as recorded:  # record_exception reads the current traceback
             get_error_handler().record_exception(recorded)
     return code
+
+
+def bytes_by_group(grid, traffic) -> dict[str, int]:
+    """Bytes handed to collectives per group kind (tp, dp, pp, ...), from the comm counter."""
+    out: dict[str, int] = {}
+    for group, size in traffic.by_group.items():
+        name = "world" if group is None else group_name(grid, group)[0]
+        out[name] = out.get(name, 0) + size
+    return out

@@ -121,3 +121,16 @@ class MemoryTracker(TorchDispatchMode):
         """Peak and its breakdown, and what is live now, in bytes."""
         return {"peak": self.peak, "peak_by_category": {k: v for k, v in self.peak_by_category.items() if v},
                 "live": self.live, "live_by_category": {k: v for k, v in self.by_category.items() if v}}
+
+
+def training_tracker(model, optimizer) -> MemoryTracker:
+    """--track-memory: a tracker that knows the model's weights, gradient buckets and optimizer
+    state; pretrain runs each iteration inside it."""
+    tracker = MemoryTracker()
+    tracker.register([p for chunk in model for p in chunk.parameters()], "parameters")
+    if optimizer.sharded is not None:
+        tracker.register(optimizer.sharded.shards, "parameters")
+    tracker.register([b.grad if b.grad is not None else b.grad_shard for b in optimizer.sync.buckets], "gradients")
+    tracker.register([*optimizer.master, *optimizer.exp_avg, *optimizer.exp_avg_sq, *optimizer._host_grad,
+                      *optimizer._host_weight], "optimizer state")
+    return tracker

@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from megalite.arguments import build_parser, config_from_args, explicit_args
 from megalite.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from megalite.checkpoint.settings import adopt_checkpoint_model, checkpoint_config
+from megalite.checkpoint.settings import adopt_checkpoint_model, checkpoint_config, describe_layout_change
 from megalite.config import ConfigError, validate
 from megalite.data import build_data_iterators
 from megalite.data.blended import describe_data, parse_data_path
@@ -37,9 +37,9 @@ from megalite.pipeline.schedules import Trace
 from megalite.data_parallel.accounting import describe_memory
 from megalite.device import host_barrier, init_distributed, resolve_device, to_device
 from megalite.launch import detect_launch
-from megalite.faults import (CollectiveTimeout, HangWatchdog, TrainingDiverged, check_finite, group_name,
+from megalite.faults import (CollectiveTimeout, HangWatchdog, TrainingDiverged, bytes_by_group, check_finite,
                              hang_report, looks_like_timeout, report_failure)
-from megalite.memory_tracker import MemoryTracker
+from megalite.memory_tracker import training_tracker
 from megalite.monitor import Monitor, memory_line
 from megalite.preflight import check_datasets, check_save_location
 from megalite.profiling import Profiler
@@ -65,49 +65,12 @@ def _value(x, spec: str = ".4f") -> str:
     return "n/a" if x is None else format(x, spec)
 
 
-def start_memory_tracker(model, optimizer) -> MemoryTracker:
-    """--track-memory: a tracker that knows the model's weights, gradient buckets and optimizer
-    state; each iteration runs inside it (see megalite.memory_tracker)."""
-    tracker = MemoryTracker()
-    tracker.register([p for chunk in model for p in chunk.parameters()], "parameters")
-    if optimizer.sharded is not None:
-        tracker.register(optimizer.sharded.shards, "parameters")
-    tracker.register([b.grad if b.grad is not None else b.grad_shard for b in optimizer.sync.buckets], "gradients")
-    tracker.register([*optimizer.master, *optimizer.exp_avg, *optimizer.exp_avg_sq, *optimizer._host_grad,
-                      *optimizer._host_weight], "optimizer state")
-    return tracker
-
-
-def bytes_by_group(grid, traffic) -> dict[str, int]:
-    """Bytes handed to collectives per group kind (tp, dp, pp, ...), from the comm counter."""
-    out: dict[str, int] = {}
-    for group, size in traffic.by_group.items():
-        name = "world" if group is None else group_name(grid, group)[0]
-        out[name] = out.get(name, 0) + size
-    return out
-
-
 def _fault_applies(rank: int) -> bool:
     """Test fault injection: on MEGALITE_TEST_KILL_RANK only (every rank if unset), and only in
     the first attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT), so a restart can finish."""
     only = os.environ.get("MEGALITE_TEST_KILL_RANK")
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     return first_attempt and (only is None or int(only) == rank)
-
-
-def describe_layout_change(meta: dict, grid, t) -> str | None:
-    """What changed since the checkpoint was written (layout, accumulation), when anything did."""
-    then, now = meta["layout"], dict(grid.layout.__dict__)
-    if then == now:
-        return None
-    saved = meta["config"]["train"]
-    micro_then = saved["global_batch_size"] // (saved["micro_batch_size"] * then["dp"])
-    micro_now = t.global_batch_size // (t.micro_batch_size * now["dp"])
-    dims = ", ".join(f"{d.upper()} {then[d]} -> {now[d]}" for d in ("tp", "cp", "dp", "pp") if then[d] != now[d])
-    return (f"layout changed since the checkpoint: {dims} (world {grid.layout.world_size}); the checkpoint was "
-            f"re-cut for it (ZeRO shards included). Global batch {t.global_batch_size} "
-            f"{'kept' if saved['global_batch_size'] == t.global_batch_size else 'CHANGED from ' + str(saved['global_batch_size'])}"
-            f": accumulation steps {micro_then} -> {micro_now} per data-parallel rank.")
 
 
 class RankZeroPrinter:
@@ -287,7 +250,7 @@ def pretrain(argv=None) -> list[dict]:
     faults = {k: int(os.environ.get(f"MEGALITE_TEST_{k}", "0"))  # fault injection for the tests
               for k in ("KILL_AT_ITERATION", "NAN_AT_ITERATION", "HANG_AT_ITERATION")}
     skipped_total = 0
-    tracker = start_memory_tracker(model, optimizer) if args.track_memory else None
+    tracker = training_tracker(model, optimizer) if args.track_memory else None
     watchdog = None
     if device.type == "cuda" and dist.is_initialized() and not args.fake_process_group:
         watchdog = HangWatchdog(grid, 0.9 * args.distributed_timeout_minutes * 60)

@@ -69,3 +69,18 @@ def adopt_checkpoint_model(model: ModelConfig, saved: dict, given: set[str], tok
                           f"contradict it:\n  " + "\n  ".join(conflicts) +
                           "\nFix: drop those flags (the checkpoint's values are used), or load another checkpoint.")
     return taken
+
+
+def describe_layout_change(meta: dict, grid, t) -> str | None:
+    """What changed since the checkpoint was written (layout, accumulation), when anything did."""
+    then, now = meta["layout"], dict(grid.layout.__dict__)
+    if then == now:
+        return None
+    saved = meta["config"]["train"]
+    micro_then = saved["global_batch_size"] // (saved["micro_batch_size"] * then["dp"])
+    micro_now = t.global_batch_size // (t.micro_batch_size * now["dp"])
+    dims = ", ".join(f"{d.upper()} {then[d]} -> {now[d]}" for d in ("tp", "cp", "dp", "pp") if then[d] != now[d])
+    return (f"layout changed since the checkpoint: {dims} (world {grid.layout.world_size}); the checkpoint was "
+            f"re-cut for it (ZeRO shards included). Global batch {t.global_batch_size} "
+            f"{'kept' if saved['global_batch_size'] == t.global_batch_size else 'CHANGED from ' + str(saved['global_batch_size'])}"
+            f": accumulation steps {micro_then} -> {micro_now} per data-parallel rank.")

@@ -3,10 +3,8 @@ loopback (c10d rendezvous), SLURM-launched processes without torchrun, and elast
 (the same size by torchrun --max-restarts, and on fewer ranks, re-cutting the checkpoint)."""
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 

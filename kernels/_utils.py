@@ -68,6 +68,14 @@ def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
                          f"this kernel supports. Fix: use the torch or flash attention backend.")
 
 
+def check_backward_shapes(what: str, q, out, dout, lse, delta) -> None:
+    """An attention backward's inputs: dout (and out, unless delta is given) of q's shape, lse of
+    q's (b, heads, s_q)."""
+    if dout.shape != q.shape or lse.shape != q.shape[:3] or (delta is None and out.shape != q.shape):
+        raise ValueError(f"{what}: out and dout must have q's shape {tuple(q.shape)} and lse "
+                         f"{tuple(q.shape[:3])}, got dout {tuple(dout.shape)}, lse {tuple(lse.shape)}.")
+
+
 def on_input_device(fn):
     """Run a kernel launcher with the GPU of its first tensor argument as the current device:
     Triton launches on the current device, which need not be the tensor's (one process that

@@ -28,6 +28,8 @@ import math
 
 import torch
 
+from megalite.kernels._utils import check_backward_shapes
+
 
 def causal_visible(s_q: int, s_k: int, q_offset: int, k_offset: int,
                    device=None) -> torch.Tensor:
@@ -131,10 +133,7 @@ def attention_block_backward(q, k, v, out, dout, lse, causal: bool = True, q_off
     ``delta``), as ``flash_attention_backward``: in the inputs' dtypes, dk and dv summed over
     each group's query heads. A gradient on lse enters as ``delta - dlse``."""
     _check_block_inputs("attention_block_backward", q, k, v)
-    if dout.shape != q.shape or lse.shape != q.shape[:3] or (delta is None and out.shape != q.shape):
-        raise ValueError(f"attention_block_backward: out and dout must have q's shape "
-                         f"{tuple(q.shape)} and lse {tuple(q.shape[:3])}, got dout "
-                         f"{tuple(dout.shape)}, lse {tuple(lse.shape)}.")
+    check_backward_shapes("attention_block_backward", q, out, dout, lse, delta)
     acc = _compute_dtype(q.dtype)
     b, heads, s_q, d = q.shape
     groups, s_k = k.shape[1], k.shape[2]

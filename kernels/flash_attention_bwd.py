@@ -24,8 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from megalite.kernels._utils import (INTERPRET, check_attention_inputs, check_blocks, next_power_of_2,
-                                     on_input_device)
+from megalite.kernels._utils import (INTERPRET, check_attention_inputs, check_backward_shapes, check_blocks,
+                                     next_power_of_2, on_input_device)
 
 LOG2E = 1.4426950408889634
 
@@ -170,10 +170,7 @@ def flash_attention_backward(q, k, v, out, dout, lse, causal: bool = True, q_off
     the global ``out``/``dout`` or their precomputed ``delta`` (see module docstring).
     Gradients come back in the inputs' dtypes; dk, dv summed over each group's query heads."""
     check_attention_inputs(q, k, v)
-    if dout.shape != q.shape or lse.shape != q.shape[:3] or (delta is None and out.shape != q.shape):
-        raise ValueError(f"flash_attention_backward: out and dout must have q's shape "
-                         f"{tuple(q.shape)} and lse {tuple(q.shape[:3])}, got dout "
-                         f"{tuple(dout.shape)}, lse {tuple(lse.shape)}.")
+    check_backward_shapes("flash_attention_backward", q, out, dout, lse, delta)
     q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
     b, heads, s_q, d = q.shape
     groups, s_k = k.shape[1], k.shape[2]

@@ -60,8 +60,12 @@ def _tasks_per_node(env) -> int:
 def detect_launch(env=None, fake_process_group: bool = False) -> Launch:
     """Rank, world and node facts from torchrun's variables, else SLURM's (exported for torch)."""
     env = os.environ if env is None else env
+    if fake_process_group and not ("WORLD_SIZE" in env and "RANK" in env):
+        raise ConfigError("--fake-process-group plays one rank of a world: set WORLD_SIZE and RANK in "
+                          "the environment, e.g. WORLD_SIZE=16 RANK=5 python pretrain_gpt.py "
+                          "--fake-process-group --device meta ...")
     if fake_process_group or any(k in env for k in TORCHRUN):
-        missing = [k for k in (("WORLD_SIZE", "RANK") if fake_process_group else TORCHRUN) if k not in env]
+        missing = [k for k in TORCHRUN if k not in env] if not fake_process_group else []
         if missing:
             raise ConfigError(f"{', '.join(missing)} missing from the environment while "
                               f"{', '.join(k for k in TORCHRUN if k in env) or 'others'} are set: start with torchrun "

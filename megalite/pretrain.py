@@ -84,12 +84,8 @@ class RankZeroPrinter:
 
 
 def _world_from_env(args) -> tuple[int, int]:
-    """(world size, rank) from torchrun's variables, else SLURM's (megalite.launch); a fake
-    process group needs WORLD_SIZE and RANK given."""
-    if args.fake_process_group and not ("WORLD_SIZE" in os.environ and "RANK" in os.environ):
-        raise ConfigError("--fake-process-group plays one rank of a world: set WORLD_SIZE and RANK in "
-                          "the environment, e.g. WORLD_SIZE=16 RANK=5 python pretrain_gpt.py "
-                          "--fake-process-group --device meta ...")
+    """(world size, rank) from torchrun's variables, else SLURM's, or those a fake process
+    group is given (megalite.launch)."""
     args.launch = detect_launch(fake_process_group=args.fake_process_group)  # torchrun, SLURM or one process
     return args.launch.world_size, args.launch.rank
 

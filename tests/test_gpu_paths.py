@@ -1,5 +1,5 @@
 """GPU-side mechanisms that can be checked on a CPU: the NCCL hang watchdog's message, the
-CUDA-aware RNG tracker's checkpoint keys, the timers' host fallback, batch placement."""
+timers' host fallback, batch placement (the RNG tracker's keys: tests/test_dp_and_rng.py)."""
 from __future__ import annotations
 
 import io
@@ -11,7 +11,6 @@ import torch
 from megalite.device import host_value, to_device
 from megalite.faults import HangWatchdog
 from megalite.parallel import comm
-from megalite.parallel.random import RNGTracker
 from megalite.timers import Clock, StepTimers
 
 
@@ -43,20 +42,6 @@ def test_hang_watchdog_quiet_while_beating():
     finally:
         watchdog.stop()
     assert out.getvalue() == ""
-
-
-def test_rng_tracker_round_trip_without_cuda():
-    tracker = RNGTracker()
-    tracker.seed({"default": 1, "tensor-parallel": 2}, device=torch.device("cpu"))
-    state = tracker.state_dict()
-    assert set(state) == {"default.cpu", "tensor-parallel.cpu"}  # no CUDA state on a CPU run
-    with tracker.fork():
-        first = torch.rand(5)
-    default = torch.rand(5)
-    tracker.load_state_dict(state)
-    with tracker.fork():
-        assert torch.equal(torch.rand(5), first)
-    assert torch.equal(torch.rand(5), default)
 
 
 def test_host_clock_and_timers():

@@ -116,23 +116,30 @@ def _split_qkv(qkv, cfg: ModelConfig):
     return (g[:, :per].reshape(-1, *rest), g[:, per: per + d].reshape(-1, *rest), g[:, per + d:].reshape(-1, *rest))
 
 
-def import_globals(get, cfg: ModelConfig) -> dict:
-    out = {"word_embeddings.weight": get("model.embed_tokens.weight"), "final_norm.weight": get("model.norm.weight")}
+# Tensors that only change name (megalite <- HF); the fused ones are handled beside them.
+LAYER_NAMES = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_attention_layernorm.weight",
+               "attn.proj.weight": "self_attn.o_proj.weight", "mlp.fc2.weight": "mlp.down_proj.weight"}
+
+
+def global_names(cfg: ModelConfig) -> dict[str, str]:
+    """megalite name -> HF name of the tensors outside the layers."""
+    names = {"word_embeddings.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight"}
     if cfg.untie_embeddings_and_output_weights:
-        out["output_layer.weight"] = get("lm_head.weight")
-    return out
+        names["output_layer.weight"] = "lm_head.weight"
+    return names
+
+
+def import_globals(get, cfg: ModelConfig) -> dict:
+    return {ours: get(theirs) for ours, theirs in global_names(cfg).items()}
 
 
 def import_layer(get, i: int, cfg: ModelConfig) -> dict:
     p, q = f"model.layers.{i}.", f"layers.{i}."
     a = p + "self_attn."
-    out = {q + "attn_norm.weight": get(p + "input_layernorm.weight"),
-           q + "mlp_norm.weight": get(p + "post_attention_layernorm.weight"),
-           q + "attn.qkv.weight": _fuse_qkv(get(a + "q_proj.weight"), get(a + "k_proj.weight"),
-                                            get(a + "v_proj.weight"), cfg.num_query_groups),
-           q + "attn.proj.weight": get(a + "o_proj.weight"),
-           q + "mlp.fc1.weight": torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")]),
-           q + "mlp.fc2.weight": get(p + "mlp.down_proj.weight")}
+    out = {q + ours: get(p + theirs) for ours, theirs in LAYER_NAMES.items()}
+    out[q + "attn.qkv.weight"] = _fuse_qkv(get(a + "q_proj.weight"), get(a + "k_proj.weight"),
+                                           get(a + "v_proj.weight"), cfg.num_query_groups)
+    out[q + "mlp.fc1.weight"] = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
     if cfg.add_qkv_bias:
         out[q + "attn.qkv.bias"] = _fuse_qkv(get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias"),
                                              cfg.num_query_groups)
@@ -140,24 +147,17 @@ def import_layer(get, i: int, cfg: ModelConfig) -> dict:
 
 
 def export_globals(get, cfg: ModelConfig) -> dict:
-    out = {"model.embed_tokens.weight": get("word_embeddings.weight"), "model.norm.weight": get("final_norm.weight")}
-    if cfg.untie_embeddings_and_output_weights:
-        out["lm_head.weight"] = get("output_layer.weight")
-    return out
+    return {theirs: get(ours) for ours, theirs in global_names(cfg).items()}
 
 
 def export_layer(get, i: int, cfg: ModelConfig) -> dict:
     p, q = f"model.layers.{i}.", f"layers.{i}."
     a = p + "self_attn."
-    wq, wk, wv = _split_qkv(get(q + "attn.qkv.weight"), cfg)
-    gate, up = get(q + "mlp.fc1.weight").chunk(2)
-    out = {p + "input_layernorm.weight": get(q + "attn_norm.weight"),
-           p + "post_attention_layernorm.weight": get(q + "mlp_norm.weight"),
-           a + "q_proj.weight": wq, a + "k_proj.weight": wk, a + "v_proj.weight": wv,
-           a + "o_proj.weight": get(q + "attn.proj.weight"),
-           p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
-           p + "mlp.down_proj.weight": get(q + "mlp.fc2.weight")}
+    out = {p + theirs: get(q + ours) for ours, theirs in LAYER_NAMES.items()}
+    out.update(zip((a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+                   _split_qkv(get(q + "attn.qkv.weight"), cfg)))
+    out.update(zip((p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), get(q + "mlp.fc1.weight").chunk(2)))
     if cfg.add_qkv_bias:
-        bq, bk, bv = _split_qkv(get(q + "attn.qkv.bias"), cfg)
-        out.update({a + "q_proj.bias": bq, a + "k_proj.bias": bk, a + "v_proj.bias": bv})
+        out.update(zip((a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"),
+                       _split_qkv(get(q + "attn.qkv.bias"), cfg)))
     return out

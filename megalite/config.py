@@ -45,6 +45,17 @@ class ModelConfig:
     recompute_granularity: str | None = None  # None, "full" or "selective"
     recompute_method: str = "uniform"  # full: "uniform" (groups of N layers) or "block" (first N)
     recompute_num_layers: int = 1
+    # Mixture of experts (megalite.moe; Megatron's --num-experts, --moe-* flags). None = dense.
+    num_experts: int | None = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: int | None = None  # each expert's FFN size; default ffn_hidden_size
+    moe_layer_freq: int | list = 1  # every N-th layer is MoE (0, N, 2N, ...), or a 0/1 list per layer
+    moe_router_load_balancing_type: str = "aux_loss"  # or "none"
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: float | None = None
+    moe_expert_capacity_factor: float | None = None  # None = dropless
+    moe_shared_expert_intermediate_size: int | None = None  # a dense expert every token also takes
+    moe_grouped_gemm: bool = False  # Triton grouped GEMM for the experts (else a loop of matmuls)
 
     def __post_init__(self):
         if self.ffn_hidden_size is None and self.hidden_size > 0:
@@ -57,6 +68,8 @@ class ModelConfig:
             self.num_query_groups = self.num_attention_heads
         if self.max_position_embeddings is None:
             self.max_position_embeddings = self.seq_length
+        if self.num_experts and self.moe_ffn_hidden_size is None:
+            self.moe_ffn_hidden_size = self.ffn_hidden_size
 
     @property
     def head_dim(self) -> int:
@@ -79,6 +92,8 @@ class ParallelConfig:
     context_parallel_size: int = 1
     num_layers_per_virtual_pipeline_stage: int | None = None
     sequence_parallel: bool = False
+    expert_model_parallel_size: int = 1  # experts split over this many ranks of one stage
+    expert_tensor_parallel_size: int = 1  # only 1: each expert whole on its rank (see megalite.moe)
 
     @property
     def model_parallel_size(self) -> int:
@@ -283,6 +298,10 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
                               "the flag.")
         _divides("--seq-length / CP", m.seq_length // cp, "--tensor-model-parallel-size", tp,
                  "sequence parallelism splits each rank's sequence over TP.")
+
+    from megalite.moe.settings import validate_moe
+
+    validate_moe(m, p, t, world_size)
 
     # Batch arithmetic: global = micro * DP * accumulation steps.
     _positive("--micro-batch-size", t.micro_batch_size)

@@ -132,7 +132,7 @@ def setup(argv=None):
     set_tf32(not args.disable_tf32)
     timeout = timedelta(minutes=args.distributed_timeout_minutes)
     init_distributed(device, world_size, rank, timeout, fake=args.fake_process_group)
-    grid = build_grid(config.parallel, world_size, rank, timeout=timeout)
+    grid = build_grid(config.parallel, world_size, rank, timeout=timeout, experts=bool(config.model.num_experts))
     return args, config, tokenizer, grid, device
 
 

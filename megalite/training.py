@@ -18,6 +18,9 @@ import torch
 from megalite.config import TrainConfig
 from megalite.device import host_value
 from megalite.parallel import comm
+from megalite.data_parallel.ddp import is_expert
+from megalite.moe.stats import set_backward_scale as set_moe_backward_scale
+from megalite.moe.stats import step_stats as moe_step_stats
 from megalite.parallel.sharding import is_tensor_parallel
 from megalite.timers import Clock, StepTimers
 
@@ -163,6 +166,7 @@ def forward_backward(model, micro_batches, t: TrainConfig, loss_scale: float = 1
     num_micro = len(micro_batches)
     micro_batches = context_parallel_batches(micro_batches, grid)
     timers = StepTimers(Clock(device)) if timers is None else timers
+    set_moe_backward_scale(chunks, loss_scale / num_micro)  # the aux losses' share of backward
     if grid is None or (grid.layout.pp == 1 and len(chunks) == 1):
         total = torch.zeros((), device=device)
         for batch in micro_batches:
@@ -208,7 +212,18 @@ def data_parallel_allreduce_gradients(params, group) -> None:
     flattened into one buffer (sum, then divide by DP). Its conjugate is nothing: the
     forward pass of data parallelism involves no communication. (The bucketed DDP of the
     data-parallel issue overlaps this with backward; this is the simple reference.)"""
-    _allreduce_flat([p.grad for p in params if p.grad is not None], group, average=True)
+    _allreduce_flat([p.grad for p in params if p.grad is not None and not is_expert(p)], group, average=True)
+
+
+def expert_allreduce_gradients(params, expert_group, divisor: int) -> None:
+    """Expert parameters: sum over the expert-data-parallel group (the ranks holding the same
+    experts), divided by DP x CP like every other gradient. Each owner's gradient already
+    collects its expert-parallel group's tokens (the backward all-to-all), so the sum over
+    the replicas covers every token of the stage once (see :mod:`megalite.moe.layer`)."""
+    grads = [p.grad for p in params if p.grad is not None and is_expert(p)]
+    _allreduce_flat(grads, expert_group, average=False)
+    for g in grads:
+        g.div_(divisor)
 
 
 def sequence_parallel_allreduce_gradients(params, tp_group) -> None:
@@ -220,19 +235,28 @@ def sequence_parallel_allreduce_gradients(params, tp_group) -> None:
     _allreduce_flat(grads, tp_group, average=False)
 
 
-def global_grad_norm(params, model_parallel_group=None, tp_rank: int = 0) -> torch.Tensor:
+def global_grad_norm(params, model_parallel_group=None, tp_rank: int = 0, ep_group=None) -> torch.Tensor:
     """L2 norm of the gradient of the whole model, in fp32.
 
     Squares are summed locally over TP-split parameters, and over TP-replicated ones on TP
     rank 0 only (they are identical on every TP rank: counting them TP times would inflate
     the norm), then all-reduced over the model-parallel group (TP x PP). The last stage's
-    copy of a tied embedding is skipped: the first stage counts it."""
-    total = torch.zeros((), dtype=torch.float32, device=params[0].device if params else None)
+    copy of a tied embedding is skipped: the first stage counts it. Expert parameters are
+    summed over the expert-parallel group first (each rank holds other experts), which gives
+    the stage's experts on every rank; TP rank 0 adds them."""
+    device = params[0].device if params else None
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    experts = torch.zeros((), dtype=torch.float32, device=device)
     for p in params:
         if p.grad is None or getattr(p, "embedding_copy", False):
             continue
-        if is_tensor_parallel(p) or tp_rank == 0:
+        if is_expert(p):
+            experts += p.grad.detach().float().pow(2).sum()
+        elif is_tensor_parallel(p) or tp_rank == 0:
             total += p.grad.detach().float().pow(2).sum()
+    comm.all_reduce(experts, ep_group)
+    if tp_rank == 0:
+        total += experts
     return comm.all_reduce(total, model_parallel_group).sqrt()
 
 
@@ -253,6 +277,12 @@ class StepResult:
     loss_scale: float
     skipped: bool
     times_ms: dict | None = None  # forward, backward, grad_sync (not overlapped), optimizer
+    moe: dict | None = None  # MoE aux loss and expert load (megalite.moe.stats), None if dense
+
+
+def moe_stats(model, micro_batches, grid) -> dict | None:
+    dp = grid.layout.dp if grid is not None else 1
+    return moe_step_stats(as_chunks(model), grid, len(micro_batches) * dp)
 
 
 def embedding_allreduce_gradients(params, embedding_group) -> None:
@@ -272,6 +302,7 @@ def reduce_gradients(params, grid=None) -> None:
     sequence_parallel_allreduce_gradients(params, grid.tp_group)
     embedding_allreduce_gradients(params, grid.embedding_group)
     data_parallel_allreduce_gradients(params, grid.dp_cp_group)
+    expert_allreduce_gradients(params, grid.edp_group, grid.layout.dp * grid.layout.cp)
 
 
 def distributed_train_step(model, optimizer, micro_batches, t: TrainConfig, iteration: int,
@@ -297,7 +328,8 @@ def distributed_train_step(model, optimizer, micro_batches, t: TrainConfig, iter
     if grid is not None:
         comm.all_reduce(loss, grid.dp_cp_group)
         loss /= comm.group_size(grid.dp_cp_group)
-    return StepResult(host_value(loss), host_value(norm), lr, scaler.scale, found_inf, timers.milliseconds())
+    return StepResult(host_value(loss), host_value(norm), lr, scaler.scale, found_inf, timers.milliseconds(),
+                      moe_stats(model, micro_batches, grid))
 
 
 def train_step(model, optimizer, micro_batches, t: TrainConfig, iteration: int,
@@ -315,7 +347,8 @@ def train_step(model, optimizer, micro_batches, t: TrainConfig, iteration: int,
         for p in params:
             if p.grad is not None:
                 p.grad.div_(scaler.scale)
-    norm = global_grad_norm(params, grid.mp_group if grid else None, grid.tp_rank if grid else 0)
+    norm = global_grad_norm(params, grid.mp_group if grid else None, grid.tp_rank if grid else 0,
+                            grid.ep_group if grid else None)
     found_inf = not is_finite(norm)
     scaler.update(found_inf)
     lr = lr_at(iteration, t)
@@ -327,7 +360,8 @@ def train_step(model, optimizer, micro_batches, t: TrainConfig, iteration: int,
     if grid is not None:
         comm.all_reduce(loss, grid.dp_cp_group)
         loss /= comm.group_size(grid.dp_cp_group)
-    return StepResult(host_value(loss), host_value(norm), lr, scaler.scale, found_inf)
+    return StepResult(host_value(loss), host_value(norm), lr, scaler.scale, found_inf,
+                      moe=moe_stats(model, micro_batches, grid))
 
 
 @torch.no_grad()

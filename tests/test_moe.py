@@ -31,18 +31,20 @@ def _data(tokens, seed=7):
     return torch.randn(tokens, H, generator=g), torch.randn(tokens, H, generator=g)
 
 
-def _layer(ep_group=None, cf=None, swiglu=True):
-    layer = MoELayer(H, FFN, E, K, ep_group=ep_group, capacity_factor=cf, swiglu=swiglu,
-                     aux_loss_coeff=AUX, z_loss_coeff=ZC)
+def _layer(ep_group=None, cf=None, swiglu=True, token_group=None):
+    layer = MoELayer(H, FFN, E, K, ep_group=ep_group, token_group=token_group, capacity_factor=cf,
+                     swiglu=swiglu, aux_loss_coeff=AUX, z_loss_coeff=ZC)
     layer.init_weights(SEED, "layers.0.mlp.", std=STD)
     return layer
 
 
-def _run(layer, x, g):
-    """loss = sum(out * g) / T_local + moe_loss (a per-rank mean, as in data parallelism)."""
+def _run(layer, x, g, share_scale=1.0):
+    """loss = sum(out * g) / T_local + share_scale * moe_loss: a per-rank mean; over a token
+    group of P ranks (``share_scale`` P) the ranks' losses sum to P times the batch's loss,
+    as context-parallel ranks' do (megalite.moe.block)."""
     x = x.clone().requires_grad_(True)
     out, moe_loss = layer(x)
-    ((out * g).sum() / x.shape[0] + moe_loss).backward()
+    ((out * g).sum() / x.shape[0] + share_scale * moe_loss).backward()
     s = layer.last_stats
     return dict(out=out.detach(), dx=x.grad, grads=layer.global_named_grads("layers.0.mlp."),
                 aux=s.aux_loss.detach(), z=s.z_loss.detach(), kept=s.kept, ids=s.expert_ids)
@@ -160,14 +162,16 @@ def _ep_worker(rank, world, cf):
 
     group = dist.group.WORLD
     x, g = _data(world * T)
+    mine = slice(rank * T, (rank + 1) * T)
     results = {}
-    # (a) every rank holds the same tokens; (b) rank r holds slice r of the global batch
-    cases = {"same": (x[:T], g[:T], None), "slice": (x[rank * T:(rank + 1) * T], g[rank * T:(rank + 1) * T], None),
-             "capacity": (x[rank * T:(rank + 1) * T], g[rank * T:(rank + 1) * T], cf)}
-    for name, (xr, gr, factor) in cases.items():
-        layer = _layer(group, factor)
+    # same: every rank holds the same tokens; dp: rank r holds slice r and routes it on its own
+    # (data parallel); slice / capacity: the slices are one routed batch (token group = EP group)
+    cases = {"same": (x[:T], g[:T], None, None), "dp": (x[mine], g[mine], None, None),
+             "slice": (x[mine], g[mine], None, group), "capacity": (x[mine], g[mine], cf, group)}
+    for name, (xr, gr, factor, tokens) in cases.items():
+        layer = _layer(group, factor, token_group=tokens)
         with count_collectives() as stats:
-            results[name] = _run(layer, xr, gr)
+            results[name] = _run(layer, xr, gr, share_scale=world if tokens is not None else 1.0)
         results[name]["stats"] = {k: dict(v) for k, v in stats.items()}
         results[name]["local"] = list(layer.local_experts)
     return results
@@ -175,25 +179,28 @@ def _ep_worker(rank, world, cf):
 
 def _check_ep(world, results, name, serial, scale):
     """EP results (per rank) vs the serial run; ``scale``: EP gradients / serial gradients
-    for parameters whose gradient sums contributions from every rank (see layer.py)."""
-    slice_mode = name != "same"
+    for parameters whose gradient sums contributions from every rank (see layer.py). For
+    "dp", ``serial`` is the list of per-slice serial runs."""
     cat = lambda key: torch.cat([r[name][key] for r in results])  # noqa: E731
-    if slice_mode:
+    router_key = "layers.0.mlp.router.weight"
+    if name in ("slice", "capacity"):
         _err(f"EP{world}/{name}/out", cat("out"), serial["out"])
         _err(f"EP{world}/{name}/dx", cat("dx") / world, serial["dx"])
         assert torch.equal(cat("kept"), serial["kept"]) and torch.equal(cat("ids"), serial["ids"])
-        # aux and z: the mean over ranks is the serial value of the whole batch
-        _err(f"EP{world}/{name}/aux", torch.stack([r[name]["aux"] for r in results]).mean(), serial["aux"])
-        _err(f"EP{world}/{name}/z", torch.stack([r[name]["z"] for r in results]).mean(), serial["z"])
-        router = torch.stack([r[name]["grads"]["layers.0.mlp.router.weight"] for r in results]).mean(0)
+        # aux and z: each rank returns its share; the shares add up to the batch's value
+        _err(f"EP{world}/{name}/aux", torch.stack([r[name]["aux"] for r in results]).sum(), serial["aux"])
+        _err(f"EP{world}/{name}/z", torch.stack([r[name]["z"] for r in results]).sum(), serial["z"])
+        router = torch.stack([r[name]["grads"][router_key] for r in results]).mean(0)
+        _err(f"EP{world}/{name}/d router", router, serial["grads"][router_key])
+        expert_grads = serial["grads"]
     else:
-        for r in results:
-            _err(f"EP{world}/{name}/out", r[name]["out"], serial["out"])
-            _err(f"EP{world}/{name}/dx", r[name]["dx"], serial["dx"])
-            _err(f"EP{world}/{name}/aux", r[name]["aux"], serial["aux"])
-            _err(f"EP{world}/{name}/z", r[name]["z"], serial["z"])
-        router = results[0][name]["grads"]["layers.0.mlp.router.weight"]
-    _err(f"EP{world}/{name}/d router", router, serial["grads"]["layers.0.mlp.router.weight"])
+        per_rank = serial if name == "dp" else [serial] * world
+        for r, ref in zip(results, per_rank):
+            for key in ("out", "dx", "aux", "z"):
+                _err(f"EP{world}/{name}/{key}", r[name][key], ref[key])
+            _err(f"EP{world}/{name}/d router", r[name]["grads"][router_key], ref["grads"][router_key])
+        # an expert's gradient collects every rank's tokens: the sum of the ranks' serial gradients
+        expert_grads = {k: sum(ref["grads"][k] for ref in per_rank) / scale for k in per_rank[0]["grads"]}
     owners = {}
     for rank, r in enumerate(results):
         assert r[name]["local"] == list(range(rank * E // world, (rank + 1) * E // world))
@@ -201,11 +208,15 @@ def _check_ep(world, results, name, serial, scale):
             if ".experts." in key:
                 assert key not in owners, f"{key} on two ranks"
                 owners[key] = rank
-                _err(f"EP{world}/{name}/d experts", grad / scale, serial["grads"][key])
+                _err(f"EP{world}/{name}/d experts", grad / scale, expert_grads[key])
     assert len(owners) == 2 * E  # every expert's fc1 and fc2, re-assembled by global index
-    for r in results:  # fwd: router all-gather, counts + rows + rows back; bwd: rows back + rows
+    # fwd: counts + rows + rows back; bwd: rows back + rows. Over a token group: the counts
+    # all-reduced (f), and with capacity the ids and token places all-gathered.
+    expect = {"same": (0, 0), "dp": (0, 0), "slice": (1, 0), "capacity": (1, 2)}[name]
+    for r in results:
         assert r[name]["stats"]["all_to_all"]["calls"] == 5
-        assert r[name]["stats"]["all_gather"]["calls"] == 1
+        got = tuple(r[name]["stats"].get(k, {}).get("calls", 0) for k in ("all_reduce", "all_gather"))
+        assert got == expect, (name, got)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -214,11 +225,13 @@ def test_expert_parallel_matches_serial(world):
     results = run_world(_ep_worker, world, cf, timeout=60)
     x, g = _data(world * T)
     serial_same = _run(_layer(), x[:T], g[:T])
+    serial_slices = [_run(_layer(), x[r * T:(r + 1) * T], g[r * T:(r + 1) * T]) for r in range(world)]
     serial_all = _run(_layer(), x, g)
     serial_cap = _run(_layer(cf=cf), x, g)
     # Every rank computes the gradient of its own loss; expert gradients collect every rank's
     # tokens: the gradient of sum_r L_r = world * (serial loss).
     _check_ep(world, results, "same", serial_same, scale=world)
+    _check_ep(world, results, "dp", serial_slices, scale=1)
     _check_ep(world, results, "slice", serial_all, scale=world)
     dropped = (~serial_cap["kept"]).sum().item()
     assert 0 < dropped < serial_cap["kept"].numel(), "capacity case must drop some assignments"

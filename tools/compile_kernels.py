@@ -21,7 +21,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from megalite.kernels import cross_entropy as ce, flash_attention as fa  # noqa: E402
-from megalite.kernels import flash_attention_bwd as fb, norms  # noqa: E402
+from megalite.kernels import flash_attention_bwd as fb, grouped_gemm as gg, norms  # noqa: E402
 
 TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
@@ -29,9 +29,12 @@ TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 def compile_one(fn, types: dict, consts: dict, arch: int, warps: int, stages: int) -> int:
     """Compile fn with argument types ``types`` and constexprs ``consts``; shared bytes."""
     names = fn.arg_names
-    signature = {n: "constexpr" if n in consts else types[n] for n in names}
+    signature = {n: "constexpr" if n in consts else types[n].removesuffix(":16") for n in names}
     constexprs = {(names.index(k),): v for k, v in consts.items()}
-    kernel = triton.compile(ASTSource(fn, signature, constexprs=constexprs),
+    # a type ending in ":16": divisible by 16, as the launcher specializes such arguments
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if n not in consts and types[n].endswith(":16")}
+    kernel = triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", arch, 32),
                             options=dict(num_warps=warps, num_stages=stages))
     return kernel.metadata.shared
@@ -73,6 +76,20 @@ def jobs(dtype: str):
     consts = dict(BLOCK_R=block_r, BLOCK_V=block_v)
     yield "cross-entropy stats", ce._ce_stats_kernel, types, consts, warps, 1
     yield "cross-entropy grad", ce._ce_grad_kernel, types, consts, warps, 1
+    # grouped GEMM: every autotune config (the autotuner picks among them on the GPU), with
+    # pointers and sizes 16-divisible as in a model (h, F multiples of 16), so the pipelined
+    # loop is what compiles: its shared memory is num_stages (sm_90) or num_stages - 1
+    # (sm_80) buffers of the two tiles; the weight read as y needs it (stride_wk = 1).
+    a, p16 = "i32:16", p + ":16"
+    types = dict(X=p16, W=p16, Y=p16, DY=p16, DW=p16, OFFSETS="*i32:16", n_groups="i32", N_OUT=a, K=a,
+                 stride_we=a, stride_wn=a, stride_wk="i32", M_HINT="i32")
+    for name, fn, configs, extra in (("mm", gg._gmm_kernel, gg.mm_configs(tdtype),
+                                      dict(BLOCK_E=16, stride_wk=1)),
+                                     ("dw", gg._gmm_dw_kernel, gg.dw_configs(tdtype), {})):
+        for c in configs:
+            kw = c.kwargs
+            yield (f"grouped {name} {kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']}", fn, types,
+                   dict(**kw, **extra, UPCAST=False, PREC=prec), c.num_warps, c.num_stages)
 
 
 def main():

@@ -19,6 +19,12 @@ the bucket's collective starts asynchronously (``overlap=True``) while backward 
   as the bucket is complete, then the staging buffer is dropped (ZeRO-2's trade: less
   memory, one reduce-scatter per micro-batch).
 
+Expert parameters (mixture of experts, ``param.expert_parallel``) live on fewer ranks: their
+buckets are reduced over the expert-data-parallel group instead (the ranks holding the same
+experts), with the same divisor as the dense buckets, DP x CP, not the group's size: an
+expert's gradient on its owner already sums the tokens of its whole expert-parallel group
+(see :mod:`megalite.moe.layer`). A bucket never mixes the two kinds.
+
 Buckets start strictly in index order, so every rank issues the same collectives in the
 same order even when readiness differs. Parameters that got no gradient in a step (unused
 on this rank) simply contribute zeros: ``finish()`` starts any bucket that never became
@@ -50,6 +56,10 @@ class Bucket:
     grad_shard: torch.Tensor | None = None  # stage 2/3: the persistent reduced shard
     staging: dict = field(default_factory=dict)  # stage 2/3: micro-batch -> local gradients
     pending: list = field(default_factory=list)  # (work, output, target) of in-flight ops
+    group: object = None  # the process group reducing this bucket (None: one rank)
+    size: int = 1  # that group's size (the bucket splits into this many shards)
+    divisor: int = 1  # the reduced sum is divided by this (DP x CP for every bucket)
+    expert: bool = False  # an expert-parameter bucket (reduced over expert-data-parallel ranks)
 
 
 def group_by_size(params: list, bucket_size: int, isolate=lambda p: False) -> list[list]:
@@ -71,18 +81,41 @@ def group_by_size(params: list, bucket_size: int, isolate=lambda p: False) -> li
     return groups
 
 
-def build_buckets(groups: list[list], dp_size: int, dp_rank: int, stage: int) -> list[Bucket]:
-    """One flat bucket per group, padded to a multiple of the DP size."""
+def is_expert(p) -> bool:
+    return getattr(p, "expert_parallel", False)
+
+
+def split_by_domain(groups: list[list]) -> list[list]:
+    """Cut each group where it switches between dense and expert parameters."""
+    out = []
+    for group in groups:
+        current = []
+        for p in group:
+            if current and is_expert(p) != is_expert(current[-1]):
+                out.append(current)
+                current = []
+            current.append(p)
+        if current:
+            out.append(current)
+    return out
+
+
+def build_buckets(groups: list[list], dp_size: int, dp_rank: int, stage: int,
+                  expert_size: int = 1, expert_rank: int = 0) -> list[Bucket]:
+    """One flat bucket per group, padded to a multiple of its group's size (the DP size, or
+    the expert-data-parallel size for a group of expert parameters)."""
     buckets = []
     for i, group in enumerate(groups):
+        expert = is_expert(group[0])
+        size, rank = (expert_size, expert_rank) if expert else (dp_size, dp_rank)
         offsets, start = [], 0
         for p in group:
             offsets.append((start, p.numel()))
             start += p.numel()
-        numel = -(-start // dp_size) * dp_size
-        per = numel // dp_size
-        shard = (0, numel) if stage == 0 else (dp_rank * per, (dp_rank + 1) * per)
-        buckets.append(Bucket(i, group, offsets, numel, shard))
+        numel = -(-start // size) * size
+        per = numel // size
+        shard = (0, numel) if stage == 0 else (rank * per, (rank + 1) * per)
+        buckets.append(Bucket(i, group, offsets, numel, shard, size=size, expert=expert))
     return buckets
 
 
@@ -95,10 +128,18 @@ class GradSync:
     gradients of every parameter for that micro-batch.
     """
 
-    def __init__(self, groups: list[list], *, stage: int, group, overlap: bool, grad_dtype: torch.dtype):
+    def __init__(self, groups: list[list], *, stage: int, group, overlap: bool, grad_dtype: torch.dtype,
+                 expert_group=None):
+        """``group``: the data-parallel (x CP) group; ``expert_group``: the expert-data-parallel
+        group, for buckets of expert parameters."""
         self.stage, self.group, self.overlap, self.grad_dtype = stage, group, overlap, grad_dtype
         self.dp = comm.group_size(group)
-        self.buckets = build_buckets(groups, self.dp, comm.group_rank(group), stage)
+        groups = split_by_domain(groups)
+        self.buckets = build_buckets(groups, self.dp, comm.group_rank(group), stage,
+                                     comm.group_size(expert_group), comm.group_rank(expert_group))
+        for b in self.buckets:
+            b.group = expert_group if b.expert else group
+            b.divisor = self.dp
         params = [p for g in groups for p in g]
         self.device = params[0].device  # every buffer lives where the model's gradients do
         self._where = {}
@@ -175,12 +216,12 @@ class GradSync:
             source = b.staging.pop(micro if self.overlap else 0, None)
             if source is None:
                 source = self._zeros(b.numel)
-        if self.dp == 1:
+        if b.size == 1:
             if self.stage >= 2:
                 b.grad_shard.add_(source)
             return
         if self.stage == 0:
-            b.pending.append((comm.all_reduce_async(source, self.group), None, None))
+            b.pending.append((comm.all_reduce_async(source, b.group), None, None))
             return
         if self.stage >= 2:
             # The previous micro-batch's reduction of this bucket finished long ago (a whole
@@ -188,9 +229,9 @@ class GradSync:
             # per bucket is alive. Keeping them all until finish() holds M full gradients.
             self._complete(b)
         with category("communication"):
-            out = torch.empty(b.numel // self.dp, dtype=self.grad_dtype, device=self.device)
+            out = torch.empty(b.numel // b.size, dtype=self.grad_dtype, device=self.device)
         target = b.grad[b.shard[0]: b.shard[1]] if self.stage == 1 else b.grad_shard
-        b.pending.append((comm.reduce_scatter_async(out, source, self.group), out, target))
+        b.pending.append((comm.reduce_scatter_async(out, source, b.group), out, target))
         if self.stage >= 2:
             self._fold_finished()
 
@@ -200,7 +241,7 @@ class GradSync:
         self._launch_ready(force=True)
         for b in self.buckets:
             self._complete(b)
-            self.shard_grad(b).div_(self.dp)
+            self.shard_grad(b).div_(b.divisor)
 
     def _fold_finished(self) -> None:
         """Fold every reduction that has already finished into its shard (a non-blocking check),

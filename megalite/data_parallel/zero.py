@@ -29,7 +29,7 @@ import contextlib
 import torch
 
 from megalite.config import TrainConfig
-from megalite.data_parallel.ddp import GradSync, group_by_size
+from megalite.data_parallel.ddp import GradSync, group_by_size, is_expert
 from megalite.data_parallel.sharded_params import ShardedParameters
 from megalite.memory_tracker import category
 from megalite.parallel import comm
@@ -86,7 +86,9 @@ class DistributedOptimizer:
         groups = [[p for p in g if p.requires_grad] for g in groups]
         groups = [g for g in groups if g]
         params = [p for g in groups for p in g]
-        self.sync = GradSync(groups, stage=stage, group=self.group, overlap=overlap, grad_dtype=grad_dtype)
+        self.expert_group = grid.edp_group if grid is not None else None
+        self.sync = GradSync(groups, stage=stage, group=self.group, overlap=overlap, grad_dtype=grad_dtype,
+                             expert_group=self.expert_group)
         self.device = params[0].device
         self.state_device = host_device(self.device) if offload else self.device
         pinned = offload and self.device.type == "cuda"
@@ -108,7 +110,7 @@ class DistributedOptimizer:
             self.exp_avg_sq.append(torch.zeros(hi - lo, device=self.state_device))
             self.decay_ranges.append(_shard_ranges(b, b.shard, lambda p: p.ndim >= 2 and "norm" not in names[p]))
             self.norm_ranges.append(_shard_ranges(b, b.shard, lambda p: not getattr(p, "embedding_copy", False)
-                                                  and (is_tensor_parallel(p) or tp_rank == 0)))
+                                                  and (is_tensor_parallel(p) or is_expert(p) or tp_rank == 0)))
             self.sp_ranges.append(_shard_ranges(b, b.shard, lambda p: getattr(p, "sequence_parallel", False)))
             if offload:
                 self._host_grad.append(torch.empty(hi - lo, dtype=grad_dtype, device=self.state_device,
@@ -146,18 +148,30 @@ class DistributedOptimizer:
                 comm.all_reduce(self.sync.shard_grad(b), self.grid.embedding_group)
 
     def grad_norm(self, loss_scale: float = 1.0) -> torch.Tensor:
-        """Unscale the gradient shards and return the global L2 norm (fp32)."""
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        """Unscale the gradient shards and return the global L2 norm (fp32). Each element is
+        counted once: dense shards are disjoint over DP (stages >= 1) and TP-replicated ones
+        are counted on TP rank 0; expert shards are disjoint over expert-data-parallel ranks
+        and the experts over the expert-parallel group, which gives the stage's experts on
+        every rank of the stage, so TP rank 0 adds them before the sum over TP x PP."""
+        dense = torch.zeros((), dtype=torch.float32, device=self.device)
+        experts = torch.zeros((), dtype=torch.float32, device=self.device)
         for b, ranges in zip(self.sync.buckets, self.norm_ranges):
             g = self.sync.shard_grad(b)
             if loss_scale != 1.0:
                 g.div_(loss_scale)
+            total = experts if b.expert else dense
             for a, z in ranges:
                 total += g[a:z].float().pow(2).sum()
-        if self.grid is not None:
-            if self.stage >= 1:
-                comm.all_reduce(total, self.group)  # disjoint shards across DP
-            comm.all_reduce(total, self.grid.mp_group)
+        if self.grid is None:
+            return (dense + experts).sqrt()
+        if self.stage >= 1:
+            comm.all_reduce(dense, self.group)  # disjoint shards across DP
+            comm.all_reduce(experts, self.expert_group)
+        if any(b.expert for b in self.sync.buckets):
+            comm.all_reduce(experts, self.grid.ep_group)
+            if self.grid.tp_rank != 0:
+                experts.zero_()
+        total = comm.all_reduce(dense + experts, self.grid.mp_group)
         return total.sqrt()
 
     @torch.no_grad()
@@ -212,12 +226,12 @@ class DistributedOptimizer:
             return
         for i, b in enumerate(self.sync.buckets):
             shard = self._weight_shard(i)
-            if self.stage == 0 or comm.group_size(self.group) == 1:
+            if self.stage == 0 or b.size == 1:
                 full = shard
             else:
                 with category("communication"):
                     full = torch.empty(b.numel, dtype=self.model_dtype, device=self.device)
-                comm.all_gather_async(full, shard.contiguous(), self.group).wait()
+                comm.all_gather_async(full, shard.contiguous(), b.group).wait()
             for p, (start, numel) in zip(b.params, b.offsets):
                 p.copy_(full[start: start + numel].view_as(p))
 

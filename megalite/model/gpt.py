@@ -14,6 +14,10 @@ Weight layout (what a checkpoint or a tensor-parallel shard refers to):
 - Layers are named by their *global* index (``layers.7``) whatever pipeline stage
   holds them, so names do not depend on the layout.
 
+Mixture of experts (``--num-experts``): the MLP of the layers ``moe_layers(cfg)`` picks is a
+:class:`megalite.moe.block.MoEMLP` (router, experts spread over the expert-parallel group,
+the aux losses entering backward on their own); the block reads the same.
+
 Parallelism enters only through the layers (``megalite.layers.tensor_parallel``): with
 a TP group of one rank they are plain linears and embeddings. Activations inside the
 model are sequence-first, (s, b, h); under sequence parallelism the residual stream holds
@@ -36,6 +40,8 @@ from megalite.layers.attention import attention
 from megalite.layers.kv_cache import cached_attention
 from megalite.layers.norms import build_norm
 from megalite.layers.rotary import apply_rotary, rotary_angles
+from megalite.moe.block import MoEMLP
+from megalite.moe.settings import moe_layers
 from megalite.layers.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
                                              VocabParallelEmbedding, vocab_parallel_cross_entropy)
 from megalite.context_parallel.ring_attention import ring_attention
@@ -115,16 +121,18 @@ class SelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
-    """fc2(act(fc1(x))), split over TP along the FFN dimension (fc1 column-, fc2 row-parallel)."""
+    """fc2(act(fc1(x))), split over TP along the FFN dimension (fc1 column-, fc2 row-parallel).
+    ``ffn``: the FFN size (default ``cfg.ffn_hidden_size``; an MoE shared expert has its own)."""
 
-    def __init__(self, cfg: ModelConfig, tp_group=None, sequence_parallel: bool = False):
+    def __init__(self, cfg: ModelConfig, tp_group=None, sequence_parallel: bool = False, ffn: int | None = None):
         super().__init__()
         self.swiglu = cfg.swiglu
+        ffn = ffn or cfg.ffn_hidden_size
         par = dict(tp_group=tp_group, sequence_parallel=sequence_parallel)
         sections = 2 if cfg.swiglu else 1  # SwiGLU: fc1 = [gate; up]
-        self.fc1 = ColumnParallelLinear(cfg.hidden_size, sections * cfg.ffn_hidden_size,
+        self.fc1 = ColumnParallelLinear(cfg.hidden_size, sections * ffn,
                                         bias=cfg.add_bias_linear, sections=sections, **par)
-        self.fc2 = RowParallelLinear(cfg.ffn_hidden_size, cfg.hidden_size, bias=cfg.add_bias_linear, **par)
+        self.fc2 = RowParallelLinear(ffn, cfg.hidden_size, bias=cfg.add_bias_linear, **par)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
@@ -139,12 +147,18 @@ class MLP(nn.Module):
 class TransformerBlock(nn.Module):
     """x + attn(norm(x)), then + mlp(norm(.)); dropout on each branch output."""
 
-    def __init__(self, cfg: ModelConfig, tp_group=None, sequence_parallel: bool = False, cp_group=None):
+    def __init__(self, cfg: ModelConfig, tp_group=None, sequence_parallel: bool = False, cp_group=None,
+                 moe: bool = False, ep_group=None, token_group=None):
         super().__init__()
         self.attn_norm = _norm(cfg, sequence_parallel)
         self.attn = SelfAttention(cfg, tp_group, sequence_parallel, cp_group)
         self.mlp_norm = _norm(cfg, sequence_parallel)
-        self.mlp = MLP(cfg, tp_group, sequence_parallel)
+        if moe:
+            shared = cfg.moe_shared_expert_intermediate_size
+            self.mlp = MoEMLP(cfg, tp_group, sequence_parallel, cp_group, ep_group, token_group,
+                              shared_expert=MLP(cfg, tp_group, sequence_parallel, shared) if shared else None)
+        else:
+            self.mlp = MLP(cfg, tp_group, sequence_parallel)
         self.dropout = ParallelDropout(cfg.hidden_dropout, sequence_parallel)
 
     def forward(self, x: torch.Tensor, rope=None, cache=None) -> torch.Tensor:
@@ -165,7 +179,9 @@ class GPTModel(nn.Module):
     def __init__(self, cfg: ModelConfig, padded_vocab_size: int | None = None,
                  pre_process: bool = True, post_process: bool = True,
                  layer_range: range | None = None, tp_group=None, sequence_parallel: bool = False,
-                 cp_group=None):
+                 cp_group=None, ep_group=None, token_group=None):
+        """``ep_group`` / ``token_group``: the expert-parallel group and the ranks holding one
+        micro-batch together (TP x CP), for MoE layers (see megalite.moe.block)."""
         super().__init__()
         self.cfg = cfg
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
@@ -190,7 +206,9 @@ class GPTModel(nn.Module):
                 if sequence_parallel:
                     mark_sequence_parallel(self.position_embeddings.weight)
             self.embedding_dropout = ParallelDropout(cfg.hidden_dropout, sequence_parallel)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, **par, cp_group=cp_group)
+        moe = moe_layers(cfg)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, **par, cp_group=cp_group, moe=moe[i],
+                                                              ep_group=ep_group, token_group=token_group)
                                      for i in self.layer_range})
         if post_process:
             self.final_norm = _norm(cfg, sequence_parallel)
@@ -256,8 +274,8 @@ class GPTModel(nn.Module):
         std = self.cfg.init_method_std
         output_std = std / math.sqrt(2.0 * self.cfg.num_layers)
         for name, param in self.named_parameters():
-            if param.device.type == "meta":
-                continue
+            if param.device.type == "meta" or getattr(param, "expert_parallel", False):
+                continue  # experts: drawn per global expert index below
             leaf = name.rsplit(".", 1)[-1]
             full_shape = getattr(param, "full_shape", tuple(param.shape))
             if "norm" in name:
@@ -270,12 +288,15 @@ class GPTModel(nn.Module):
                 real = init_full_tensor((self.vocab_size, full_shape[1]), seed,
                                         "word_embeddings.weight" if name.startswith("word") else name, std)
                 full = torch.cat([real, torch.zeros(full_shape[0] - self.vocab_size, full_shape[1])])
-            elif name.endswith("attn.proj.weight") or name.endswith("mlp.fc2.weight"):
+            elif name.endswith("attn.proj.weight") or name.endswith("fc2.weight"):
                 full = init_full_tensor(full_shape, seed, name, output_std)
             else:
                 full = init_full_tensor(full_shape, seed, name, std)
             shard = param.shard_fn(full) if hasattr(param, "shard_fn") else full
             param.copy_(shard)
+        for name, module in self.named_modules():
+            if isinstance(module, MoEMLP):
+                module.init_expert_weights(seed, f"{name}.", std, output_std)
 
 
 def materialize(module: nn.Module, device: torch.device) -> nn.Module:

@@ -55,9 +55,10 @@ def grouped_mlp(x_sorted: torch.Tensor, counts: list[int], w1: torch.Tensor, w2:
 class GroupedExperts(nn.Module):
     """``num_local`` experts (global indices ``first, first+1, ...``) as stacked weights."""
 
-    def __init__(self, num_local: int, hidden: int, ffn: int, swiglu: bool = True, first: int = 0):
+    def __init__(self, num_local: int, hidden: int, ffn: int, swiglu: bool = True, first: int = 0,
+                 grouped_gemm: bool = False):
         super().__init__()
-        self.num_local, self.first, self.swiglu = num_local, first, swiglu
+        self.num_local, self.first, self.swiglu, self.grouped_gemm = num_local, first, swiglu, grouped_gemm
         self.hidden, self.ffn = hidden, ffn
         sections = 2 if swiglu else 1
         self.w1 = nn.Parameter(torch.empty(num_local, sections * ffn, hidden))

@@ -22,29 +22,35 @@ Load-balancing loss (Switch Transformer, GShard; Megatron's ``switch_load_balanc
 
 z-loss (ST-MoE): ``z = mean_t logsumexp(logits[t])^2``, keeps the logits small.
 
-**Over an expert-parallel group** whose ranks hold different tokens (EP ranks are DP ranks),
-the "global batch" is the concatenation of the ranks' tokens in rank order. One all-gather of
-the per-rank, per-expert assignment counts (E integers per rank; no gradient, so no conjugate)
-gives every rank
+**Over a token group.** The tokens of one micro-batch may be spread over several ranks: under
+sequence parallelism each TP rank holds s/TP positions, under context parallelism each CP
+rank holds its chunks of every sequence. The router is given that ``token_group`` (Megatron
+reduces its load-balancing statistics over the same TP x CP ranks) and computes the losses of
+the *whole micro-batch*, exactly as the serial model does:
 
-- ``f_e`` over the global batch, and
-- the number of assignments to each expert on lower ranks (for capacity, below).
+- ``f_e`` from the assignment counts all-reduced over the group (E integers; no gradient, so
+  no conjugate), divided by the group's ``T_global * k`` assignments;
+- this rank returns its **share** of each loss: ``aux = E * sum_e f_e * (sum_{local t} p[t,e])
+  / T_global`` and ``z = sum_{local t} lse_t^2 / T_global``. The shares sum over the group to
+  the micro-batch's losses, and since each share is linear in the local probabilities, the
+  gradient of a share with respect to this rank's tokens is the gradient of the whole loss:
+  no differentiable collective is needed. (How a share enters the backward so that it adds
+  up the way the main loss does is the caller's business: see :mod:`megalite.moe.layer`.)
 
-The aux loss a rank returns is ``E * sum_e f_e(global) * P_e(local)``. It is linear in the
-local probabilities, so the mean of the ranks' values is exactly the serial aux loss of the
-whole batch, and under the data-parallel convention (objective = mean over ranks of each rank's
-loss, gradients averaged over ranks) its gradient is exactly the serial one -- no differentiable
-collective needed. When every rank holds the same tokens it equals the serial value outright.
-The z-loss is a per-token mean, so the same holds for it with no communication at all.
+Different micro-batches (data-parallel ranks, also when they are one expert-parallel group)
+are routed independently, as the serial model routes each micro-batch: expert parallelism
+moves tokens to the experts but never changes which experts they pick.
 
 **Capacity.** ``capacity_factor=None`` is dropless. With a factor ``cf``, each expert keeps at
-most ``C = ceil(cf * T_global * k / E)`` assignments, where ``T_global`` is the number of tokens
-over the whole EP group (the batch before EP splitting). Assignments are served first come,
-first served in global token order (token ``t`` of rank ``r`` is token ``r*T + t``; within a
-token, its 1st choice before its 2nd). A dropped assignment gets weight 0 and is not sent to
-any expert; the kept weights are *not* renormalized (a token whose choices are all dropped
-passes through the residual only). Since positions are counted in global order, the same
-assignments are dropped under any EP size as in the serial layer over the whole batch.
+most ``C = ceil(cf * T_global * k / E)`` assignments of the micro-batch. Assignments are served
+first come, first served in the serial order of the micro-batch's tokens (the flattened
+(s, b) order of the serial model; within a token, its 1st choice before its 2nd). Over a token
+group, each rank passes ``token_index``, its tokens' places in that order (the rank-order
+concatenation when omitted); the ids are all-gathered (T_global*k integers), every rank runs
+the same first-come count over the whole micro-batch and keeps its own rows. So the same
+assignments are dropped under any layout as in the serial model. A dropped assignment gets
+weight 0 and is not sent to any expert; the kept weights are *not* renormalized (a token
+whose choices are all dropped passes through the residual only).
 """
 from __future__ import annotations
 
@@ -61,8 +67,8 @@ from megalite.parallel import comm
 class RouterOutput(NamedTuple):
     weights: torch.Tensor           # (T, k) combine weights, 0 where dropped
     expert_ids: torch.Tensor        # (T, k) int64 global expert ids
-    aux_loss: torch.Tensor          # scalar: E * sum_e f_e P_e  (see module docstring)
-    z_loss: torch.Tensor            # scalar: mean logsumexp(logits)^2
+    aux_loss: torch.Tensor          # scalar: this rank's share of E * sum_e f_e P_e (module docstring)
+    z_loss: torch.Tensor            # scalar: this rank's share of mean logsumexp(logits)^2
     tokens_per_expert: torch.Tensor  # (E,) int64: kept assignments of this rank's tokens
     kept: torch.Tensor              # (T, k) bool: False where capacity dropped the assignment
 
@@ -80,8 +86,18 @@ def expert_counts(expert_ids: torch.Tensor, num_experts: int, kept: torch.Tensor
     return torch.zeros(num_experts, dtype=ids.dtype, device=ids.device).scatter_add_(0, ids, ones)
 
 
+def first_come_kept(ids: torch.Tensor, num_experts: int, cap: float) -> torch.Tensor:
+    """(T, k) bool: whether each assignment is among the first ``cap`` to its expert, in token
+    order then choice order."""
+    flat = ids.reshape(-1)
+    onehot = F.one_hot(flat, num_experts)  # (T*k, E) ints; O(T*k*E), fine at these sizes
+    position = onehot.cumsum(0).gather(1, flat[:, None]).squeeze(1) - 1
+    return (position.double() < cap).view_as(ids)
+
+
 class TopKRouter(nn.Module):
-    """``forward(x (T, h), ep_group=None) -> RouterOutput``; see the module docstring."""
+    """``forward(x (T, h), token_group=None, token_index=None) -> RouterOutput``; see the
+    module docstring."""
 
     def __init__(self, hidden: int, num_experts: int, topk: int, capacity_factor: float | None = None):
         super().__init__()
@@ -92,38 +108,35 @@ class TopKRouter(nn.Module):
         self.num_experts, self.topk, self.capacity_factor = num_experts, topk, capacity_factor
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
 
-    def forward(self, x: torch.Tensor, ep_group=None) -> RouterOutput:
+    def forward(self, x: torch.Tensor, token_group=None, token_index: torch.Tensor | None = None) -> RouterOutput:
         E, k = self.num_experts, self.topk
-        T = x.shape[0]
+        T, G = x.shape[0], comm.group_size(token_group)
         logits = F.linear(x.float(), self.weight.float())  # (T, E) fp32
         probs = logits.softmax(dim=-1)
         top_p, ids = probs.topk(k, dim=-1)
         weights = top_p / top_p.sum(dim=-1, keepdim=True) if k > 1 else top_p
 
         requested = expert_counts(ids, E)  # (E,) this rank's assignments, before dropping
-        if comm.group_size(ep_group) > 1:
-            # (P, E): every rank's requested counts, rank order. No gradient flows here.
-            per_rank = comm.all_gather_dim0(requested, ep_group).view(-1, E)
-            rank = comm.group_rank(ep_group)
-            total = per_rank.sum(0)
-            before_me = per_rank[:rank].sum(0)
-        else:
-            total, before_me = requested, torch.zeros_like(requested)
-        global_assignments = total.sum()  # = T_global * k
-        f = total.to(probs.dtype) / global_assignments.clamp(min=1).to(probs.dtype)
-        aux_loss = E * (f * probs.mean(dim=0)).sum()
-        z_loss = torch.logsumexp(logits, dim=-1).square().mean()
+        total = comm.all_reduce(requested.clone(), token_group)  # the micro-batch's (no gradient)
+        t_global = T * G  # every rank of the group holds as many tokens
+        f = total.to(probs.dtype) / max(1, t_global * k)
+        aux_loss = E * (f * probs.sum(dim=0)).sum() / max(1, t_global)
+        z_loss = torch.logsumexp(logits, dim=-1).square().sum() / max(1, t_global)
 
         if self.capacity_factor is None:
             kept = torch.ones_like(ids, dtype=torch.bool)
         else:
-            # global_assignments = T_global * k: every token makes exactly k assignments.
-            cap = torch.ceil(self.capacity_factor * global_assignments.double() / E)
-            flat = ids.reshape(-1)  # token order, then choice order
-            onehot = F.one_hot(flat, E)  # (T*k, E); O(T*k*E) ints, fine for a first version
-            position = onehot.cumsum(0).gather(1, flat[:, None]).squeeze(1) - 1
-            position = position + before_me.gather(0, flat)  # place in the global order
-            kept = (position.double() < cap).view_as(ids)
+            cap = float(math.ceil(self.capacity_factor * t_global * k / E))
+            if G == 1:
+                kept = first_come_kept(ids, E, cap)
+            else:
+                rank = comm.group_rank(token_group)
+                if token_index is None:
+                    token_index = torch.arange(rank * T, (rank + 1) * T, device=ids.device)
+                all_ids = comm.all_gather_dim0(ids, token_group)  # (T_global, k), rank order
+                all_index = comm.all_gather_dim0(token_index.to(ids.device), token_group)
+                ordered = torch.empty_like(all_ids).index_copy_(0, all_index, all_ids)  # serial order
+                kept = first_come_kept(ordered, E, cap).index_select(0, token_index.to(ids.device))
             weights = weights * kept.to(weights.dtype)
         tokens_per_expert = expert_counts(ids, E, kept)
         return RouterOutput(weights, ids, aux_loss, z_loss, tokens_per_expert, kept)

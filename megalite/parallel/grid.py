@@ -7,6 +7,16 @@ Rank order, fastest-varying first, is tp, cp, dp, pp::
 so consecutive ranks form a tensor-parallel group (inside one node's NVLink) while
 pipeline stages and data-parallel replicas span nodes (InfiniBand).
 
+Experts (mixture of experts, :mod:`megalite.moe`) have a second order over the same ranks,
+Megatron's ``etp-ep-edp-pp`` with expert-tensor-parallel size 1: inside one pipeline stage,
+with ``i = tp + TP * (cp + CP * dp)`` the rank's place among the stage's TP*CP*DP ranks::
+
+    i = ep + EP * edp
+
+so an expert-parallel group is EP consecutive ranks (inside a node while EP <= GPUs per node,
+where its all-to-alls run), and the expert-data-parallel group (the ranks holding the same
+experts, which reduce their gradients) strides by EP.
+
 :class:`GridLayout` is pure arithmetic (no processes), so layouts of any size can be
 tested; :class:`ProcessGrid` creates the torch.distributed groups. Every rank must
 call ``new_group`` for every group, in the same order, even the groups it is not in:
@@ -32,7 +42,10 @@ GROUP_DIMS = {
     "mp": ("tp", "pp"),  # model parallel: all ranks holding one copy of the model
     "tp_cp": ("tp", "cp"),  # all ranks working on one sequence's copy of a stage
 }
-GROUP_ORDER = ("tp", "cp", "dp", "dp_cp", "pp", "mp", "tp_cp", "embedding")
+# ep: the ranks whose tokens meet in one expert all-to-all; edp: the ranks holding the same
+# experts (their gradients are summed). Created only for a model with experts.
+EXPERT_KINDS = ("ep", "edp")
+GROUP_ORDER = ("tp", "cp", "dp", "dp_cp", "pp", "mp", "tp_cp", "embedding") + EXPERT_KINDS
 
 
 @dataclass(frozen=True)
@@ -51,16 +64,25 @@ class GridLayout:
     cp: int = 1
     dp: int = 1
     pp: int = 1
+    ep: int = 1  # expert-parallel size (a divisor of TP*CP*DP)
+    experts: bool = False  # whether the model has experts (then the ep/edp groups exist)
 
     @classmethod
-    def from_config(cls, parallel: ParallelConfig, world_size: int) -> "GridLayout":
+    def from_config(cls, parallel: ParallelConfig, world_size: int, experts: bool = False) -> "GridLayout":
         validate_layout(parallel, world_size)
         return cls(
             tp=parallel.tensor_model_parallel_size,
             cp=parallel.context_parallel_size,
             dp=parallel.data_parallel_size(world_size),
             pp=parallel.pipeline_model_parallel_size,
+            ep=parallel.expert_model_parallel_size,
+            experts=experts,
         )
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: ranks of one stage holding the same experts."""
+        return self.tp * self.cp * self.dp // self.ep
 
     @property
     def world_size(self) -> int:
@@ -88,6 +110,8 @@ class GridLayout:
         (except 'embedding', whose groups are the first and last pipeline stage)."""
         if kind == "embedding":
             return self._embedding_groups()
+        if kind in EXPERT_KINDS:
+            return self._expert_groups(kind)
         varying = GROUP_DIMS[kind]
         fixed = [d for d in DIMS if d not in varying]
         result = []
@@ -106,6 +130,26 @@ class GridLayout:
         for pp_group in self.groups("pp"):
             result.append(sorted({pp_group[0], pp_group[-1]}))
         return result
+
+    def _expert_groups(self, kind: str) -> list[list[int]]:
+        """Per pipeline stage (ranks ``pp*N .. pp*N + N-1``, N = TP*CP*DP): EP groups are runs of
+        EP consecutive ranks, EDP groups take every EP-th rank. None without experts."""
+        if not self.experts:
+            return []
+        n, ep = self.tp * self.cp * self.dp, self.ep
+        result = []
+        for pp in range(self.pp):
+            base = pp * n
+            if kind == "ep":
+                result += [[base + b * ep + j for j in range(ep)] for b in range(n // ep)]
+            else:
+                result += [[base + j + ep * b for b in range(n // ep)] for j in range(ep)]
+        return result
+
+    def expert_coord(self, rank: int) -> tuple[int, int]:
+        """(ep rank, edp rank) of a rank: its place in its EP group and in its EDP group."""
+        i = rank % (self.tp * self.cp * self.dp)
+        return i % self.ep, i // self.ep
 
     def group_of(self, kind: str, rank: int) -> list[int]:
         for ranks in self.groups(kind):
@@ -127,15 +171,22 @@ class GridLayout:
     def describe(self, gpus_per_node: int | None = None) -> str:
         """A readable table: rank, node, local rank and the four coordinates."""
         per_node = gpus_per_node or self.world_size
+        experts = (f"; experts: EP {self.ep} x EDP {self.edp} per stage (order ep, edp)"
+                   if self.experts else "")
         lines = [
             f"grid: world={self.world_size} = TP {self.tp} x CP {self.cp} x DP {self.dp} x PP {self.pp}"
-            f" ({per_node} per node, {-(-self.world_size // per_node)} node(s))",
-            f"{'rank':>5} {'node':>5} {'local':>6} {'tp':>3} {'cp':>3} {'dp':>3} {'pp':>3}",
+            f" ({per_node} per node, {-(-self.world_size // per_node)} node(s)){experts}",
+            f"{'rank':>5} {'node':>5} {'local':>6} {'tp':>3} {'cp':>3} {'dp':>3} {'pp':>3}"
+            + (f" {'ep':>3} {'edp':>3}" if self.experts else ""),
         ]
         for rank in range(self.world_size):
             c = self.coord(rank)
-            lines.append(f"{rank:>5} {rank // per_node:>5} {rank % per_node:>6} "
-                         f"{c.tp:>3} {c.cp:>3} {c.dp:>3} {c.pp:>3}")
+            row = (f"{rank:>5} {rank // per_node:>5} {rank % per_node:>6} "
+                   f"{c.tp:>3} {c.cp:>3} {c.dp:>3} {c.pp:>3}")
+            if self.experts:
+                ep, edp = self.expert_coord(rank)
+                row += f" {ep:>3} {edp:>3}"
+            lines.append(row)
         return "\n".join(lines)
 
 
@@ -165,6 +216,10 @@ class ProcessGrid:
                               f"{layout} needs {layout.world_size}.")
         groups = create_groups(layout, rank, backend, timeout) if distributed else {}
         for kind in GROUP_ORDER:
+            if kind in EXPERT_KINDS and not layout.experts:
+                setattr(self, f"{kind}_group", None)
+                setattr(self, f"{kind}_ranks", [rank])
+                continue
             ranks = layout.group_of(kind, rank) if kind != "embedding" else self._embedding_ranks(layout, rank)
             setattr(self, f"{kind}_group", groups.get(kind))  # a group of one is None: nothing to send
             setattr(self, f"{kind}_ranks", ranks or [rank])
@@ -195,6 +250,14 @@ class ProcessGrid:
     @property
     def pp_rank(self) -> int:
         return self.coord.pp
+
+    @property
+    def ep_rank(self) -> int:
+        return self.layout.expert_coord(self.rank)[0]
+
+    @property
+    def edp_rank(self) -> int:
+        return self.layout.expert_coord(self.rank)[1]
 
     @property
     def is_first_stage(self) -> bool:

@@ -43,6 +43,7 @@ def build_model_chunks(config: Config, grid, device=None) -> list[GPTModel]:
                 config.model, pre_process=g == 0, post_process=g == P * V - 1,
                 layer_range=chunk_layers(config.model.num_layers, P, V, grid.pp_rank, c),
                 tp_group=grid.tp_group, sequence_parallel=config.parallel.sequence_parallel,
-                cp_group=getattr(grid, "cp_group", None))
+                cp_group=getattr(grid, "cp_group", None), ep_group=getattr(grid, "ep_group", None),
+                token_group=getattr(grid, "tp_cp_group", None))
         chunks.append(materialize(chunk, device if device is not None else torch.device("cpu")))
     return chunks

@@ -1,0 +1,113 @@
+"""Mixture-of-experts settings: which layers are MoE, and every rule the flags must follow.
+
+``validate_moe`` is called by :func:`megalite.config.validate` (before any group or model
+exists); each rule raises :class:`ConfigError` naming the values, the rule and a fix.
+"""
+from __future__ import annotations
+
+import json
+import os
+
+from megalite.config import ConfigError
+
+
+def parse_layer_freq(value) -> int | list:
+    """``--moe-layer-freq``: an int N (layers 0, N, 2N, ... are MoE) or a 0/1 list, one entry per
+    layer, written ``[1,0,1,0]`` (JSON; Megatron also accepts that form)."""
+    if isinstance(value, (int, list)):
+        return value
+    text = str(value).strip()
+    if text.startswith("["):
+        try:
+            pattern = json.loads(text)
+        except json.JSONDecodeError:
+            pattern = None
+        if not isinstance(pattern, list) or any(v not in (0, 1) for v in pattern):
+            raise ConfigError(f"--moe-layer-freq {value!r}: a list must hold 0s and 1s, e.g. [1,0,1,0].")
+        return pattern
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"--moe-layer-freq {value!r}: give an integer N (every N-th layer is MoE) "
+                          f"or a 0/1 list such as [1,0,1,0].") from None
+
+
+def moe_layers(cfg) -> list[bool]:
+    """For each layer (global index), whether its MLP is a mixture of experts."""
+    if not cfg.num_experts:
+        return [False] * cfg.num_layers
+    freq = cfg.moe_layer_freq
+    if isinstance(freq, list):
+        return [bool(v) for v in freq]
+    return [i % freq == 0 for i in range(cfg.num_layers)]
+
+
+def is_moe(cfg) -> bool:
+    return bool(cfg.num_experts)
+
+
+def validate_moe(m, p, t, world_size: int) -> None:
+    ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
+    tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    if not m.num_experts:
+        if ep != 1:
+            raise ConfigError(f"--expert-model-parallel-size {ep} without --num-experts: there are no "
+                              f"experts to split. Fix: add --num-experts E (a multiple of {ep}) or drop "
+                              f"the flag.")
+        return
+    E, k = m.num_experts, m.moe_router_topk
+    if E < 1:
+        raise ConfigError(f"--num-experts must be a positive integer, got {E}.")
+    if not 1 <= k <= E:
+        raise ConfigError(f"--moe-router-topk {k} must be in [1, --num-experts {E}]: each token picks k "
+                          f"distinct experts. Fix: lower --moe-router-topk.")
+    if m.moe_ffn_hidden_size is None or m.moe_ffn_hidden_size < 1:
+        raise ConfigError(f"--moe-ffn-hidden-size must be a positive integer, got {m.moe_ffn_hidden_size}.")
+    m.moe_layer_freq = parse_layer_freq(m.moe_layer_freq)
+    freq = m.moe_layer_freq
+    if isinstance(freq, list):
+        if len(freq) != m.num_layers:
+            raise ConfigError(f"--moe-layer-freq lists {len(freq)} layers but the model has --num-layers "
+                              f"{m.num_layers}. Fix: one 0/1 entry per layer.")
+    elif freq < 1:
+        raise ConfigError(f"--moe-layer-freq {freq} must be >= 1 (1: every layer is MoE).")
+    if m.moe_router_load_balancing_type not in ("aux_loss", "none"):
+        raise ConfigError(f"--moe-router-load-balancing-type {m.moe_router_load_balancing_type!r} is not "
+                          f"implemented. Fix: aux_loss (Switch/GShard) or none.")
+    if m.moe_aux_loss_coeff < 0 or (m.moe_z_loss_coeff or 0) < 0:
+        raise ConfigError(f"--moe-aux-loss-coeff ({m.moe_aux_loss_coeff}) and --moe-z-loss-coeff "
+                          f"({m.moe_z_loss_coeff}) must be >= 0.")
+    if m.moe_expert_capacity_factor is not None and m.moe_expert_capacity_factor <= 0:
+        raise ConfigError(f"--moe-expert-capacity-factor must be positive, got {m.moe_expert_capacity_factor} "
+                          f"(leave it unset for dropless routing).")
+    if m.moe_shared_expert_intermediate_size is not None:
+        if m.moe_shared_expert_intermediate_size < 1 or m.moe_shared_expert_intermediate_size % tp:
+            raise ConfigError(f"--moe-shared-expert-intermediate-size {m.moe_shared_expert_intermediate_size} "
+                              f"must be a positive multiple of --tensor-model-parallel-size {tp} (the shared "
+                              f"expert is a dense MLP split over TP).")
+    if etp != 1:
+        raise ConfigError(f"--expert-tensor-parallel-size {etp}: megalite keeps each expert whole on its "
+                          f"rank (ETP = 1, the layout Megatron recommends for MoE) and spreads experts "
+                          f"with --expert-model-parallel-size instead. Fix: --expert-tensor-parallel-size 1.")
+    if ep < 1 or E % ep:
+        raise ConfigError(f"--num-experts ({E}) must be divisible by --expert-model-parallel-size ({ep}): "
+                          f"each expert-parallel rank holds E/EP experts. Fix: choose EP dividing {E}.")
+    stage_ranks = world_size // pp if world_size % pp == 0 else 0
+    if stage_ranks % ep:
+        raise ConfigError(f"--expert-model-parallel-size ({ep}) must divide the ranks of one pipeline stage, "
+                          f"TP*CP*DP = {stage_ranks} (world {world_size} / PP {pp}): expert-parallel groups "
+                          f"are carved out of them. Fix: choose EP dividing {stage_ranks}.")
+    if tp > 1 and not p.sequence_parallel:
+        raise ConfigError(f"MoE with --tensor-model-parallel-size {tp} needs --sequence-parallel (as in "
+                          f"Megatron): each TP rank then routes its own part of the sequence. Fix: add "
+                          f"--sequence-parallel.")
+    if t.zero_stage == 3:
+        raise ConfigError("--zero-stage 3 with --num-experts: expert weights are sharded over the "
+                          "expert-data-parallel group, which ZeRO-3's layer-by-layer gathering does not "
+                          "know yet. Fix: --zero-stage 1 or 2.")
+    if m.moe_grouped_gemm:
+        import torch
+
+        if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ConfigError("--moe-grouped-gemm runs a Triton kernel: it needs a GPU (or TRITON_INTERPRET=1, "
+                              "the slow CPU interpreter, for tests). Fix: drop --moe-grouped-gemm on a CPU.")

@@ -1,0 +1,67 @@
+"""Per-step MoE figures for the log line, and the per-step backward scale of the aux losses.
+
+After a train step, :func:`step_stats` reduces what every MoE layer recorded
+(:meth:`MoELayer._record`) over the whole world (the DP x CP group, then TP x PP):
+
+- ``moe_aux_loss`` / ``moe_z_loss``: the load-balancing and z losses of a micro-batch,
+  averaged over MoE layers and micro-batches (without their coefficients; 1.0 is perfectly
+  balanced routing for the aux loss);
+- ``moe_load_min`` / ``moe_load_max``: tokens routed to an expert (kept assignments), relative
+  to the mean over that layer's experts: the least and the most loaded expert of any layer.
+  1.0 / 1.0 is perfect balance; max 2.0 means some expert got twice its share (with a capacity
+  factor, at most that factor).
+"""
+from __future__ import annotations
+
+import torch
+
+from megalite.moe.layer import MoELayer
+from megalite.moe.settings import moe_layers
+from megalite.parallel import comm
+
+
+def moe_modules(chunks) -> list[tuple[int, MoELayer]]:
+    """(global layer index, MoE layer) of every MoE layer of this rank's chunks."""
+    out = []
+    for chunk in chunks:
+        for name, block in getattr(chunk, "layers", {}).items():
+            if isinstance(getattr(block, "mlp", None), MoELayer):
+                out.append((int(name), block.mlp))
+    return out
+
+
+def set_backward_scale(chunks, scale: float) -> None:
+    """The scale the main loss's backward gets (loss scale / micro-batches) for the aux losses."""
+    for _, layer in moe_modules(chunks):
+        layer.backward_scale = scale
+        layer.reset_stats()
+
+
+def step_stats(chunks, grid, num_micro_global: int) -> dict | None:
+    """The step's MoE figures (see the module docstring), the same on every rank; None for a
+    dense model. A collective: every rank calls it."""
+    cfg = chunks[0].cfg
+    if not cfg.num_experts:
+        return None
+    pattern = moe_layers(cfg)
+    index = {layer: i for i, layer in enumerate(i for i, moe in enumerate(pattern) if moe)}
+    device = next(chunks[0].parameters()).device
+    losses = torch.zeros(2, dtype=torch.float32, device=device)
+    tokens = torch.zeros(len(index), cfg.num_experts, dtype=torch.float32, device=device)
+    for layer_index, layer in moe_modules(chunks):
+        if layer.stat_losses is None:
+            continue
+        losses += layer.stat_losses
+        tokens[index[layer_index]] += layer.stat_tokens.float()
+    both = torch.cat([losses, tokens.reshape(-1)])
+    if grid is not None:
+        comm.all_reduce(both, grid.dp_cp_group)
+        comm.all_reduce(both, grid.mp_group)
+    if device.type == "meta":
+        return {"moe_aux_loss": float("nan"), "moe_z_loss": float("nan"), "moe_load_min": float("nan"),
+                "moe_load_max": float("nan")}
+    both = both.cpu()
+    losses, tokens = both[:2] / max(1, len(index) * num_micro_global), both[2:].view(len(index), -1)
+    load = tokens / tokens.mean(dim=1, keepdim=True).clamp_min(1e-12)
+    return {"moe_aux_loss": losses[0].item(), "moe_z_loss": losses[1].item(),
+            "moe_load_min": load.min().item(), "moe_load_max": load.max().item()}

@@ -334,9 +334,10 @@ def _control_group(timeout):
 
 
 def build_grid(parallel: ParallelConfig, world_size: int, rank: int,
-               gpus_per_node: int | None = None, timeout=None) -> ProcessGrid:
+               gpus_per_node: int | None = None, timeout=None, experts: bool = False) -> ProcessGrid:
     """Validate the layout against the world and the machine, then build the groups
-    (``timeout``: a timedelta for every collective on them; torch's default otherwise)."""
+    (``timeout``: a timedelta for every collective on them; torch's default otherwise;
+    ``experts``: the model has experts, so the ep/edp groups are made too)."""
     gpus_per_node = gpus_per_node or gpus_per_node_from_env(world_size)
-    layout = GridLayout.from_config(parallel, world_size)
+    layout = GridLayout.from_config(parallel, world_size, experts)
     return ProcessGrid(layout, rank, gpus_per_node, timeout=timeout)

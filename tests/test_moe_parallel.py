@@ -1,0 +1,162 @@
+"""Mixture of experts in the whole GPT, trained under every parallelism against the serial run.
+
+Each layout trains STEPS steps of an MoE GPT (4 experts, top-2, aux and z losses) and must
+reproduce the single-process run: the loss of every step, the MoE aux loss and expert load of
+every step, and every parameter afterwards (experts compared by their global names), all to
+1e-5 (fp32). Layouts: EP2/EP4 with DP and ZeRO-0/1/2, EP across TP ranks (TP2 + sequence
+parallel), EP with PP2, EP with CP2, a shared expert, and a capacity factor that drops tokens
+(dropped assignments counted and equal to serial's).
+"""
+import pytest
+import torch
+
+from megalite.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
+from megalite.data_parallel.zero import DistributedOptimizer
+from megalite.model.gpt import GPTModel
+from megalite.parallel.grid import build_grid
+from megalite.parallel.sharding import gather_full
+from megalite.pipeline.partition import build_model_chunks
+from megalite.testing import run_world
+from megalite.training import LossScaler, build_optimizer, train_step
+
+STEPS, MICRO, GLOBAL = 4, 2, 8
+TOL = 1e-5
+
+
+def make_config(tp=1, pp=1, cp=1, ep=1, layers=2, **moe):
+    model = ModelConfig(num_layers=layers, hidden_size=32, num_attention_heads=4, vocab_size=97, seq_length=16,
+                        hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False, swiglu=True,
+                        normalization="RMSNorm", position_embedding_type="rope",
+                        num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=24, moe_aux_loss_coeff=1e-2,
+                        moe_z_loss_coeff=1e-3, **moe)
+    t = TrainConfig(micro_batch_size=MICRO, global_batch_size=GLOBAL, lr=3e-3, weight_decay=0.1,
+                    clip_grad=0.5, train_iters=STEPS, adam_eps=1e-5)
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                              context_parallel_size=cp, sequence_parallel=tp > 1, expert_model_parallel_size=ep)
+    return Config(model, parallel, t, DataConfig(mock_data=True))
+
+
+def global_batch(cfg, step):
+    g = torch.Generator().manual_seed(1000 + step)
+    x = torch.randint(0, cfg.vocab_size, (GLOBAL, cfg.seq_length + 1), generator=g)
+    return [{"tokens": x[i:i + MICRO, :-1], "labels": x[i:i + MICRO, 1:],
+             "loss_mask": torch.ones(MICRO, cfg.seq_length),
+             "position_ids": torch.arange(cfg.seq_length).expand(MICRO, -1)}
+            for i in range(0, GLOBAL, MICRO)]
+
+
+def global_params(chunks, tp_group=None) -> dict:
+    """Every parameter by its global name: TP shards gathered, each local expert by its index."""
+    out = {}
+    for c in chunks:
+        for n, p in c.named_parameters():
+            if getattr(p, "expert_parallel", False):
+                prefix = n.rsplit(".", 1)[0]
+                for i in range(p.shape[0]):
+                    out[f"{prefix}.{p.expert_first + i}.{p.expert_leaf}"] = p[i].detach().float().clone()
+            else:
+                out[n] = gather_full(p.detach().float(), getattr(p, "tp_split", None), tp_group).clone()
+    return out
+
+
+def dropped(chunks) -> int:
+    """Assignments the capacity dropped in the last forward of this rank's MoE layers."""
+    return sum(int((~b.mlp.last_stats.kept).sum()) for c in chunks for b in c.layers.values()
+               if hasattr(b.mlp, "last_stats") and b.mlp.last_stats is not None)
+
+
+def serial_run(config):
+    model = GPTModel(config.model)
+    model.init_weights(7)
+    opt = build_optimizer(model, config.train)
+    results = [train_step(model, opt, global_batch(config.model, s), config.train, s, LossScaler(False))
+               for s in range(STEPS)]
+    return [r.loss for r in results], [r.moe for r in results], global_params([model])
+
+
+def _worker(rank, world, case):
+    config = make_config(**case["layout"], **case.get("moe", {}))
+    grid = build_grid(config.parallel, world, rank, experts=True)
+    chunks = build_model_chunks(config, grid)
+    for c in chunks:
+        c.init_weights(7)
+    if case.get("stage") is None:  # the plain path: AdamW + reduce_gradients
+        opt = build_optimizer(chunks, config.train)
+    else:
+        opt = DistributedOptimizer(chunks, config.train, grid, stage=case["stage"], overlap=case.get("overlap", True),
+                                   bucket_size=2000)
+    dp, r = grid.layout.dp, grid.dp_rank
+    losses, moe, drops = [], [], []
+    for s in range(STEPS):
+        micro = global_batch(config.model, s)
+        mine = [micro[i] for i in range(len(micro)) if i % dp == r]
+        result = train_step(chunks, opt, mine, config.train, s, LossScaler(False), grid)
+        losses.append(result.loss)
+        moe.append(result.moe)
+        drops.append(dropped(chunks))
+    return losses, moe, global_params(chunks, grid.tp_group), drops, grid.describe()
+
+
+def check(results, serial, moe_keys=("moe_aux_loss", "moe_z_loss", "moe_load_min", "moe_load_max")):
+    ref_losses, ref_moe, ref_params = serial
+    seen = set()
+    for losses, moe, params, _, _ in results:
+        for a, b in zip(losses, ref_losses):
+            assert abs(a - b) / b < TOL, (losses, ref_losses)
+        for got, want in zip(moe, ref_moe):
+            for k in moe_keys:
+                assert abs(got[k] - want[k]) <= TOL * max(1.0, abs(want[k])), (k, got, want)
+        for name, p in params.items():
+            ref = ref_params[name]
+            p = p[: ref.shape[0]]
+            err = ((p - ref).abs().max() / ref.abs().max()).item()
+            assert err < TOL, (name, err)
+            seen.add(name)
+    assert seen == set(ref_params)
+
+
+LAYOUTS = {
+    "EP2xDP2": (2, dict(ep=2), 0),
+    "EP4xDP4 ZeRO-1": (4, dict(ep=4), 1),
+    "EP2 in DP4 ZeRO-2": (4, dict(ep=2), 2),
+    "EP2 over TP2 (SP)": (2, dict(tp=2, ep=2), 0),
+    "EP4 over TP2xDP2 ZeRO-1": (4, dict(tp=2, ep=4), 1),
+    "EP2xPP2": (4, dict(pp=2, ep=2, layers=4), 0),
+    "EP2xCP2": (4, dict(cp=2, ep=2), 2),
+    "EP2xDP2 plain AdamW": (2, dict(ep=2), None),
+}
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_moe_layout_matches_serial(name):
+    world, layout, stage = LAYOUTS[name]
+    serial = serial_run(make_config(layers=layout.get("layers", 2)))
+    check(run_world(_worker, world, {"layout": layout, "stage": stage}, timeout=120), serial)
+
+
+def test_moe_every_other_layer_with_shared_expert_tp2_ep2():
+    moe = dict(moe_layer_freq=[1, 0, 1, 1], moe_shared_expert_intermediate_size=16)
+    serial = serial_run(make_config(layers=4, **moe))
+    check(run_world(_worker, 4, {"layout": dict(tp=2, ep=2, layers=4), "moe": moe, "stage": 1}, timeout=120),
+          serial)
+
+
+@pytest.mark.parametrize("layout", [dict(tp=2, ep=4), dict(cp=2, ep=2), dict(ep=4)])
+def test_capacity_drops_equal_serial(layout):
+    """A capacity factor of 1.0 drops assignments; under TP (SP), CP and EP the same ones."""
+    moe = dict(moe_expert_capacity_factor=1.0)
+    serial_cfg = make_config(**moe)
+    serial = serial_run(serial_cfg)
+    model = GPTModel(serial_cfg.model)
+    model.init_weights(7)
+    model.train()
+    model(**{k: v for k, v in global_batch(serial_cfg.model, 0)[0].items() if k != "loss_mask"})
+    results = run_world(_worker, 4, {"layout": layout, "moe": moe, "stage": 1}, timeout=120)
+    check(results, serial)
+    assert sum(r[3][0] for r in results) > 0  # some assignments were dropped
+
+
+def test_grid_table_shows_expert_groups():
+    results = run_world(_worker, 4, {"layout": dict(tp=2, ep=2), "stage": 0}, timeout=120)
+    table = results[0][4]
+    assert "experts: EP 2 x EDP 2 per stage" in table and " ep edp" in table

@@ -44,6 +44,27 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--vocab-size", type=int, default=None,
                    help="vocabulary size (--mock-data / NullTokenizer); otherwise from the tokenizer")
 
+    g = p.add_argument_group("mixture of experts (megalite.moe)")
+    g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (default: a dense model)")
+    g.add_argument("--moe-router-topk", type=int, default=2, help="experts each token is routed to")
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None, help="each expert's FFN size (default --ffn-hidden-size)")
+    g.add_argument("--moe-layer-freq", type=str, default="1",
+                   help="N: layers 0, N, 2N, ... are MoE; or a 0/1 list per layer such as [1,0,1,0]")
+    g.add_argument("--moe-router-load-balancing-type", type=str, default="aux_loss",
+                   help="aux_loss (Switch/GShard load-balancing loss) or none")
+    g.add_argument("--moe-aux-loss-coeff", type=float, default=0.0, help="weight of the load-balancing loss")
+    g.add_argument("--moe-z-loss-coeff", type=float, default=None, help="weight of the router z-loss (ST-MoE)")
+    g.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                   help="each expert keeps at most factor * tokens * topk / experts assignments (default: dropless)")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None,
+                   help="FFN size of a dense shared expert every token also takes (DeepSeek / Qwen-MoE)")
+    g.add_argument("--moe-grouped-gemm", action="store_true", help="the experts' matmuls as one Triton grouped GEMM")
+    g.add_argument("--moe-token-dispatcher-type", choices=["alltoall"], default="alltoall",
+                   help="tokens travel to their experts by all-to-all over the expert-parallel group")
+    g.add_argument("--expert-model-parallel-size", type=int, default=1,
+                   help="experts split over this many ranks of each pipeline stage (carved out of TP x CP x DP)")
+    g.add_argument("--expert-tensor-parallel-size", type=int, default=1, help="only 1: each expert whole on its rank")
+
     g = p.add_argument_group("parallelism")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
@@ -190,6 +211,13 @@ def config_from_args(args: argparse.Namespace, vocab_size: int) -> Config:
         init_method_std=args.init_method_std, attention_backend=args.attention_backend,
         fused_kernels=args.fused_kernels, recompute_granularity=args.recompute_granularity,
         recompute_method=args.recompute_method, recompute_num_layers=args.recompute_num_layers,
+        num_experts=args.num_experts, moe_router_topk=args.moe_router_topk,
+        moe_ffn_hidden_size=args.moe_ffn_hidden_size, moe_layer_freq=args.moe_layer_freq,
+        moe_router_load_balancing_type=args.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=args.moe_aux_loss_coeff, moe_z_loss_coeff=args.moe_z_loss_coeff,
+        moe_expert_capacity_factor=args.moe_expert_capacity_factor,
+        moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
+        moe_grouped_gemm=args.moe_grouped_gemm,
     )
     parallel = ParallelConfig(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -197,6 +225,8 @@ def config_from_args(args: argparse.Namespace, vocab_size: int) -> Config:
         context_parallel_size=args.context_parallel_size,
         num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
         sequence_parallel=args.sequence_parallel,
+        expert_model_parallel_size=args.expert_model_parallel_size,
+        expert_tensor_parallel_size=args.expert_tensor_parallel_size,
     )
     train = TrainConfig(
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,

@@ -16,7 +16,7 @@ import torch
 
 from megalite.arguments import WANDB_MISSING
 from megalite.config import ModelConfig
-from megalite.model.gpt import count_parameters
+from megalite.model.gpt import count_active_parameters
 from megalite.progress import is_terminal, progress_bar
 
 # Dense 16-bit tensor-core peak TFLOP/s (bf16, fp32 accumulate; no 2:4 sparsity), keyed by the
@@ -67,7 +67,8 @@ _unknown_reported: set[str] = set()
 
 
 def flops_per_token(cfg: ModelConfig) -> float:
-    return 6.0 * count_parameters(cfg) + 12.0 * cfg.num_layers * cfg.hidden_size * cfg.seq_length
+    """6 x the parameters a token meets (MoE: its top-k experts only) + attention's 12 L h s."""
+    return 6.0 * count_active_parameters(cfg) + 12.0 * cfg.num_layers * cfg.hidden_size * cfg.seq_length
 
 
 def detect_peak_tflops(report_unknown: bool = True, stream=None,
@@ -122,7 +123,8 @@ def scalars(record: dict) -> dict[str, float]:
     time_ms/forward, memory_bytes/weights, ...); values that are None (a meta dry run) are left
     out."""
     out = {f"train/{key}": record[key] for key in ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_sec",
-                                                    "tflops_per_gpu", "mfu", "valid_loss")
+                                                    "tflops_per_gpu", "mfu", "valid_loss", "moe_aux_loss",
+                                                    "moe_z_loss", "moe_load_min", "moe_load_max")
            if record.get(key) is not None}
     for field, group in (("times_ms", "time_ms"), ("memory_bytes", "memory_bytes")):
         out.update({f"{group}/{key}": value for key, value in record.get(field, {}).items() if value is not None})
@@ -187,6 +189,9 @@ class Monitor:
                  f"{_value(record['tflops_per_gpu'], '.3g')} TFLOP/s/GPU"]
         if record.get("mfu") is not None:
             parts.append(f"MFU {100 * record['mfu']:.1f}%")
+        if record.get("moe_aux_loss") is not None:  # expert load: min / max tokens per expert over the mean
+            parts.append(f"moe aux {_value(record['moe_aux_loss'], '.4f')} load "
+                         f"{_value(record['moe_load_min'], '.2f')}/{_value(record['moe_load_max'], '.2f')}")
         parts.append(memory)
         parts.append(" ".join(f"{k} {v:.0f}" for k, v in times.items()) + " ms")
         return " | ".join(parts)

@@ -30,6 +30,7 @@ from megalite.data.indexed_dataset import DatasetError
 from megalite.data.tokenizer import build_tokenizer
 from megalite.model.gpt import count_parameters
 from megalite.parallel.comm import count_collectives
+from megalite.moe.settings import moe_summary
 from megalite.parallel.grid import build_grid, gpus_per_node_from_env
 from megalite.parallel.random import model_parallel_seed
 from megalite.pipeline.partition import build_model_chunks, virtual_stages
@@ -181,6 +182,8 @@ def pretrain(argv=None) -> list[dict]:
     say(f"model: {count_parameters(m) / 1e6:.2f}M parameters, {m.num_layers} layers, hidden "
         f"{m.hidden_size}, {m.num_attention_heads} heads, vocab {m.vocab_size} (padded "
         f"{m.padded_vocab_size(grid.layout.tp)}), seq {m.seq_length}")
+    if m.num_experts:
+        say(moe_summary(m, grid.layout))
     if grid.layout.pp > 1:
         v = virtual_stages(config)
         schedule = f"interleaved 1F1B, {v} chunks per rank" if v > 1 else t.pipeline_schedule
@@ -284,7 +287,7 @@ def pretrain(argv=None) -> list[dict]:
                   "skipped": result.skipped, "skipped_total": skipped_total, "elapsed_ms": elapsed * 1e3,
                   **monitor.metrics(elapsed), "times_ms": result.times_ms,
                   "comm_bytes": {k: v["bytes"] for k, v in traffic.items()}, "memory_bytes": memory_stats,
-                  "comm_bytes_by_group": bytes_by_group(grid, traffic)}
+                  "comm_bytes_by_group": bytes_by_group(grid, traffic), **(result.moe or {})}
         if tracker is not None:
             record["memory_tracked"] = tracker.summary()
         log_lines.append(record)

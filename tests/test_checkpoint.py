@@ -81,7 +81,7 @@ def test_reshard_matrix_same_logits_and_training_continues(tmp_path):
             reshard(str(src), str(dst), ttp, tpp, None, 1, 0)
             assert torch.allclose(_logits(str(dst)), ref, rtol=1e-6, atol=1e-6)
             meta = json.loads((dst / "iter_0000003" / "metadata.json").read_text())
-            assert meta["layout"] == {"tp": ttp, "cp": 1, "dp": 1, "pp": tpp}
+            assert meta["layout"] == {"tp": ttp, "cp": 1, "dp": 1, "pp": tpp, "ep": 1, "experts": False}
     # Training continues after resharding as it would have without a layout change.
     src = sources[(2, 2)]
     same = run_world(_run, 4, BASE + NO_DROPOUT + LAYOUTS[(2, 2)] + ["--train-iters", "6", "--load", str(src)])[0]

@@ -8,9 +8,16 @@
   x and dy and writes dx.
 - cross-entropy: Triton (stats + gradient, no probabilities stored) vs torch F.cross_entropy.
   GB/s: forward reads the logits, backward reads them and writes their gradient.
+- grouped GEMM (mixture-of-experts expert layers, rows sorted by expert): Triton
+  grouped_linear (one launch per product) vs the loop of one F.linear per expert vs
+  torch._grouped_mm (when this torch has it and it runs here). TFLOP/s: forward 2*N*K*Nout,
+  backward (dx and dw) twice that; the forward + backward total is printed below the table.
+  GPU: Mixtral-like shapes (8 experts, 8192 tokens x top-2 routed rows, h 4096, F 14336:
+  the fc1 product h -> 2F and the fc2 product F -> h), unevenly routed.
 
 Max error: against a float64 torch reference (attention on a GPU: the last 64 queries of the
-first batch element, which see every key; backward errors only up to N = 2048).
+first batch element, which see every key; backward errors only up to N = 2048). Grouped GEMM:
+max |a - ref| / max(1, max |ref|), the reference the loop in float64 (GPU: float32, TF32 off).
 
 On a CPU the Triton kernels run in the interpreter (TRITON_INTERPRET=1, set here) at one small
 size: those times say nothing about speed; only the errors mean something.
@@ -40,6 +47,7 @@ import torch.nn.functional as F  # noqa: E402
 from megalite.kernels.attention_reference import attention_reference  # noqa: E402
 from megalite.kernels.cross_entropy import cross_entropy  # noqa: E402
 from megalite.kernels.flash_attention import flash_attention  # noqa: E402
+from megalite.kernels.grouped_gemm import grouped_linear, grouped_linear_reference  # noqa: E402
 from megalite.kernels.norms import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference  # noqa: E402
 from megalite.layers.backends import flash_missing  # noqa: E402
 
@@ -178,6 +186,63 @@ def bench_rowwise(kernel, cases, dtype, reps):
     return rows
 
 
+# -- grouped GEMM -----------------------------------------------------------------------------------
+
+def routed_counts(rows: int, experts: int, gen) -> list[int]:
+    """Rows per expert from a skewed router: each row picks an expert with probabilities
+    softmax(0.5 z), z ~ N(0, 1) (a few experts get about twice the mean)."""
+    probs = torch.softmax(0.5 * torch.randn(experts, generator=gen), 0)
+    return torch.bincount(torch.multinomial(probs, rows, replacement=True, generator=gen),
+                          minlength=experts).tolist()
+
+
+def rel_err(a, ref) -> float:
+    return max_err(a, ref) / max(1.0, ref.double().abs().max().item())
+
+
+def grouped_impls(counts):
+    impls = {"triton": lambda x, w: grouped_linear(x, w, counts),
+             "loop": lambda x, w: grouped_linear_reference(x, w, counts)}
+    if hasattr(torch, "_grouped_mm"):
+        ends = torch.tensor(counts, device=DEVICE).cumsum(0).to(torch.int32)
+        impls["_grouped_mm"] = lambda x, w: torch._grouped_mm(x, w.transpose(-2, -1), offs=ends)
+    return impls
+
+
+def bench_grouped(cases, dtype, reps):
+    rows = []
+    for experts, counts, k, n_out in cases:  # counts: a list, or the number of rows to route
+        gen = torch.Generator().manual_seed(0)
+        if isinstance(counts, int):
+            counts = routed_counts(counts, experts, gen)
+        n = sum(counts)
+        x = torch.randn(n, k, generator=gen).to(DEVICE, dtype)
+        w = (torch.randn(experts, n_out, k, generator=gen) / k ** 0.5).to(DEVICE, dtype)
+        grad = torch.randn(n, n_out, generator=gen).to(DEVICE, dtype)
+        ref_dtype = torch.float32 if GPU else torch.float64
+        leaves = [t.detach().to(ref_dtype).requires_grad_() for t in (x, w)]
+        ref_out = grouped_linear_reference(*leaves, counts)
+        ref_out.backward(grad.to(ref_dtype))
+        ref_out = ref_out.detach()
+        flops = 2 * n * k * n_out
+        case = f"E{experts} N{n} K{k} O{n_out}"
+        for name, fn in grouped_impls(counts).items():
+            try:
+                t_f, t_b, out, grads = fwd_bwd(fn, (x, w), grad, reps)
+            except (RuntimeError, NotImplementedError, torch.cuda.OutOfMemoryError) as e:
+                rows.append(dict(kernel="grouped GEMM", case=case, impl=name,
+                                 error=str(e).splitlines()[0][:80]))
+                continue
+            rows.append(dict(kernel="grouped GEMM", case=case, dtype=str(dtype).split(".")[-1],
+                             impl=name, fwd_ms=t_f, bwd_ms=t_b, fwd_rate=flops / t_f / 1e9,
+                             bwd_rate=2 * flops / t_b / 1e9 if t_b else None, unit="TFLOP/s",
+                             fwd_bwd_ms=t_f + t_b, fwd_bwd_rate=3 * flops / (t_f + t_b) / 1e9,
+                             fwd_err=rel_err(out, ref_out),
+                             bwd_err=max(rel_err(g, l.grad) for g, l in zip(grads, leaves))))
+        del ref_out, leaves
+    return rows
+
+
 def print_table(rows):
     fmt = "{:<14} {:<26} {:<6} {:<11} {:>9} {:>9} {:>9} {:>9} {:>8} {:>9} {:>9}"
     print(fmt.format("kernel", "case", "dtype", "impl", "fwd ms", "bwd ms", "fwd rate", "bwd rate",
@@ -190,6 +255,12 @@ def print_table(rows):
         print(fmt.format(r["kernel"], r["case"], r["dtype"], r["impl"], num(r["fwd_ms"], ".3f"),
                          num(r["bwd_ms"], ".3f"), num(r["fwd_rate"], ".2f"), num(r["bwd_rate"], ".2f"),
                          r["unit"], num(r["fwd_err"], ".1e"), num(r["bwd_err"], ".1e")))
+    grouped = [r for r in rows if "fwd_bwd_ms" in r]
+    if grouped:
+        print("grouped GEMM, forward + backward:")
+        for r in grouped:
+            print(f"  {r['case']:<26} {r['dtype']:<9} {r['impl']:<11} {r['fwd_bwd_ms']:9.3f} ms "
+                  f"{r['fwd_bwd_rate']:9.2f} TFLOP/s")
 
 
 def plot(rows, path, device: str) -> list[str]:
@@ -223,7 +294,7 @@ def plot(rows, path, device: str) -> list[str]:
         if series:
             ax.legend(fontsize=8)
     ax = fig.add_subplot(grid[0, 2])
-    rowwise = [r for r in rows if r["kernel"] != "attention" and "error" not in r]
+    rowwise = [r for r in rows if r.get("unit") == "GB/s"]  # not the grouped GEMM (TFLOP/s)
     groups = list(dict.fromkeys(f"{r['kernel']}\n{r['case']}\n{r['dtype']}" for r in rowwise))
     bars = list(dict.fromkeys((r["impl"], key) for r in rowwise for key in ("fwd_rate", "bwd_rate")))
     width = 0.8 / max(1, len(bars))
@@ -267,10 +338,14 @@ def main():
                                                                  for n in seqs[:2]]
         dtypes, reps = [torch.bfloat16], None
         norm_cases, ce_cases = [(16384, 1024), (16384, 4096), (8192, 8192)], [(4096, 50304), (4096, 128256)]
+        # (experts, rows routed unevenly, K, Nout): Mixtral fc1 (h -> 2F) and fc2 (F -> h)
+        tokens = 8192 if args.quick else 16384  # routed rows: 4096 or 8192 tokens x top-2
+        grouped_cases = [(8, tokens, 4096, 2 * 14336)] + ([] if args.quick else [(8, tokens, 14336, 4096)])
         print(f"device: {torch.cuda.get_device_name()}")
     else:
         attn, dtypes, reps = [(1, 2, 128, 64)], [torch.float32, torch.float16], 3
         norm_cases, ce_cases = [(64, 1000)], [(32, 1000)]
+        grouped_cases = [(4, [0, 37, 5, 22], 48, 40)]
         print("NOTE: no GPU: the Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1), one "
               "small size. CPU times are NOT meaningful; only the errors are.")
     rows = []
@@ -279,6 +354,7 @@ def main():
         rows += bench_rowwise("layernorm", norm_cases, dtype, reps)
         rows += bench_rowwise("rmsnorm", norm_cases, dtype, reps)
         rows += bench_rowwise("cross-entropy", ce_cases, dtype, reps)
+        rows += bench_grouped(grouped_cases, dtype, reps)
     print_table(rows)
     device = torch.cuda.get_device_name() if GPU else "cpu (interpreter)"
     if args.json:

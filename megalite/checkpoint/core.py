@@ -24,6 +24,7 @@ from megalite.checkpoint.format import (FORMAT_VERSION, VOCAB_PARAMS, Checkpoint
                                         write_rank_files)
 from megalite.config import ModelConfig
 from megalite.device import host_barrier
+from megalite.checkpoint.names import global_pieces, is_expert
 from megalite.parallel.random import get_rng_tracker
 from megalite.parallel.sharding import is_tensor_parallel, shard_tensor
 
@@ -32,7 +33,8 @@ KINDS = ("weight", "exp_avg", "exp_avg_sq")
 SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups",
                 "vocab_size", "max_position_embeddings", "position_embedding_type", "normalization",
                 "swiglu", "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
-                "rotary_base", "rope_scaling", "norm_epsilon")
+                "rotary_base", "rope_scaling", "norm_epsilon", "num_experts", "moe_ffn_hidden_size",
+                "moe_layer_freq", "moe_shared_expert_intermediate_size")
 
 
 def _barrier(grid=None):
@@ -41,24 +43,31 @@ def _barrier(grid=None):
 
 def _coords(grid):
     if grid is None:
-        return dict(rank=0, tp_rank=0, tp_size=1, dp_rank=0, cp_rank=0, world=1, layout=dict(tp=1, cp=1, dp=1, pp=1))
+        return dict(rank=0, tp_rank=0, tp_size=1, dp_rank=0, cp_rank=0, edp_rank=0, world=1,
+                    layout=dict(tp=1, cp=1, dp=1, pp=1))
     return dict(rank=grid.rank, tp_rank=grid.tp_rank, tp_size=grid.layout.tp, dp_rank=grid.dp_rank,
-                cp_rank=grid.cp_rank, world=grid.layout.world_size, layout=dict(grid.layout.__dict__))
+                cp_rank=grid.cp_rank, edp_rank=grid.edp_rank, world=grid.layout.world_size,
+                layout=dict(grid.layout.__dict__))
 
 
 def _param_ranges(optimizer):
-    """(bucket index, param, name, [a, z) within the param's flat shard, offset in the bucket shard)."""
+    """(bucket index, param, global name, global shape, [a, z) within that global tensor's
+    flat (TP-local) values, offset in the bucket shard): one entry per global tensor a
+    parameter holds in this rank's shard (a stacked expert parameter holds several)."""
     names = {p: n for c in optimizer.chunks for n, p in c.named_parameters()}
     for i, b in enumerate(optimizer.sync.buckets):
         lo, hi = b.shard
         for p, (start, numel) in zip(b.params, b.offsets):
-            a, z = max(start, lo), min(start + numel, hi)
-            if a < z:
-                yield i, p, names[p], (a - start, z - start), a - lo
+            for name, g0, gn, shape in global_pieces(names[p], p):
+                a, z = max(start + g0, lo), min(start + g0 + gn, hi)
+                if a < z:
+                    yield i, p, name, shape, (a - start - g0, z - start - g0), a - lo
 
 
 def _owns(p, c, stage) -> bool:
     """Whether this rank writes parameter p's pieces (each value written exactly once)."""
+    if is_expert(p):  # each EP rank holds other experts; EDP ranks hold copies (or ZeRO shards)
+        return stage >= 1 or c["edp_rank"] == 0
     if getattr(p, "embedding_copy", False):
         return False  # the first stage writes the tied embedding
     if not is_tensor_parallel(p) and c["tp_rank"] != 0:
@@ -85,14 +94,14 @@ def save_checkpoint(root: str, iteration: int, optimizer, scaler, config, grid, 
     _barrier(grid)
     tensors, pieces = {}, []
     states = {"weight": optimizer.master, "exp_avg": optimizer.exp_avg, "exp_avg_sq": optimizer.exp_avg_sq}
-    for i, p, name, (a, z), offset in _param_ranges(optimizer):
+    for i, p, name, shape, (a, z), offset in _param_ranges(optimizer):
         if not _owns(p, c, optimizer.stage):
             continue
         for kind in KINDS:
             key = f"{kind}/{name}/tp{c['tp_rank']}/{a}"
             tensors[key] = states[kind][i][offset: offset + z - a].float()
             pieces.append({"key": key, "name": name, "kind": kind, "tp_rank": c["tp_rank"],
-                           "tp_size": c["tp_size"], "split": _split_of(p), "local_shape": list(p.shape),
+                           "tp_size": c["tp_size"], "split": _split_of(p), "local_shape": list(shape),
                            "range": [a, z]})
     for key, value in get_rng_tracker().state_dict().items():
         tensors[f"rng/{key}"] = value
@@ -141,17 +150,18 @@ def check_config(saved: dict, model_config) -> None:
                               + "\n  ".join(diffs) + "\nFix: use the checkpoint's model flags.")
 
 
-def _local_values(reader: PieceReader, p, name: str, kind: str, vocab_size: int, c) -> torch.Tensor:
-    """This rank's TP shard of parameter ``name`` (flattened), for its own layout."""
+def _local_values(reader: PieceReader, p, name: str, shape, kind: str, vocab_size: int, c) -> torch.Tensor:
+    """This rank's TP shard of global tensor ``name`` (flattened), for its own layout;
+    ``shape``: that shard's shape (the parameter's, or one expert's)."""
     full = reader.full_tensor(name, kind, vocab_size)
     if name in VOCAB_PARAMS:
         padded_rows = getattr(p, "full_shape", p.shape)[0]
         full = torch.cat([full, torch.zeros(padded_rows - full.shape[0], *full.shape[1:])])
     split = getattr(p, "tp_split", None)
     local = shard_tensor(full, split, c["tp_rank"], c["tp_size"]) if split is not None else full
-    if tuple(local.shape) != tuple(p.shape):
+    if tuple(local.shape) != tuple(shape):
         raise CheckpointError(f"parameter {name!r}: checkpoint gives shape {tuple(local.shape)} for this "
-                              f"rank, the model has {tuple(p.shape)}.")
+                              f"rank, the model has {tuple(shape)}.")
     return local.reshape(-1)
 
 
@@ -166,9 +176,9 @@ def load_checkpoint(root: str, optimizer, scaler, config, grid, load_optimizer: 
     vocab = config.model.vocab_size
     states = {"weight": optimizer.master, "exp_avg": optimizer.exp_avg, "exp_avg_sq": optimizer.exp_avg_sq}
     with_optim = load_optimizer and not meta.get("weights_only")
-    for i, p, name, (a, z), offset in _param_ranges(optimizer):
+    for i, p, name, shape, (a, z), offset in _param_ranges(optimizer):
         for kind in KINDS if with_optim else ("weight",):
-            values = _local_values(reader, p, name, kind, vocab, c)
+            values = _local_values(reader, p, name, shape, kind, vocab, c)
             states[kind][i][offset: offset + z - a] = values[a:z].to(states[kind][i].device)
     if with_optim:
         optimizer.step_count = meta["optimizer_step"]

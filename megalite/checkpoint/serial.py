@@ -5,6 +5,7 @@ import os
 
 import torch
 
+from megalite.checkpoint.names import global_pieces
 from megalite.checkpoint.format import (FORMAT_VERSION, VOCAB_PARAMS, PieceReader, iteration_dir,
                                         read_latest, write_json_atomic, write_rank_files)
 from megalite.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
@@ -32,12 +33,13 @@ def load_serial_model(path: str, dtype: torch.dtype = torch.float32):
     model = GPTModel(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            full = reader.full_tensor(name, "weight", cfg.vocab_size)
             if name in VOCAB_PARAMS:
+                full = reader.full_tensor(name, "weight", cfg.vocab_size)
                 p.zero_()
                 p[: full.shape[0]] = full
-            else:
-                p.copy_(full.view_as(p))
+                continue
+            for global_name, start, numel, _ in global_pieces(name, p):  # experts: one tensor each
+                p.view(-1)[start: start + numel] = reader.full_tensor(global_name, "weight").reshape(-1)
     return model.to(dtype).eval()
 
 

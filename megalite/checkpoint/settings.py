@@ -1,7 +1,8 @@
 """``--load``: the model's settings come from the checkpoint, not from the command line.
 
 A checkpoint fixes the model (layers, sizes, heads, KV groups, FFN size, positions and their
-RoPE base and scaling, norm and its epsilon, SwiGLU, biases, tied or not, vocabulary): a user
+RoPE base and scaling, norm and its epsilon, SwiGLU, biases, tied or not, vocabulary, experts
+and their FFN size, which layers are MoE, the shared expert): a user
 resuming or fine-tuning does not retype them. A flag given on the command line that agrees
 is fine; one that contradicts the checkpoint is refused, naming both values. Settings a
 checkpoint does not fix (sequence length, dropout, recomputation, kernels) come from the flags.
@@ -29,6 +30,11 @@ FIXED = {
     "untie_embeddings_and_output_weights": ("--untie-embeddings-and-output-weights",
                                             ("untie_embeddings_and_output_weights",)),
     "vocab_size": ("--vocab-size", ("vocab_size",)),
+    "num_experts": ("--num-experts", ("num_experts",)),
+    "moe_ffn_hidden_size": ("--moe-ffn-hidden-size", ("moe_ffn_hidden_size",)),
+    "moe_layer_freq": ("--moe-layer-freq", ("moe_layer_freq",)),
+    "moe_shared_expert_intermediate_size": ("--moe-shared-expert-intermediate-size",
+                                            ("moe_shared_expert_intermediate_size",)),
 }
 
 
@@ -79,7 +85,8 @@ def describe_layout_change(meta: dict, grid, t) -> str | None:
     saved = meta["config"]["train"]
     micro_then = saved["global_batch_size"] // (saved["micro_batch_size"] * then["dp"])
     micro_now = t.global_batch_size // (t.micro_batch_size * now["dp"])
-    dims = ", ".join(f"{d.upper()} {then[d]} -> {now[d]}" for d in ("tp", "cp", "dp", "pp") if then[d] != now[d])
+    dims = ", ".join(f"{d.upper()} {then.get(d, 1)} -> {now[d]}" for d in ("tp", "cp", "dp", "pp", "ep")
+                     if then.get(d, 1) != now[d])
     return (f"layout changed since the checkpoint: {dims} (world {grid.layout.world_size}); the checkpoint was "
             f"re-cut for it (ZeRO shards included). Global batch {t.global_batch_size} "
             f"{'kept' if saved['global_batch_size'] == t.global_batch_size else 'CHANGED from ' + str(saved['global_batch_size'])}"

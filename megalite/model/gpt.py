@@ -327,3 +327,12 @@ def count_parameters(cfg: ModelConfig) -> int:
     with torch.device("meta"):
         model = GPTModel(cfg, padded_vocab_size=cfg.vocab_size)
     return sum(p.numel() for p in model.parameters())
+
+
+def count_active_parameters(cfg: ModelConfig) -> int:
+    """Parameters one token meets (for FLOPs): an MoE layer's token uses topk of its experts."""
+    total = count_parameters(cfg)
+    if not cfg.num_experts:
+        return total
+    per_expert = (3 if cfg.swiglu else 2) * cfg.hidden_size * cfg.moe_ffn_hidden_size
+    return total - sum(moe_layers(cfg)) * (cfg.num_experts - cfg.moe_router_topk) * per_expert

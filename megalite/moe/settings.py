@@ -23,32 +23,44 @@ def parse_layer_freq(value) -> int | list:
         except json.JSONDecodeError:
             pattern = None
         if not isinstance(pattern, list) or any(v not in (0, 1) for v in pattern):
-            raise ConfigError(f"--moe-layer-freq {value!r}: a list must hold 0s and 1s, e.g. [1,0,1,0].")
+            raise ConfigError(f"--moe-layer-freq {value!r}: a list must hold 0s and 1s. Fix: e.g. [1,0,1,0].")
         return pattern
     try:
         return int(text)
     except ValueError:
-        raise ConfigError(f"--moe-layer-freq {value!r}: give an integer N (every N-th layer is MoE) "
-                          f"or a 0/1 list such as [1,0,1,0].") from None
+        raise ConfigError(f"--moe-layer-freq {value!r} is neither a number nor a list. Fix: give an integer "
+                          f"N (every N-th layer is MoE) or a 0/1 list such as [1,0,1,0].") from None
 
 
 def moe_layers(cfg) -> list[bool]:
     """For each layer (global index), whether its MLP is a mixture of experts."""
     if not cfg.num_experts:
         return [False] * cfg.num_layers
-    freq = cfg.moe_layer_freq
+    freq = parse_layer_freq(cfg.moe_layer_freq)
     if isinstance(freq, list):
         return [bool(v) for v in freq]
     return [i % freq == 0 for i in range(cfg.num_layers)]
 
 
-def is_moe(cfg) -> bool:
-    return bool(cfg.num_experts)
+def moe_summary(cfg, layout) -> str:
+    """One line for the start of a run: experts, routing, where they live."""
+    from megalite.model.gpt import count_active_parameters, count_parameters
+
+    n = sum(moe_layers(cfg))
+    drop = (f"capacity factor {cfg.moe_expert_capacity_factor:g}" if cfg.moe_expert_capacity_factor
+            else "dropless")
+    shared = (f", shared expert {cfg.moe_shared_expert_intermediate_size}"
+              if cfg.moe_shared_expert_intermediate_size else "")
+    return (f"experts: {n} MoE layer(s) x {cfg.num_experts} experts (FFN {cfg.moe_ffn_hidden_size}{shared}), "
+            f"top-{cfg.moe_router_topk}, {drop}, aux coeff {cfg.moe_aux_loss_coeff:g}; EP {layout.ep}: "
+            f"{cfg.num_experts // layout.ep} experts per rank; {count_active_parameters(cfg) / 1e6:.2f}M of "
+            f"{count_parameters(cfg) / 1e6:.2f}M parameters active per token")
 
 
 def validate_moe(m, p, t, world_size: int) -> None:
     ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size
+    m.moe_layer_freq = parse_layer_freq(m.moe_layer_freq)  # the flag's text -> int or list
     if not m.num_experts:
         if ep != 1:
             raise ConfigError(f"--expert-model-parallel-size {ep} without --num-experts: there are no "
@@ -57,34 +69,34 @@ def validate_moe(m, p, t, world_size: int) -> None:
         return
     E, k = m.num_experts, m.moe_router_topk
     if E < 1:
-        raise ConfigError(f"--num-experts must be a positive integer, got {E}.")
+        raise ConfigError(f"--num-experts must be a positive integer, got {E}. Fix: drop it for a dense model.")
     if not 1 <= k <= E:
         raise ConfigError(f"--moe-router-topk {k} must be in [1, --num-experts {E}]: each token picks k "
                           f"distinct experts. Fix: lower --moe-router-topk.")
     if m.moe_ffn_hidden_size is None or m.moe_ffn_hidden_size < 1:
-        raise ConfigError(f"--moe-ffn-hidden-size must be a positive integer, got {m.moe_ffn_hidden_size}.")
-    m.moe_layer_freq = parse_layer_freq(m.moe_layer_freq)
+        raise ConfigError(f"--moe-ffn-hidden-size must be a positive integer, got {m.moe_ffn_hidden_size}. "
+                          f"Fix: drop it (each expert then has --ffn-hidden-size).")
     freq = m.moe_layer_freq
     if isinstance(freq, list):
         if len(freq) != m.num_layers:
             raise ConfigError(f"--moe-layer-freq lists {len(freq)} layers but the model has --num-layers "
                               f"{m.num_layers}. Fix: one 0/1 entry per layer.")
     elif freq < 1:
-        raise ConfigError(f"--moe-layer-freq {freq} must be >= 1 (1: every layer is MoE).")
+        raise ConfigError(f"--moe-layer-freq {freq} must be >= 1. Fix: 1 makes every layer MoE, 2 every other.")
     if m.moe_router_load_balancing_type not in ("aux_loss", "none"):
         raise ConfigError(f"--moe-router-load-balancing-type {m.moe_router_load_balancing_type!r} is not "
                           f"implemented. Fix: aux_loss (Switch/GShard) or none.")
     if m.moe_aux_loss_coeff < 0 or (m.moe_z_loss_coeff or 0) < 0:
         raise ConfigError(f"--moe-aux-loss-coeff ({m.moe_aux_loss_coeff}) and --moe-z-loss-coeff "
-                          f"({m.moe_z_loss_coeff}) must be >= 0.")
+                          f"({m.moe_z_loss_coeff}) must be >= 0. Fix: 0 turns a loss off (1e-2 and 1e-3 are usual).")
     if m.moe_expert_capacity_factor is not None and m.moe_expert_capacity_factor <= 0:
-        raise ConfigError(f"--moe-expert-capacity-factor must be positive, got {m.moe_expert_capacity_factor} "
-                          f"(leave it unset for dropless routing).")
+        raise ConfigError(f"--moe-expert-capacity-factor must be positive, got {m.moe_expert_capacity_factor}. "
+                          f"Fix: a factor such as 1.25, or leave it unset for dropless routing.")
     if m.moe_shared_expert_intermediate_size is not None:
         if m.moe_shared_expert_intermediate_size < 1 or m.moe_shared_expert_intermediate_size % tp:
             raise ConfigError(f"--moe-shared-expert-intermediate-size {m.moe_shared_expert_intermediate_size} "
                               f"must be a positive multiple of --tensor-model-parallel-size {tp} (the shared "
-                              f"expert is a dense MLP split over TP).")
+                              f"expert is a dense MLP split over TP). Fix: round it to a multiple of {tp}.")
     if etp != 1:
         raise ConfigError(f"--expert-tensor-parallel-size {etp}: megalite keeps each expert whole on its "
                           f"rank (ETP = 1, the layout Megatron recommends for MoE) and spreads experts "

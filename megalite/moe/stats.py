@@ -58,8 +58,7 @@ def step_stats(chunks, grid, num_micro_global: int) -> dict | None:
         comm.all_reduce(both, grid.dp_cp_group)
         comm.all_reduce(both, grid.mp_group)
     if device.type == "meta":
-        return {"moe_aux_loss": float("nan"), "moe_z_loss": float("nan"), "moe_load_min": float("nan"),
-                "moe_load_max": float("nan")}
+        return {"moe_aux_loss": None, "moe_z_loss": None, "moe_load_min": None, "moe_load_max": None}
     both = both.cpu()
     losses, tokens = both[:2] / max(1, len(index) * num_micro_global), both[2:].view(len(index), -1)
     load = tokens / tokens.mean(dim=1, keepdim=True).clamp_min(1e-12)

@@ -286,3 +286,19 @@ def test_expert_parallel_rank_on_meta_with_fake_group():
     # balanced routing assumed on meta: T*K rows of H fp32 out and back, forward and backward
     rows = T * K * H * 4
     assert stats["all_to_all"]["bytes"] == 4 * rows + E * 8
+
+
+@pytest.mark.parametrize("swiglu", [True, False])
+def test_grouped_gemm_layer_matches_the_loop(swiglu):
+    """--moe-grouped-gemm (Triton, in the interpreter here) against the loop of matmuls: the
+    layer's output, input gradient and every expert's gradient (empty groups: test_grouped_gemm)."""
+    x, g = _data(T)
+    loop = _run(_layer(swiglu=swiglu), x, g)
+    layer = _layer(swiglu=swiglu)
+    layer.experts.grouped_gemm = True
+    fused = _run(layer, x, g)
+    assert torch.equal(fused["ids"], loop["ids"])  # same routing: the router is not in the experts
+    for key in ("out", "dx"):
+        _err(f"grouped gemm/{key}", fused[key], loop[key])
+    for name, grad in loop["grads"].items():
+        _err(f"grouped gemm/{name}", fused["grads"][name], grad)

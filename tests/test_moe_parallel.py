@@ -160,3 +160,10 @@ def test_grid_table_shows_expert_groups():
     results = run_world(_worker, 4, {"layout": dict(tp=2, ep=2), "stage": 0}, timeout=120)
     table = results[0][4]
     assert "experts: EP 2 x EDP 2 per stage" in table and " ep edp" in table
+
+
+def test_grouped_gemm_ep2_dp2_matches_serial_loop():
+    """--moe-grouped-gemm (Triton in the interpreter) at EP2 x DP2 against the serial loop."""
+    serial = serial_run(make_config())
+    check(run_world(_worker, 2, {"layout": dict(ep=2), "moe": dict(moe_grouped_gemm=True), "stage": 1},
+                    timeout=180), serial)

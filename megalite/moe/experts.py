@@ -11,10 +11,11 @@ local expert ``e``) and applies expert ``e`` to its rows:
 
     y[rows of e] = act(x[rows of e] w1[e]^T) w2[e]^T
 
-The torch fallback is a loop of two matmuls per non-empty group. TODO (later step): a Triton
-grouped GEMM (one launch over all groups, tiles assigned by a prefix sum over ``counts``,
-like torch._grouped_mm / Megatron's GroupedMLP); it must match this loop to fp32 tolerance
-forward and backward, and this loop stays as its oracle.
+The torch fallback is a loop of two matmuls per non-empty group. ``--moe-grouped-gemm``
+(:func:`grouped_mlp_triton`) runs each of the two matmuls as one Triton launch over all groups
+(:mod:`megalite.kernels.grouped_gemm`: tiles assigned to groups by a prefix sum over the
+counts, dW per group without atomics); the loop stays its oracle (tests/test_grouped_gemm.py,
+tests/test_moe.py). On meta (dry runs) the loop stands in: same shapes, same memory.
 """
 from __future__ import annotations
 
@@ -52,6 +53,27 @@ def grouped_mlp(x_sorted: torch.Tensor, counts: list[int], w1: torch.Tensor, w2:
     return torch.cat(outputs, dim=0)
 
 
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype F.linear would compute in here: autocast's, when it is on for x's device."""
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return x.dtype
+
+
+def grouped_mlp_triton(x_sorted: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor,
+                       swiglu: bool = True) -> torch.Tensor:
+    """:func:`grouped_mlp` with each matmul one Triton grouped GEMM (same numbers to fp32
+    rounding). Autocast does not reach a Triton kernel, so inputs are cast as F.linear's would be."""
+    from megalite.kernels.grouped_gemm import grouped_linear
+
+    if len(counts) != w1.shape[0]:
+        raise ValueError(f"{len(counts)} group counts for {w1.shape[0]} experts")
+    dtype = _compute_dtype(x_sorted)
+    h = grouped_linear(x_sorted.to(dtype), w1.to(dtype), counts)
+    return grouped_linear(_activation(h, swiglu), w2.to(dtype), counts)
+
+
 class GroupedExperts(nn.Module):
     """``num_local`` experts (global indices ``first, first+1, ...``) as stacked weights."""
 
@@ -65,4 +87,6 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_local, hidden, ffn))
 
     def forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        if self.grouped_gemm and x_sorted.device.type != "meta":
+            return grouped_mlp_triton(x_sorted, counts, self.w1, self.w2, self.swiglu)
         return grouped_mlp(x_sorted, counts, self.w1, self.w2, self.swiglu)

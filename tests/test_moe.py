@@ -302,3 +302,21 @@ def test_grouped_gemm_layer_matches_the_loop(swiglu):
         _err(f"grouped gemm/{key}", fused[key], loop[key])
     for name, grad in loop["grads"].items():
         _err(f"grouped gemm/{name}", fused["grads"][name], grad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("grouped", [False, True])
+def test_moe_layer_on_cuda_matches_cpu(grouped):
+    """On a GPU (scripts/gpu_check.sh): the layer on CUDA in fp32 gives the CPU's numbers, with the
+    loop and with the Triton grouped GEMM; everything it makes lives on the GPU."""
+    x, g = _data(T)
+    cpu = _run(_layer(cf=1.0), x, g)
+    layer = _layer(cf=1.0).cuda()
+    layer.experts.grouped_gemm = grouped
+    gpu = _run(layer, x.cuda(), g.cuda())
+    assert gpu["out"].is_cuda and layer.experts.w1.grad.is_cuda
+    assert torch.equal(gpu["kept"].cpu(), cpu["kept"])
+    for key in ("out", "dx", "aux", "z"):
+        _err(f"cuda/{key}", gpu[key].cpu(), cpu[key], tol=1e-4)
+    for name, grad in cpu["grads"].items():
+        _err(f"cuda/{name}", gpu["grads"][name].cpu(), grad, tol=1e-4)

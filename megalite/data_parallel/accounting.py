@@ -8,7 +8,8 @@ weights and gradients of ``w`` and ``g`` bytes, fp32 master weights and Adam mom
     stage 1: (w + g) Psi + 12 Psi/N  stage 3: (w + g + 12) Psi / N
 
 With w = g = 2 (mixed precision) these are the ZeRO paper's 16 Psi, 4 Psi + 12 Psi/N,
-2 Psi + 14 Psi/N and 16 Psi/N.
+2 Psi + 14 Psi/N and 16 Psi/N. Expert parameters (mixture of experts) follow the same
+arithmetic with their own N, the expert-data-parallel size (the ranks holding the same experts).
 """
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ def zero_theory_bytes(psi: int, n: int, stage: int, weight_bytes: int, grad_byte
             "total": w / shard[0] + g / shard[1] + opt / shard[2]}
 
 
-def model_parameters(optimizer) -> int:
-    """Psi: parameters of this rank's model replica (unpadded)."""
-    return sum(n for b in optimizer.sync.buckets for _, n in b.offsets)
+def model_parameters(optimizer, expert: bool | None = None) -> int:
+    """Psi: parameters of this rank's model replica (unpadded); only the expert or only the
+    dense ones with ``expert`` True / False."""
+    return sum(n for b in optimizer.sync.buckets if expert is None or b.expert == expert for _, n in b.offsets)
 
 
 def describe_memory(optimizer, dp: int) -> str:
@@ -33,10 +35,16 @@ def describe_memory(optimizer, dp: int) -> str:
     psi = model_parameters(optimizer)
     w = torch.tensor([], dtype=optimizer.model_dtype).element_size()
     g = torch.tensor([], dtype=optimizer.sync.grad_dtype).element_size()
-    theory = zero_theory_bytes(psi, dp, optimizer.stage, w, g)
+    theory = zero_theory_bytes(model_parameters(optimizer, False), optimizer.sync.dp, optimizer.stage, w, g)
+    experts = model_parameters(optimizer, True)
+    edp = next((b.size for b in optimizer.sync.buckets if b.expert), 1)
+    if experts:
+        theory = {k: v + zero_theory_bytes(experts, edp, optimizer.stage, w, g)[k] for k, v in theory.items()}
     total = sum(m.values())
     mib = 1 / 2**20
-    return (f"memory/rank (ZeRO-{optimizer.stage}, DP {dp}, {psi / 1e6:.2f}M params here): weights "
+    return (f"memory/rank (ZeRO-{optimizer.stage}, DP {dp}"
+            + (f"; {experts / 1e6:.2f}M expert params over EDP {edp}" if experts else "")
+            + f", {psi / 1e6:.2f}M params here): weights "
             f"{m['weights'] * mib:.1f} MiB, grads {m['gradients'] * mib:.1f}, master "
             f"{m['master_weights'] * mib:.1f}, optimizer {m['optimizer_state'] * mib:.1f}; total "
             f"{total * mib:.1f} MiB vs ZeRO arithmetic {theory['total'] * mib:.1f} MiB"

@@ -112,7 +112,8 @@ def test_tp_across_nodes_warns_with_cost():
 
 def _real_grid_worker(rank, world_size):
     grid = build_grid(ParallelConfig(tensor_model_parallel_size=2, context_parallel_size=1,
-                                     pipeline_model_parallel_size=2), world_size, rank)
+                                     pipeline_model_parallel_size=2, expert_model_parallel_size=2),
+                      world_size, rank, experts=True)
     out = {"coord": grid.coord.__dict__}
     # Each group really connects the ranks the layout says: all-reduce the rank ids. A group
     # of one rank is None (nothing to communicate); comm.all_reduce skips it.
@@ -127,7 +128,7 @@ def _real_grid_worker(rank, world_size):
 
 def test_real_8_rank_grid_2x2x2():
     results = run_world(_real_grid_worker, 8)
-    layout = GridLayout(tp=2, cp=1, dp=2, pp=2)
+    layout = GridLayout(tp=2, cp=1, dp=2, pp=2, ep=2, experts=True)
     for rank, out in enumerate(results):
         assert out["coord"] == layout.coord(rank).__dict__
         for kind in GROUP_ORDER:
@@ -153,3 +154,18 @@ def test_group_plan_partitions_each_kind_without_groups_of_one():
     # PP=4: the embedding groups are first+last stage only; middle stages are in none.
     plan = dict(group_plan(GridLayout(tp=1, cp=1, dp=1, pp=4)))
     assert plan["embedding"] == [[0, 3]] and plan["tp"] == [] and plan["pp"] == [[0, 1, 2, 3]]
+    assert plan["ep"] == plan["edp"] == []  # a dense model makes no expert groups
+
+
+def test_expert_groups_in_megatron_order():
+    """Inside each stage's TP*CP*DP ranks: EP groups are consecutive runs, EDP groups stride by
+    EP; together they partition the stage."""
+    from megalite.parallel.grid import group_plan
+
+    layout = GridLayout(tp=2, cp=1, dp=4, pp=2, ep=4, experts=True)
+    plan = dict(group_plan(layout))
+    assert plan["ep"] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert plan["edp"] == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]]
+    assert layout.expert_coord(13) == (1, 1) and layout.edp == 2
+    table = layout.describe(8)
+    assert "experts: EP 4 x EDP 2 per stage" in table and table.splitlines()[-1].split()[-2:] == ["3", "1"]

@@ -167,3 +167,16 @@ def test_grouped_gemm_ep2_dp2_matches_serial_loop():
     serial = serial_run(make_config())
     check(run_world(_worker, 2, {"layout": dict(ep=2), "moe": dict(moe_grouped_gemm=True), "stage": 1},
                     timeout=180), serial)
+
+
+def test_full_recompute_counts_each_micro_batch_once():
+    """Recomputing MoE layers in backward repeats their forward (and, under EP, its all-to-alls);
+    the step statistics must not count it twice, and the training must not change."""
+    plain = serial_run(make_config())
+    config = make_config()
+    config.model.recompute_granularity = "full"
+    with torch.utils.checkpoint.set_checkpoint_early_stop(False):  # recompute whole layers, _record too
+        recomputed = serial_run(config)
+    check([(recomputed[0], recomputed[1], recomputed[2], None, None)], plain)
+    results = run_world(_worker, 2, {"layout": dict(ep=2), "moe": dict(recompute_granularity="full"), "stage": 1})
+    check(results, plain)

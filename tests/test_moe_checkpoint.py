@@ -75,3 +75,14 @@ def test_dense_flags_against_moe_checkpoint_are_refused(tmp_path):
     argv = BASE[:i] + BASE[i + 2:] + ["--num-experts", "8", "--train-iters", "2", "--load", str(src)]
     with pytest.raises(Exception, match="--num-experts: the checkpoint has 4, the command line gives 8"):
         run_world(_run, 1, argv)
+
+
+def test_hf_export_of_moe_checkpoint_is_refused(tmp_path):
+    from megalite.checkpoint import CheckpointError
+    from megalite.checkpoint.convert import export_hf
+
+    src = tmp_path / "moe"
+    run_world(_run, 1, BASE + ["--train-iters", "1", "--save", str(src)])
+    with pytest.raises(CheckpointError, match="mixture-of-experts checkpoint .4 experts.*Fix: load it with megalite"):
+        export_hf(str(src), str(tmp_path / "hf"), progress=False)
+    assert not (tmp_path / "hf").exists()

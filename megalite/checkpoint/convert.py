@@ -19,7 +19,7 @@ import torch
 
 from megalite.checkpoint import hf as gpt2
 from megalite.checkpoint import hf_llama as llama
-from megalite.checkpoint.format import PieceReader
+from megalite.checkpoint.format import CheckpointError, PieceReader
 from megalite.checkpoint.hf_io import HFReader, HFShardWriter
 from megalite.checkpoint.serial import _checkpoint_dir, model_config_from, write_weights_checkpoint
 from megalite.progress import track
@@ -72,6 +72,10 @@ def export_hf(load: str, hf_dir: str, model_type: str | None = None, dtype: str 
     reader = PieceReader(_checkpoint_dir(load))
     meta = reader.metadata
     cfg = model_config_from(meta["config"]["model"])
+    if cfg.num_experts:
+        raise CheckpointError(f"{load}: a mixture-of-experts checkpoint ({cfg.num_experts} experts); export to "
+                              f"Hugging Face covers dense GPT-2 / Llama / Qwen2 models only (Mixtral's layout "
+                              f"is not written yet). Fix: load it with megalite (tools/generate.py, --load).")
     source = meta.get("source") or {}
     train = meta["config"].get("train", {})
     if cfg.position_embedding_type == "learned_absolute":

@@ -132,6 +132,12 @@ def save_checkpoint(root: str, iteration: int, optimizer, scaler, config, grid, 
     return final
 
 
+def same_layout(saved: dict, current: dict) -> bool:
+    """Whether two layouts match (a checkpoint older than a grid field has that field's default)."""
+    defaults = {"ep": 1, "experts": False}
+    return all(saved.get(k, defaults.get(k)) == v for k, v in current.items())
+
+
 def _prune(root: str, keep_last: int) -> None:
     done = sorted(d for d in os.listdir(root) if d.startswith("iter_") and not d.endswith(".tmp"))
     for d in done[:-keep_last]:
@@ -192,7 +198,7 @@ def load_checkpoint(root: str, optimizer, scaler, config, grid, load_optimizer: 
     optimizer.publish()
     rng = {}
     rng_file = f"rank{c['rank']:05d}.safetensors"
-    if load_rng and meta["layout"] == c["layout"] and rng_file in reader.descriptions:
+    if load_rng and same_layout(meta["layout"], c["layout"]) and rng_file in reader.descriptions:
         handle = reader._file(rng_file)
         rng = {k[len("rng/"):]: handle.get_tensor(k) for k in handle.keys() if k.startswith("rng/")}
     if rng:  # same layout: every rank continues its own random streams

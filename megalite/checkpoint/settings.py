@@ -79,8 +79,10 @@ def adopt_checkpoint_model(model: ModelConfig, saved: dict, given: set[str], tok
 
 def describe_layout_change(meta: dict, grid, t) -> str | None:
     """What changed since the checkpoint was written (layout, accumulation), when anything did."""
+    from megalite.checkpoint.core import same_layout
+
     then, now = meta["layout"], dict(grid.layout.__dict__)
-    if then == now:
+    if same_layout(then, now):
         return None
     saved = meta["config"]["train"]
     micro_then = saved["global_batch_size"] // (saved["micro_batch_size"] * then["dp"])

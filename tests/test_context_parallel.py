@@ -247,6 +247,11 @@ def test_next_kv_transfer_is_in_flight_while_computing():
         assert kinds[first: first + 4] == ["posted", "compute", "computed", "arrived"]
         t = {k: v for k, v in events[first: first + 4]}
         assert t["posted"] <= t["compute"] < t["computed"] <= t["arrived"]
+        # backward: the dK/dV accumulator sent after step 0 is waited for only after step 1's
+        # compute (double buffering), not at once.
+        b = kinds.index("dkv posted")
+        assert kinds[b: b + 7] == ["dkv posted", "posted", "arrived", "bwd compute", "bwd computed",
+                                   "arrived", "dkv posted"], kinds[b:]
 
 
 def test_context_parallel_slice_keeps_true_positions():

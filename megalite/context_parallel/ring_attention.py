@@ -15,6 +15,9 @@ exactly through their log-sum-exp: lse = logaddexp(lse1, lse2), out = sum_j out_
 Backward, C steps again. delta = rowsum(dO * O) is computed once; each step gives, from
 the *global* lse, this rank's dQ contribution (kept) and dK/dV for the visiting block,
 which travel with it round the ring: after C hops the accumulated dK/dV reach their owner.
+The dK/dV exchange is double-buffered: a step computes its contribution into fresh buffers
+while the block's accumulator from the previous rank is still in flight, then waits for it,
+adds and sends the sum on; so each transfer overlaps the next step's compute.
 Communication is point-to-point only (batched isend/irecv to the ring neighbours): every
 K/V block must meet every query shard once, and a ring does that moving one block per step
 per rank, so the whole sequence is never gathered and each rank holds O(s/C) of it.
@@ -178,13 +181,17 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
         dq_parts = dq.chunk(n, 2)
         k_cur, v_cur = k, v
-        dk_acc = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
-        dv_acc = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
+        travelling = None  # the dK/dV accumulator of the block computed next, on its way here
         for i in range(size):
             src = (rank - i) % size
             pending = exchange.start([k_cur, v_cur]) if i < size - 1 else None
             k_parts, v_parts = k_cur.chunk(n, 2), v_cur.chunk(n, 2)
-            dk_parts, dv_parts = dk_acc.chunk(n, 2), dv_acc.chunk(n, 2)
+            # This step's contribution to the visiting block's dK/dV goes into fresh buffers, so
+            # the accumulator sent by the previous rank can still be in flight meanwhile.
+            dk_blk = torch.zeros(k.shape, dtype=acc_dtype, device=k.device)
+            dv_blk = torch.zeros(v.shape, dtype=acc_dtype, device=v.device)
+            dk_parts, dv_parts = dk_blk.chunk(n, 2), dv_blk.chunk(n, 2)
+            exchange.events.append(("bwd compute", time.perf_counter()))
             for qi, qa, ki, ka, diag in _pairs(rank, src, size, causal):
                 dq_p, dk_p, dv_p = ops.backward(
                     q_parts[qi], k_parts[ki], v_parts[ki], o_parts[qi], do_parts[qi], lse_parts[qi],
@@ -192,10 +199,18 @@ class _RingAttention(torch.autograd.Function):
                 dq_parts[qi].add_(dq_p.to(acc_dtype))
                 dk_parts[ki].add_(dk_p.to(acc_dtype))
                 dv_parts[ki].add_(dv_p.to(acc_dtype))
-            # The visiting block's gradients travel on with it; after C hops they are home.
-            dk_acc, dv_acc = exchange.finish(exchange.start([dk_acc, dv_acc]))
+            exchange.events.append(("bwd computed", time.perf_counter()))
+            if travelling is not None:  # the block's accumulator from the ranks it visited before
+                dk_in, dv_in = exchange.finish(travelling)
+                dk_blk.add_(dk_in)
+                dv_blk.add_(dv_in)
+            # The block's gradients travel on with it; after C hops they are home. The transfer
+            # overlaps the next step's compute (double buffering: waited for only after it).
+            exchange.events.append(("dkv posted", time.perf_counter()))
+            travelling = exchange.start([dk_blk, dv_blk])
             if pending is not None:
                 k_cur, v_cur = exchange.finish(pending)
+        dk_acc, dv_acc = exchange.finish(travelling)
         return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype), None, None, None, None, None
 
 

@@ -56,6 +56,11 @@ class ModelConfig:
     moe_expert_capacity_factor: float | None = None  # None = dropless
     moe_shared_expert_intermediate_size: int | None = None  # a dense expert every token also takes
     moe_grouped_gemm: bool = False  # Triton grouped GEMM for the experts (else a loop of matmuls)
+    # transformer-engine and FP8 (megalite.layers.transformer_engine; Megatron's flags)
+    transformer_impl: str = "local"
+    fp8_format: str | None = None
+    fp8_amax_history_len: int = 1
+    fp8_amax_compute_algo: str = "most_recent"
 
     def __post_init__(self):
         if self.ffn_hidden_size is None and self.hidden_size > 0:
@@ -250,6 +255,9 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
     from megalite.layers.attention import check_attention_backend
 
     check_attention_backend(m)  # raises ConfigError naming what is missing and how to install it
+    from megalite.layers.transformer_engine import check_transformer_impl
+
+    check_transformer_impl(m)
     for name in ("hidden_dropout", "attention_dropout"):
         value = getattr(m, name)
         if not 0.0 <= value < 1.0:

@@ -108,3 +108,28 @@ def test_context_parallel_refuses_attention_dropout():
     check(cfg(model={"attention_dropout": 0.1}, parallel={"context_parallel_size": 2}), 2,
           "--context-parallel-size 2 with --attention-dropout 0.1",
           "ring attention has no attention dropout", "Fix: --attention-dropout 0.")
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--transformer-impl", "transformer_engine"], "--transformer-impl transformer_engine cannot run: "
+                                                   "transformer-engine is not installed"),
+    (["--fp8-format", "hybrid"], "Fix: add --transformer-impl transformer_engine"),
+    (["--fp8-format", "e4m3", "--fp8-amax-history-len", "0"], "a history of at least 1"),
+])
+def test_transformer_engine_and_fp8_flags_refused_where_they_cannot_run(flags, message):
+    from megalite.arguments import build_parser, config_from_args
+
+    config = config_from_args(build_parser().parse_args(["--mock-data"] + flags), vocab_size=100)
+    with pytest.raises(ConfigError) as e:
+        validate(config, 1)
+    assert message in str(e.value) and str(e.value).count("Fix:") == 1
+
+
+def test_transformer_engine_installed_but_path_not_built_is_said(monkeypatch):
+    import megalite.layers.transformer_engine as te
+
+    monkeypatch.setattr(te, "te_missing", lambda: None)  # as on a GPU with transformer-engine
+    config = Config(ModelConfig(transformer_impl="transformer_engine", fp8_format="hybrid"),
+                    data=DataConfig(mock_data=True))
+    with pytest.raises(ConfigError, match="not built yet .issue #14.. Fix: --transformer-impl local"):
+        validate(config, 1)

@@ -16,6 +16,10 @@ master copy and two fp32 moments. Both exceed a 24 GB GPU many times over, so pl
 is impossible either way; the planner uses the 16-byte figure and reports its parts.)
 megalite's ``--bf16`` accumulates gradients in fp32 by default (``fp32_grads``: 18 bytes).
 
+**Experts** (``m.num_experts``; ``Layout.ep``): the MoE layers' parameters, their model state
+over the expert-data-parallel group, their routed-token activations and transients, the
+all-to-all ('ep') and expert-gradient ('edp') traffic are in :mod:`megalite.moe.planning`.
+
 Psi of a rank on pipeline stage p, with TP = t: its L/P layers, whose large matrices are
 split over TP and whose norms and row-parallel biases are replicated, plus on the first
 stage the word embedding (vocabulary padded to a multiple of 128 t, split over TP) and
@@ -81,6 +85,7 @@ from megalite import config as megalite_config
 from megalite.config import (Config, ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainConfig,
                              validate)
 from megalite.data_parallel.accounting import zero_theory_bytes
+from megalite.moe import planning as moe_planning
 from megalite.parallel.grid import GridLayout
 
 GiB = 2**30
@@ -134,6 +139,11 @@ class Layout:
     cp: int = 1
     zero: int = 0
     recompute: str = "none"
+    ep: int = 1  # expert-parallel size (MoE): experts split over EP ranks of a stage's TP*CP*DP
+
+    @property
+    def edp(self) -> int:  # expert-data-parallel: ranks holding the same experts
+        return self.tp * self.cp * self.dp // self.ep
 
     @property
     def sp(self) -> bool:  # sequence parallelism always accompanies TP here (Megatron practice)
@@ -143,7 +153,8 @@ class Layout:
         parts = [f"TP {self.tp}" + (" (SP)" if self.sp else "")] if self.tp > 1 else []
         parts += [f"{k} {v}" for k, v in (("CP", self.cp), ("PP", self.pp)) if v > 1]
         parts.append(f"DP {self.dp}")
-        return " x ".join(parts) + f", ZeRO-{self.zero}, recompute {self.recompute}"
+        ep = f", EP {self.ep}" if self.ep > 1 else ""
+        return " x ".join(parts) + f"{ep}, ZeRO-{self.zero}, recompute {self.recompute}"
 
 
 # -- parameters ------------------------------------------------------------------------------------
@@ -166,10 +177,14 @@ def _norm_parameters(m: ModelConfig) -> int:
     return 2 * m.hidden_size if m.normalization == "LayerNorm" else m.hidden_size
 
 
-def stage_parameters(m: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0) -> int:
-    """Psi of one rank on pipeline stage ``stage``: what its weights and gradients hold."""
+def stage_parameters(m: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0, ep: int = 1) -> int:
+    """Psi of one rank on pipeline stage ``stage``: what its weights and gradients hold
+    (with experts: its dense parameters and its E/EP experts, :mod:`megalite.moe.planning`)."""
     split, replicated = layer_parameters(m, tp)
     psi = (m.num_layers // pp) * (split + replicated)
+    if m.num_experts:
+        psi = sum(moe_planning.layers_parameters(m, (split, replicated), tp, ep,
+                                                 moe_planning.stage_layers(m, pp, stage)))
     embedding = m.padded_vocab_size(tp) * m.hidden_size // tp
     tied = not m.untie_embeddings_and_output_weights
     first, last = stage == 0, stage == pp - 1
@@ -184,12 +199,23 @@ def stage_parameters(m: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0) -
     return psi
 
 
+def stage_expert_parameters(m: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0, ep: int = 1) -> int:
+    """The part of :func:`stage_parameters` that is experts (reduced over expert-data-parallel ranks)."""
+    if not m.num_experts:
+        return 0
+    layers = moe_planning.stage_layers(m, pp, stage)
+    return moe_planning.layers_parameters(m, layer_parameters(m, tp), tp, ep, layers)[1]
+
+
 def total_parameters(m: ModelConfig) -> int:
     """Parameters of the whole model, real (unpadded) vocabulary, tied embedding once."""
     split, replicated = layer_parameters(m)
     vocab = m.vocab_size * m.hidden_size * (1 if not m.untie_embeddings_and_output_weights else 2)
     positions = m.max_position_embeddings * m.hidden_size if m.position_embedding_type == "learned_absolute" else 0
-    return m.num_layers * (split + replicated) + vocab + positions + _norm_parameters(m)
+    layers = m.num_layers * (split + replicated)
+    if m.num_experts:
+        layers = sum(moe_planning.layers_parameters(m, (split, replicated)))
+    return layers + vocab + positions + _norm_parameters(m)
 
 
 def model_state_bytes(psi: int, n: int, zero: int, prec: Precision) -> dict[str, float]:
@@ -245,15 +271,30 @@ def stage_activation_bytes(m: ModelConfig, layout: Layout, stage: int, micro: in
     per_layer = layer_activation_bytes(m, recompute=layout.recompute, **args)
     if layout.recompute != "full":
         per_layer += megalite_layer_overhead(m, micro, t, sp, cp, prec.act_bytes)
-    per_mb = (m.num_layers // layout.pp) * per_layer
+    layers = m.num_layers // layout.pp
+    moe_flags = moe_planning.stage_moe_flags(m, layout.pp, stage)  # which of the stage's layers are MoE
+    moe = dict(micro=micro, tp=t, sp=sp, cp=cp, ep=layout.ep, act_bytes=prec.act_bytes)
+    delta = moe_planning.moe_layer_delta(m, **moe) if any(moe_flags) and layout.recompute != "full" else 0.0
+    per_mb = layers * per_layer + sum(moe_flags) * delta  # routed tokens instead of the dense MLP
     sbh = m.seq_length / cp * micro * m.hidden_size / (t if sp else 1)
-    if stage == 0:
-        per_mb += sbh  # embedding dropout mask
+    first = sbh if stage == 0 else 0.0  # embedding dropout mask
+    per_mb += first
     if stage == layout.pp - 1:
         per_mb += prec.act_bytes * sbh + 4 * m.seq_length / cp * micro * m.padded_vocab_size(t) / t
-    total = per_mb * in_flight(layout.pp, stage, num_micro)
-    if layout.recompute == "full":  # the layer being recomputed during backward
-        total += layer_activation_bytes(m, recompute="none", **args)
+    n = in_flight(layout.pp, stage, num_micro)
+    total = per_mb * n
+    recomputed = 0.0
+    if layout.recompute == "full":  # the layer being recomputed during backward (the larger kind)
+        recomputed = layer_activation_bytes(m, recompute="none", **args)
+        if any(moe_flags):
+            full_delta = moe_planning.moe_layer_delta(m, **moe, gathered=False)
+            recomputed += full_delta if all(moe_flags) else max(full_delta, 0.0)
+        total += recomputed
+    if any(moe_flags):  # an MoE layer's dispatch buffers (forward) or expert weight gradients (backward)
+        # while one micro-batch holds its layers up to the stage's last MoE layer
+        upto = max(i for i, f in enumerate(moe_flags) if f) + 1
+        held = (n - 1) * per_mb + first + upto * per_layer + sum(moe_flags[:upto]) * delta + recomputed
+        total = max(total, held + max(moe_planning.transient_bytes(m, **moe, weight_bytes=prec.weight_bytes)))
     return total
 
 
@@ -265,32 +306,42 @@ def pipeline_bubble(pp: int, num_micro: int) -> float:
 # -- communication ---------------------------------------------------------------------------------
 
 def group_spans_nodes(layout: Layout, kind: str, gpus_per_node: int) -> bool:
-    """Whether any group of this kind ('tp', 'cp', 'dp_cp', 'pp') has ranks on two nodes."""
-    return _spans(layout.tp, layout.cp, layout.dp, layout.pp, kind, gpus_per_node)
+    """Whether any group of this kind ('tp', 'cp', 'dp_cp', 'pp', 'ep', 'edp') has ranks on two nodes."""
+    return _spans(layout.tp, layout.cp, layout.dp, layout.pp, kind, gpus_per_node, layout.ep)
 
 
 @functools.lru_cache(maxsize=4096)
-def _spans(tp: int, cp: int, dp: int, pp: int, kind: str, gpus_per_node: int) -> bool:
-    grid = GridLayout(tp=tp, cp=cp, dp=dp, pp=pp)  # megalite's rank order, pure arithmetic
+def _spans(tp: int, cp: int, dp: int, pp: int, kind: str, gpus_per_node: int, ep: int = 1) -> bool:
+    grid = GridLayout(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, experts=kind in ("ep", "edp"))  # megalite's rank order
     return any(len({r // gpus_per_node for r in ranks}) > 1 for ranks in grid.groups(kind))
 
 
 def communication(m: ModelConfig, layout: Layout, psi: int, micro: int, num_micro: int, prec: Precision,
-                  hw: Hardware) -> dict[str, dict]:
-    """Per kind: wire bytes per rank per step, the link it runs on and the time there."""
+                  hw: Hardware, stage: int = 0) -> dict[str, dict]:
+    """Per kind: wire bytes per rank per step, the link it runs on and the time there.
+    With experts (``stage``: whose MoE layers and experts; :mod:`megalite.moe.planning`), the
+    expert part of ``psi`` is reduced over EDP ('edp') and tokens travel over EP ('ep')."""
     n, t, M = layout.dp * layout.cp, layout.tp, num_micro
     w, g = prec.weight_bytes, prec.grad_bytes
     ring = (n - 1) / n
+    psi_e = stage_expert_parameters(m, t, layout.pp, stage, layout.ep)
+    psi, n_moe = psi - psi_e, moe_planning.stage_moe_layers(m, layout.pp, stage) if m.num_experts else 0
     dp = {0: 2 * psi * g, 1: psi * (g + w), 2: psi * (M * g + w), 3: psi * M * (g + 2 * w)}[layout.zero] * ring
     layers = m.num_layers // layout.pp
     bsh = micro * m.seq_length / layout.cp * m.hidden_size * prec.act_bytes
     passes = 6 if layout.recompute == "full" else 4
     tp = M * layers * passes * bsh * 2 * (t - 1) / t
+    if n_moe and not m.moe_shared_expert_intermediate_size:  # an MoE MLP has no TP traffic
+        tp -= M * n_moe * passes / 2 * bsh * 2 * (t - 1) / t
+    ep = moe_planning.all_to_all_bytes(m, micro, M, n_moe, t, layout.sp, layout.cp, layout.ep, prec.act_bytes,
+                                       layout.recompute)
+    edp = moe_planning.gradient_reduction_bytes(psi_e, layout.edp, layout.zero, M, w, g)
     pp = 2 * M * bsh / (t if layout.sp else 1) if layout.pp > 1 else 0.0
     kv = bsh * 2 * m.num_query_groups / m.num_attention_heads / t
     cp = M * layers * (3 + (layout.recompute == "full")) * (layout.cp - 1) * kv
     result = {}
-    for kind, group, volume in (("dp", "dp_cp", dp), ("tp", "tp", tp), ("pp", "pp", pp), ("cp", "cp", cp)):
+    for kind, group, volume in (("dp", "dp_cp", dp), ("tp", "tp", tp), ("pp", "pp", pp), ("cp", "cp", cp),
+                                ("ep", "ep", ep), ("edp", "edp", edp)):
         if volume <= 0:
             continue
         slow = group_spans_nodes(layout, group, hw.gpus_per_node)
@@ -325,8 +376,12 @@ class Estimate:
 def stage_memory(m: ModelConfig, layout: Layout, stage: int, micro: int, num_micro: int, prec: Precision,
                  flash_attention: bool = False) -> tuple[int, dict]:
     """(parameters, memory by kind in bytes) of one rank of pipeline stage ``stage``."""
-    psi = stage_parameters(m, layout.tp, layout.pp, stage)
+    psi = stage_parameters(m, layout.tp, layout.pp, stage, layout.ep)
     mem = model_state_bytes(psi, layout.dp * layout.cp, layout.zero, prec)
+    psi_e = stage_expert_parameters(m, layout.tp, layout.pp, stage, layout.ep)
+    if psi_e:  # expert parameters: the ZeRO arithmetic over the expert-data-parallel group
+        mem = moe_planning.model_state_bytes(psi - psi_e, psi_e, layout.dp * layout.cp, layout.edp, layout.zero,
+                                             prec.weight_bytes, prec.grad_bytes, prec.optimizer_bytes)
     mem["activations"] = stage_activation_bytes(m, layout, stage, micro, num_micro, prec, flash_attention)
     mem["buffers"] = 0.0
     split, replicated = layer_parameters(m, layout.tp)
@@ -336,6 +391,8 @@ def stage_memory(m: ModelConfig, layout: Layout, stage: int, micro: int, num_mic
     if layout.zero >= 2:  # the bucket being filled: a full-size gradient staging buffer (a layer
         # under ZeRO-3, --ddp-bucket-size elements under ZeRO-2), reduce-scattered when complete
         bucket = split + replicated if layout.zero == 3 else min(psi, DEFAULT_BUCKET)
+        if psi_e:  # expert and dense parameters never share a bucket
+            bucket = moe_planning.largest_gradient_bucket(m, layout.tp, layout.ep, layout.pp, stage, DEFAULT_BUCKET)
         mem["buffers"] += prec.grad_bytes * bucket
     mem["total"] += mem["activations"] + mem["buffers"]
     return psi, mem
@@ -351,7 +408,7 @@ def estimate(m: ModelConfig, layout: Layout, global_batch: int, micro: int, prec
         if best is None or mem["total"] > best[2]["total"]:
             best = (stage, psi, mem)
     stage, psi, mem = best
-    comm = communication(m, layout, psi, micro, num_micro, prec, hw)
+    comm = communication(m, layout, psi, micro, num_micro, prec, hw, stage)
     return Estimate(layout, num_micro, stage, psi, mem, pipeline_bubble(layout.pp, num_micro), comm,
                     mem["total"] <= hw.usable_bytes)
 
@@ -369,9 +426,15 @@ def check_layout(m: ModelConfig, layout: Layout, global_batch: int, micro: int, 
                 f"load-balanced causal split cuts each sequence into 2*CP equal chunks.")
     if cp > 1 and layout.sp and (s // cp) % tp:
         return f"--seq-length / CP ({s // cp}) must be divisible by TP ({tp}) for sequence parallelism."
+    ep = layout.ep
+    if cp > 1 and ep > 1:  # the EP rule on the unfolded stage (TP*CP*DP ranks), then EP 1 for the rest
+        if (tp * cp * layout.dp) % ep or (m.num_experts or 1) % ep:
+            return (f"--expert-model-parallel-size ({ep}) must divide --num-experts ({m.num_experts}) and the "
+                    f"ranks of one pipeline stage, TP*CP*DP = {tp * cp * layout.dp}.")
+        ep = 1
     model = dataclasses.replace(m, attention_backend="torch", fused_kernels=False)
     cfg = Config(model, ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=layout.pp,
-                                       sequence_parallel=layout.sp),
+                                       sequence_parallel=layout.sp, expert_model_parallel_size=ep),
                  TrainConfig(micro_batch_size=micro, global_batch_size=global_batch, zero_stage=layout.zero),
                  DataConfig(mock_data=True))
     try:
@@ -387,9 +450,17 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def expert_parallel_sizes(m: ModelConfig, stage_ranks: int) -> list[int]:
+    """EP choices of an MoE model: the divisors of E that divide a stage's TP*CP*DP ranks."""
+    if not m.num_experts:
+        return [1]
+    return [e for e in _divisors(m.num_experts) if stage_ranks % e == 0]
+
+
 def candidate_layouts(m: ModelConfig, hw: Hardware, max_cp: int = 8) -> list[Layout]:
     """TP in divisors of GPUs per node up to 8, CP powers of two up to ``max_cp``, PP dividing
-    the layers, DP what remains; every ZeRO stage (only 0 when DP x CP = 1) and recomputation."""
+    the layers, DP what remains; every ZeRO stage (only 0 when DP x CP = 1) and recomputation;
+    with experts, every EP dividing E and TP*CP*DP."""
     world, out = hw.world_size, []
     for tp in (d for d in _divisors(hw.gpus_per_node) if d <= 8):
         for cp in (c for c in (1, 2, 4, 8, 16, 32) if c <= max_cp):
@@ -399,7 +470,8 @@ def candidate_layouts(m: ModelConfig, hw: Hardware, max_cp: int = 8) -> list[Lay
                 dp = world // (tp * cp * pp)
                 for zero in range(4 if dp * cp > 1 else 1):  # nothing to shard over one rank
                     for rc in RECOMPUTE:
-                        out.append(Layout(tp, pp, dp, cp, zero, rc))
+                        for ep in expert_parallel_sizes(m, tp * cp * dp):
+                            out.append(Layout(tp, pp, dp, cp, zero, rc, ep))
     return out
 
 
@@ -422,11 +494,12 @@ def ladder_key(layout: Layout) -> tuple:
     then CP (1 first; each larger CP climbs the other rungs again); then the rung; TP
     ascending inside the TP rung, but once PP is needed TP as large as the node allows
     (Narayanan et al. 2021); then recomputation none before selective; then the ZeRO stage
-    (ZeRO-1 keeps DDP's traffic; megalite's ZeRO-2 reduce-scatters every micro-batch)."""
+    (ZeRO-1 keeps DDP's traffic; megalite's ZeRO-2 reduce-scatters every micro-batch); with
+    experts, last EP ascending (fewer experts per rank for an all-to-all per MoE layer)."""
     inner = rung(dataclasses.replace(layout, cp=1))  # CP layouts climb the same ladder inside
     tp_order = -layout.tp if inner == 2 else layout.tp
     return (layout.recompute == "full", layout.cp, inner, layout.pp, tp_order,
-            RECOMPUTE.index(layout.recompute), layout.zero)
+            RECOMPUTE.index(layout.recompute), layout.zero, layout.ep)
 
 
 @dataclass
@@ -451,7 +524,7 @@ def plan(m: ModelConfig, hw: Hardware, global_batch: int, micro: int, prec: Prec
     checked: dict[tuple, str | None] = {}
     estimates, invalid = [], {}
     for layout in sorted(candidate_layouts(m, hw, max_cp), key=ladder_key):
-        key = (layout.tp, layout.pp, layout.cp, layout.zero)
+        key = (layout.tp, layout.pp, layout.cp, layout.zero, layout.ep)
         if key not in checked:
             checked[key] = check_layout(m, layout, global_batch, micro, hw)
         if checked[key]:
@@ -576,6 +649,11 @@ def explain(p: Plan) -> list[str]:
                    f"(P-1)/(M+P-1) = {chosen.bubble:.1%} with M = {chosen.num_micro}")
     if lay.zero == 3:
         why.append("ZeRO-3 shards the weights too, gathering each layer before use (1.5x DDP traffic)")
+    if lay.ep > 1:
+        shard = (f" (ZeRO-{lay.zero} shards their state over the {lay.edp} GPUs holding the same experts)"
+                 if lay.zero and lay.edp > 1 else "")
+        why.append(f"EP {lay.ep} holds {m.num_experts // lay.ep} of the {m.num_experts} experts of each MoE layer "
+                   f"per GPU{shard}; tokens travel to them by all-to-all on {chosen.comm['ep']['link']}")
     if lay.cp > 1:
         why.append(f"CP {lay.cp} splits the long sequence, dividing activations by {lay.cp}")
     if lay.recompute == "selective":

@@ -16,8 +16,11 @@ optimizer step) as a ``--fake-process-group`` rank on meta tensors (``--device m
 memory, no compute) with ``--track-memory``. Printed per role: weights, gradients, optimizer
 state, activations and communication buffers at the peak, the peak itself, bytes handed to
 each group's collectives per step, and the planner's estimate for the same rank with the
-difference. With ``--device cuda`` (one GPU) the roles run for real on it and
-``torch.cuda.max_memory_allocated`` is reported beside the tracker's peak.
+difference. With experts (``--num-experts``) the planner gets the layout's EP too, and a
+line compares the wire bytes per step on the 'ep' (token all-to-all) and 'edp' (expert
+gradients) groups with the planner's (when EP equals TP the two kinds share one communicator
+and their bytes are reported under 'tp'). With ``--device cuda`` (one GPU) the roles run for
+real on it and ``torch.cuda.max_memory_allocated`` is reported beside the tracker's peak.
 All other flags are pretrain_gpt.py's; --train-iters and logging flags are set here.
 """
 from __future__ import annotations
@@ -37,7 +40,8 @@ import torch.distributed as dist  # noqa: E402
 from megalite.arguments import build_parser, config_from_args  # noqa: E402
 from megalite.config import ConfigError, validate  # noqa: E402
 from megalite.parallel.grid import GridLayout  # noqa: E402
-from megalite.planner import Layout, precision, stage_memory  # noqa: E402
+from megalite.moe.planning import wire_from_handed  # noqa: E402
+from megalite.planner import Hardware, Layout, communication, precision, stage_memory  # noqa: E402
 
 GiB = 2**30
 
@@ -82,16 +86,39 @@ def run_role(flags: list[str], world: int, rank: int, gpus_per_node: int, device
     return record
 
 
-def planned(config, layout: GridLayout, stage: int) -> dict:
-    """The planner's memory for one rank of ``stage`` (megalite.planner.stage_memory)."""
+def _plan_inputs(config, layout: GridLayout):
     t, m = config.train, config.model
     prec = precision("bf16" if t.bf16 else "fp16" if t.fp16 else "fp32",
                      fp32_grads=bool(t.accumulate_allreduce_grads_in_fp32) and (t.bf16 or t.fp16))
-    recompute = m.recompute_granularity or "none"
     plan_layout = Layout(tp=layout.tp, pp=layout.pp, dp=layout.dp, cp=layout.cp, zero=t.zero_stage,
-                         recompute=recompute)
+                         recompute=m.recompute_granularity or "none", ep=layout.ep)
     num_micro = t.global_batch_size // (t.micro_batch_size * layout.dp)
-    return stage_memory(m, plan_layout, stage, t.micro_batch_size, num_micro, prec, flash_attention=True)[1]
+    return m, plan_layout, t.micro_batch_size, num_micro, prec
+
+
+def planned(config, layout: GridLayout, stage: int) -> dict:
+    """The planner's memory for one rank of ``stage`` (megalite.planner.stage_memory)."""
+    m, plan_layout, micro, num_micro, prec = _plan_inputs(config, layout)
+    return stage_memory(m, plan_layout, stage, micro, num_micro, prec, flash_attention=True)[1]
+
+
+def planned_comm(config, layout: GridLayout, stage: int, gpus_per_node: int) -> dict:
+    """The planner's wire bytes per step per kind for one rank of ``stage`` (megalite.planner.communication)."""
+    m, plan_layout, micro, num_micro, prec = _plan_inputs(config, layout)
+    psi, _ = stage_memory(m, plan_layout, stage, micro, num_micro, prec, flash_attention=True)
+    hw = Hardware(80.0, gpus_per_node, -(-layout.world_size // gpus_per_node))
+    return {k: c["bytes"] for k, c in communication(m, plan_layout, psi, micro, num_micro, prec, hw, stage).items()}
+
+
+def expert_wire_bytes(comm_bytes: dict, layout: GridLayout, zero: int) -> dict:
+    """The measured bytes handed to the 'ep' (all-to-all) and 'edp' (expert gradients: all-reduce
+    under ZeRO-0, reduce-scatter + all-gather otherwise) groups, as ring wire bytes per rank."""
+    out = {}
+    if "ep" in comm_bytes:
+        out["ep"] = wire_from_handed(comm_bytes["ep"], layout.ep)
+    if "edp" in comm_bytes:
+        out["edp"] = wire_from_handed(comm_bytes["edp"], layout.edp, all_reduce=zero == 0)
+    return out
 
 
 def measure_layout(flags: list[str], config, layout: GridLayout, gpus_per_node: int, device: str = "meta",
@@ -105,7 +132,10 @@ def measure_layout(flags: list[str], config, layout: GridLayout, gpus_per_node: 
         result = {**role, "measured_bytes": tracked["peak"], "planned_bytes": plan["total"],
                   "difference": (tracked["peak"] - plan["total"]) / plan["total"],
                   "categories": tracked["peak_by_category"], "planned_categories": plan,
-                  "comm_bytes": record["comm_bytes_by_group"], "fits": tracked["peak"] <= budget}
+                  "comm_bytes": record["comm_bytes_by_group"], "fits": tracked["peak"] <= budget,
+                  "planned_comm_wire_bytes": planned_comm(config, layout, role["stage"], gpus_per_node),
+                  "expert_comm_wire_bytes": expert_wire_bytes(record["comm_bytes_by_group"], layout,
+                                                              config.train.zero_stage)}
         if "cuda_max_memory_allocated" in record:
             result["cuda_max_memory_allocated"] = record["cuda_max_memory_allocated"]
         yield result
@@ -133,9 +163,11 @@ def main(argv=None) -> int:
     except ConfigError as e:
         print(f"dry_run: configuration error: {e}", file=sys.stderr)
         return 2
-    layout = GridLayout.from_config(config.parallel, args.world_size)
+    layout = GridLayout.from_config(config.parallel, args.world_size, experts=bool(config.model.num_experts))
     budget = args.gpu_memory_gb * GiB
-    print(f"dry run: world {args.world_size} = TP {layout.tp} x CP {layout.cp} x DP {layout.dp} x PP {layout.pp}, "
+    experts = f" (EP {layout.ep} x EDP {layout.edp} per stage)" if layout.experts else ""
+    print(f"dry run: world {args.world_size} = TP {layout.tp} x CP {layout.cp} x DP {layout.dp} x PP {layout.pp}"
+          f"{experts}, "
           f"{args.gpus_per_node} GPUs per node, {args.gpu_memory_gb:g} GiB each; one iteration per role on "
           f"{args.device}")
     header = (f"{'role':<34} {'ranks':<12} {'weights':>8} {'grads':>8} {'optim':>8} {'activ.':>8} {'comm':>8} "
@@ -154,6 +186,11 @@ def main(argv=None) -> int:
               f"{'yes' if result['fits'] else 'NO'}")
         print(f"{'':<34} bytes per step: " + ", ".join(f"{k} {v / GiB:.2f} GiB"
                                                      for k, v in sorted(record["comm_bytes_by_group"].items())))
+        if result["expert_comm_wire_bytes"]:
+            planned_wire = result["planned_comm_wire_bytes"]
+            print(f"{'':<34} experts, wire bytes per step, measured / planned: " + ", ".join(
+                f"{k} {v / GiB:.3f} / {planned_wire.get(k, 0) / GiB:.3f} GiB"
+                for k, v in sorted(result["expert_comm_wire_bytes"].items())))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"world_size": args.world_size, "layout": dict(layout.__dict__), "roles": results}, f, indent=1)

@@ -19,6 +19,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.config import ModelConfig  # noqa: E402
+from megalite.moe.settings import moe_layers, parse_layer_freq  # noqa: E402
 from megalite.planner import GiB, Hardware, plan, precision, total_parameters  # noqa: E402
 
 
@@ -39,6 +40,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
+    g = p.add_argument_group("mixture of experts (planned with every expert-parallel size EP dividing E and TP*CP*DP)")
+    g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (default: a dense model)")
+    g.add_argument("--moe-router-topk", type=int, default=2)
+    g.add_argument("--moe-ffn-hidden-size", type=int, default=None,
+                   help="each expert's FFN size (default --ffn-hidden-size)")
+    g.add_argument("--moe-layer-freq", type=str, default="1", help="every N-th layer is MoE, or a 0/1 list [1,0,1,0]")
+    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
     g = p.add_argument_group("batch")
     g.add_argument("--global-batch-size", type=int, required=True)
     g.add_argument("--micro-batch-size", type=int, default=1)
@@ -67,24 +75,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def model_from_args(a) -> ModelConfig:
+    moe = {}
+    if a.num_experts:
+        moe = dict(num_experts=a.num_experts, moe_router_topk=a.moe_router_topk,
+                   moe_ffn_hidden_size=a.moe_ffn_hidden_size, moe_layer_freq=parse_layer_freq(a.moe_layer_freq),
+                   moe_shared_expert_intermediate_size=a.moe_shared_expert_intermediate_size)
     return ModelConfig(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
                        ffn_hidden_size=a.ffn_hidden_size, num_query_groups=a.num_query_groups,
                        vocab_size=a.vocab_size, make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,
                        seq_length=a.seq_length, max_position_embeddings=a.max_position_embeddings,
                        position_embedding_type=a.position_embedding_type, normalization=a.normalization,
                        swiglu=a.swiglu, add_bias_linear=not a.disable_bias_linear,
-                       untie_embeddings_and_output_weights=a.untie_embeddings_and_output_weights)
+                       untie_embeddings_and_output_weights=a.untie_embeddings_and_output_weights, **moe)
 
 
 def table(estimates, usable: float) -> list[str]:
-    head = (f"{'TP':>3} {'PP':>3} {'CP':>3} {'DP':>4} {'ZeRO':>4} {'recompute':>9} | {'total':>6} {'weights':>7} "
+    experts = any(e.layout.ep > 1 for e in estimates)
+    head = (f"{'TP':>3} {'PP':>3} {'CP':>3} {'DP':>4} " + (f"{'EP':>3} " if experts else "")
+            + f"{'ZeRO':>4} {'recompute':>9} | {'total':>6} {'weights':>7} "
             f"{'grads':>6} {'m+Adam':>6} {'activ':>6} {'bufs':>5} | {'M':>4} {'bubble':>6} | comm ms/step "
             f"(N = NVLink, I = InfiniBand)")
     rows = [head, "-" * len(head)]
     for e in estimates:
         lay, mem = e.layout, e.memory
         comm = " ".join(f"{k.upper()} {c['seconds'] * 1e3:.0f}{c['link'][0]}" for k, c in e.comm.items())
-        rows.append(f"{lay.tp:>3} {lay.pp:>3} {lay.cp:>3} {lay.dp:>4} {lay.zero:>4} {lay.recompute:>9} | "
+        rows.append(f"{lay.tp:>3} {lay.pp:>3} {lay.cp:>3} {lay.dp:>4} " + (f"{lay.ep:>3} " if experts else "")
+                    + f"{lay.zero:>4} {lay.recompute:>9} | "
                     f"{mem['total'] / GiB:>6.1f} {mem['weights'] / GiB:>7.1f} {mem['gradients'] / GiB:>6.1f} "
                     f"{mem['master_and_optimizer'] / GiB:>6.1f} {mem['activations'] / GiB:>6.1f} "
                     f"{mem['buffers'] / GiB:>5.1f} | {e.num_micro:>4} {e.bubble:>6.1%} | {comm or '-'}")
@@ -112,6 +128,13 @@ def verify(a, m, estimates) -> None:
             ("global_batch_size", a.global_batch_size), ("micro_batch_size", a.micro_batch_size),
             ("tensor_model_parallel_size", lay.tp), ("pipeline_model_parallel_size", lay.pp),
             ("context_parallel_size", lay.cp), ("zero_stage", lay.zero))]
+        if m.num_experts:
+            flags += [f"--{k.replace('_', '-')}={v}" for k, v in (
+                ("num_experts", m.num_experts), ("moe_router_topk", m.moe_router_topk),
+                ("moe_ffn_hidden_size", m.moe_ffn_hidden_size),
+                ("moe_layer_freq", json.dumps(m.moe_layer_freq).replace(" ", "")),
+                ("moe_shared_expert_intermediate_size", m.moe_shared_expert_intermediate_size),
+                ("expert_model_parallel_size", lay.ep)) if v is not None]
         flags += [f for f, on in (("--swiglu", m.swiglu), ("--disable-bias-linear", not m.add_bias_linear),
                                   ("--untie-embeddings-and-output-weights", m.untie_embeddings_and_output_weights),
                                   ("--sequence-parallel", lay.sp), (f"--{a.precision}", a.precision != "fp32"),
@@ -125,7 +148,8 @@ def verify(a, m, estimates) -> None:
 
         world = lay.tp * lay.pp * lay.cp * lay.dp
         validate(config, world, a.gpus_per_node)
-        results = list(measure_layout(flags, config, GridLayout.from_config(config.parallel, world), a.gpus_per_node))
+        grid = GridLayout.from_config(config.parallel, world, experts=bool(m.num_experts))
+        results = list(measure_layout(flags, config, grid, a.gpus_per_node))
         worst = max(results, key=lambda r: r["measured_bytes"])  # the fullest stage, as in the estimate
         print(f"  {lay.describe():<48} estimated {worst['planned_bytes'] / GiB:7.2f} GiB, measured "
               f"{worst['measured_bytes'] / GiB:7.2f} GiB ({worst['role']}, {100 * worst['difference']:+.1f}%)")
@@ -137,9 +161,14 @@ def main(argv=None) -> int:
     hw = Hardware(a.gpu_memory_gb, a.gpus_per_node, a.nodes, a.nvlink_gbps, a.ib_gbps, a.headroom)
     prec = precision(a.precision, a.fp32_grads)
     result = plan(m, hw, a.global_batch_size, a.micro_batch_size, prec, a.flash_attention, a.max_context_parallel)
+    experts = ""
+    if m.num_experts:
+        experts = (f", {sum(moe_layers(m))} MoE layers x {m.num_experts} experts (FFN {m.moe_ffn_hidden_size}, "
+                   f"top-{m.moe_router_topk}" + (f", shared expert {m.moe_shared_expert_intermediate_size}"
+                                                  if m.moe_shared_expert_intermediate_size else "") + ")")
     print(f"model: {total_parameters(m) / 1e9:.2f}B parameters, {m.num_layers} layers, hidden {m.hidden_size}, "
           f"{m.num_attention_heads} heads ({m.num_query_groups} KV groups), FFN {m.ffn_hidden_size}"
-          f"{' SwiGLU' if m.swiglu else ''}, vocab {m.vocab_size}, seq {m.seq_length}; global batch "
+          f"{' SwiGLU' if m.swiglu else ''}{experts}, vocab {m.vocab_size}, seq {m.seq_length}; global batch "
           f"{a.global_batch_size}, micro batch {a.micro_batch_size}")
     print(f"hardware: {hw.world_size} GPUs = {hw.nodes} node(s) x {hw.gpus_per_node}, {hw.gpu_memory_gb:g} GiB each; "
           f"NVLink {hw.nvlink_gbps:g} GB/s inside a node, InfiniBand {hw.ib_gbps:g} GB/s across; precision "

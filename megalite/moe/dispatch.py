@@ -157,17 +157,26 @@ def dispatch_ep(x, expert_ids, weights, kept, experts: ExpertsFn, num_experts: i
     send_splits = [sum(send_counts[p * E_local:(p + 1) * E_local]) for p in range(P)]
     recv_splits = [sum(recv_counts[q * E_local:(q + 1) * E_local]) for q in range(P)]
 
+    # Each buffer is dropped as soon as the next one exists (none is saved for backward: the
+    # all-to-alls and index_selects keep only split sizes and indices), so at most two of the
+    # N x h row buffers are alive at once.
     # 2. rows to the experts' owners
     x_recv = all_to_all(x_sorted, recv_splits, send_splits, group)
+    del x_sorted
 
     # 3. local experts, rows grouped by (local expert, source rank)
     perm = _rank_to_expert_major(recv_counts, P, E_local, x.device)
     local_counts = [sum(recv_counts[q * E_local + e] for q in range(P)) for e in range(E_local)]
-    y_local = experts(x_recv.index_select(0, perm), local_counts)
+    x_local = x_recv.index_select(0, perm)
+    del x_recv
+    y_local = experts(x_local, local_counts)
+    del x_local
     inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(perm.numel(), device=perm.device)
     y_recv = y_local.index_select(0, inverse)
+    del y_local
 
     # 4. rows back to the tokens' owners, combine
     y_sorted = all_to_all(y_recv, send_splits, recv_splits, group)
+    del y_recv
     return combine(y_sorted, token, w_sorted, T)

@@ -41,12 +41,15 @@ def grouped_mlp(x_sorted: torch.Tensor, counts: list[int], w1: torch.Tensor, w2:
         raise ValueError(f"{len(counts)} group counts for {w1.shape[0]} experts")
     if sum(counts) != x_sorted.shape[0]:
         raise ValueError(f"group counts sum to {sum(counts)}, but there are {x_sorted.shape[0]} rows")
+    # One unbind per weight (its backward stacks the experts' gradients once); indexing w1[e]
+    # per expert would make a stacked-weight-sized zero gradient per expert in backward.
+    w1s, w2s = w1.unbind(0), w2.unbind(0)
     outputs, start = [], 0
     for e, n in enumerate(counts):
         if n == 0:
             continue
         rows = x_sorted[start:start + n]
-        outputs.append(F.linear(_activation(F.linear(rows, w1[e]), swiglu), w2[e]))
+        outputs.append(F.linear(_activation(F.linear(rows, w1s[e]), swiglu), w2s[e]))
         start += n
     if not outputs:  # keep the weights in the graph: zero gradients rather than None
         return x_sorted.new_zeros((0, w2.shape[1])) + 0.0 * (w1.sum() + w2.sum())

@@ -79,7 +79,6 @@ class MoELayer(nn.Module):
         else:
             out = dispatch_ep(tokens, r.expert_ids, r.weights, kept, self.experts, self.num_experts,
                               self.ep_group)
-        self.last_stats = r
         self._record(r)
         moe_loss = self.aux_loss_coeff * r.aux_loss + self.z_loss_coeff * r.z_loss
         return out.reshape(shape), moe_loss
@@ -93,7 +92,11 @@ class MoELayer(nn.Module):
     def _record(self, r) -> None:
         """Training forwards only; not the recomputation of a checkpointed layer, which runs
         inside backward and would count the micro-batch twice."""
-        if not self.training or torch._C._current_graph_task_id() != -1:
+        if torch._C._current_graph_task_id() != -1:
+            return
+        # detached: holding the router's outputs must not hold the layer's autograd graph
+        self.last_stats = type(r)(*(t.detach() for t in r))
+        if not self.training:
             return
         losses = torch.stack([r.aux_loss.detach().float(), r.z_loss.detach().float()])
         if self.stat_losses is None:

@@ -238,22 +238,23 @@ def transient_bytes(m, micro: int, tp: int = 1, sp: bool = False, cp: int = 1, e
     """(forward, backward): what an MoE layer adds, for a moment, to the activations it keeps
     (megalite today, measured with the meta dry run):
 
-    - forward (EP > 1): the dispatch holds the sorted rows, the received rows, the expert output
-      and the rows returned (4 B N h) while combine makes its output (B T h); EP = 1: B T h;
-    - backward: autograd gives each expert's weight slice ``w[e]`` a gradient of the whole
-      stacked weight (``select_backward``) and sums them out of place, so with L = E/EP >= 2
-      local experts 3 |w1| + |w2| bytes are live at once (|w1| = L sec F h, |w2| = L F h, weight
-      dtype) when the second expert's fc1 gradient arrives; the combine inputs (2 B N h + 2 N)
-      and 2 of the L experts' intermediates are spent by then. With one local expert: its
-      gradient |w1| + |w2|, all of its intermediates spent."""
+    - forward (EP > 1): the dispatch drops each row buffer once the next exists, so besides
+      what is kept, the rows returned and the weighted rows (2 B N h) are live while combine
+      makes its output (B T h); EP = 1: B T h;
+    - backward: the experts' weights are unbound once (:func:`megalite.moe.experts.grouped_mlp`),
+      so each expert's weight gradient is its own slice and the unbind's backward stacks them
+      once. Measured on one layer under the tracker (L = 2..8 local experts, F = 1024..4096):
+      the backward peak exceeds the forward's kept bytes by about the layer's weight gradients
+      |w1| + |w2| (|w1| = L sec F h, |w2| = L F h, weight dtype) less the combine's rows already
+      spent (2 B N h), within 4 MiB for L <= 4 (16 MiB more at L = 8). (Before the unbind,
+      indexing ``w[e]`` gave every expert a gradient of the whole stacked weight: 3 |w1| + |w2|.)"""
     T = routed_tokens(m, micro, tp, sp, cp)
     h, B, N = m.hidden_size, act_bytes, T * m.moe_router_topk
-    forward = B * T * h + (4 * B * N * h if ep > 1 else 0)
+    forward = B * T * h + (2 * B * N * h if ep > 1 else 0)
     local = m.num_experts // ep
     w1 = local * _sections(m) * m.moe_ffn_hidden_size * h * weight_bytes
     w2 = local * m.moe_ffn_hidden_size * h * weight_bytes
-    spent = 2 * B * N * h + 2 * N + min(1.0, 2 / local) * 2 * _sections(m) * B * N * m.moe_ffn_hidden_size
-    return forward, (3 * w1 + w2 if local >= 2 else w1 + w2) - spent
+    return forward, w1 + w2 - 2 * B * N * h
 
 
 # -- communication ---------------------------------------------------------------------------------

@@ -18,10 +18,9 @@ import torch
 from megalite.config import TrainConfig
 from megalite.device import host_value
 from megalite.parallel import comm
-from megalite.data_parallel.ddp import is_expert
 from megalite.moe.stats import set_backward_scale as set_moe_backward_scale
 from megalite.moe.stats import step_stats as moe_step_stats
-from megalite.parallel.sharding import is_tensor_parallel
+from megalite.parallel.sharding import is_expert, is_tensor_parallel
 from megalite.timers import Clock, StepTimers
 
 

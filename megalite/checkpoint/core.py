@@ -24,9 +24,9 @@ from megalite.checkpoint.format import (FORMAT_VERSION, VOCAB_PARAMS, Checkpoint
                                         write_rank_files)
 from megalite.config import ModelConfig
 from megalite.device import host_barrier
-from megalite.checkpoint.names import global_pieces, is_expert
+from megalite.checkpoint.names import global_pieces
 from megalite.parallel.random import get_rng_tracker
-from megalite.parallel.sharding import is_tensor_parallel, shard_tensor
+from megalite.parallel.sharding import is_expert, is_tensor_parallel, shard_tensor
 
 KINDS = ("weight", "exp_avg", "exp_avg_sq")
 # Model settings a checkpoint fixes; others (dropout, init std, backends) may change at load.

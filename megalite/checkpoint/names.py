@@ -8,9 +8,7 @@ checkpoint written under one expert-parallel size loads under any other, and ser
 """
 from __future__ import annotations
 
-
-def is_expert(p) -> bool:
-    return getattr(p, "expert_parallel", False)
+from megalite.parallel.sharding import is_expert
 
 
 def global_pieces(name: str, p) -> list[tuple[str, int, int, tuple]]:

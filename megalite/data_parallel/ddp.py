@@ -39,6 +39,7 @@ import torch
 from megalite.device import is_fake
 from megalite.memory_tracker import category
 from megalite.parallel import comm
+from megalite.parallel.sharding import is_expert
 
 
 def _finished(work) -> bool:
@@ -79,10 +80,6 @@ def group_by_size(params: list, bucket_size: int, isolate=lambda p: False) -> li
     if current:
         groups.append(current)
     return groups
-
-
-def is_expert(p) -> bool:
-    return getattr(p, "expert_parallel", False)
 
 
 def split_by_domain(groups: list[list]) -> list[list]:

@@ -29,11 +29,11 @@ import contextlib
 import torch
 
 from megalite.config import TrainConfig
-from megalite.data_parallel.ddp import GradSync, group_by_size, is_expert
+from megalite.data_parallel.ddp import GradSync, group_by_size
 from megalite.data_parallel.sharded_params import ShardedParameters
 from megalite.memory_tracker import category
 from megalite.parallel import comm
-from megalite.parallel.sharding import is_tensor_parallel
+from megalite.parallel.sharding import is_expert, is_tensor_parallel
 
 
 def _shard_ranges(bucket, shard, fn) -> list[tuple[int, int]]:

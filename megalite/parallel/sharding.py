@@ -54,6 +54,12 @@ def is_tensor_parallel(param) -> bool:
     return getattr(param, "tp_split", None) is not None
 
 
+def is_expert(param) -> bool:
+    """A stacked expert parameter (mixture of experts): this rank's E/EP experts, replicated over
+    the expert-data-parallel ranks (see megalite.moe.layer), not over DP."""
+    return getattr(param, "expert_parallel", False)
+
+
 def gather_full(tensor: torch.Tensor, split: TPSplit | None, group) -> torch.Tensor:
     """All-gather the TP shards of ``tensor`` (a parameter or its gradient) into the full one."""
     if split is None or group_size(group) == 1:

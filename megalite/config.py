@@ -289,11 +289,6 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
     if cp > 1:
         _divides("--seq-length", m.seq_length, "2 * --context-parallel-size", 2 * cp,
                  "the load-balanced causal split cuts each sequence into 2*CP equal chunks.")
-        if m.attention_backend == "flash":
-            raise ConfigError(f"--context-parallel-size {cp} with --attention-backend flash: ring "
-                              f"attention merges per-block results through each row's log-sum-exp, "
-                              f"and runs on our Triton kernels or the torch math path, not yet on "
-                              f"flash-attn. Fix: --attention-backend triton (GPU), torch or auto.")
         if m.attention_dropout > 0:
             raise ConfigError(f"--context-parallel-size {cp} with --attention-dropout "
                               f"{m.attention_dropout}: ring attention has no attention dropout (its "

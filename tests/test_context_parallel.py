@@ -205,9 +205,10 @@ def test_ring_attention_backend_choice_and_errors():
     assert resolve_ring_backend("auto", cpu) == resolve_ring_backend("auto", meta) == "torch"
     assert block_ops("auto", meta).forward is attention_block_forward
     assert resolve_ring_backend("triton", cpu) == "triton"  # the interpreter (conftest)
-    with pytest.raises(BackendUnavailable, match=r"does not run on flash-attn yet.*Fix: --attention-backend triton"):
+    with pytest.raises(BackendUnavailable, match=r"on flash-attn cannot run: flash-attn is not installed.*"
+                                                 r"Fix: install it on a GPU machine"):
         resolve_ring_backend("flash", cpu)
-    with pytest.raises(BackendUnavailable, match="'xformers' is unknown; use one of auto, triton, torch"):
+    with pytest.raises(BackendUnavailable, match="'xformers' is unknown; use one of auto, triton, flash, torch"):
         resolve_ring_backend("xformers", cpu)
 
 

@@ -27,8 +27,11 @@ Block functions (``backend``), the same numbers up to rounding:
   ``flash_attention_backward``; the GPU default). On a CPU only under ``TRITON_INTERPRET=1``.
 - ``torch``: the math path of ``megalite.kernels.attention_reference`` (one block's scores
   materialized, float32 for 16-bit inputs); runs on any device, ``meta`` included.
-- ``auto``: triton on a CUDA tensor when the kernels can run there, else torch.
-- ``flash``: not yet (flash-attn under ring attention is a later step): an error names the fix.
+- ``flash``: flash-attn's block forward (with its LSE) and backward (from the global output
+  and LSE), through the adapter of :mod:`megalite.context_parallel.flash_blocks`; a CUDA GPU
+  with flash-attn installed, fp16/bf16.
+- ``auto``: triton on a CUDA tensor when the kernels can run there, else torch (flash only
+  when asked for: which of the two is faster under the ring is not measured yet).
 """
 from __future__ import annotations
 
@@ -41,12 +44,12 @@ import torch.distributed as dist
 from megalite.kernels.attention_reference import (attention_block_backward, attention_block_delta,
                                                   attention_block_forward, merge_attention)
 from megalite.layers.attention import TRITON_MAX_HEAD_DIM, BackendUnavailable
-from megalite.layers.backends import triton_missing
+from megalite.layers.backends import flash_missing, triton_missing
 from megalite.memory_tracker import category
 from megalite.parallel import comm
 
 RING_TAG = 7
-RING_BACKENDS = ("auto", "triton", "torch")
+RING_BACKENDS = ("auto", "triton", "flash", "torch")
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -59,18 +62,21 @@ class BlockOps(NamedTuple):
 
 
 def resolve_ring_backend(backend: str, q: torch.Tensor) -> str:
-    """The block functions' backend for this call, triton or torch (see the module
-    docstring); flash, a backend that cannot run here, or an unknown name raises."""
+    """The block functions' backend for this call, triton, flash or torch (see the module
+    docstring); a backend that cannot run here, or an unknown name, raises."""
     device = q.device.type
     if backend == "auto":
         triton_fits = q.dtype in TRITON_DTYPES and q.shape[-1] <= TRITON_MAX_HEAD_DIM
         return "triton" if device == "cuda" and triton_fits and triton_missing("cuda") is None else "torch"
     if backend == "flash":
-        raise BackendUnavailable(
-            "ring attention (--context-parallel-size > 1) does not run on flash-attn yet: it "
-            "merges per-block results through each row's log-sum-exp, which the Triton kernels and "
-            "the torch math path return. Fix: --attention-backend triton (GPU) or torch (or auto).")
-    if backend == "triton":
+        why = flash_missing(device)
+        if why:
+            raise BackendUnavailable(f"ring attention on flash-attn cannot run: {why}. Fix: install it on a "
+                                     f"GPU machine, or use --attention-backend triton or torch.")
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise BackendUnavailable(f"flash-attn takes float16 or bfloat16, got {q.dtype}. Fix: --bf16, or "
+                                     f"--attention-backend triton or torch.")
+    elif backend == "triton":
         why = triton_missing(device)
         if why:
             raise BackendUnavailable(f"ring attention on the triton backend cannot run: {why}. "
@@ -82,8 +88,14 @@ def resolve_ring_backend(backend: str, q: torch.Tensor) -> str:
 
 
 def block_ops(backend: str, q: torch.Tensor) -> BlockOps:
-    """The block functions for ``backend`` on q's device; Triton is imported only when chosen."""
-    if resolve_ring_backend(backend, q) == "triton":
+    """The block functions for ``backend`` on q's device; Triton or flash-attn is imported only
+    when chosen."""
+    name = resolve_ring_backend(backend, q)
+    if name == "flash":
+        from megalite.context_parallel.flash_blocks import flash_block_backward, flash_block_forward
+
+        return BlockOps("flash", flash_block_forward, flash_block_backward, attention_block_delta)
+    if name == "triton":
         from megalite.kernels.flash_attention import flash_attention_forward
         from megalite.kernels.flash_attention_bwd import attention_delta, flash_attention_backward
 

@@ -11,9 +11,14 @@ Backward with g = w dy (elementwise), c1 = mean(xhat g), c2 = mean(g):
     LayerNorm: dx = rstd (g - xhat c1 - c2)      RMSNorm: dx = rstd (g - xhat c1)
     dw = sum_rows dy xhat,  db = sum_rows dy
 
-Each program step takes a tile of rows, each row whole in one padded block (any n up to
-65536, not only powers of two). The backward's programs walk over row tiles keeping fp32
-partial sums of dw, db, which are then added with a torch sum (deterministic, no atomics). Any leading shape: rows = x.numel() / n.
+Up to ``WHOLE_ROW_MAX`` features, each program step takes a tile of rows, each row whole in
+one padded block (not only powers of two); the backward's programs walk over row tiles keeping
+fp32 partial sums of dw, db in registers. Wider rows (hidden sizes of 16k and more) would spill
+registers that way: there one program walks one row in column chunks of ``CHUNK`` (mean, then
+squared deviations, then y; in backward c1/c2, then dx), re-reading the row rather than holding
+it, and the backward adds its dw/db partial sums into its own row of a global buffer. Either
+way the partial sums are added with a torch sum (deterministic, no atomics). Any leading
+shape: rows = x.numel() / n.
 """
 from __future__ import annotations
 
@@ -23,7 +28,8 @@ import triton.language as tl
 
 from megalite.kernels._utils import INTERPRET, check_float, check_tensors, next_power_of_2, on_input_device
 
-MAX_HIDDEN = 65536
+WHOLE_ROW_MAX = 8192  # features up to which a row is held whole in registers
+CHUNK = 2048  # columns per step of the chunked kernels (fp32: 8 per thread at 8 warps)
 
 
 # Reductions call tl.reduce with the combine function tl.sum uses: identical when compiled,
@@ -91,6 +97,75 @@ def _norm_bwd_kernel(X, W, DY, DX, MEAN, RSTD, DW_PART, DB_PART, n_rows, n_cols,
                  mask=col_ok)
 
 
+@triton.jit
+def _norm_fwd_chunked_kernel(X, W, B, Y, MEAN, RSTD, n_cols, eps, RMS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             CHUNK: tl.constexpr):
+    """One row per program, walked in column chunks: its mean (LayerNorm), then the sum of
+    squared deviations, then y; each pass re-reads the row (from L2 at these sizes) instead of
+    holding it in registers."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row, y_row = X + row * n_cols, Y + row * n_cols
+    offs = tl.arange(0, CHUNK)
+    mean = 0.0
+    if not RMS:
+        total = tl.zeros([CHUNK], tl.float32)
+        for start in range(0, n_cols, CHUNK):
+            total += tl.load(x_row + start + offs, mask=start + offs < n_cols, other=0.0).to(tl.float32)
+        mean = tl.reduce(total, 0, tl.standard._sum_combine) / n_cols
+        tl.store(MEAN + row, mean)
+    squares = tl.zeros([CHUNK], tl.float32)
+    for start in range(0, n_cols, CHUNK):
+        ok = start + offs < n_cols
+        xc = tl.where(ok, tl.load(x_row + start + offs, mask=ok, other=0.0).to(tl.float32) - mean, 0.0)
+        squares += xc * xc
+    rstd = 1.0 / tl.sqrt(tl.reduce(squares, 0, tl.standard._sum_combine) / n_cols + eps)
+    tl.store(RSTD + row, rstd)
+    for start in range(0, n_cols, CHUNK):
+        ok = start + offs < n_cols
+        x = tl.load(x_row + start + offs, mask=ok, other=0.0).to(tl.float32)
+        y = (x - mean) * rstd * tl.load(W + start + offs, mask=ok, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            y += tl.load(B + start + offs, mask=ok, other=0.0).to(tl.float32)
+        tl.store(y_row + start + offs, y.to(Y.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _norm_bwd_chunked_kernel(X, W, DY, DX, MEAN, RSTD, DW_PART, DB_PART, n_rows, n_cols,
+                             RMS: tl.constexpr, HAS_BIAS: tl.constexpr, CHUNK: tl.constexpr):
+    """Rows pid, pid + P, ...: per row a pass for c1 = mean(xhat g) (and c2 = mean(g)), then a
+    pass writing dx and adding dy xhat (dy) into this program's own row of DW_PART (DB_PART):
+    partial sums in global memory rather than registers, still without atomics."""
+    pid = tl.program_id(0)
+    offs = tl.arange(0, CHUNK)
+    for row in range(pid, n_rows, tl.num_programs(0)):
+        base = tl.cast(row, tl.int64) * n_cols
+        rstd = tl.load(RSTD + row)
+        mean = 0.0 if RMS else tl.load(MEAN + row)
+        acc1 = tl.zeros([CHUNK], tl.float32)
+        acc2 = tl.zeros([CHUNK], tl.float32)
+        for start in range(0, n_cols, CHUNK):
+            ok = start + offs < n_cols
+            x = tl.load(X + base + start + offs, mask=ok, other=0.0).to(tl.float32)
+            g = tl.load(DY + base + start + offs, mask=ok, other=0.0).to(tl.float32) * \
+                tl.load(W + start + offs, mask=ok, other=0.0).to(tl.float32)
+            acc1 += tl.where(ok, (x - mean) * rstd, 0.0) * g
+            acc2 += g
+        c1 = tl.reduce(acc1, 0, tl.standard._sum_combine) / n_cols
+        c2 = 0.0 if RMS else tl.reduce(acc2, 0, tl.standard._sum_combine) / n_cols
+        for start in range(0, n_cols, CHUNK):
+            ok = start + offs < n_cols
+            x = tl.load(X + base + start + offs, mask=ok, other=0.0).to(tl.float32)
+            dy = tl.load(DY + base + start + offs, mask=ok, other=0.0).to(tl.float32)
+            xhat = tl.where(ok, (x - mean) * rstd, 0.0)
+            g = dy * tl.load(W + start + offs, mask=ok, other=0.0).to(tl.float32)
+            tl.store(DX + base + start + offs, ((g - xhat * c1 - c2) * rstd).to(DX.dtype.element_ty), mask=ok)
+            part = DW_PART + pid * n_cols + start + offs
+            tl.store(part, tl.load(part, mask=ok, other=0.0) + dy * xhat, mask=ok)
+            if HAS_BIAS:
+                part_b = DB_PART + pid * n_cols + start + offs
+                tl.store(part_b, tl.load(part_b, mask=ok, other=0.0) + dy, mask=ok)
+
+
 def _check(what: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
     check_tensors(what, x, weight, *([bias] if bias is not None else []))
     check_float(what, x, weight)
@@ -98,9 +173,6 @@ def _check(what: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if weight.shape != (n,) or (bias is not None and bias.shape != (n,)):
         raise ValueError(f"{what}: weight and bias must have shape ({n},) (the last dim of x), got "
                          f"{tuple(weight.shape)} and {None if bias is None else tuple(bias.shape)}.")
-    if n > MAX_HIDDEN:
-        raise ValueError(f"{what}: hidden size {n} is above {MAX_HIDDEN}, the largest one row per "
-                         f"program can hold. Fix: use the torch norm (no --fused-kernels).")
 
 
 def _tiles(n_cols: int) -> tuple[int, int, int]:
@@ -112,15 +184,29 @@ def _tiles(n_cols: int) -> tuple[int, int, int]:
     return block, max(1, min(16, 4096 // block)), min(16, max(4, block // 512))
 
 
+def _chunk(n: int, chunk: int | None) -> int | None:
+    """Columns per step of the chunked kernels, or None for the whole-row kernels."""
+    if chunk is not None:
+        return chunk
+    return CHUNK if n > WHOLE_ROW_MAX else None
+
+
 @on_input_device
-def norm_forward(x, weight, bias, eps: float, rms: bool):
-    """(y, mean, rstd) for x (rows, n) contiguous; mean is empty for RMSNorm."""
+def norm_forward(x, weight, bias, eps: float, rms: bool, chunk: int | None = None):
+    """(y, mean, rstd) for x (rows, n) contiguous; mean is empty for RMSNorm. ``chunk``: force
+    the chunked kernel with this many columns per step (default: only above WHOLE_ROW_MAX)."""
     rows, n = x.shape
     block, block_r, warps = _tiles(n)
     y = torch.empty_like(x)
     mean = torch.empty(0 if rms else rows, device=x.device, dtype=torch.float32)
     rstd = torch.empty(rows, device=x.device, dtype=torch.float32)
-    if rows:
+    chunk = _chunk(n, chunk)
+    if rows and chunk is not None:
+        _norm_fwd_chunked_kernel[(rows,)](x, weight, bias if bias is not None else weight, y,
+                                          rstd if rms else mean, rstd, n, float(eps), RMS=rms,
+                                          HAS_BIAS=bias is not None, CHUNK=chunk,
+                                          num_warps=1 if INTERPRET else 8)
+    elif rows:
         _norm_fwd_kernel[(triton.cdiv(rows, block_r),)](
             x, weight, bias if bias is not None else weight, y, rstd if rms else mean, rstd, rows, n,
             float(eps), RMS=rms, HAS_BIAS=bias is not None, BLOCK_R=block_r, BLOCK=block,
@@ -129,16 +215,21 @@ def norm_forward(x, weight, bias, eps: float, rms: bool):
 
 
 @on_input_device
-def norm_backward(dy, x, weight, has_bias: bool, mean, rstd, rms: bool):
+def norm_backward(dy, x, weight, has_bias: bool, mean, rstd, rms: bool, chunk: int | None = None):
     """(dx, dw, db) with dw, db in the weight's dtype (db None without a bias)."""
     rows, n = x.shape
     block, block_r, warps = _tiles(n)
-    n_tiles = triton.cdiv(rows, block_r)
+    chunk = _chunk(n, chunk)
+    n_tiles = triton.cdiv(rows, block_r) if chunk is None else rows
     programs = max(1, min(n_tiles, 1 if INTERPRET else 4 * _sm_count(x.device)))
     dx = torch.empty_like(x)
     dw_part = torch.zeros((programs, n), device=x.device, dtype=torch.float32)
     db_part = torch.zeros((programs, n), device=x.device, dtype=torch.float32) if has_bias else dw_part
-    if rows:
+    if rows and chunk is not None:
+        _norm_bwd_chunked_kernel[(programs,)](x, weight, dy, dx, rstd if rms else mean, rstd, dw_part, db_part,
+                                              rows, n, RMS=rms, HAS_BIAS=has_bias, CHUNK=chunk,
+                                              num_warps=1 if INTERPRET else 8)
+    elif rows:
         _norm_bwd_kernel[(programs,)](x, weight, dy, dx, rstd if rms else mean, rstd, dw_part,
                                       db_part, rows, n, n_tiles, RMS=rms, HAS_BIAS=has_bias,
                                       BLOCK_R=block_r, BLOCK=block, num_warps=warps)

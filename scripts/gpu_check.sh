@@ -12,7 +12,7 @@
 #   (a) pytest -m gpu tests/: Triton kernels in bf16/fp16, CUDA RNG streams, fp32 CUDA = CPU
 #   (b) --fake-process-group ranks on CUDA: first and last rank of three 8-rank layouts
 #   (c) a GPT of ~350M parameters (GPT-2 medium), bf16, 20 iterations: tokens/s, TFLOP/s, MFU
-#   (d) tools/bench_kernels.py (extra flags: GPU_CHECK_BENCH_ARGS, e.g. --quick)
+#   (d) tools/bench_kernels.py (flags: GPU_CHECK_BENCH_ARGS, default --quick; "" for the full table)
 # Without a GPU it says so and exits 0 without running anything.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -107,7 +107,7 @@ report c "GPT ~350M bf16 (24 x 1024, seq 1024, micro 8), 20 iterations" "$rc" "(
 
 # -- (d) kernel microbenchmarks ---------------------------------------------------------------
 # shellcheck disable=SC2086  # GPU_CHECK_BENCH_ARGS is a list of flags
-timeout -k 30 360 "$PY" tools/bench_kernels.py ${GPU_CHECK_BENCH_ARGS:-} --json "$OUT/d_bench_kernels.json" \
+timeout -k 30 360 "$PY" tools/bench_kernels.py ${GPU_CHECK_BENCH_ARGS---quick} --json "$OUT/d_bench_kernels.json" \
   > "$OUT/d_bench_kernels.txt" 2>&1
 rc=$?
 summary="$("$PY" - "$OUT/d_bench_kernels.json" 2>&1 <<'EOF'

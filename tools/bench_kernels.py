@@ -3,10 +3,12 @@
 
 - attention: megalite Triton flash attention vs torch SDPA (default choice; on a GPU also
   forced to its flash backend, FlashAttention-2) vs flash-attn (when installed).
+  Causal and full, head dims 64 and 128, sequence 1k to 16k (16k tokens per case) on a GPU.
   TFLOP/s: forward 4*B*H*N^2*D, backward 2.5x that, half of each when causal.
-- layernorm / rmsnorm: Triton vs torch. GB/s: forward reads x and writes y, backward reads
-  x and dy and writes dx.
-- cross-entropy: Triton (stats + gradient, no probabilities stored) vs torch F.cross_entropy.
+- layernorm / rmsnorm: Triton vs torch (and torch.compile of it on a GPU), hidden up to 16k.
+  GB/s: forward reads x and writes y, backward reads x and dy and writes dx.
+- cross-entropy: Triton (stats + gradient, no probabilities stored) vs torch F.cross_entropy
+  (and torch.compile of it on a GPU), vocabulary up to 256k.
   GB/s: forward reads the logits, backward reads them and writes their gradient.
 - grouped GEMM (mixture-of-experts expert layers, rows sorted by expert): Triton
   grouped_linear (one launch per product) vs the loop of one F.linear per expert vs
@@ -91,51 +93,52 @@ def fwd_bwd(make_fwd, inputs, grad, reps):
 
 # -- attention -------------------------------------------------------------------------------------
 
-def attention_impls():
-    impls = {"triton": lambda q, k, v: flash_attention(q, k, v, causal=True),
-             "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True)}
+def attention_impls(causal: bool = True):
+    impls = {"triton": lambda q, k, v: flash_attention(q, k, v, causal=causal),
+             "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)}
     if GPU:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         def sdpa_flash(q, k, v):
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
         impls["sdpa-flash"] = sdpa_flash
     if flash_missing() is None:
         from flash_attn import flash_attn_func
 
         impls["flash-attn"] = lambda q, k, v: flash_attn_func(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True).transpose(1, 2)
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=causal).transpose(1, 2)
     return impls
 
 
-def bench_attention(cases, dtype, reps):
+def bench_attention(cases, dtype, reps, causal: bool = True):
     rows = []
+    kind = "causal" if causal else "full"
     for b, h, n, d in cases:
         gen = torch.Generator(DEVICE).manual_seed(0)
         q, k, v, dout = (torch.randn(b, h, n, d, device=DEVICE, dtype=dtype, generator=gen)
                          for _ in range(4))
         tail = min(n, 64)  # reference rows: the last queries, which see every key
         ref_out, _ = attention_reference(q[:1, :, -tail:].double(), k[:1].double(), v[:1].double(),
-                                         True, n - tail, 0)
+                                         causal, n - tail, 0)
         ref_grads = None
         if n <= 2048:
             leaves = [x[:1].detach().double().requires_grad_() for x in (q, k, v)]
-            attention_reference(*leaves, True)[0].backward(dout[:1].double())
+            attention_reference(*leaves, causal)[0].backward(dout[:1].double())
             ref_grads = [x.grad for x in leaves]
-        flops = 4 * b * h * n * n * d / 2  # causal
-        for name, fn in attention_impls().items():
+        flops = 4 * b * h * n * n * d / (2 if causal else 1)
+        for name, fn in attention_impls(causal).items():
             if name == "sdpa-flash" and dtype == torch.float32:
                 continue
             try:
                 t_f, t_b, out, grads = fwd_bwd(fn, (q, k, v), dout, reps)
             except (RuntimeError, torch.cuda.OutOfMemoryError) as e:  # e.g. math SDPA at 16k
-                rows.append(dict(kernel="attention", case=f"B{b} H{h} N{n} D{d}", impl=name,
+                rows.append(dict(kernel="attention", case=f"B{b} H{h} N{n} D{d} {kind}", impl=name,
                                  error=str(e).splitlines()[0][:80]))
                 continue
             bwd_err = (max(max_err(g[:1], r) for g, r in zip(grads, ref_grads))
                        if ref_grads is not None else None)
-            rows.append(dict(kernel="attention", case=f"B{b} H{h} N{n} D{d} causal",
+            rows.append(dict(kernel="attention", case=f"B{b} H{h} N{n} D{d} {kind}",
                              dtype=str(dtype).split(".")[-1], impl=name, fwd_ms=t_f, bwd_ms=t_b,
                              fwd_rate=flops / t_f / 1e9, bwd_rate=2.5 * flops / t_b / 1e9 if t_b else None,
                              unit="TFLOP/s", fwd_err=max_err(out[:1, :, -tail:], ref_out),
@@ -173,6 +176,8 @@ def bench_rowwise(kernel, cases, dtype, reps):
                 ref = lambda z, w: rms_norm_reference(z, w)  # noqa: E731
                 inputs = (x, w)
             io_fwd, io_bwd = 2 * r * n * x.element_size(), 3 * r * n * x.element_size()
+        if GPU:  # what a user gets from the compiler instead of a hand-written kernel
+            impls["torch.compile"] = torch.compile(impls["torch"], dynamic=False)
         leaves = [t.detach().double().requires_grad_() for t in inputs]
         ref_out = ref(*leaves)
         ref_out.backward(grad.double())
@@ -264,13 +269,14 @@ def print_table(rows):
 
 
 def plot(rows, path, device: str) -> list[str]:
-    """The table as a chart: attention TFLOP/s against sequence length (forward, backward)
-    and the row-wise kernels' GB/s; returns the paths written."""
+    """The table as a chart: causal attention TFLOP/s against sequence length (forward,
+    backward; the full-attention rows stay in the table) and the row-wise kernels' GB/s;
+    returns the paths written."""
     from megalite.plotting import new_figure, save
 
     fig = new_figure(16, 5.2)
     grid = fig.add_gridspec(1, 3, width_ratios=[1, 1, 1.3])
-    attention = [r for r in rows if r["kernel"] == "attention" and "error" not in r]
+    attention = [r for r in rows if r["kernel"] == "attention" and "error" not in r and r["case"].endswith("causal")]
     series = {}
     for r in attention:
         n, d = (int(x) for x in re.search(r"N(\d+) D(\d+)", r["case"]).groups())
@@ -334,23 +340,25 @@ def main():
         require_matplotlib()
     if GPU:
         seqs = [1024, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384]
-        attn = [(max(1, 16384 // n), 16, n, 128) for n in seqs] + [(max(1, 16384 // n), 32, n, 64)
-                                                                 for n in seqs[:2]]
+        # 16k tokens per case, hidden 2048 either way: 16 heads of 128 or 32 heads of 64
+        attn = [(max(1, 16384 // n), 16, n, 128) for n in seqs] + [(max(1, 16384 // n), 32, n, 64) for n in seqs]
         dtypes, reps = [torch.bfloat16], None
-        norm_cases, ce_cases = [(16384, 1024), (16384, 4096), (8192, 8192)], [(4096, 50304), (4096, 128256)]
+        norm_cases = [(16384, 1024), (16384, 4096), (8192, 8192), (4096, 16384)]
+        ce_cases = [(4096, 50304), (4096, 128256), (2048, 256000)]
         # (experts, rows routed unevenly, K, Nout): Mixtral fc1 (h -> 2F) and fc2 (F -> h)
         tokens = 8192 if args.quick else 16384  # routed rows: 4096 or 8192 tokens x top-2
         grouped_cases = [(8, tokens, 4096, 2 * 14336)] + ([] if args.quick else [(8, tokens, 14336, 4096)])
         print(f"device: {torch.cuda.get_device_name()}")
     else:
-        attn, dtypes, reps = [(1, 2, 128, 64)], [torch.float32, torch.float16], 3
+        attn, dtypes, reps = [(1, 2, 96, 64)], [torch.float32, torch.float16], 3
         norm_cases, ce_cases = [(64, 1000)], [(32, 1000)]
         grouped_cases = [(4, [0, 37, 5, 22], 48, 40)]
         print("NOTE: no GPU: the Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1), one "
               "small size. CPU times are NOT meaningful; only the errors are.")
     rows = []
     for dtype in dtypes:
-        rows += bench_attention(attn, dtype, reps)
+        rows += bench_attention(attn, dtype, reps, causal=True)
+        rows += bench_attention(attn, dtype, reps, causal=False)
         rows += bench_rowwise("layernorm", norm_cases, dtype, reps)
         rows += bench_rowwise("rmsnorm", norm_cases, dtype, reps)
         rows += bench_rowwise("cross-entropy", ce_cases, dtype, reps)

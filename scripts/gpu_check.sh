@@ -10,7 +10,7 @@
 # Parts, each with a timeout and ONE summary line "gpu_check: (x) ...: PASS|FAIL ..."; a failed
 # part does not stop the others, and the exit status is 1 if any failed:
 #   (a) pytest -m gpu tests/: Triton kernels in bf16/fp16, CUDA RNG streams, fp32 CUDA = CPU
-#   (b) --fake-process-group ranks on CUDA: first and last rank of three 8-rank layouts
+#   (b) --fake-process-group ranks on CUDA: first and last rank of four 8-rank layouts (one MoE)
 #   (c) a GPT of ~350M parameters (GPT-2 medium), bf16, 20 iterations: tokens/s, TFLOP/s, MFU
 #   (d) tools/bench_kernels.py (flags: GPU_CHECK_BENCH_ARGS, default --quick; "" for the full table)
 # Without a GPU it says so and exits 0 without running anything.
@@ -78,7 +78,9 @@ fake_layout() {  # name, layout flags: ranks 0 and 7 of a world of 8
 fake_layout tp2pp2dp2_zero1 --tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --zero-stage 1
 fake_layout tp2cp2dp2 --tensor-model-parallel-size 2 --context-parallel-size 2
 fake_layout tp4dp2_zero3 --tensor-model-parallel-size 4 --zero-stage 3
-report b "fake process group, ranks 0 and 7 of TP2xPP2xDP2 ZeRO-1, TP2xCP2xDP2, TP4xDP2 ZeRO-3" \
+fake_layout tp2dp4_ep4_moe --tensor-model-parallel-size 2 --sequence-parallel --num-experts 8 --moe-router-topk 2 \
+  --expert-model-parallel-size 4 --moe-aux-loss-coeff 1e-2 --moe-grouped-gemm --zero-stage 1
+report b "fake process group, ranks 0 and 7 of TP2xPP2xDP2 ZeRO-1, TP2xCP2xDP2, TP4xDP2 ZeRO-3, MoE TP2xDP4 EP4" \
   "$([ -z "$fake_failed" ] && echo 0 || echo 1)" \
   "($fake_ok/$fake_total ran${fake_failed:+; failed:$fake_failed}; logs $OUT/b_*.log)"
 

@@ -18,7 +18,7 @@ import torch
 from megalite.config import TrainConfig
 from megalite.device import host_value
 from megalite.parallel import comm
-from megalite.moe.stats import set_backward_scale as set_moe_backward_scale
+from megalite.moe.stats import start_step as start_moe_step
 from megalite.moe.stats import step_stats as moe_step_stats
 from megalite.parallel.sharding import is_expert, is_tensor_parallel
 from megalite.timers import Clock, StepTimers
@@ -165,7 +165,7 @@ def forward_backward(model, micro_batches, t: TrainConfig, loss_scale: float = 1
     num_micro = len(micro_batches)
     micro_batches = context_parallel_batches(micro_batches, grid)
     timers = StepTimers(Clock(device)) if timers is None else timers
-    set_moe_backward_scale(chunks, loss_scale / num_micro)  # the aux losses' share of backward
+    start_moe_step(chunks, loss_scale / num_micro)  # the aux losses' backward scale; fresh statistics
     if grid is None or (grid.layout.pp == 1 and len(chunks) == 1):
         total = torch.zeros((), device=device)
         for batch in micro_batches:

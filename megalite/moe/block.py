@@ -11,7 +11,7 @@ is the identity on ``out`` in forward; in backward it passes ``out``'s gradient 
 gives the loss share (:mod:`megalite.moe.router`) the gradient ``scale``, as if
 ``scale * moe_loss`` had been added to the objective whose gradient arrives. The scale is
 the one the main loss gets (loss scale / micro-batches, set each step by the training loop
-through :func:`megalite.moe.stats.set_backward_scale`) times CP: every CP rank's objective is
+through :func:`megalite.moe.stats.start_step`) times CP: every CP rank's objective is
 the mean over *its* tokens and CP averages gradients, while the shares of one micro-batch
 add up over the TP x CP token group to its loss.
 

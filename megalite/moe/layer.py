@@ -63,7 +63,6 @@ class MoELayer(nn.Module):
             w.expert_parallel, w.expert_first, w.expert_leaf = True, self.experts.first, leaf
         self.last_stats = None
         self.stat_losses = self.stat_tokens = None  # training sums since reset_stats()
-        self.stat_calls = 0
 
     @property
     def local_experts(self) -> range:
@@ -86,7 +85,6 @@ class MoELayer(nn.Module):
     # -- statistics for the log line -------------------------------------------------------------
     def reset_stats(self) -> None:
         self.stat_losses = self.stat_tokens = None
-        self.stat_calls = 0
 
     @torch.no_grad()
     def _record(self, r) -> None:
@@ -103,7 +101,6 @@ class MoELayer(nn.Module):
             self.stat_losses, self.stat_tokens = torch.zeros_like(losses), torch.zeros_like(r.tokens_per_expert)
         self.stat_losses += losses
         self.stat_tokens += r.tokens_per_expert
-        self.stat_calls += 1
 
     # -- names and init ------------------------------------------------------------------------
     def global_named_parameters(self, prefix: str = ""):

@@ -1,4 +1,5 @@
-"""Per-step MoE figures for the log line, and the per-step backward scale of the aux losses.
+"""Per-step MoE figures for the log line, and the per-step backward scale of the aux losses
+(:func:`start_step`).
 
 After a train step, :func:`step_stats` reduces what every MoE layer recorded
 (:meth:`MoELayer._record`) over the whole world (the DP x CP group, then TP x PP):
@@ -30,8 +31,9 @@ def moe_modules(chunks) -> list[tuple[int, MoELayer]]:
     return out
 
 
-def set_backward_scale(chunks, scale: float) -> None:
-    """The scale the main loss's backward gets (loss scale / micro-batches) for the aux losses."""
+def start_step(chunks, scale: float) -> None:
+    """Before a step's micro-batches: the aux losses get the scale the main loss's backward
+    gets (loss scale / micro-batches), and the statistics start from zero."""
     for _, layer in moe_modules(chunks):
         layer.backward_scale = scale
         layer.reset_stats()

@@ -75,7 +75,7 @@ class RouterOutput(NamedTuple):
 
 def capacity(capacity_factor: float, tokens: int, topk: int, num_experts: int) -> int:
     """``ceil(cf * T * k / E)``: assignments an expert keeps (T: global tokens)."""
-    return int(math.ceil(capacity_factor * (tokens * topk) / num_experts))  # as forward computes it
+    return int(math.ceil(capacity_factor * (tokens * topk) / num_experts))
 
 
 def expert_counts(expert_ids: torch.Tensor, num_experts: int, kept: torch.Tensor | None = None):
@@ -126,7 +126,7 @@ class TopKRouter(nn.Module):
         if self.capacity_factor is None:
             kept = torch.ones_like(ids, dtype=torch.bool)
         else:
-            cap = float(math.ceil(self.capacity_factor * t_global * k / E))
+            cap = float(capacity(self.capacity_factor, t_global, k, E))
             if G == 1:
                 kept = first_come_kept(ids, E, cap)
             else:

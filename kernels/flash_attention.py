@@ -14,49 +14,76 @@ Without causal masking and with s_k a multiple of BLOCK_N no mask is applied. A 
 sees no key gets o = 0, lse = -inf.
 
 Layout: q (b, heads, s_q, d), k and v (b, groups, s_k, d) with ``heads % groups == 0``;
-query head h reads key/value head ``h // (heads // groups)``. fp32, fp16, bf16; softmax
-statistics and accumulators are fp32. Under the CPU interpreter every load is upcast to
-fp32 (bf16 is wrong there otherwise); on a GPU fp16/bf16 tiles go to the tensor cores as they
-are and fp32 tiles use exact ("ieee") dot products. The backward is in
-``flash_attention_bwd.py``; the torch reference and the merge of partials in
-``attention_reference.py``.
+query head h reads key/value head ``h // (heads // groups)``; d up to 256. The kernels take
+the (batch, head, sequence) strides of every input, so any tensor whose last dim has stride
+1 (a permuted view of a fused qkv, a chunk along the sequence) is read in place; others are
+copied first. Outputs are contiguous. fp32, fp16, bf16; softmax statistics and accumulators
+are fp32. Under the CPU interpreter every load is upcast to fp32 (bf16 is wrong there
+otherwise); on a GPU fp16/bf16 tiles go to the tensor cores as they are and fp32 tiles use
+exact ("ieee") dot products.
+
+Tiles. On a GPU ``triton.autotune`` picks (BLOCK_M, BLOCK_N, num_warps, num_stages) from a
+few configs per dtype class (16-bit; fp32: smaller, FMA products need registers) and tile
+width (the head dim rounded up to a power of two: 64 serves d <= 64, 128 serves 96 and 128,
+256 up to 256). Before timing, the configs whose estimated shared memory
+(``fwd_shared_bytes``) exceeds the device's per-block limit are dropped (sm_90 keeps all,
+sm_80 all but the largest, ~100 KB GPUs the smaller ones; at least one always remains). The
+key is (head dim, causal, s_q and s_k rounded up to powers of two, the tensors' dtypes): the
+first call with a new key times the configs, and the fastest is cached by the autotuner for
+the rest of the process (so it can differ between runs: TRITON_CACHE_AUTOTUNING=1 keeps the
+choice on disk). The configs were chosen from a compile-only sweep (tools/compile_kernels.py)
+to fit sm_80 and sm_90 shared memory without register spills.
+Under the interpreter one small config runs; explicit ``block_m``/``block_n``/``num_warps``/
+``num_stages`` bypass the autotuner. The backward is in ``flash_attention_bwd.py``; the torch
+reference and the merge of partials in ``attention_reference.py``.
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-from megalite.kernels._utils import (INTERPRET, check_attention_inputs, check_blocks, next_power_of_2,
-                                     on_input_device)
+from megalite.kernels._utils import (INTERPRET, INTERPRET_TILES, autotune, block_d, check_attention_inputs,
+                                     config_width, explicit_config, launch_tiles, on_input_device,
+                                     seq_key, shared_memory_pruner, tile_config, unit_last_stride)
 from megalite.kernels.attention_reference import attention_reference, merge_attention  # noqa: F401
 from megalite.kernels.flash_attention_bwd import flash_attention_backward
 
 LOG2E = 1.4426950408889634
+TUNING_KEY = ("HEAD_DIM", "CAUSAL", "SQ_KEY", "SK_KEY")  # + the tensors' dtypes, added by triton.autotune
 
 
 @triton.jit
-def _fwd_kernel(Q, K, V, O, LSE, s_q, s_k, delta, qk_scale, heads, groups,
+def _fwd_kernel(Q, K, V, O, LSE, stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+                stride_vb, stride_vh, stride_vs, s_q, s_k, delta, qk_scale, heads, groups, SQ_KEY, SK_KEY,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, MASK_N: tl.constexpr,
                 UPCAST: tl.constexpr, PREC: tl.constexpr):
     # Reductions call tl.reduce with the combine functions tl.sum / tl.max use: the same code
     # when compiled, and it skips a jit-wrapper call that costs milliseconds in the interpreter.
+    # SQ_KEY, SK_KEY (the lengths rounded to powers of two) only key the autotuner.
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
-    kv = (bh // heads) * groups + (bh % heads) // (heads // groups)
-    q_base = Q + bh.to(tl.int64) * s_q * HEAD_DIM
-    k_base = K + kv.to(tl.int64) * s_k * HEAD_DIM
-    v_base = V + kv.to(tl.int64) * s_k * HEAD_DIM
+    b = (bh // heads).to(tl.int64)
+    h = bh % heads
+    g = (h // (heads // groups)).to(tl.int64)
+    h = h.to(tl.int64)
+    q_base = Q + b * stride_qb + h * stride_qh
+    k_base = K + b * stride_kb + g * stride_kh
+    v_base = V + b * stride_vb + g * stride_vh
     offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q_ptrs = offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-    q_mask = (offs_m[:, None] < s_q) & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(q_base + q_ptrs, mask=q_mask, other=0.0)
+    d_ok = offs_d[None, :] < HEAD_DIM
+    q_mask = (offs_m[:, None] < s_q) & d_ok
+    q = tl.load(q_base + offs_m.to(tl.int64)[:, None] * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
+    k_rel = offs_n0[:, None] * stride_ks + offs_d[None, :]  # within a key block; int32 is enough
+    v_rel = offs_n0[:, None] * stride_vs + offs_d[None, :]
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
@@ -64,11 +91,11 @@ def _fwd_kernel(Q, K, V, O, LSE, s_q, s_k, delta, qk_scale, heads, groups,
     if CAUSAL:  # the tile's last row, start_m + BLOCK_M - 1, sees keys j <= it + delta
         hi = tl.maximum(tl.minimum(s_k, start_m + BLOCK_M + delta), 0)
     for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_ptrs = offs_n[:, None] * HEAD_DIM + offs_d[None, :]
-        kv_mask = (offs_n[:, None] < s_k) & (offs_d[None, :] < HEAD_DIM)
-        k = tl.load(k_base + kv_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + kv_ptrs, mask=kv_mask, other=0.0)
+        offs_n = start_n + offs_n0
+        kv_mask = (offs_n[:, None] < s_k) & d_ok
+        row0 = tl.cast(start_n, tl.int64)
+        k = tl.load(k_base + row0 * stride_ks + k_rel, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + row0 * stride_vs + v_rel, mask=kv_mask, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -88,43 +115,94 @@ def _fwd_kernel(Q, K, V, O, LSE, s_q, s_k, delta, qk_scale, heads, groups,
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
-    tl.store(O + bh.to(tl.int64) * s_q * HEAD_DIM + q_ptrs, out.to(O.dtype.element_ty), mask=q_mask)
-    tl.store(LSE + bh.to(tl.int64) * s_q + offs_m, lse, mask=offs_m < s_q)
+    bh = bh.to(tl.int64)
+    o_ptrs = O + bh * s_q * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]  # contiguous out
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=q_mask)
+    tl.store(LSE + bh * s_q + offs_m, lse, mask=offs_m < s_q)
 
 
-def _fwd_config(head_dim: int, dtype: torch.dtype) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Under the interpreter one small config (it
-    runs program after program). fp32 tiles take twice the shared memory: smaller ones."""
-    if INTERPRET:
-        return 32, 32, 1, 1
-    if dtype == torch.float32:
-        return 64, 32, 4, 2
-    return (128, 64, 4, 3) if head_dim <= 64 else (128, 64, 8, 3)
+# -- configurations ------------------------------------------------------------------------------
+#
+# (BLOCK_M queries, BLOCK_N keys, num_warps, num_stages) per tile width (module docstring), chosen
+# (tools/compile_kernels.py) to compile on sm_80 and sm_90 without register spills; every list
+# has a config of <= 99 KB by the estimate (sm_86/sm_89). fp32: FMA products keep every operand
+# in registers, so small tiles and 8 warps.
+
+_FWD_16BIT = {
+    64: ((128, 64, 4, 3), (128, 64, 8, 4), (128, 128, 8, 3), (64, 64, 4, 4), (128, 32, 4, 4)),
+    128: ((128, 64, 8, 3), (128, 64, 8, 4), (128, 32, 8, 3), (64, 64, 4, 3), (64, 128, 8, 2)),
+    256: ((64, 64, 8, 2), (128, 32, 8, 2), (64, 32, 8, 3), (64, 32, 8, 2), (32, 32, 4, 2)),
+}
+_FWD_FP32 = {
+    64: ((64, 32, 8, 2), (32, 64, 8, 2), (32, 32, 4, 2), (64, 16, 8, 2)),
+    128: ((32, 16, 8, 2), (16, 32, 8, 2), (16, 64, 8, 1)),
+    256: ((16, 32, 8, 2), (32, 16, 8, 2), (16, 16, 8, 2)),
+}
+
+
+def fwd_configs(head_dim: int, dtype: torch.dtype, interpret: bool = INTERPRET) -> list[triton.Config]:
+    """The forward's autotuning configs for this head dim and dtype; under the interpreter
+    (``interpret``) one small config."""
+    if interpret:
+        return [tile_config(*INTERPRET_TILES)]
+    table = _FWD_FP32 if dtype == torch.float32 else _FWD_16BIT
+    return [tile_config(*t) for t in table[config_width(head_dim)]]
+
+
+def fwd_shared_bytes(config: triton.Config, width: int, element_size: int) -> int:
+    """Estimated shared memory of a forward config: the q tile, ``max(2, num_stages)`` buffers
+    of the streamed k and v tiles (compiled 16-bit tiles take num_stages on sm_90, one fewer on
+    sm_80; fp32 ones about one), and the probability tile p staged for its product.
+    tools/compile_kernels.py checks it is never below the compiled figure (it is 3-25% above
+    for 16-bit tiles on sm_90, up to 2x for fp32)."""
+    bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+    return (bm * width + max(2, config.num_stages) * 2 * bn * width + bm * bn) * element_size
+
+
+def _mask_n(args) -> bool:
+    return bool(args["CAUSAL"]) or args["s_k"] % args["BLOCK_N"] != 0
+
+
+_fwd = triton.heuristics({"MASK_N": _mask_n})(_fwd_kernel)  # no mask on an unmasked, whole-tile loop
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned_fwd(head_dim: int, dtype: torch.dtype):
+    """The autotuned forward for a head dim and dtype. ``triton.autotune`` times the configs that
+    fit the GPU the first time it meets a key (head dim, causal, s_q and s_k rounded to powers of
+    two, and the dtypes of the tensors) and caches the fastest per key for the process."""
+    prune = shared_memory_pruner("Q", fwd_shared_bytes)
+    return autotune(fwd_configs(head_dim, dtype), list(TUNING_KEY), prune)(_fwd)
 
 
 @on_input_device
 def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                             q_offset: int = 0, k_offset: int = 0, scale: float | None = None,
-                            block_m: int | None = None, block_n: int | None = None):
-    """(out, lse): out like q, lse (b, heads, s_q) float32 natural log; no autograd."""
+                            block_m: int | None = None, block_n: int | None = None,
+                            num_warps: int | None = None, num_stages: int | None = None):
+    """(out, lse): out (b, heads, s_q, d) contiguous in q's dtype, lse (b, heads, s_q) float32
+    natural log; no autograd. q, k, v of any strides with a unit last stride are read in place
+    (e.g. permuted views of a fused qkv); others are copied. Tiles: autotuned on a GPU (see
+    ``fwd_configs``), or the ones given (``block_m``/``block_n``/``num_warps``/``num_stages``;
+    what is not given comes from the first config)."""
     check_attention_inputs(q, k, v)
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
     b, heads, s_q, d = q.shape
     groups, s_k = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    bm, bn, warps, stages = _fwd_config(d, q.dtype)
-    bm, bn = check_blocks(block_m or bm, block_n or bn)
-    out = torch.empty_like(q)
+    config = None
+    if block_m or block_n or num_warps or num_stages:
+        config = explicit_config(fwd_configs(d, q.dtype), block_m, block_n, num_warps, num_stages)
+    out = torch.empty((b, heads, s_q, d), device=q.device, dtype=q.dtype)
     lse = torch.empty((b, heads, s_q), device=q.device, dtype=torch.float32)
     if out.numel() == 0:
         return out, lse.fill_(float("-inf"))
-    grid = (triton.cdiv(s_q, bm), b * heads)
-    _fwd_kernel[grid](q, k, v, out, lse, s_q, s_k, int(q_offset) - int(k_offset), scale * LOG2E,
-                      heads, groups, HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn,
-                      BLOCK_D=max(16, next_power_of_2(d)), CAUSAL=bool(causal),
-                      MASK_N=bool(causal) or s_k % bn != 0,
-                      UPCAST=INTERPRET, PREC="ieee" if q.dtype == torch.float32 else "tf32",
-                      num_warps=warps, num_stages=stages)
+    grid = lambda meta: (triton.cdiv(s_q, meta["BLOCK_M"]), b * heads)  # noqa: E731
+    launch_tiles(_fwd, None if config else _tuned_fwd(d, q.dtype), config, grid,
+                 q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], s_q, s_k,
+                 int(q_offset) - int(k_offset), scale * LOG2E, heads, groups, seq_key(s_q), seq_key(s_k),
+                 HEAD_DIM=d, BLOCK_D=block_d(d), CAUSAL=bool(causal), UPCAST=INTERPRET,
+                 PREC="ieee" if q.dtype == torch.float32 else "tf32")
     return out, lse
 
 

@@ -10,6 +10,17 @@ With ``p_ij = exp(s_ij - lse_i)``, ``s_ij = scale q_i . k_j`` over visible keys:
 Three kernels: ``delta`` (row sums of do * o), ``dk/dv`` (one program per key block,
 looping over the query blocks of every query head of its group, so GQA sums inside the
 program, no atomics) and ``dq`` (one program per query block, looping over key blocks).
+They take the (batch, head, sequence) strides of q, k, v, out, dout and the (batch, head)
+strides of lse and delta: inputs with a unit last stride are read in place (the model's
+views of a fused qkv, ring attention's chunks along the sequence); gradients are contiguous.
+
+Tiles, as for the forward (``flash_attention.py``): on a GPU each of the three kernels is
+autotuned over its own few configs per dtype class and tile width (``dkdv_configs``,
+``dq_configs``, ``delta_configs``), pruned by the device's shared memory (the
+``*_shared_bytes`` estimates, checked against the compiled figures by
+tools/compile_kernels.py), keyed on (head dim, causal, s_q and s_k rounded up to powers of
+two, dtypes) and cached by ``triton.autotune`` per key for the process; one small config under
+the interpreter; explicit tiles bypass the autotuner.
 
 Ring attention: the pair (q block, k/v block) may be any piece of a longer attention. Pass
 the *global* lse and the global out and do (or their ``delta``), and the result is that
@@ -18,67 +29,90 @@ lse itself (when partial results were merged under autograd) enters as ``delta -
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import triton
 import triton.language as tl
 
-from megalite.kernels._utils import (INTERPRET, check_attention_inputs, check_backward_shapes, check_blocks,
-                                     next_power_of_2, on_input_device)
+from megalite.kernels._utils import (INTERPRET, INTERPRET_TILES, autotune, block_d, check_attention_inputs,
+                                     check_backward_shapes, config_width, explicit_config, launch_tiles,
+                                     on_input_device, seq_key, shared_memory_pruner, tile_config,
+                                     unit_last_stride)
 
 LOG2E = 1.4426950408889634
+TUNING_KEY = ("HEAD_DIM", "CAUSAL", "SQ_KEY", "SK_KEY")  # + the tensors' dtypes, added by triton.autotune
 
 
 @triton.jit
-def _delta_kernel(O, DO, DELTA, n_rows, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_D: tl.constexpr):
+def _delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_os, stride_db, stride_dh, stride_ds, s_q, heads,
+                  SQ_KEY, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    bh = tl.program_id(1)
+    b = (bh // heads).to(tl.int64)
+    h = (bh % heads).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    ptrs = rows.to(tl.int64)[:, None] * HEAD_DIM + offs_d[None, :]
-    mask = (rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM)
-    o = tl.load(O + ptrs, mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(DO + ptrs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(DELTA + rows, tl.reduce(o * do, 1, tl.standard._sum_combine), mask=rows < n_rows)
+    mask = (rows[:, None] < s_q) & (offs_d[None, :] < HEAD_DIM)
+    r64 = rows.to(tl.int64)[:, None]
+    o = tl.load(O + b * stride_ob + h * stride_oh + r64 * stride_os + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + b * stride_db + h * stride_dh + r64 * stride_ds + offs_d[None, :], mask=mask, other=0.0)
+    prod = o.to(tl.float32) * do.to(tl.float32)
+    row_sums = tl.reduce(prod, 1, tl.standard._sum_combine)
+    tl.store(DELTA + bh.to(tl.int64) * s_q + rows, row_sums, mask=rows < s_q)
 
 
 @triton.jit
-def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, s_q, s_k, delta_pos, qk_scale, scale, heads,
-                 groups, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
-                 PREC: tl.constexpr):
+def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, stride_qb, stride_qh, stride_qs, stride_kb, stride_kh,
+                 stride_ks, stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os, stride_lb,
+                 stride_lh, stride_eb, stride_eh, s_q, s_k, delta_pos, qk_scale, scale, heads, groups,
+                 SQ_KEY, SK_KEY, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+    # One program: BLOCK_N keys of group g of batch b, over the query blocks of the group's
+    # heads. stride_o*: dout's; stride_l*, stride_e*: lse's and delta's (sequence stride 1).
     start_n = tl.program_id(0) * BLOCK_N
     bg = tl.program_id(1)
+    b = (bg // groups).to(tl.int64)
+    g = (bg % groups).to(tl.int64)
     per_group = heads // groups
     offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
-    kv_off = bg.to(tl.int64) * s_k * HEAD_DIM
-    kv_ptrs = offs_n[:, None] * HEAD_DIM + offs_d[None, :]
-    kv_mask = (offs_n[:, None] < s_k) & (offs_d[None, :] < HEAD_DIM)
-    k = tl.load(K + kv_off + kv_ptrs, mask=kv_mask, other=0.0)
-    v = tl.load(V + kv_off + kv_ptrs, mask=kv_mask, other=0.0)
+    d_ok = offs_d[None, :] < HEAD_DIM
+    kv_mask = (offs_n[:, None] < s_k) & d_ok
+    n64 = offs_n.to(tl.int64)[:, None]
+    k_ptrs = K + b * stride_kb + g * stride_kh + n64 * stride_ks + offs_d[None, :]
+    v_ptrs = V + b * stride_vb + g * stride_vh + n64 * stride_vs + offs_d[None, :]
+    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
+    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
+    q_rel = offs_m0[:, None] * stride_qs + offs_d[None, :]  # within a query block; int32 is enough
+    do_rel = offs_m0[:, None] * stride_os + offs_d[None, :]
     dk = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
     dv = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
     lo = 0
     if CAUSAL:  # query i sees key start_n iff i >= start_n - delta_pos
         lo = tl.maximum(start_n - delta_pos, 0) // BLOCK_M * BLOCK_M
     for hq in range(0, per_group):
-        bh = ((bg // groups) * heads + (bg % groups) * per_group + hq).to(tl.int64)
+        h = g * per_group + hq
+        q_base = Q + b * stride_qb + h * stride_qh
+        do_base = DO + b * stride_ob + h * stride_oh
+        lse_base = LSE + b * stride_lb + h * stride_lh
+        dlt_base = DELTA + b * stride_eb + h * stride_eh
         for start_m in range(lo, s_q, BLOCK_M):
-            offs_m = start_m + tl.arange(0, BLOCK_M)
-            q_ptrs = bh * s_q * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-            q_mask = (offs_m[:, None] < s_q) & (offs_d[None, :] < HEAD_DIM)
-            q = tl.load(Q + q_ptrs, mask=q_mask, other=0.0)
-            do = tl.load(DO + q_ptrs, mask=q_mask, other=0.0)
+            offs_m = start_m + offs_m0
+            q_mask = (offs_m[:, None] < s_q) & d_ok
+            row0 = tl.cast(start_m, tl.int64)
+            q = tl.load(q_base + row0 * stride_qs + q_rel, mask=q_mask, other=0.0)
+            do = tl.load(do_base + row0 * stride_os + do_rel, mask=q_mask, other=0.0)
             if UPCAST:
                 q = q.to(tl.float32)
                 do = do.to(tl.float32)
-            lse = tl.load(LSE + bh * s_q + offs_m, mask=offs_m < s_q, other=0.0)
+            lse = tl.load(lse_base + offs_m, mask=offs_m < s_q, other=0.0)
             lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-            dlt = tl.load(DELTA + bh * s_q + offs_m, mask=offs_m < s_q, other=0.0)
+            dlt = tl.load(dlt_base + offs_m, mask=offs_m < s_q, other=0.0)
             visible = (offs_m[None, :] < s_q) & (offs_n[:, None] < s_k)
             if CAUSAL:
                 visible = visible & (offs_n[:, None] <= offs_m[None, :] + delta_pos)
@@ -88,40 +122,53 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, s_q, s_k, delta_pos, qk_scale,
             dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
             ds_t = p_t * (dp_t - dlt[None, :])
             dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PREC)
-    tl.store(DK + kv_off + kv_ptrs, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + kv_off + kv_ptrs, dv.to(DV.dtype.element_ty), mask=kv_mask)
+    out = bg.to(tl.int64) * s_k * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]  # contiguous
+    tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
-def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, s_q, s_k, delta_pos, qk_scale, scale, heads, groups,
-               HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr,
-               PREC: tl.constexpr):
+def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, stride_qb, stride_qh, stride_qs, stride_kb, stride_kh,
+               stride_ks, stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os, stride_lb,
+               stride_lh, stride_eb, stride_eh, s_q, s_k, delta_pos, qk_scale, scale, heads, groups,
+               SQ_KEY, SK_KEY, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
     start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1).to(tl.int64)
-    kv = (bh // heads) * groups + (bh % heads) // (heads // groups)
+    bh = tl.program_id(1)
+    b = (bh // heads).to(tl.int64)
+    h = bh % heads
+    g = (h // (heads // groups)).to(tl.int64)
+    h = h.to(tl.int64)
     offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q_ptrs = bh * s_q * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
-    q_mask = (offs_m[:, None] < s_q) & (offs_d[None, :] < HEAD_DIM)
-    q = tl.load(Q + q_ptrs, mask=q_mask, other=0.0)
-    do = tl.load(DO + q_ptrs, mask=q_mask, other=0.0)
+    d_ok = offs_d[None, :] < HEAD_DIM
+    q_mask = (offs_m[:, None] < s_q) & d_ok
+    m64 = offs_m.to(tl.int64)[:, None]
+    q_ptrs = Q + b * stride_qb + h * stride_qh + m64 * stride_qs + offs_d[None, :]
+    do_ptrs = DO + b * stride_ob + h * stride_oh + m64 * stride_os + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+    do = tl.load(do_ptrs, mask=q_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
-    lse = tl.load(LSE + bh * s_q + offs_m, mask=offs_m < s_q, other=0.0)
+    lse = tl.load(LSE + b * stride_lb + h * stride_lh + offs_m, mask=offs_m < s_q, other=0.0)
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    dlt = tl.load(DELTA + bh * s_q + offs_m, mask=offs_m < s_q, other=0.0)
+    dlt = tl.load(DELTA + b * stride_eb + h * stride_eh + offs_m, mask=offs_m < s_q, other=0.0)
+    k_base = K + b * stride_kb + g * stride_kh
+    v_base = V + b * stride_vb + g * stride_vh
+    k_rel = offs_n0[:, None] * stride_ks + offs_d[None, :]  # within a key block; int32 is enough
+    v_rel = offs_n0[:, None] * stride_vs + offs_d[None, :]
     dq = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
     hi = s_k
     if CAUSAL:
         hi = tl.maximum(tl.minimum(s_k, start_m + BLOCK_M + delta_pos), 0)
     for start_n in range(0, hi, BLOCK_N):
-        offs_n = start_n + tl.arange(0, BLOCK_N)
-        kv_ptrs = kv * s_k * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
-        kv_mask = (offs_n[:, None] < s_k) & (offs_d[None, :] < HEAD_DIM)
-        k = tl.load(K + kv_ptrs, mask=kv_mask, other=0.0)
-        v = tl.load(V + kv_ptrs, mask=kv_mask, other=0.0)
+        offs_n = start_n + offs_n0
+        kv_mask = (offs_n[:, None] < s_k) & d_ok
+        row0 = tl.cast(start_n, tl.int64)
+        k = tl.load(k_base + row0 * stride_ks + k_rel, mask=kv_mask, other=0.0)
+        v = tl.load(v_base + row0 * stride_vs + v_rel, mask=kv_mask, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -133,45 +180,155 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, s_q, s_k, delta_pos, qk_scale, scale
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p * (dp - dlt[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
-    tl.store(DQ + q_ptrs, (dq * scale).to(DQ.dtype.element_ty), mask=q_mask)
+    out = bh.to(tl.int64) * s_q * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]  # contiguous
+    tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty), mask=q_mask)
 
 
-def _bwd_config(head_dim: int, dtype: torch.dtype) -> dict:
-    """Tiles (BLOCK_M, BLOCK_N, num_warps, num_stages): dk/dv programs hold a (BLOCK_N, d) pair
-    of accumulators, dq programs one (BLOCK_M, d). One small config under the interpreter;
-    fp32 tiles take twice the shared memory: smaller ones."""
-    if INTERPRET:
-        return dict(kv=(32, 32, 1, 1), q=(32, 32, 1, 1))
-    if dtype == torch.float32:
-        return dict(kv=(32, 64, 4, 2), q=(64, 32, 4, 2))
-    warps = 4 if head_dim <= 64 else 8
-    return dict(kv=(32, 128, warps, 3), q=(128, 32, warps, 3))
+# -- configurations ------------------------------------------------------------------------------
+#
+# (BLOCK_M queries, BLOCK_N keys, num_warps, num_stages) per tile width (64: d <= 64; 128: d = 96,
+# 128; 256: d up to 256) and dtype class, as for the forward. dk/dv programs hold a (BLOCK_N,
+# width) pair of fp32 accumulators and stream query tiles: few queries, many keys; dq programs
+# the mirror image. Chosen (tools/compile_kernels.py) to compile on sm_80 and sm_90 without
+# register spills; 8 warps for the wide accumulators; fp32 (FMA, every operand in registers)
+# small tiles. Each 16-bit list has a config of <= 99 KB (sm_86/sm_89) by the estimate.
+
+_DKDV_16BIT = {
+    64: ((32, 128, 8, 3), (64, 128, 8, 3), (16, 128, 8, 3), (32, 64, 4, 3), (64, 64, 8, 2)),
+    128: ((32, 64, 8, 3), (16, 128, 8, 2), (32, 128, 8, 2), (64, 64, 8, 2), (64, 32, 8, 3)),
+    256: ((16, 32, 8, 2), (16, 32, 8, 3), (32, 32, 8, 2), (32, 32, 8, 3), (64, 32, 8, 2)),
+}
+_DKDV_FP32 = {
+    64: ((32, 32, 8, 2), (16, 64, 8, 2), (32, 16, 8, 2)),
+    128: ((16, 32, 8, 2), (32, 16, 8, 2), (16, 64, 8, 2)),
+    256: ((16, 16, 8, 1), (16, 32, 8, 1), (16, 32, 8, 2)),
+}
+_DQ_16BIT = {
+    64: ((128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3)),
+    128: ((128, 32, 8, 3), (128, 64, 8, 2), (128, 16, 8, 3), (64, 64, 8, 3), (64, 32, 4, 3)),
+    256: ((64, 32, 8, 2), (64, 16, 8, 3), (32, 64, 8, 2), (32, 16, 4, 2)),
+}
+_DQ_FP32 = {
+    64: ((64, 32, 8, 2), (32, 64, 8, 2), (64, 16, 8, 2)),
+    128: ((32, 32, 8, 1), (64, 16, 8, 2), (32, 16, 8, 2), (16, 64, 8, 1)),
+    256: ((32, 16, 8, 2), (16, 32, 8, 1), (32, 32, 8, 1), (16, 16, 8, 1)),
+}
+# delta: BLOCK_M rows of BLOCK_D (memory bound; ~4K-16K elements per program)
+_DELTA_ROWS = ((4096, 4), (8192, 4), (16384, 8))
+
+
+def _configs(tables, head_dim: int, dtype: torch.dtype, interpret: bool) -> list[triton.Config]:
+    if interpret:
+        return [tile_config(*INTERPRET_TILES)]
+    return [tile_config(*t) for t in tables[dtype == torch.float32][config_width(head_dim)]]
+
+
+def dkdv_configs(head_dim: int, dtype: torch.dtype, interpret: bool = INTERPRET) -> list[triton.Config]:
+    """The dk/dv kernel's autotuning configs (one small one under the interpreter)."""
+    return _configs((_DKDV_16BIT, _DKDV_FP32), head_dim, dtype, interpret)
+
+
+def dq_configs(head_dim: int, dtype: torch.dtype, interpret: bool = INTERPRET) -> list[triton.Config]:
+    """The dq kernel's autotuning configs (one small one under the interpreter)."""
+    return _configs((_DQ_16BIT, _DQ_FP32), head_dim, dtype, interpret)
+
+
+def delta_configs(head_dim: int, dtype: torch.dtype = torch.float32,
+                  interpret: bool = INTERPRET) -> list[triton.Config]:
+    """The delta kernel's configs: BLOCK_M rows of 4K-16K elements (one config under the
+    interpreter); the same for every dtype (loads are upcast)."""
+    if interpret:
+        return [triton.Config(dict(BLOCK_M=INTERPRET_TILES[0]), num_warps=1, num_stages=1)]
+    width = block_d(head_dim)
+    return [triton.Config(dict(BLOCK_M=max(16, n // width)), num_warps=w, num_stages=1)
+            for n, w in _DELTA_ROWS]
+
+
+def dkdv_shared_bytes(config: triton.Config, width: int, element_size: int) -> int:
+    """Estimated shared memory of a dk/dv config: the k and v tiles, ``max(2, num_stages)``
+    buffers of the streamed q and do tiles, and the p and ds tiles staged for their products
+    (never below the compiled figure: tools/compile_kernels.py checks)."""
+    bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+    return (2 * bn * width + max(2, config.num_stages) * 2 * bm * width + 2 * bm * bn) * element_size
+
+
+def dq_shared_bytes(config: triton.Config, width: int, element_size: int) -> int:
+    """Estimated shared memory of a dq config: the q and do tiles, ``max(2, num_stages)``
+    buffers of the streamed k and v tiles, and the p and ds tiles staged for their products."""
+    bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+    return (2 * bm * width + max(2, config.num_stages) * 2 * bn * width + 2 * bm * bn) * element_size
+
+
+def delta_shared_bytes(config: triton.Config, width: int, element_size: int) -> int:
+    """Estimated shared memory of a delta config: a cross-warp row reduction, one fp32 per row
+    and warp (and nothing when a warp holds whole rows)."""
+    return 4 * config.kwargs["BLOCK_M"] * config.num_warps
+
+
+@functools.lru_cache(maxsize=None)
+def _tuned(kind: str, head_dim: int, dtype: torch.dtype):
+    """The autotuned ``kind`` kernel ("dkdv", "dq" or "delta") for a head dim and dtype.
+    ``triton.autotune`` times the configs that fit the GPU's shared memory the first time it
+    meets a key (head dim, causal, s_q and s_k rounded to powers of two, and the tensors'
+    dtypes) and caches the fastest per key for the process."""
+    if kind == "delta":
+        fn, configs, key = _delta_kernel, delta_configs(head_dim, dtype), ["HEAD_DIM", "SQ_KEY"]
+        prune = shared_memory_pruner("O", delta_shared_bytes)
+    else:
+        fn, configs, nbytes = ((_dkdv_kernel, dkdv_configs, dkdv_shared_bytes) if kind == "dkdv"
+                               else (_dq_kernel, dq_configs, dq_shared_bytes))
+        configs, key, prune = configs(head_dim, dtype), list(TUNING_KEY), shared_memory_pruner("Q", nbytes)
+    return autotune(configs, key, prune)(fn)
 
 
 @on_input_device
-def attention_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:
-    """delta_i = sum_d do_id o_id in float32, shape out.shape[:-1]."""
-    out, dout = out.contiguous(), dout.contiguous()
-    d = out.shape[-1]
-    delta = torch.empty(out.shape[:-1], device=out.device, dtype=torch.float32)
-    rows = delta.numel()
-    if rows:
-        bm = 32 if INTERPRET else 64
-        _delta_kernel[(triton.cdiv(rows, bm),)](out, dout, delta, rows, HEAD_DIM=d, BLOCK_M=bm,
-                                                BLOCK_D=max(16, next_power_of_2(d)))
-    return delta
+def attention_delta(out: torch.Tensor, dout: torch.Tensor, *, block_m: int | None = None,
+                    num_warps: int | None = None) -> torch.Tensor:
+    """delta_i = sum_d do_id o_id in float32, shape out.shape[:-1]. 4-D (b, heads, s, d) inputs
+    with a unit last stride are read in place; rows per program autotuned (or ``block_m``)."""
+    if out.shape != dout.shape:
+        raise ValueError(f"attention_delta: out {tuple(out.shape)} and dout {tuple(dout.shape)} must match.")
+    shape = out.shape
+    if out.dim() != 4:
+        out, dout = out.reshape(1, 1, -1, shape[-1]), dout.reshape(1, 1, -1, shape[-1])
+    out, dout = unit_last_stride(out), unit_last_stride(dout)
+    b, heads, s, d = out.shape
+    delta = torch.empty((b, heads, s), device=out.device, dtype=torch.float32)
+    if delta.numel():
+        config = None
+        if block_m or num_warps:
+            first = delta_configs(d, out.dtype)[0]
+            config = triton.Config(dict(BLOCK_M=block_m or first.kwargs["BLOCK_M"]),
+                                   num_warps=num_warps or first.num_warps, num_stages=1)
+        grid = lambda meta: (triton.cdiv(s, meta["BLOCK_M"]), b * heads)  # noqa: E731
+        launch_tiles(_delta_kernel, None if config else _tuned("delta", d, out.dtype), config, grid,
+                     out, dout, delta, *out.stride()[:3], *dout.stride()[:3], s, heads, seq_key(s),
+                     HEAD_DIM=d, BLOCK_D=block_d(d))
+    return delta.view(shape[:-1])
+
+
+def _seq_strides(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(t, stride_b, stride_h) of a (b, heads, s) float32 tensor with a unit sequence stride."""
+    t = t.float()
+    if t.stride(-1) != 1 and t.shape[-1] > 1:
+        t = t.contiguous()
+    return t, t.stride(0), t.stride(1)
 
 
 @on_input_device
 def flash_attention_backward(q, k, v, out, dout, lse, causal: bool = True, q_offset: int = 0,
                              k_offset: int = 0, scale: float | None = None, *, delta=None,
-                             dlse=None, block_m: int | None = None, block_n: int | None = None):
+                             dlse=None, block_m: int | None = None, block_n: int | None = None,
+                             num_warps: int | None = None, num_stages: int | None = None):
     """(dq, dk, dv) for one (q, k/v) pair given the global ``lse`` (b, heads, s_q) and either
     the global ``out``/``dout`` or their precomputed ``delta`` (see module docstring).
-    Gradients come back in the inputs' dtypes; dk, dv summed over each group's query heads."""
+    Gradients come back contiguous in the inputs' dtypes; dk, dv summed over each group's
+    query heads. q, k, v, out, dout (and lse, delta) of any strides with a unit last stride are
+    read in place. Tiles: autotuned on a GPU per kernel (``dkdv_configs``, ``dq_configs``), or
+    the ones given, for both kernels (what is not given comes from each kernel's first config)."""
     check_attention_inputs(q, k, v)
     check_backward_shapes("flash_attention_backward", q, out, dout, lse, delta)
-    q, k, v, dout = q.contiguous(), k.contiguous(), v.contiguous(), dout.contiguous()
+    q, k, v, dout = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v), unit_last_stride(dout)
     b, heads, s_q, d = q.shape
     groups, s_k = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
@@ -179,22 +336,26 @@ def flash_attention_backward(q, k, v, out, dout, lse, causal: bool = True, q_off
         delta = attention_delta(out, dout)
     if dlse is not None:
         delta = delta - dlse.float()
-    lse, delta = lse.float().contiguous(), delta.float().contiguous()
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    (lse, *lse_strides), (delta, *delta_strides) = _seq_strides(lse), _seq_strides(delta)
+    dq = torch.empty((b, heads, s_q, d), device=q.device, dtype=q.dtype)
+    dk = torch.empty((b, groups, s_k, d), device=k.device, dtype=k.dtype)
+    dv = torch.empty((b, groups, s_k, d), device=v.device, dtype=v.dtype)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    cfg = _bwd_config(d, q.dtype)
-    common = dict(HEAD_DIM=d, BLOCK_D=max(16, next_power_of_2(d)), CAUSAL=bool(causal),
-                  UPCAST=INTERPRET, PREC="ieee" if q.dtype == torch.float32 else "tf32")
-    args = (s_q, s_k, int(q_offset) - int(k_offset), scale * LOG2E, scale, heads, groups)
-    bm, bn, warps, stages = cfg["kv"]
-    bm, bn = check_blocks(block_m or bm, block_n or bn)
-    _dkdv_kernel[(triton.cdiv(s_k, bn), b * groups)](
-        q, k, v, dout, lse, delta, dk, dv, *args, BLOCK_M=bm, BLOCK_N=bn, **common,
-        num_warps=warps, num_stages=stages)
-    bm, bn, warps, stages = cfg["q"]
-    bm, bn = check_blocks(block_m or bm, block_n or bn)
-    _dq_kernel[(triton.cdiv(s_q, bm), b * heads)](
-        q, k, v, dout, lse, delta, dq, *args, BLOCK_M=bm, BLOCK_N=bn, **common,
-        num_warps=warps, num_stages=stages)
+    explicit = bool(block_m or block_n or num_warps or num_stages)
+    tensors = (q, k, v, dout, lse, delta)
+    args = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *lse_strides,
+            *delta_strides, s_q, s_k, int(q_offset) - int(k_offset), scale * LOG2E, scale, heads, groups,
+            seq_key(s_q), seq_key(s_k))
+    consts = dict(HEAD_DIM=d, BLOCK_D=block_d(d), CAUSAL=bool(causal), UPCAST=INTERPRET,
+                  PREC="ieee" if q.dtype == torch.float32 else "tf32")
+    tiles = (block_m, block_n, num_warps, num_stages)
+    config = explicit_config(dkdv_configs(d, q.dtype), *tiles) if explicit else None
+    grid = lambda meta: (triton.cdiv(s_k, meta["BLOCK_N"]), b * groups)  # noqa: E731
+    launch_tiles(_dkdv_kernel, None if config else _tuned("dkdv", d, q.dtype), config, grid,
+                 *tensors, dk, dv, *args, **consts)
+    config = explicit_config(dq_configs(d, q.dtype), *tiles) if explicit else None
+    grid = lambda meta: (triton.cdiv(s_q, meta["BLOCK_M"]), b * heads)  # noqa: E731
+    launch_tiles(_dq_kernel, None if config else _tuned("dq", d, q.dtype), config, grid,
+                 *tensors, dq, *args, **consts)
     return dq, dk, dv

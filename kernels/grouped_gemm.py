@@ -46,7 +46,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from megalite.kernels._utils import INTERPRET, check_float, check_tensors, next_power_of_2, on_input_device
+from megalite.kernels._utils import (INTERPRET, autotune, check_float, check_tensors, next_power_of_2,
+                                     on_input_device)
 
 
 @triton.jit
@@ -198,7 +199,7 @@ def _tuned(kind: str, dtype: torch.dtype):
         fn, configs, key = _gmm_kernel, mm_configs(dtype), ["N_OUT", "K", "M_HINT", "stride_wk"]
     else:
         fn, configs, key = _gmm_dw_kernel, dw_configs(dtype), ["N_OUT", "K"]
-    return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": _fitting})(fn)
+    return autotune(configs, key, _fitting)(fn)
 
 
 def _precision(dtype: torch.dtype) -> str:

@@ -4,14 +4,24 @@
 Triton lowers to PTX and runs its bundled ptxas without touching a device, so this catches
 what the CPU interpreter cannot: type errors of the compiled language, unsupported dot
 shapes, and tiles that need more shared memory than a GPU has (printed per kernel; an H100
-block may use 227 KB, an A100 block 163 KB). It uses the configurations the launchers pick on
-a GPU. Uncached, each compilation takes seconds: ``--quick`` compiles one dtype (bf16).
+block may use 227 KB, an A100 block 163 KB, sm_86/sm_89 99 KB). It compiles the configurations
+the launchers use on a GPU: for the autotuned kernels (flash attention forward, dk/dv, dq and
+delta for head dims 64, 96, 128 and 256; grouped GEMM) every autotune config, with pointers,
+strides and sizes 16-divisible as in a model, so the pipelined loops are what compiles. For
+those it also prints the launcher's shared-memory estimate (the one that prunes configs on a
+GPU) and fails if the estimate is below the compiled figure; and, with the bundled cuobjdump,
+registers per thread and the stack frame (``stack`` > 0: register spills). Uncached, each
+compilation takes seconds: ``--quick`` compiles one dtype (bf16), ``--only`` a subset.
 
-    python tools/compile_kernels.py [--arch 80 90] [--quick]
+    python tools/compile_kernels.py [--arch 80 90] [--quick] [--only attention] [--json out.json]
 """
 import argparse
+import json
 import os
+import re
+import subprocess
 import sys
+import tempfile
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, not the interpreter
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -26,8 +36,9 @@ from megalite.kernels import flash_attention_bwd as fb, grouped_gemm as gg, norm
 TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 
 
-def compile_one(fn, types: dict, consts: dict, arch: int, warps: int, stages: int) -> int:
-    """Compile fn with argument types ``types`` and constexprs ``consts``; shared bytes."""
+def compile_one(fn, types: dict, consts: dict, arch: int, warps: int, stages: int) -> dict:
+    """Compile fn with argument types ``types`` and constexprs ``consts``: its shared bytes, and
+    registers per thread and stack bytes when cuobjdump is at hand."""
     names = fn.arg_names
     signature = {n: "constexpr" if n in consts else types[n].removesuffix(":16") for n in names}
     constexprs = {(names.index(k),): v for k, v in consts.items()}
@@ -37,45 +48,80 @@ def compile_one(fn, types: dict, consts: dict, arch: int, warps: int, stages: in
     kernel = triton.compile(ASTSource(fn, signature, constexprs=constexprs, attrs=attrs),
                             target=GPUTarget("cuda", arch, 32),
                             options=dict(num_warps=warps, num_stages=stages))
-    return kernel.metadata.shared
+    return dict(shared=kernel.metadata.shared, **resources(kernel.asm["cubin"]))
+
+
+def resources(cubin: bytes) -> dict:
+    """{"regs", "stack"} of a cubin from Triton's bundled cuobjdump (empty if it is missing)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.path.exists(tool):
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True).stdout
+    found = re.search(r"REG:(\d+) STACK:(\d+)", text)
+    return dict(regs=int(found.group(1)), stack=int(found.group(2))) if found else {}
+
+
+ATTENTION_HEAD_DIMS = (64, 96, 128, 256)
+
+
+def attention_jobs(dtype: str):
+    """Every autotune config of the attention kernels, per head dim, with its shared-memory
+    estimate: (name, kernel, types, constexprs, warps, stages, estimated bytes)."""
+    import torch
+
+    tdtype = getattr(torch, TORCH_DTYPES[dtype])
+    p, prec, size = f"*{dtype}:16", "ieee" if dtype == "fp32" else "tf32", tdtype.itemsize
+    a = "i32:16"  # strides of (b, heads, s, d) tensors with d a multiple of 16, and the length keys
+    strides = {f"stride_{t}{x}": a for t in "qkvo" for x in "bhs"}
+    strides.update({f"stride_{t}{x}": a for t in "le" for x in "bh"})
+    strides.update(stride_db=a, stride_dh=a, stride_ds=a)  # delta kernel: dout
+    sizes = dict(s_q="i32", s_k="i32", delta="i32", delta_pos="i32", qk_scale="fp32", scale="fp32",
+                 heads="i32", groups="i32", SQ_KEY=a, SK_KEY=a)
+    tensors = {name: p for name in ("Q", "K", "V", "O", "DO", "DK", "DV", "DQ")}
+    types = dict(**tensors, LSE="*fp32:16", DELTA="*fp32:16", **strides, **sizes)
+    for d in ATTENTION_HEAD_DIMS:
+        width = fa.block_d(d)
+        tile = dict(HEAD_DIM=d, BLOCK_D=width, CAUSAL=True, UPCAST=False, PREC=prec)
+        kinds = (("fwd", fa._fwd_kernel, fa.fwd_configs, fa.fwd_shared_bytes, dict(MASK_N=True)),
+                 ("dk/dv", fb._dkdv_kernel, fb.dkdv_configs, fb.dkdv_shared_bytes, {}),
+                 ("dq", fb._dq_kernel, fb.dq_configs, fb.dq_shared_bytes, {}))
+        for kind, fn, configs, nbytes, extra in kinds:
+            for c in configs(d, tdtype, interpret=False):
+                kw = c.kwargs
+                name = f"attention {kind} d{d} {kw['BLOCK_M']}x{kw['BLOCK_N']} w{c.num_warps} s{c.num_stages}"
+                yield (name, fn, types, dict(**tile, **kw, **extra), c.num_warps, c.num_stages,
+                       nbytes(c, width, size))
+        for c in fb.delta_configs(d, tdtype, interpret=False):
+            yield (f"attention delta d{d} {c.kwargs['BLOCK_M']} rows w{c.num_warps}", fb._delta_kernel, types,
+                   dict(HEAD_DIM=d, BLOCK_D=width, **c.kwargs), c.num_warps, c.num_stages,
+                   fb.delta_shared_bytes(c, width, size))
 
 
 def jobs(dtype: str):
-    """(name, kernel, argument types, constexprs, warps, stages) as the launchers pick them."""
+    """(name, kernel, argument types, constexprs, warps, stages, estimated shared bytes or None)
+    as the launchers pick them."""
     import torch
 
     p, tdtype = "*" + dtype, getattr(torch, TORCH_DTYPES[dtype])
     prec = "ieee" if dtype == "fp32" else "tf32"
-    for d in (64, 128):
-        bm, bn, warps, stages = fa._fwd_config(d, tdtype)
-        types = dict(Q=p, K=p, V=p, O=p, LSE="*fp32", s_q="i32", s_k="i32", delta="i32",
-                     qk_scale="fp32", heads="i32", groups="i32")
-        yield (f"attention fwd d{d}", fa._fwd_kernel, types,
-               dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d, CAUSAL=True, MASK_N=True,
-                    UPCAST=False, PREC=prec), warps, stages)
-        cfg = fb._bwd_config(d, tdtype)
-        types = dict(Q=p, K=p, V=p, DO=p, LSE="*fp32", DELTA="*fp32", DK=p, DV=p, DQ=p, s_q="i32",
-                     s_k="i32", delta_pos="i32", qk_scale="fp32", scale="fp32", heads="i32",
-                     groups="i32")
-        for name, fn, key in (("dk/dv", fb._dkdv_kernel, "kv"), ("dq", fb._dq_kernel, "q")):
-            bm, bn, warps, stages = cfg[key]
-            yield (f"attention {name} d{d}", fn, types,
-                   dict(HEAD_DIM=d, BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=d, CAUSAL=True, UPCAST=False,
-                        PREC=prec), warps, stages)
+    yield from attention_jobs(dtype)
     for n in (1000, 8192):
         block, block_r, warps = norms._tiles(n)
         types = dict(X=p, W=p, B=p, Y=p, DY=p, DX=p, MEAN="*fp32", RSTD="*fp32", DW_PART="*fp32",
                      DB_PART="*fp32", n_rows="i32", n_cols="i32", eps="fp32", n_tiles="i32")
         consts = dict(RMS=False, HAS_BIAS=True, BLOCK_R=block_r, BLOCK=block)
-        yield f"layernorm fwd n{n}", norms._norm_fwd_kernel, types, consts, warps, 1
-        yield f"layernorm bwd n{n}", norms._norm_bwd_kernel, types, consts, warps, 1
+        yield f"layernorm fwd n{n}", norms._norm_fwd_kernel, types, consts, warps, 1, None
+        yield f"layernorm bwd n{n}", norms._norm_bwd_kernel, types, consts, warps, 1, None
     block_r, block_v, warps = ce._tiles(50304)
     types = dict(Z=p, TARGET="*i64", MAX="*fp32", SUMEXP="*fp32", TLOGIT="*fp32", LSE="*fp32",
                  GRAD="*fp32", DZ=p, n_rows="i32", n_cols="i32", stride_row="i32",
                  vocab_start="i32", vocab_size="i32", ignore_index="i32")
     consts = dict(BLOCK_R=block_r, BLOCK_V=block_v)
-    yield "cross-entropy stats", ce._ce_stats_kernel, types, consts, warps, 1
-    yield "cross-entropy grad", ce._ce_grad_kernel, types, consts, warps, 1
+    yield "cross-entropy stats", ce._ce_stats_kernel, types, consts, warps, 1, None
+    yield "cross-entropy grad", ce._ce_grad_kernel, types, consts, warps, 1, None
     # grouped GEMM: every autotune config (the autotuner picks among them on the GPU), with
     # pointers and sizes 16-divisible as in a model (h, F multiples of 16), so the pipelined
     # loop is what compiles: its shared memory is num_stages (sm_90) or num_stages - 1
@@ -89,20 +135,44 @@ def jobs(dtype: str):
         for c in configs:
             kw = c.kwargs
             yield (f"grouped {name} {kw['BLOCK_M']}x{kw['BLOCK_N']}x{kw['BLOCK_K']}", fn, types,
-                   dict(**kw, **extra, UPCAST=False, PREC=prec), c.num_warps, c.num_stages)
+                   dict(**kw, **extra, UPCAST=False, PREC=prec), c.num_warps, c.num_stages,
+                   gg.shared_bytes(c, tdtype.itemsize))
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--arch", type=int, nargs="+", default=[90], help="compute capability x10")
     p.add_argument("--quick", action="store_true", help="bf16 only")
+    p.add_argument("--dtype", nargs="+", choices=list(TORCH_DTYPES), help="these dtypes (default: all)")
+    p.add_argument("--only", help="only the kernels whose name contains this (e.g. 'attention')")
+    p.add_argument("--json", help="also write every figure to this JSON file")
     args = p.parse_args()
+    dtypes = args.dtype or (["bf16"] if args.quick else ["bf16", "fp16", "fp32"])
+    records, low = [], []
     for arch in args.arch:
-        for dtype in ["bf16"] if args.quick else ["bf16", "fp16", "fp32"]:
-            for name, fn, types, consts, warps, stages in jobs(dtype):
-                shared = compile_one(fn, {k: types[k] for k in fn.arg_names if k in types}, consts,
-                                     arch, warps, stages)
-                print(f"sm_{arch} {dtype:<5} {name:<22} ok  shared {shared / 1024:6.1f} KB")
+        for dtype in dtypes:
+            for name, fn, types, consts, warps, stages, estimate in jobs(dtype):
+                if args.only and args.only not in name:
+                    continue
+                got = compile_one(fn, {k: types[k] for k in fn.arg_names if k in types}, consts, arch, warps,
+                                  stages)
+                line = f"sm_{arch} {dtype:<5} {name:<46} ok  shared {got['shared'] / 1024:6.1f} KB"
+                if estimate is not None:
+                    line += f" (est {estimate / 1024:6.1f})"
+                    if estimate < got["shared"]:
+                        low.append(f"sm_{arch} {dtype} {name}")
+                        line += " ESTIMATE BELOW COMPILED"
+                if "regs" in got:
+                    line += f"  regs {got['regs']:3d}  stack {got['stack']}"
+                print(line, flush=True)
+                records.append(dict(arch=arch, dtype=dtype, kernel=name, warps=warps, stages=stages,
+                                    estimate=estimate, **got))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    if low:
+        sys.exit("shared-memory estimate below the compiled figure (the pruning would keep a config that "
+                 "does not fit): " + "; ".join(low))
 
 
 if __name__ == "__main__":

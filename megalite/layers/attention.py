@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from megalite.layers.backends import flash_missing, triton_missing
 
 BACKENDS = ("auto", "triton", "flash", "torch")
-TRITON_MAX_HEAD_DIM = 128
+TRITON_MAX_HEAD_DIM = 256  # megalite.kernels._utils.MAX_HEAD_DIM (not imported here: no triton import)
 
 
 class BackendUnavailable(RuntimeError):
@@ -106,7 +106,11 @@ class _MetaFlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v):
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # as the Triton kernel takes them
+        # Compact copies, as the planner (megalite/planner.py) counts Q, K, V. On a GPU the
+        # Triton kernels read views in place and every backend saves its inputs as given: the
+        # model's k, v (views of the fused qkv) keep all of qkv alive, heads * head_dim more
+        # per token and layer than counted here when q is a separate tensor.
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         ctx.save_for_backward(q, k, v, out, lse)

@@ -46,8 +46,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from megalite.kernels._utils import (INTERPRET, autotune, check_float, check_tensors, next_power_of_2,
-                                     on_input_device)
+from megalite.kernels._utils import (INTERPRET, autotune, check_float, check_tensors, fit_shared, next_power_of_2,
+                                     on_input_device, shared_memory_limit)
 
 
 @triton.jit
@@ -173,22 +173,13 @@ def shared_bytes(config: triton.Config, element_size: int) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _shared_limit(index: int) -> int:
-    props = torch.cuda.get_device_properties(index)
-    limit = getattr(props, "shared_memory_per_block_optin", None)
-    if limit is None:
-        limit = triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"]
-    return int(limit)
-
-
 def _fitting(configs, nargs, **kwargs):
     """Early pruning for the autotuner: the configs whose pipelined tiles fit the device."""
     x = nargs["X"]
     if not x.is_cuda:
         return configs
-    limit = _shared_limit(x.device.index if x.device.index is not None else torch.cuda.current_device())
-    fit = [c for c in configs if shared_bytes(c, x.element_size()) <= limit]
-    return fit or [min(configs, key=lambda c: shared_bytes(c, x.element_size()))]
+    limit = shared_memory_limit(x.device.index if x.device.index is not None else torch.cuda.current_device())
+    return fit_shared(configs, limit, lambda c: shared_bytes(c, x.element_size()))
 
 
 @functools.lru_cache(maxsize=None)

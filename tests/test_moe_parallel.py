@@ -19,7 +19,9 @@ from megalite.pipeline.partition import build_model_chunks
 from megalite.testing import run_world
 from megalite.training import LossScaler, build_optimizer, train_step
 
-STEPS, MICRO, GLOBAL = 4, 2, 8
+from tests.test_zero import GLOBAL, MICRO, global_batch  # the same 8 x 2 batches
+
+STEPS = 4
 TOL = 1e-5
 
 
@@ -34,15 +36,6 @@ def make_config(tp=1, pp=1, cp=1, ep=1, layers=2, **moe):
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                               context_parallel_size=cp, sequence_parallel=tp > 1, expert_model_parallel_size=ep)
     return Config(model, parallel, t, DataConfig(mock_data=True))
-
-
-def global_batch(cfg, step):
-    g = torch.Generator().manual_seed(1000 + step)
-    x = torch.randint(0, cfg.vocab_size, (GLOBAL, cfg.seq_length + 1), generator=g)
-    return [{"tokens": x[i:i + MICRO, :-1], "labels": x[i:i + MICRO, 1:],
-             "loss_mask": torch.ones(MICRO, cfg.seq_length),
-             "position_ids": torch.arange(cfg.seq_length).expand(MICRO, -1)}
-            for i in range(0, GLOBAL, MICRO)]
 
 
 def global_params(chunks, tp_group=None) -> dict:

@@ -43,8 +43,8 @@ import torch.distributed as dist
 
 from megalite.kernels.attention_reference import (attention_block_backward, attention_block_delta,
                                                   attention_block_forward, merge_attention)
-from megalite.layers.attention import TRITON_MAX_HEAD_DIM, BackendUnavailable
-from megalite.layers.backends import flash_missing, triton_missing
+from megalite.layers.attention import TRITON_MAX_HEAD_DIM, BackendUnavailable, require_flash
+from megalite.layers.backends import triton_missing
 from megalite.memory_tracker import category
 from megalite.parallel import comm
 
@@ -69,13 +69,7 @@ def resolve_ring_backend(backend: str, q: torch.Tensor) -> str:
         triton_fits = q.dtype in TRITON_DTYPES and q.shape[-1] <= TRITON_MAX_HEAD_DIM
         return "triton" if device == "cuda" and triton_fits and triton_missing("cuda") is None else "torch"
     if backend == "flash":
-        why = flash_missing(device)
-        if why:
-            raise BackendUnavailable(f"ring attention on flash-attn cannot run: {why}. Fix: install it on a "
-                                     f"GPU machine, or use --attention-backend triton or torch.")
-        if q.dtype not in (torch.float16, torch.bfloat16):
-            raise BackendUnavailable(f"flash-attn takes float16 or bfloat16, got {q.dtype}. Fix: --bf16, or "
-                                     f"--attention-backend triton or torch.")
+        require_flash(q, "ring attention on flash-attn")
     elif backend == "triton":
         why = triton_missing(device)
         if why:

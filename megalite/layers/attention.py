@@ -67,6 +67,18 @@ def check_attention_backend(model_config) -> None:
                               f"{why}. Fix: set that up, or drop --fused-kernels.")
 
 
+def require_flash(q: torch.Tensor, what: str) -> None:
+    """Raise BackendUnavailable unless flash-attn can take ``q`` here (installed, a CUDA tensor,
+    fp16/bf16); ``what`` names the caller in the message."""
+    why = flash_missing(q.device.type)
+    if why:
+        raise BackendUnavailable(f"{what} cannot run: {why}. Fix: install it on a GPU machine, or use "
+                                 f"the triton or torch backend.")
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        raise BackendUnavailable(f"flash-attn takes float16 or bfloat16, got {q.dtype}. Fix: "
+                                 f"train with --bf16/--fp16, or use the triton or torch backend.")
+
+
 def resolve_backend(backend: str, q: torch.Tensor, dropout_p: float = 0.0) -> str:
     """The backend that runs this call: ``auto`` becomes flash, triton or torch (see module
     docstring); the others are returned as asked after checking they can run here."""
@@ -86,12 +98,7 @@ def resolve_backend(backend: str, q: torch.Tensor, dropout_p: float = 0.0) -> st
             raise BackendUnavailable(f"attention backend 'triton' has no dropout, got dropout_p="
                                      f"{dropout_p}. Fix: dropout 0, or the torch or flash backend.")
     elif backend == "flash":
-        why = flash_missing(device)
-        if why:
-            raise BackendUnavailable(f"attention backend 'flash' cannot run: {why}.")
-        if q.dtype not in (torch.float16, torch.bfloat16):
-            raise BackendUnavailable(f"flash-attn takes float16 or bfloat16, got {q.dtype}. Fix: "
-                                     f"train with --bf16/--fp16, or use the triton or torch backend.")
+        require_flash(q, "attention backend 'flash'")
     elif backend != "torch":
         raise BackendUnavailable(f"attention backend {backend!r} is unknown; use one of "
                                  f"{', '.join(BACKENDS)}.")

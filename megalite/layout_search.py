@@ -1,0 +1,248 @@
+"""Layout search: every candidate layout of a model on a machine, ranked the way the field's
+guides teach (data parallel first, then tensor parallel inside a node, then pipeline, then
+ZeRO, recomputation and context parallelism), with the reasons in words.
+
+The arithmetic of one layout (memory per GPU, bubble, communication) is in
+:mod:`megalite.planner`; ``tools/plan_parallel.py`` is the command line.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from megalite import config as megalite_config
+from megalite.config import ModelConfig
+from megalite.planner import (RECOMPUTE, Estimate, GiB, Hardware, Layout, Precision, check_layout, communication,
+                              estimate, in_flight, model_state_bytes, precision, stage_parameters,
+                              total_parameters)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def expert_parallel_sizes(m: ModelConfig, stage_ranks: int) -> list[int]:
+    """EP choices of an MoE model: the divisors of E that divide a stage's TP*CP*DP ranks."""
+    if not m.num_experts:
+        return [1]
+    return [e for e in _divisors(m.num_experts) if stage_ranks % e == 0]
+
+
+def candidate_layouts(m: ModelConfig, hw: Hardware, max_cp: int = 8) -> list[Layout]:
+    """TP in divisors of GPUs per node up to 8, CP powers of two up to ``max_cp``, PP dividing
+    the layers, DP what remains; every ZeRO stage (only 0 when DP x CP = 1) and recomputation;
+    with experts, every EP dividing E and TP*CP*DP."""
+    world, out = hw.world_size, []
+    for tp in (d for d in _divisors(hw.gpus_per_node) if d <= 8):
+        for cp in (c for c in (1, 2, 4, 8, 16, 32) if c <= max_cp):
+            for pp in _divisors(m.num_layers):
+                if world % (tp * cp * pp):
+                    continue
+                dp = world // (tp * cp * pp)
+                for zero in range(4 if dp * cp > 1 else 1):  # nothing to shard over one rank
+                    for rc in RECOMPUTE:
+                        for ep in expert_parallel_sizes(m, tp * cp * dp):
+                            out.append(Layout(tp, pp, dp, cp, zero, rc, ep))
+    return out
+
+
+RUNGS = ("data parallel", "tensor parallel inside a node", "pipeline parallel",
+         "ZeRO-3", "context parallel")
+
+
+def rung(layout: Layout) -> int:
+    if layout.cp > 1:
+        return 4
+    if layout.zero == 3:
+        return 3
+    if layout.pp > 1:
+        return 2
+    return 1 if layout.tp > 1 else 0
+
+
+def ladder_key(layout: Layout) -> tuple:
+    """Sort key of the practitioners' order (module docstring): full recomputation last;
+    then CP (1 first; each larger CP climbs the other rungs again); then the rung; TP
+    ascending inside the TP rung, but once PP is needed TP as large as the node allows
+    (Narayanan et al. 2021); then recomputation none before selective; then the ZeRO stage
+    (ZeRO-1 keeps DDP's traffic; megalite's ZeRO-2 reduce-scatters every micro-batch); with
+    experts, last EP ascending (fewer experts per rank for an all-to-all per MoE layer)."""
+    inner = rung(dataclasses.replace(layout, cp=1))  # CP layouts climb the same ladder inside
+    tp_order = -layout.tp if inner == 2 else layout.tp
+    return (layout.recompute == "full", layout.cp, inner, layout.pp, tp_order,
+            RECOMPUTE.index(layout.recompute), layout.zero, layout.ep)
+
+
+@dataclass
+class Plan:
+    model: ModelConfig
+    hardware: Hardware
+    precision: Precision
+    global_batch: int
+    micro: int
+    estimates: list[Estimate]  # valid layouts, in ladder order
+    invalid: dict = field(default_factory=dict)  # Layout -> reason megalite refuses it
+    choice: Estimate | None = None
+    reasons: list[str] = field(default_factory=list)
+
+    def fitting(self) -> list[Estimate]:
+        return [e for e in self.estimates if e.fits]
+
+
+def plan(m: ModelConfig, hw: Hardware, global_batch: int, micro: int, prec: Precision | None = None,
+         flash_attention: bool = False, max_cp: int = 8) -> Plan:
+    prec = prec or precision()
+    checked: dict[tuple, str | None] = {}
+    estimates, invalid = [], {}
+    for layout in sorted(candidate_layouts(m, hw, max_cp), key=ladder_key):
+        key = (layout.tp, layout.pp, layout.cp, layout.zero, layout.ep)
+        if key not in checked:
+            checked[key] = check_layout(m, layout, global_batch, micro, hw)
+        if checked[key]:
+            invalid[layout] = checked[key]
+            continue
+        estimates.append(estimate(m, layout, global_batch, micro, prec, hw, flash_attention))
+    result = Plan(m, hw, prec, global_batch, micro, estimates, invalid)
+    fitting = result.fitting()
+    result.choice = fitting[0] if fitting else None
+    result.reasons = explain(result)
+    return result
+
+
+def _gib(x: float) -> str:
+    return f"{x / GiB:.1f} GiB"
+
+
+def _breakdown(e: Estimate) -> str:
+    mem = e.memory
+    return (f"weights {_gib(mem['weights'])} + gradients {_gib(mem['gradients'])} + master/Adam "
+            f"{_gib(mem['master_and_optimizer'])} + activations {_gib(mem['activations'])}"
+            + (f" + buffers (ZeRO-3 gathered layers, gradient staging) {_gib(mem['buffers'])}" if mem["buffers"] else ""))
+
+
+def megalite_gaps(layout: Layout) -> list[str]:
+    """What megalite itself cannot run yet for this layout (read from its flags and config)."""
+    from megalite.arguments import build_parser
+
+    flags = {s for a in build_parser()._actions for s in a.option_strings}
+    gaps = []
+    if layout.recompute != "none" and "--recompute-granularity" not in flags:
+        gaps.append(f"--recompute-granularity {layout.recompute} (planned in megalite, issue 9)")
+    if layout.cp > 1:
+        if "context_parallel_size" in getattr(megalite_config, "NOT_YET_SUPPORTED", {}):
+            gaps.append("--context-parallel-size (not yet supported in megalite, issue 7)")
+        else:
+            gaps.append("--context-parallel-size needs --attention-backend triton (ring attention merges "
+                        "partial results with the log-sum-exp)")
+    return gaps
+
+
+def _step(layout: Layout) -> tuple:
+    """The step of the ladder a layout belongs to, as a user would name it: DDP, ZeRO-1 and
+    ZeRO-2 apart; then TP t; PP p (any TP); ZeRO-3 with TP t; CP c."""
+    r = rung(layout)
+    return (r, [layout.zero, layout.tp, layout.pp, layout.tp, layout.cp][r])
+
+
+def _step_name(step: tuple) -> str:
+    r, n = step
+    if r == 0:
+        return ["DDP", "ZeRO-1", "ZeRO-2"][n]
+    return ["", "TP {}", "PP {}", "ZeRO-3 with TP {}", "CP {}"][r].format(n)
+
+
+def _in_flight_words(e: Estimate) -> str:
+    n = in_flight(e.layout.pp, e.stage, e.num_micro)
+    where = f"pipeline stage {e.stage}" if e.layout.pp > 1 else "each GPU"
+    return f"{n} micro-batch{'es' if n > 1 else ''} of activations in flight on {where}"
+
+
+def _simpler_layouts(p: Plan) -> list[str]:
+    """One line per simpler step of the ladder, up to the chosen layout: its smallest memory
+    (best ZeRO stage and recomputation up to selective) against the usable memory; then the
+    variants of the chosen step tried before it."""
+    usable, chosen = p.hardware.usable_bytes, p.choice
+    order = [e for e in p.estimates if e.layout.recompute != "full"]
+    if chosen is not None and chosen in order:
+        order = order[:order.index(chosen)]
+    steps: dict[tuple, list[Estimate]] = {}
+    for e in order:
+        steps.setdefault(_step(e.layout), []).append(e)
+    before = steps.pop(_step(chosen.layout), []) if chosen is not None else []
+    lines = []
+    for step, tried in steps.items():
+        best = min(tried, key=lambda e: e.memory["total"])
+        lines.append(f"Not {_step_name(step)}: {best.layout.describe()} needs {_gib(best.memory['total'])} > "
+                     f"{_gib(usable)} usable ({_breakdown(best)}).")
+    if before:
+        shown = ", ".join(f"{e.layout.describe()}: {_gib(e.memory['total'])}" for e in before[-4:])
+        lines.append(f"Within {_step_name(_step(chosen.layout))}, the simpler variants do not fit "
+                     f"({'last ' + str(min(4, len(before))) + ' of ' + str(len(before)) if len(before) > 4 else 'all'}"
+                     f" tried: {shown}).")
+    return lines
+
+
+def explain(p: Plan) -> list[str]:
+    """Plain-words reasons: the model-state arithmetic, why each simpler rung fails, the choice."""
+    m, hw, prec = p.model, p.hardware, p.precision
+    psi_all = total_parameters(m)
+    usable = hw.usable_bytes
+    ddp = model_state_bytes(stage_parameters(m), 1, 0, prec)["total"]
+    lines = [f"{psi_all / 1e9:.2f}B parameters x {prec.bytes_per_param} bytes ({prec.weight_bytes} weights + "
+             f"{prec.grad_bytes} gradients + {prec.optimizer_bytes} fp32 master and Adam moments) = "
+             f"{ddp / 1e9:.1f} GB ({_gib(ddp)}) of weights+grads+optimizer state per model copy, before "
+             f"activations; a GPU has {hw.gpu_memory_gb:g} GiB, {_gib(usable)} usable after "
+             f"{hw.headroom:.0%} headroom."]
+    if ddp > usable:
+        lines.append(f"So plain data parallelism (DDP, a full copy per GPU) is impossible: the model state "
+                     f"alone is {ddp / usable:.1f}x the usable memory.")
+    chosen = p.choice
+    lines += _simpler_layouts(p)
+    if chosen is None:
+        lines.append("Nothing fits, even with full recomputation and ZeRO-3: use more or larger GPUs, "
+                     "a smaller micro batch or sequence, or CPU offload of the optimizer (--offload-optimizer).")
+        return lines
+    lay = chosen.layout
+    lines.append(f"Recommended: {lay.describe()}: {_gib(chosen.memory['total'])} per GPU "
+                 f"({_breakdown(chosen)}), {_in_flight_words(chosen)}.")
+    why = []
+    if lay.zero == 1:
+        why.append(f"ZeRO-1 shards the fp32 master weights and Adam moments over the {lay.dp * lay.cp} "
+                   f"data-parallel ranks for DDP's traffic (reduce-scatter + all-gather = one all-reduce)")
+    if lay.zero == 2:
+        why.append(f"ZeRO-2 also shards the gradients over the {lay.dp * lay.cp} data-parallel ranks, "
+                   f"but megalite reduce-scatters them every micro-batch ({chosen.num_micro} per step)")
+    if lay.tp > 1:
+        why.append(f"TP {lay.tp} splits every layer inside a node, its per-layer all-reduces on "
+                   f"{chosen.comm['tp']['link']}")
+    if lay.pp > 1:
+        why.append(f"PP {lay.pp} cuts the layers into stages (p2p on {chosen.comm['pp']['link']}); bubble "
+                   f"(P-1)/(M+P-1) = {chosen.bubble:.1%} with M = {chosen.num_micro}")
+    if lay.zero == 3:
+        why.append("ZeRO-3 shards the weights too, gathering each layer before use (1.5x DDP traffic)")
+    if lay.ep > 1:
+        shard = (f" (ZeRO-{lay.zero} shards their state over the {lay.edp} GPUs holding the same experts)"
+                 if lay.zero and lay.edp > 1 else "")
+        why.append(f"EP {lay.ep} holds {m.num_experts // lay.ep} of the {m.num_experts} experts of each MoE layer "
+                   f"per GPU{shard}; tokens travel to them by all-to-all on {chosen.comm['ep']['link']}")
+    if lay.cp > 1:
+        why.append(f"CP {lay.cp} splits the long sequence, dividing activations by {lay.cp}")
+    if lay.recompute == "selective":
+        why.append("selective recomputation recomputes the attention scores instead of storing them (a few % compute)")
+    if lay.recompute == "full":
+        why.append("full recomputation stores only each layer's input (~33% more compute)")
+    if why:
+        lines.append("Why: " + "; ".join(why) + ".")
+    comm = ", ".join(f"{k.upper()} {c['bytes'] / 1e9:.2f} GB on {c['link']} {c['seconds'] * 1e3:.0f} ms"
+                     for k, c in chosen.comm.items())
+    lines.append(f"Communication per step per GPU (no overlap): {comm or 'none'}.")
+    comparable = [e for e in p.fitting() if RECOMPUTE.index(e.layout.recompute) <= RECOMPUTE.index(lay.recompute)]
+    cheaper = min(comparable, key=lambda e: e.comm_seconds)
+    if cheaper.comm_seconds < 0.5 * chosen.comm_seconds:
+        lines.append(f"Less communication among the layouts that fit: {cheaper.layout.describe()} "
+                     f"({cheaper.comm_seconds * 1e3:.0f} ms against {chosen.comm_seconds * 1e3:.0f} ms per step, "
+                     f"{_gib(cheaper.memory['total'])} per GPU, bubble {cheaper.bubble:.1%}): worth measuring.")
+    gaps = megalite_gaps(lay)
+    if gaps:
+        lines.append("megalite today: " + "; ".join(gaps) + ".")
+    return lines

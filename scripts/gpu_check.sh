@@ -11,7 +11,7 @@
 # part does not stop the others, and the exit status is 1 if any failed:
 #   (a) pytest -m gpu tests/: Triton kernels in bf16/fp16, CUDA RNG streams, fp32 CUDA = CPU
 #   (b) --fake-process-group ranks on CUDA: first and last rank of four 8-rank layouts (one MoE)
-#   (c) a GPT of ~350M parameters (GPT-2 medium), bf16, 20 iterations: tokens/s, TFLOP/s, MFU
+#   (c) a GPT of ~1.3B parameters, bf16, 12 iterations, Triton and torch SDPA attention: tokens/s, MFU
 #   (d) tools/bench_kernels.py (flags: GPU_CHECK_BENCH_ARGS, default --quick; "" for the full table)
 # Without a GPU it says so and exits 0 without running anything.
 set -uo pipefail
@@ -84,28 +84,34 @@ report b "fake process group, ranks 0 and 7 of TP2xPP2xDP2 ZeRO-1, TP2xCP2xDP2, 
   "$([ -z "$fake_failed" ] && echo 0 || echo 1)" \
   "($fake_ok/$fake_total ran${fake_failed:+; failed:$fake_failed}; logs $OUT/b_*.log)"
 
-# -- (c) GPT-2 medium size, bf16, throughput and MFU ------------------------------------------
-rm -f "$OUT/c_gpt350m.jsonl"
-timeout -k 30 420 "$PY" pretrain_gpt.py --device cuda --bf16 --mock-data --vocab-size 50257 --num-layers 24 \
-  --hidden-size 1024 --num-attention-heads 16 --seq-length 1024 --micro-batch-size 8 --train-iters 20 \
-  --log-interval 5 --log-json "$OUT/c_gpt350m.jsonl" --attention-backend auto --hidden-dropout 0 \
-  --attention-dropout 0 > "$OUT/c_gpt350m.log" 2>&1
-rc=$?
-summary="$("$PY" - "$OUT/c_gpt350m.jsonl" "$OUT/c_gpt350m.log" 2>&1 <<'EOF'
+# -- (c) a ~1.3B GPT, bf16, throughput and MFU, Triton attention and torch SDPA ----------------
+gpt_mfu() {  # backend: 12 iterations of 24 x 2048, seq 2048, micro 4 (GPT-2 XL width, ~1.3B parameters)
+  local backend="$1" rc summary
+  rm -f "$OUT/c_gpt1p3b_$backend.jsonl"
+  timeout -k 30 240 "$PY" pretrain_gpt.py --device cuda --bf16 --mock-data --vocab-size 50257 --num-layers 24 \
+    --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 --micro-batch-size 4 --train-iters 12 \
+    --log-interval 4 --log-json "$OUT/c_gpt1p3b_$backend.jsonl" --attention-backend "$backend" --hidden-dropout 0 \
+    --attention-dropout 0 > "$OUT/c_gpt1p3b_$backend.log" 2>&1
+  rc=$?
+  summary="$("$PY" - "$OUT/c_gpt1p3b_$backend.jsonl" "$OUT/c_gpt1p3b_$backend.log" 2>&1 <<'EOF'
 import json, math, re, sys
 recs = [json.loads(line) for line in open(sys.argv[1])]
 model = re.search(r"model: ([\d.]+M) parameters", open(sys.argv[2]).read())
-assert len(recs) == 20 and all(math.isfinite(r["loss"]) for r in recs), f"{len(recs)} records, losses {[r['loss'] for r in recs]}"
-tail = recs[-10:]  # skip the warm-up (compilation, allocator growth)
+assert len(recs) == 12 and all(math.isfinite(r["loss"]) for r in recs), f"{len(recs)} records, losses {[r['loss'] for r in recs]}"
+tail = recs[-6:]  # skip the warm-up (autotuning, compilation, allocator growth)
 secs = [r["elapsed_ms"] / 1e3 for r in tail]
 def avg(key):  # time-weighted: total work over total time
     return sum(r[key] * s for r, s in zip(tail, secs)) / sum(secs)
 mfu = f"MFU {100 * avg('mfu'):.1f}%" if all("mfu" in r for r in tail) else "MFU n/a (GPU not in the peak table)"
 print(f"{model.group(1) if model else '?'} params: {avg('tokens_per_sec'):,.0f} tokens/s, "
-      f"{avg('tflops_per_gpu'):.1f} TFLOP/s/GPU, {mfu} (iterations 11-20); loss {recs[0]['loss']:.3f} -> {recs[-1]['loss']:.3f}")
+      f"{avg('tflops_per_gpu'):.1f} TFLOP/s/GPU, {mfu} (iterations 7-12); loss {recs[0]['loss']:.3f} -> {recs[-1]['loss']:.3f}")
 EOF
 )" || rc=$((rc == 0 ? 1 : rc))
-report c "GPT ~350M bf16 (24 x 1024, seq 1024, micro 8), 20 iterations" "$rc" "(${summary##*$'\n'}; log $OUT/c_gpt350m.log)"
+  report c "GPT ~1.3B bf16 (24 x 2048, seq 2048, micro 4), 12 iterations, --attention-backend $backend" "$rc" \
+    "(${summary##*$'\n'}; log $OUT/c_gpt1p3b_$backend.log)"
+}
+gpt_mfu triton
+gpt_mfu torch
 
 # -- (d) kernel microbenchmarks ---------------------------------------------------------------
 # shellcheck disable=SC2086  # GPU_CHECK_BENCH_ARGS is a list of flags

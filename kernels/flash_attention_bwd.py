@@ -319,10 +319,13 @@ def _seq_strides(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
 def flash_attention_backward(q, k, v, out, dout, lse, causal: bool = True, q_offset: int = 0,
                              k_offset: int = 0, scale: float | None = None, *, delta=None,
                              dlse=None, block_m: int | None = None, block_n: int | None = None,
-                             num_warps: int | None = None, num_stages: int | None = None):
+                             num_warps: int | None = None, num_stages: int | None = None,
+                             grad_dtype: torch.dtype | None = None):
     """(dq, dk, dv) for one (q, k/v) pair given the global ``lse`` (b, heads, s_q) and either
     the global ``out``/``dout`` or their precomputed ``delta`` (see module docstring).
-    Gradients come back contiguous in the inputs' dtypes; dk, dv summed over each group's
+    Gradients come back contiguous in the inputs' dtypes, or in ``grad_dtype`` (ring attention
+    asks for float32: it sums C blocks' contributions, and rounding each to 16 bits first would
+    add C roundings; the kernels accumulate in fp32 either way); dk, dv summed over each group's
     query heads. q, k, v, out, dout (and lse, delta) of any strides with a unit last stride are
     read in place. Tiles: autotuned on a GPU per kernel (``dkdv_configs``, ``dq_configs``), or
     the ones given, for both kernels (what is not given comes from each kernel's first config)."""
@@ -337,9 +340,9 @@ def flash_attention_backward(q, k, v, out, dout, lse, causal: bool = True, q_off
     if dlse is not None:
         delta = delta - dlse.float()
     (lse, *lse_strides), (delta, *delta_strides) = _seq_strides(lse), _seq_strides(delta)
-    dq = torch.empty((b, heads, s_q, d), device=q.device, dtype=q.dtype)
-    dk = torch.empty((b, groups, s_k, d), device=k.device, dtype=k.dtype)
-    dv = torch.empty((b, groups, s_k, d), device=v.device, dtype=v.dtype)
+    dq = torch.empty((b, heads, s_q, d), device=q.device, dtype=grad_dtype or q.dtype)
+    dk = torch.empty((b, groups, s_k, d), device=k.device, dtype=grad_dtype or k.dtype)
+    dv = torch.empty((b, groups, s_k, d), device=v.device, dtype=grad_dtype or v.dtype)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     explicit = bool(block_m or block_n or num_warps or num_stages)

@@ -15,7 +15,9 @@ exactly through their log-sum-exp: lse = logaddexp(lse1, lse2), out = sum_j out_
 Backward, C steps again. delta = rowsum(dO * O) is computed once; each step gives, from
 the *global* lse, this rank's dQ contribution (kept) and dK/dV for the visiting block,
 which travel with it round the ring: after C hops the accumulated dK/dV reach their owner.
-The dK/dV exchange is double-buffered: a step computes its contribution into fresh buffers
+Each block's dQ/dK/dV comes back in fp32 (the torch path computes in fp32; the Triton kernels
+are asked to store fp32) and the ring accumulates in fp32, so a 16-bit run rounds the sum of
+the C contributions once, not each of them. The dK/dV exchange is double-buffered: a step computes its contribution into fresh buffers
 while the block's accumulator from the previous rank is still in flight, then waits for it,
 adds and sends the sum on; so each transfer overlaps the next step's compute.
 Communication is point-to-point only (batched isend/irecv to the ring neighbours): every
@@ -35,6 +37,7 @@ Block functions (``backend``), the same numbers up to rounding:
 """
 from __future__ import annotations
 
+import functools
 import time
 from typing import Callable, NamedTuple
 
@@ -93,7 +96,9 @@ def block_ops(backend: str, q: torch.Tensor) -> BlockOps:
         from megalite.kernels.flash_attention import flash_attention_forward
         from megalite.kernels.flash_attention_bwd import attention_delta, flash_attention_backward
 
-        return BlockOps("triton", flash_attention_forward, flash_attention_backward, attention_delta)
+        # Each block's dQ/dK/dV in fp32: the ring sums C of them (module docstring).
+        backward = functools.partial(flash_attention_backward, grad_dtype=torch.float32)
+        return BlockOps("triton", flash_attention_forward, backward, attention_delta)
     return BlockOps("torch", attention_block_forward, attention_block_backward, attention_block_delta)
 
 

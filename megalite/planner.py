@@ -321,11 +321,9 @@ def communication(m: ModelConfig, layout: Layout, psi: int, micro: int, num_micr
     With experts (``stage``: whose MoE layers and experts; :mod:`megalite.moe.planning`), the
     expert part of ``psi`` is reduced over EDP ('edp') and tokens travel over EP ('ep')."""
     n, t, M = layout.dp * layout.cp, layout.tp, num_micro
-    w, g = prec.weight_bytes, prec.grad_bytes
-    ring = (n - 1) / n
     psi_e = stage_expert_parameters(m, t, layout.pp, stage, layout.ep)
     psi, n_moe = psi - psi_e, moe_planning.stage_moe_layers(m, layout.pp, stage) if m.num_experts else 0
-    dp = {0: 2 * psi * g, 1: psi * (g + w), 2: psi * (M * g + w), 3: psi * M * (g + 2 * w)}[layout.zero] * ring
+    dp = moe_planning.gradient_reduction_bytes(psi, n, layout.zero, M, prec.weight_bytes, prec.grad_bytes)
     layers = m.num_layers // layout.pp
     bsh = micro * m.seq_length / layout.cp * m.hidden_size * prec.act_bytes
     passes = 6 if layout.recompute == "full" else 4
@@ -334,7 +332,7 @@ def communication(m: ModelConfig, layout: Layout, psi: int, micro: int, num_micr
         tp -= M * n_moe * passes / 2 * bsh * 2 * (t - 1) / t
     ep = moe_planning.all_to_all_bytes(m, micro, M, n_moe, t, layout.sp, layout.cp, layout.ep, prec.act_bytes,
                                        layout.recompute)
-    edp = moe_planning.gradient_reduction_bytes(psi_e, layout.edp, layout.zero, M, w, g)
+    edp = moe_planning.gradient_reduction_bytes(psi_e, layout.edp, layout.zero, M, prec.weight_bytes, prec.grad_bytes)
     pp = 2 * M * bsh / (t if layout.sp else 1) if layout.pp > 1 else 0.0
     kv = bsh * 2 * m.num_query_groups / m.num_attention_heads / t
     cp = M * layers * (3 + (layout.recompute == "full")) * (layout.cp - 1) * kv

@@ -273,8 +273,11 @@ def all_to_all_bytes(m, micro: int, num_micro: int, moe_layers_here: int, tp: in
 
 def gradient_reduction_bytes(psi: int, n: int, zero: int, num_micro: int, weight_bytes: int,
                              grad_bytes: int) -> float:
-    """Wire bytes per rank per step reducing ``psi`` parameters' gradients over ``n`` ranks
-    (the planner's DP rules; for expert parameters n = EDP)."""
+    """Wire bytes per rank per step reducing ``psi`` parameters' gradients over ``n`` ranks:
+    DDP all-reduces (2 g Psi), ZeRO-1 reduce-scatters once and all-gathers the weights, ZeRO-2
+    reduce-scatters every micro-batch, ZeRO-3 also gathers the weights twice per micro-batch; all
+    times (n-1)/n on a ring. The planner uses it for the dense parameters over DP x CP and for
+    the expert parameters over EDP."""
     if n <= 1 or not psi:
         return 0.0
     w, g, M = weight_bytes, grad_bytes, num_micro

@@ -30,7 +30,7 @@ setup(
     extras_require={
         # GPU-only backends: never required, import-guarded, never in CI.
         "flash": ["flash-attn>=2.5"],
-        "te": ["transformer-engine>=1.8"],
+        "te": ["transformer-engine[pytorch]>=2.0"],  # megalite's adapter follows the TE 2.x API
         "tensorboard": ["tensorboard>=2.14"],
         "hf": ["tokenizers>=0.15"],
         "wandb": ["wandb>=0.16"],

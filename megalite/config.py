@@ -257,7 +257,7 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
     check_attention_backend(m)  # raises ConfigError naming what is missing and how to install it
     from megalite.layers.transformer_engine import check_transformer_impl
 
-    check_transformer_impl(m)
+    check_transformer_impl(m, tp)
     for name in ("hidden_dropout", "attention_dropout"):
         value = getattr(m, name)
         if not 0.0 <= value < 1.0:

@@ -12,6 +12,7 @@
 #   (a) pytest -m gpu tests/: Triton kernels in bf16/fp16, CUDA RNG streams, fp32 CUDA = CPU
 #   (b) --fake-process-group ranks on CUDA: first and last rank of four 8-rank layouts (one MoE)
 #   (c) a GPT of ~1.3B parameters, bf16, 12 iterations, Triton and torch SDPA attention: tokens/s, MFU
+#       (and with transformer-engine, bf16 and FP8, where it is installed)
 #   (d) tools/bench_kernels.py (flags: GPU_CHECK_BENCH_ARGS, default --quick; "" for the full table)
 # Without a GPU it says so and exits 0 without running anything.
 set -uo pipefail
@@ -85,12 +86,13 @@ report b "fake process group, ranks 0 and 7 of TP2xPP2xDP2 ZeRO-1, TP2xCP2xDP2, 
   "($fake_ok/$fake_total ran${fake_failed:+; failed:$fake_failed}; logs $OUT/b_*.log)"
 
 # -- (c) a ~1.3B GPT, bf16, throughput and MFU, Triton attention and torch SDPA ----------------
-gpt_mfu() {  # backend: 12 iterations of 24 x 2048, seq 2048, micro 4 (GPT-2 XL width, ~1.3B parameters)
+gpt_mfu() {  # name, flags: 12 iterations of 24 x 2048, seq 2048, micro 4 (GPT-2 XL width, ~1.3B parameters)
   local backend="$1" rc summary
+  shift
   rm -f "$OUT/c_gpt1p3b_$backend.jsonl"
   timeout -k 30 240 "$PY" pretrain_gpt.py --device cuda --bf16 --mock-data --vocab-size 50257 --num-layers 24 \
     --hidden-size 2048 --num-attention-heads 16 --seq-length 2048 --micro-batch-size 4 --train-iters 12 \
-    --log-interval 4 --log-json "$OUT/c_gpt1p3b_$backend.jsonl" --attention-backend "$backend" --hidden-dropout 0 \
+    --log-interval 4 --log-json "$OUT/c_gpt1p3b_$backend.jsonl" "$@" --hidden-dropout 0 \
     --attention-dropout 0 > "$OUT/c_gpt1p3b_$backend.log" 2>&1
   rc=$?
   summary="$("$PY" - "$OUT/c_gpt1p3b_$backend.jsonl" "$OUT/c_gpt1p3b_$backend.log" 2>&1 <<'EOF'
@@ -107,11 +109,18 @@ print(f"{model.group(1) if model else '?'} params: {avg('tokens_per_sec'):,.0f} 
       f"{avg('tflops_per_gpu'):.1f} TFLOP/s/GPU, {mfu} (iterations 7-12); loss {recs[0]['loss']:.3f} -> {recs[-1]['loss']:.3f}")
 EOF
 )" || rc=$((rc == 0 ? 1 : rc))
-  report c "GPT ~1.3B bf16 (24 x 2048, seq 2048, micro 4), 12 iterations, --attention-backend $backend" "$rc" \
+  report c "GPT ~1.3B bf16 (24 x 2048, seq 2048, micro 4), 12 iterations, $*" "$rc" \
     "(${summary##*$'\n'}; log $OUT/c_gpt1p3b_$backend.log)"
 }
-gpt_mfu triton
-gpt_mfu torch
+gpt_mfu triton --attention-backend triton
+gpt_mfu torch --attention-backend torch
+if "$PY" -c 'import transformer_engine.pytorch' > /dev/null 2>&1; then
+  gpt_mfu te_bf16 --transformer-impl transformer_engine
+  gpt_mfu te_fp8 --transformer-impl transformer_engine --fp8-format hybrid --fp8-amax-history-len 1024 \
+    --fp8-amax-compute-algo max
+else
+  say "(c) GPT ~1.3B with --transformer-impl transformer_engine (bf16, FP8): not run, transformer-engine is not installed"
+fi
 
 # -- (d) kernel microbenchmarks ---------------------------------------------------------------
 # shellcheck disable=SC2086  # GPU_CHECK_BENCH_ARGS is a list of flags

@@ -124,11 +124,17 @@ def test_transformer_engine_and_fp8_flags_refused_where_they_cannot_run(flags, m
     assert message in str(e.value) and str(e.value).count("Fix:") == 1
 
 
-def test_transformer_engine_installed_but_path_not_built_is_said(monkeypatch):
+@pytest.mark.parametrize("fields,message", [
+    (dict(hidden_size=72, num_attention_heads=4), "hidden size 72"),
+    (dict(recompute_granularity="full"), "--recompute-granularity full with --fp8-format"),
+])
+def test_fp8_shapes_and_full_recompute_refused_where_transformer_engine_runs(monkeypatch, fields, message):
     import megalite.layers.transformer_engine as te
 
     monkeypatch.setattr(te, "te_missing", lambda: None)  # as on a GPU with transformer-engine
-    config = Config(ModelConfig(transformer_impl="transformer_engine", fp8_format="hybrid"),
-                    data=DataConfig(mock_data=True))
-    with pytest.raises(ConfigError, match="not built yet .issue #14.. Fix: --transformer-impl local"):
+    model = dict(transformer_impl="transformer_engine", fp8_format="hybrid", hidden_size=64, num_attention_heads=4)
+    config = Config(ModelConfig(**{**model, **fields}), data=DataConfig(mock_data=True))
+    with pytest.raises(ConfigError) as e:
         validate(config, 1)
+    assert message in str(e.value) and str(e.value).count("Fix:") == 1
+    validate(Config(ModelConfig(**model), data=DataConfig(mock_data=True)), 1)  # the sizes that fit pass

@@ -31,13 +31,13 @@ def test_layout_coordinates_and_groups(tp, cp, dp, pp):
         seen.add((c.tp, c.cp, c.dp, c.pp))
     assert len(seen) == world
     sizes = {"tp": tp, "cp": cp, "dp": dp, "dp_cp": dp * cp, "pp": pp, "mp": tp * pp,
-             "tp_cp": tp * cp}
+             "tp_cp": tp * cp, "stage": tp * cp * dp}
     for kind, size in sizes.items():
         groups = layout.groups(kind)
         assert sorted(r for g in groups for r in g) == list(range(world)), kind  # a partition
         assert all(len(g) == size for g in groups), kind
         varying = {"tp": "tp", "cp": "cp", "dp": "dp", "pp": "pp", "dp_cp": "cp dp",
-                   "mp": "tp pp", "tp_cp": "tp cp"}[kind].split()
+                   "mp": "tp pp", "tp_cp": "tp cp", "stage": "tp cp dp"}[kind].split()
         for g in groups:
             coords = [layout.coord(r) for r in g]
             for dim in ("tp", "cp", "dp", "pp"):

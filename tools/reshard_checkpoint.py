@@ -11,7 +11,8 @@ on the meta device (shapes only), assembles each of its parameters' full tensors
 source pieces (master weights and Adam moments), cuts the rank's tensor-parallel shard and,
 with ZeRO (Z >= 1), the rank's 1/D of it, and writes the rank's file. Memory stays near one
 full tensor plus one rank's file. The result loads under the target layout (or any other:
-loading re-slices pieces whatever their layout). RNG states are not carried over. Experts are
+loading re-slices pieces whatever their layout). RNG states are not carried over; transformer-
+engine's FP8 scales and amax histories (replicated) are copied into rank 0's file. Experts are
 stored one global tensor per expert (``layers.3.mlp.experts.7.fc1.weight``): each expert-parallel
 rank writes its own experts (expert-data-parallel rank 0, or its 1/EDP with ZeRO).
 """
@@ -102,6 +103,11 @@ def reshard(src: str, dst: str, tp: int, pp: int, vp_layers, dp: int, zero: int,
                         key, values, piece = _piece(global_name, kind, local, c.tp, tp, split, lo, hi)
                         tensors[key] = values
                         pieces.append(piece)
+        if rank == 0:  # transformer-engine's FP8 scaling state: replicated, layout-free
+            for name in reader.names("fp8"):
+                full = reader.full_tensor(name, "fp8")
+                key, tensors[key], piece = _piece(name, "fp8", full, 0, 1, None, 0, full.numel())
+                pieces.append(piece)
         if pieces:
             write_rank_files(out_dir, rank, tensors, pieces)
             files.append(f"rank{rank:05d}.safetensors")

@@ -25,6 +25,7 @@ from megalite.checkpoint.format import (FORMAT_VERSION, VOCAB_PARAMS, Checkpoint
 from megalite.config import ModelConfig
 from megalite.device import host_barrier
 from megalite.checkpoint.names import global_pieces
+from megalite.layers.fp8 import fp8_state, load_fp8_state
 from megalite.parallel.random import get_rng_tracker
 from megalite.parallel.sharding import is_expert, is_tensor_parallel, shard_tensor
 
@@ -103,6 +104,9 @@ def save_checkpoint(root: str, iteration: int, optimizer, scaler, config, grid, 
             pieces.append({"key": key, "name": name, "kind": kind, "tp_rank": c["tp_rank"],
                            "tp_size": c["tp_size"], "split": _split_of(p), "local_shape": list(shape),
                            "range": [a, z]})
+    if c["tp_rank"] == c["cp_rank"] == c["dp_rank"] == 0:  # FP8 scaling state: equal over the stage
+        for chunk in optimizer.chunks:
+            _add_fp8_pieces(chunk, tensors, pieces)
     for key, value in get_rng_tracker().state_dict().items():
         tensors[f"rng/{key}"] = value
     write_rank_files(tmp, c["rank"], tensors, pieces)
@@ -130,6 +134,16 @@ def save_checkpoint(root: str, iteration: int, optimizer, scaler, config, grid, 
             _prune(root, keep_last)
     _barrier(grid)
     return final
+
+
+def _add_fp8_pieces(chunk, tensors: dict, pieces: list) -> None:
+    """transformer-engine's FP8 scales and amax histories (kind ``fp8``, replicated, named by
+    module: ``layers.3.attn.qkv.fp8.scaling_fwd.amax_history``); none for local layers."""
+    for name, t in fp8_state(chunk).items():
+        key = f"fp8/{name}"
+        tensors[key] = t.reshape(-1)
+        pieces.append({"key": key, "name": name, "kind": "fp8", "tp_rank": 0, "tp_size": 1, "split": None,
+                       "local_shape": list(t.shape), "range": [0, t.numel()]})
 
 
 def same_layout(saved: dict, current: dict) -> bool:
@@ -196,6 +210,10 @@ def load_checkpoint(root: str, optimizer, scaler, config, grid, load_optimizer: 
             v.zero_()
         optimizer.step_count = 0
     optimizer.publish()
+    fp8_names = reader.names("fp8")
+    if fp8_names and config.model.fp8_format is not None:  # any layout: the state is the stage's
+        saved = {n: reader.full_tensor(n, "fp8") for n in fp8_names}
+        meta["fp8_modules_restored"] = sum(load_fp8_state(chunk, saved) for chunk in optimizer.chunks)
     rng = {}
     rng_file = f"rank{c['rank']:05d}.safetensors"
     if load_rng and same_layout(meta["layout"], c["layout"]) and rng_file in reader.descriptions:

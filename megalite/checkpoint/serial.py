@@ -12,7 +12,12 @@ from megalite.config import Config, DataConfig, ModelConfig, ParallelConfig, Tra
 
 
 def model_config_from(saved: dict) -> ModelConfig:
-    return ModelConfig(**{k: v for k, v in saved.items() if k in ModelConfig.__dataclass_fields__})
+    """The saved model, built from megalite's own layers: a checkpoint written with
+    ``--transformer-impl transformer_engine`` holds the same tensors under the same names, so
+    offline tools (serial load, reshard, export) need no transformer-engine or GPU."""
+    cfg = ModelConfig(**{k: v for k, v in saved.items() if k in ModelConfig.__dataclass_fields__})
+    cfg.transformer_impl, cfg.fp8_format = "local", None
+    return cfg
 
 
 def _checkpoint_dir(path: str) -> str:

@@ -62,7 +62,9 @@ def _te_norm(kind: str, hidden_size: int, eps: float) -> nn.Module:
                            f"Fix: install it on a GPU machine, or use the torch or Triton norms.")
     import transformer_engine.pytorch as te
 
-    return te.LayerNorm(hidden_size, eps=eps) if kind == "LayerNorm" else te.RMSNorm(hidden_size, eps=eps)
+    cls = te.LayerNorm if kind == "LayerNorm" else te.RMSNorm
+    # fp32 parameters on the device the model is built on (meta: TE defers its init)
+    return cls(hidden_size, eps=eps, params_dtype=torch.get_default_dtype(), device=torch.get_default_device())
 
 
 def build_norm(kind: str, hidden_size: int, eps: float, fused: bool | str = False) -> nn.Module:

@@ -1,26 +1,62 @@
-"""``--transformer-impl`` and the FP8 flags (Megatron's names): what can run where.
+"""``--transformer-impl transformer_engine``: the block's linears, fused LayerNorm-linears and
+attention from NVIDIA transformer-engine (TE), sharded exactly as megalite's own layers.
 
-``--transformer-impl local`` (the default) builds every block from megalite's own layers.
-``transformer_engine`` asks for NVIDIA transformer-engine's linears, fused LayerNorm-linears
-and attention, and ``--fp8-format {e4m3,hybrid}`` (with ``--fp8-amax-history-len`` and
-``--fp8-amax-compute-algo``, delayed scaling) for FP8 training through it.
+What each local layer becomes (TE 2.x, ``transformer_engine.pytorch``):
 
-transformer-engine needs a CUDA GPU with cuDNN and installs only there; it exists on neither
-of megalite's test machines, so the layers behind this flag are not built yet (issue #14).
-:func:`check_transformer_impl` therefore refuses it with what is missing and the way out,
-and checks the FP8 flags' values and that they come with transformer-engine.
+| local (``--transformer-impl local``)      | transformer-engine                               |
+|-------------------------------------------|--------------------------------------------------|
+| norm + ``ColumnParallelLinear`` (qkv, fc1) | ``LayerNormLinear(parallel_mode="column")``      |
+| ``RowParallelLinear`` (proj, fc2)          | ``Linear(parallel_mode="row")``                  |
+| ``attention()`` core                       | ``DotProductAttention(qkv_format="sbhd")``       |
+| final norm, MoE layers' MLP norm           | ``LayerNorm`` / ``RMSNorm`` (``layers.norms``)   |
+
+TE does the same tensor/sequence-parallel communication as megalite's conjugate pairs, along
+dim 0 of the (s, b, h) activations: a column layer all-gathers its input under SP (identity
+forward, all-reduce of the input gradient without SP); a row layer reduce-scatters (SP) or
+all-reduces its output, then adds the full bias. Sizes given to TE are the full ones; it
+divides by the TP size itself.
+
+**Same parameters, same names.** Each TE parameter carries megalite's TP split
+(``mark_tensor_parallel``): column weights and biases are cut along dim 0 (by sections for
+SwiGLU's [gate; up]), row weights along dim 1, and replicated parameters that see a sequence
+shard under SP are marked for the TP all-reduce of their gradients (TE itself never reduces
+them). A LayerNormLinear's ``layer_norm_weight``/``layer_norm_bias`` are also registered, first,
+under the local norm's name (``layers.N.attn_norm.weight``) by :class:`FusedNormParameters`, so
+``named_parameters()`` (which lists a shared parameter once, by its first name) gives the local
+names: initialization, checkpoints, resume, reshard and Hugging Face export are unchanged, and a
+checkpoint moves between the two implementations as it is. Initialization is megalite's (TE's
+``init_method`` is a no-op), so the same seed gives the same model.
+
+Under context parallelism the attention core is megalite's ring attention (on
+``--attention-backend``), between TE's linears; an explicit ``--attention-backend
+triton|flash|torch`` also keeps megalite's attention, ``auto`` takes TE's.
+
+FP8 (``--fp8-format``, delayed scaling) is in :mod:`megalite.layers.fp8`. transformer-engine
+needs a CUDA GPU with cuDNN: without it every flag here is refused with what is missing.
 """
 from __future__ import annotations
 
+import torch
+from torch import nn
+
 from megalite.layers.backends import te_missing
+from megalite.parallel.comm import group_size
+from megalite.parallel.random import get_rng_tracker
+from megalite.parallel.sharding import TPSplit, mark_sequence_parallel, mark_tensor_parallel
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 FP8_FORMATS = ("e4m3", "hybrid")
 AMAX_ALGOS = ("most_recent", "max")
+FP8_ALIGN = 16  # TE's FP8 GEMMs need every weight dimension a multiple of 16
 
 
-def check_transformer_impl(m) -> None:
-    """Raise ConfigError for a setting that cannot run here (called by config.validate)."""
+def uses_te(cfg) -> bool:
+    return cfg.transformer_impl == "transformer_engine"
+
+
+def check_transformer_impl(m, tp: int = 1) -> None:
+    """Raise ConfigError for a setting that cannot run here (called by config.validate with the
+    tensor-parallel size ``tp``: FP8 needs the per-rank weight sizes aligned)."""
     from megalite.config import ConfigError
 
     if m.transformer_impl not in TRANSFORMER_IMPLS:
@@ -36,10 +72,160 @@ def check_transformer_impl(m) -> None:
             raise ConfigError(f"--fp8-format {m.fp8_format} trains in FP8 through transformer-engine's layers. "
                               f"Fix: add --transformer-impl transformer_engine (on a GPU with transformer-engine "
                               f"installed), or drop --fp8-format.")
-    if m.transformer_impl == "transformer_engine":
-        why = te_missing()
-        if why:
-            raise ConfigError(f"--transformer-impl transformer_engine cannot run: {why}. Fix: install it on a "
-                              f"GPU machine, or use --transformer-impl local (megalite's own layers).")
-        raise ConfigError("--transformer-impl transformer_engine: transformer-engine is installed, but megalite's "
-                          "path through its layers is not built yet (issue #14). Fix: --transformer-impl local.")
+    if m.transformer_impl != "transformer_engine":
+        return
+    why = te_missing()
+    if why:
+        raise ConfigError(f"--transformer-impl transformer_engine cannot run: {why}. Fix: install it on a "
+                          f"GPU machine, or use --transformer-impl local (megalite's own layers).")
+    if m.fp8_format is not None:
+        _check_fp8_shapes(m, tp, ConfigError)
+
+
+def _check_fp8_shapes(m, tp: int, ConfigError) -> None:
+    if m.recompute_granularity == "full":
+        raise ConfigError("--recompute-granularity full with --fp8-format: a recomputed FP8 layer must reuse "
+                          "the forward's scaling factors (transformer-engine's own checkpoint function), which "
+                          "megalite's full recompute does not do. Fix: --recompute-granularity selective, or "
+                          "drop one of the two.")
+    qkv = m.num_query_groups * (m.num_attention_heads // m.num_query_groups + 2) * m.head_dim
+    per_rank = "" if tp == 1 else f" per TP rank (TP {tp})"
+    dims = {"hidden size": m.hidden_size, f"FFN size{per_rank}": m.ffn_hidden_size // tp,
+            f"qkv width{per_rank}": qkv // tp,
+            f"attention width (heads x head dim){per_rank}": m.num_attention_heads * m.head_dim // tp}
+    bad = {k: v for k, v in dims.items() if v % FP8_ALIGN}
+    if bad:
+        listed = ", ".join(f"{k} {v}" for k, v in bad.items())
+        raise ConfigError(f"--fp8-format: transformer-engine's FP8 GEMMs need every weight dimension (as split "
+                          f"over TP) divisible by {FP8_ALIGN}; {listed} is not. Fix: choose sizes that are "
+                          f"multiples of {FP8_ALIGN} x TP, or drop --fp8-format.")
+
+
+def _te():
+    why = te_missing()
+    if why:
+        raise RuntimeError(f"transformer-engine layers were asked for but cannot run: {why}. "
+                           f"Fix: install it on a GPU machine, or use --transformer-impl local.")
+    import transformer_engine.pytorch as te
+
+    return te
+
+
+def _no_init(weight: torch.Tensor) -> None:
+    """TE's ``init_method``: nothing; megalite draws every weight from (seed, name) itself."""
+
+
+def _common(tp_group, sequence_parallel: bool) -> dict:
+    """The arguments every TE linear takes: its TP group, SP, fp32 parameters on the device
+    the model is being built on (meta under ``build_model_chunks``: TE defers its init)."""
+    return dict(tp_group=tp_group, tp_size=group_size(tp_group), sequence_parallel=sequence_parallel,
+                params_dtype=torch.get_default_dtype(), device=torch.get_default_device(), init_method=_no_init)
+
+
+def _mark_column(module, in_features: int, out_features: int, sections: int, tp_group) -> None:
+    tp, rank = group_size(tp_group), _rank(tp_group)
+    mark_tensor_parallel(module.weight, (out_features, in_features), TPSplit(0, sections), rank, tp)
+    if _has_bias(module):
+        mark_tensor_parallel(module.bias, (out_features,), TPSplit(0, sections), rank, tp)
+
+
+def _rank(group) -> int:
+    from megalite.parallel.comm import group_rank
+
+    return group_rank(group)
+
+
+def _has_bias(module) -> bool:
+    # TE keeps ``bias`` as an empty plain tensor when built with bias=False.
+    return isinstance(getattr(module, "bias", None), nn.Parameter)
+
+
+def column_parallel_linear(cfg, in_features: int, out_features: int, *, bias: bool, sections: int = 1,
+                           norm_inside: bool = False, tp_group=None, sequence_parallel: bool = False):
+    """A TE column-parallel linear y = x W^T (+ b), W cut along its rows over TP.
+
+    ``norm_inside``: the block's norm before it runs inside (``LayerNormLinear``), with
+    ``cfg.normalization`` and ``cfg.norm_epsilon``; its parameters join this module
+    (``layer_norm_weight``, and ``layer_norm_bias`` for LayerNorm)."""
+    te = _te()
+    common = _common(tp_group, sequence_parallel)
+    if norm_inside:
+        module = te.LayerNormLinear(in_features, out_features, eps=cfg.norm_epsilon, bias=bias,
+                                    normalization=cfg.normalization, parallel_mode="column", **common)
+        if sequence_parallel:
+            for p in _norm_parameters(module):
+                mark_sequence_parallel(p)
+    else:
+        module = te.Linear(in_features, out_features, bias=bias, parallel_mode="column", **common)
+    _mark_column(module, in_features, out_features, sections, tp_group)
+    return module
+
+
+def row_parallel_linear(cfg, in_features: int, out_features: int, *, bias: bool, tp_group=None,
+                        sequence_parallel: bool = False):
+    """A TE row-parallel linear: W cut along its columns, the partial products all-reduced
+    (reduce-scattered under SP), then the full bias added."""
+    te = _te()
+    module = te.Linear(in_features, out_features, bias=bias, parallel_mode="row",
+                       **_common(tp_group, sequence_parallel))
+    tp = group_size(tp_group)
+    mark_tensor_parallel(module.weight, (out_features, in_features), TPSplit(1), _rank(tp_group), tp)
+    if _has_bias(module) and sequence_parallel:
+        mark_sequence_parallel(module.bias)  # added to a sequence shard only
+    return module
+
+
+def _norm_parameters(module) -> list[nn.Parameter]:
+    params = [module.layer_norm_weight]
+    if isinstance(getattr(module, "layer_norm_bias", None), nn.Parameter):
+        params.append(module.layer_norm_bias)
+    return params
+
+
+class FusedNormParameters(nn.Module):
+    """The norm that runs inside the next TE ``LayerNormLinear``: identity here; it holds that
+    module's norm parameters as ``weight`` (and ``bias``), so they are named as the local norm's
+    (registered before the linear, this is the name ``named_parameters()`` gives them)."""
+
+    def __init__(self, fused: nn.Module):
+        super().__init__()
+        params = _norm_parameters(fused)
+        self.weight = params[0]
+        if len(params) > 1:
+            self.bias = params[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+def has_norm_inside(linear: nn.Module) -> bool:
+    return isinstance(getattr(linear, "layer_norm_weight", None), nn.Parameter)
+
+
+class TECoreAttention(nn.Module):
+    """softmax(q k^T / sqrt(d), causal) v by TE's ``DotProductAttention`` (it picks its flash,
+    cuDNN or unfused kernel), on this rank's heads. Takes and returns megalite's (b, heads, s, d)
+    layout; TE's own is (s, b, heads, d). Attention dropout draws from the tensor-parallel RNG
+    stream (TE forks megalite's tracker), as the local attention does."""
+
+    def __init__(self, cfg, tp_group=None):
+        super().__init__()
+        te = _te()
+        tracker = get_rng_tracker if cfg.attention_dropout > 0 else None
+        self.attention = te.DotProductAttention(
+            cfg.num_attention_heads, cfg.head_dim, num_gqa_groups=cfg.num_query_groups,
+            attention_dropout=cfg.attention_dropout, qkv_format="sbhd", attn_mask_type="causal",
+            tp_size=group_size(tp_group), tp_group=tp_group, get_rng_state_tracker=tracker)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        b, h, s, d = q.shape
+        q, k, v = (t.permute(2, 0, 1, 3).contiguous() for t in (q, k, v))
+        out = self.attention(q, k, v)  # (s, b, h * d)
+        return out.view(s, b, h, d).permute(1, 2, 0, 3)
+
+
+def te_attention_core(cfg, tp_group, cp_group) -> TECoreAttention | None:
+    """TE's attention for this block, or None where megalite's runs (CP, or an explicit backend)."""
+    if not uses_te(cfg) or cp_group is not None or cfg.attention_backend != "auto":
+        return None
+    return TECoreAttention(cfg, tp_group)

@@ -38,7 +38,9 @@ from torch import nn
 from megalite.config import ModelConfig
 from megalite.layers.attention import attention
 from megalite.layers.kv_cache import cached_attention
+from megalite.layers.fp8 import fp8_autocast
 from megalite.layers.norms import build_norm
+from megalite.layers import transformer_engine as te_layers
 from megalite.layers.rotary import apply_rotary, rotary_angles
 from megalite.moe.block import MoEMLP
 from megalite.moe.settings import moe_layers
@@ -68,11 +70,36 @@ class ParallelDropout(nn.Dropout):
 
 
 def _norm(cfg: ModelConfig, sequence_parallel: bool) -> nn.Module:
-    norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, fused=cfg.fused_kernels)
+    fused = "te" if te_layers.uses_te(cfg) else cfg.fused_kernels
+    norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, fused=fused)
     if sequence_parallel:
         for p in norm.parameters():
             mark_sequence_parallel(p)
     return norm
+
+
+def _norm_before(linear: nn.Module, cfg: ModelConfig, sequence_parallel: bool) -> nn.Module:
+    """The norm in front of ``linear``; with transformer-engine it runs inside the linear
+    (LayerNormLinear), and this module only names its parameters as the local norm's."""
+    if te_layers.has_norm_inside(linear):
+        return te_layers.FusedNormParameters(linear)
+    return _norm(cfg, sequence_parallel)
+
+
+def _column(cfg: ModelConfig, in_features: int, out_features: int, *, bias: bool, sections: int = 1,
+            norm_inside: bool = False, **par) -> nn.Module:
+    """megalite's ColumnParallelLinear, or transformer-engine's (``norm_inside``: its
+    LayerNormLinear, the norm before it fused in; the local layer keeps the norm apart)."""
+    if te_layers.uses_te(cfg):
+        return te_layers.column_parallel_linear(cfg, in_features, out_features, bias=bias, sections=sections,
+                                                norm_inside=norm_inside, **par)
+    return ColumnParallelLinear(in_features, out_features, bias=bias, sections=sections, **par)
+
+
+def _row(cfg: ModelConfig, in_features: int, out_features: int, *, bias: bool, **par) -> nn.Module:
+    if te_layers.uses_te(cfg):
+        return te_layers.row_parallel_linear(cfg, in_features, out_features, bias=bias, **par)
+    return RowParallelLinear(in_features, out_features, bias=bias, **par)
 
 
 class SelfAttention(nn.Module):
@@ -85,10 +112,11 @@ class SelfAttention(nn.Module):
         self.heads_per_group = cfg.num_attention_heads // cfg.num_query_groups
         qkv_out = cfg.num_query_groups * (self.heads_per_group + 2) * cfg.head_dim
         par = dict(tp_group=tp_group, sequence_parallel=sequence_parallel)
-        self.qkv = ColumnParallelLinear(cfg.hidden_size, qkv_out, bias=cfg.add_bias_linear or cfg.add_qkv_bias,
-                                        **par)
-        self.proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size,
-                                      bias=cfg.add_bias_linear, **par)
+        self.qkv = _column(cfg, cfg.hidden_size, qkv_out, bias=cfg.add_bias_linear or cfg.add_qkv_bias,
+                           norm_inside=True, **par)
+        self.proj = _row(cfg, cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.add_bias_linear,
+                         **par)
+        self.te_core = te_layers.te_attention_core(cfg, tp_group, self.cp_group)  # None: megalite's attention
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
                 cache=None) -> torch.Tensor:
@@ -113,6 +141,8 @@ class SelfAttention(nn.Module):
         if self.cp_group is not None:
             # This rank holds a shard of the sequence: attend over all of it round the CP ring.
             return ring_attention(q, k, v, self.cp_group, causal=True, backend=self.cfg.attention_backend)
+        if self.te_core is not None:
+            return self.te_core(q, k, v)  # transformer-engine's, dropout on the TP stream inside
         if dropout_p > 0:
             # Attention probabilities belong to this rank's heads: a TP-split tensor.
             with get_rng_tracker().fork():
@@ -124,15 +154,17 @@ class MLP(nn.Module):
     """fc2(act(fc1(x))), split over TP along the FFN dimension (fc1 column-, fc2 row-parallel).
     ``ffn``: the FFN size (default ``cfg.ffn_hidden_size``; an MoE shared expert has its own)."""
 
-    def __init__(self, cfg: ModelConfig, tp_group=None, sequence_parallel: bool = False, ffn: int | None = None):
+    def __init__(self, cfg: ModelConfig, tp_group=None, sequence_parallel: bool = False, ffn: int | None = None,
+                 norm_inside: bool = False):
+        """``norm_inside``: with transformer-engine, the block's norm runs inside fc1."""
         super().__init__()
         self.swiglu = cfg.swiglu
         ffn = ffn or cfg.ffn_hidden_size
         par = dict(tp_group=tp_group, sequence_parallel=sequence_parallel)
         sections = 2 if cfg.swiglu else 1  # SwiGLU: fc1 = [gate; up]
-        self.fc1 = ColumnParallelLinear(cfg.hidden_size, sections * ffn,
-                                        bias=cfg.add_bias_linear, sections=sections, **par)
-        self.fc2 = RowParallelLinear(ffn, cfg.hidden_size, bias=cfg.add_bias_linear, **par)
+        self.fc1 = _column(cfg, cfg.hidden_size, sections * ffn, bias=cfg.add_bias_linear, sections=sections,
+                           norm_inside=norm_inside, **par)
+        self.fc2 = _row(cfg, ffn, cfg.hidden_size, bias=cfg.add_bias_linear, **par)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)
@@ -145,20 +177,26 @@ class MLP(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    """x + attn(norm(x)), then + mlp(norm(.)); dropout on each branch output."""
+    """x + attn(norm(x)), then + mlp(norm(.)); dropout on each branch output.
+
+    Each norm is registered before the branch it feeds (with transformer-engine it lives
+    inside the branch's first linear, and the first registration names its parameters)."""
 
     def __init__(self, cfg: ModelConfig, tp_group=None, sequence_parallel: bool = False, cp_group=None,
                  moe: bool = False, ep_group=None, token_group=None):
         super().__init__()
-        self.attn_norm = _norm(cfg, sequence_parallel)
-        self.attn = SelfAttention(cfg, tp_group, sequence_parallel, cp_group)
-        self.mlp_norm = _norm(cfg, sequence_parallel)
+        attn = SelfAttention(cfg, tp_group, sequence_parallel, cp_group)
+        self.attn_norm = _norm_before(attn.qkv, cfg, sequence_parallel)
+        self.attn = attn
         if moe:
             shared = cfg.moe_shared_expert_intermediate_size
+            self.mlp_norm = _norm(cfg, sequence_parallel)
             self.mlp = MoEMLP(cfg, tp_group, sequence_parallel, cp_group, ep_group, token_group,
                               shared_expert=MLP(cfg, tp_group, sequence_parallel, shared) if shared else None)
         else:
-            self.mlp = MLP(cfg, tp_group, sequence_parallel)
+            mlp = MLP(cfg, tp_group, sequence_parallel, norm_inside=True)
+            self.mlp_norm = _norm_before(mlp.fc1, cfg, sequence_parallel)
+            self.mlp = mlp
         self.dropout = ParallelDropout(cfg.hidden_dropout, sequence_parallel)
 
     def forward(self, x: torch.Tensor, rope=None, cache=None) -> torch.Tensor:
@@ -179,11 +217,13 @@ class GPTModel(nn.Module):
     def __init__(self, cfg: ModelConfig, padded_vocab_size: int | None = None,
                  pre_process: bool = True, post_process: bool = True,
                  layer_range: range | None = None, tp_group=None, sequence_parallel: bool = False,
-                 cp_group=None, ep_group=None, token_group=None):
+                 cp_group=None, ep_group=None, token_group=None, amax_group=None):
         """``ep_group`` / ``token_group``: the expert-parallel group and the ranks holding one
-        micro-batch together (TP x CP), for MoE layers (see megalite.moe.block)."""
+        micro-batch together (TP x CP), for MoE layers (see megalite.moe.block).
+        ``amax_group``: the ranks that reduce FP8 amaxes together (the pipeline stage)."""
         super().__init__()
         self.cfg = cfg
+        self.amax_group = amax_group
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.cp_size = comm.group_size(cp_group)
         self.pre_process, self.post_process = pre_process, post_process
@@ -250,8 +290,9 @@ class GPTModel(nn.Module):
                 x = layer(x, rope, kv_cache.layer(name))
             kv_cache.advance(position_ids.shape[1])
         else:
-            x = run_layers(list(self.layers.values()), x, rope, self.cfg.recompute_granularity,
-                           self.cfg.recompute_method, self.cfg.recompute_num_layers, self.training)
+            with fp8_autocast(self.cfg, self.amax_group, self):  # a no-op without --fp8-format
+                x = run_layers(list(self.layers.values()), x, rope, self.cfg.recompute_granularity,
+                               self.cfg.recompute_method, self.cfg.recompute_num_layers, self.training)
         if not self.post_process:
             return x
         logits = self.output_logits(self.final_norm(x))

@@ -41,11 +41,14 @@ GROUP_DIMS = {
     "pp": ("pp",),
     "mp": ("tp", "pp"),  # model parallel: all ranks holding one copy of the model
     "tp_cp": ("tp", "cp"),  # all ranks working on one sequence's copy of a stage
+    "stage": ("tp", "cp", "dp"),  # every rank of one pipeline stage (FP8 amax reduction)
 }
 # ep: the ranks whose tokens meet in one expert all-to-all; edp: the ranks holding the same
 # experts (their gradients are summed). Created only for a model with experts.
 EXPERT_KINDS = ("ep", "edp")
-GROUP_ORDER = ("tp", "cp", "dp", "dp_cp", "pp", "mp", "tp_cp", "embedding") + EXPERT_KINDS
+# "stage" last: where its ranks equal another kind's group (one communicator), traffic is
+# named after the other kind.
+GROUP_ORDER = ("tp", "cp", "dp", "dp_cp", "pp", "mp", "tp_cp", "embedding") + EXPERT_KINDS + ("stage",)
 
 
 @dataclass(frozen=True)

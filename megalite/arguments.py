@@ -38,11 +38,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: the fastest exact backend for each call (triton on a GPU, torch on a CPU)")
     g.add_argument("--fused-kernels", action="store_true", help="Triton LayerNorm/RMSNorm and cross-entropy")
     g.add_argument("--transformer-impl", choices=["local", "transformer_engine"], default="local",
-                   help="megalite's own layers, or transformer-engine's (GPU with transformer-engine; not built yet)")
+                   help="megalite's own layers, or transformer-engine's (a GPU with transformer-engine)")
     g.add_argument("--fp8-format", choices=["e4m3", "hybrid"], default=None,
                    help="FP8 training through transformer-engine (delayed scaling)")
     g.add_argument("--fp8-amax-history-len", type=int, default=1)
     g.add_argument("--fp8-amax-compute-algo", choices=["most_recent", "max"], default="most_recent")
+    g.add_argument("--tp-comm-overlap", action="store_true",
+                   help="overlap TP communication with the GEMMs (transformer-engine userbuffers; TP > 1 with SP)")
+    g.add_argument("--tp-comm-bootstrap-backend", choices=["nccl", "mpi", "gloo"], default="nccl",
+                   help="backend that sets up the userbuffers of --tp-comm-overlap")
     g.add_argument("--recompute-granularity", choices=["full", "selective"], default=None,
                    help="recompute activations in backward: full layers, or only core attention")
     g.add_argument("--recompute-method", choices=["uniform", "block"], default="uniform")
@@ -225,7 +229,8 @@ def config_from_args(args: argparse.Namespace, vocab_size: int) -> Config:
         moe_shared_expert_intermediate_size=args.moe_shared_expert_intermediate_size,
         moe_grouped_gemm=args.moe_grouped_gemm, transformer_impl=args.transformer_impl,
         fp8_format=args.fp8_format, fp8_amax_history_len=args.fp8_amax_history_len,
-        fp8_amax_compute_algo=args.fp8_amax_compute_algo,
+        fp8_amax_compute_algo=args.fp8_amax_compute_algo, tp_comm_overlap=args.tp_comm_overlap,
+        tp_comm_bootstrap_backend=args.tp_comm_bootstrap_backend,
     )
     parallel = ParallelConfig(
         tensor_model_parallel_size=args.tensor_model_parallel_size,

@@ -61,6 +61,8 @@ class ModelConfig:
     fp8_format: str | None = None
     fp8_amax_history_len: int = 1
     fp8_amax_compute_algo: str = "most_recent"
+    tp_comm_overlap: bool = False  # TE userbuffers: TP all-gathers / reduce-scatters inside the GEMMs
+    tp_comm_bootstrap_backend: str = "nccl"
 
     def __post_init__(self):
         if self.ffn_hidden_size is None and self.hidden_size > 0:
@@ -255,9 +257,10 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
     from megalite.layers.attention import check_attention_backend
 
     check_attention_backend(m)  # raises ConfigError naming what is missing and how to install it
-    from megalite.layers.transformer_engine import check_transformer_impl
+    from megalite.layers.transformer_engine import check_tp_comm_overlap, check_transformer_impl
 
     check_transformer_impl(m, tp)
+    check_tp_comm_overlap(m, tp, p.sequence_parallel, t.bf16 or t.fp16)
     for name in ("hidden_dropout", "attention_dropout"):
         value = getattr(m, name)
         if not 0.0 <= value < 1.0:

@@ -28,6 +28,7 @@ from megalite.data import build_data_iterators
 from megalite.data.blended import describe_data, parse_data_path
 from megalite.data.indexed_dataset import DatasetError
 from megalite.data.tokenizer import build_tokenizer
+from megalite.layers.transformer_engine import tp_comm_overlap
 from megalite.model.gpt import count_parameters
 from megalite.parallel.comm import count_collectives
 from megalite.moe.settings import moe_summary
@@ -196,6 +197,7 @@ def pretrain(argv=None) -> list[dict]:
         f"{num_micro} accumulation steps; {t.train_iters} iterations")
 
     model_parallel_seed(t.seed, grid, device)
+    release_tp_comm_buffers = tp_comm_overlap(config)  # TE userbuffers (only with --tp-comm-overlap)
     model = build_model_chunks(config, grid, device)  # this rank's pipeline chunks (one without PP)
     for chunk in model:
         chunk.init_weights(t.seed)
@@ -347,6 +349,7 @@ def pretrain(argv=None) -> list[dict]:
         say(f"saved checkpoint {os.path.abspath(path)}")
     if term is not None:
         term.restore()
+    release_tp_comm_buffers()
     host_barrier(grid)
     return log_lines
 

@@ -10,7 +10,9 @@ pairs), the row bias added after the reduction; ``layer_norm_weight``/``layer_no
 (s, b, h, d) layout with total head counts; FP8 delayed scaling's per-module state
 (``fp8_meta``, ``init_fp8_metadata``, ``get_fp8_meta_tensors`` / ``reset_fp8_meta_tensors``),
 created at the first forward under the autocast and updated at its exit after an all-reduce
-(MAX) of the amaxes over the amax group. Signatures take exactly TE's argument names (no
+(MAX) of the amaxes over the amax group; the userbuffer switches of ``--tp-comm-overlap``
+(``initialize_ub`` before any layer that uses them; each switch holds only for its parallel
+mode under SP), recorded but not changing the communication, which stays the plain collective. Signatures take exactly TE's argument names (no
 ``**kwargs``), so a misspelled argument fails here as it would there.
 
 FP8 numbers are imitated, not reproduced: inputs and weights are rounded to a fixed-point grid
@@ -34,6 +36,20 @@ from torch import nn
 from megalite.parallel import comm
 
 _STATE = {"enabled": False, "recipe": None, "group": None, "modules": []}
+UB = {"initialized": None}  # initialize_ub's arguments while the userbuffers exist
+
+
+def initialize_ub(shape: list, tp_size: int, use_fp8: bool = False, quantization_modes=None,
+                  dtype: torch.dtype = torch.bfloat16, ub_cfgs=None, bootstrap_backend=None):
+    if UB["initialized"] is not None:
+        raise RuntimeError("UB communicators are already initialized.")
+    assert dist.is_initialized() and dist.get_world_size() % tp_size == 0
+    UB["initialized"] = dict(shape=list(shape), tp_size=tp_size, use_fp8=use_fp8, dtype=dtype,
+                             bootstrap_backend=bootstrap_backend)
+
+
+def destroy_ub():
+    UB["initialized"] = None
 
 
 # -- transformer_engine.common.recipe ----------------------------------------------------------
@@ -163,11 +179,23 @@ class Linear(_BaseModule):
                  fuse_wgrad_accumulation: bool = False, tp_group=None, tp_size: int = 1,
                  get_rng_state_tracker=None, rng_tracker_name=None, init_method=None, bias: bool = True,
                  return_bias: bool = False, params_dtype=None, parallel_mode=None, parameters_split=None,
-                 device="cuda"):
+                 device="cuda", ub_overlap_ag: bool = False, ub_overlap_rs: bool = False,
+                 ub_overlap_rs_dgrad: bool = False, ub_bulk_dgrad: bool = False, ub_bulk_wgrad: bool = False,
+                 ub_name=None):
         super().__init__(tp_group, tp_size)
         assert parallel_mode in ("row", "column", None)
         self.parallel_mode = parallel_mode
         self.sequence_parallel = self.tp_size > 1 and sequence_parallel
+        column, row = (self.sequence_parallel and parallel_mode == m for m in ("column", "row"))
+        # TE's overlap switches: each holds only for its parallel mode under SP
+        self.ub = {"ag_fprop": column and ub_overlap_ag, "rs_dgrad": column and ub_overlap_rs_dgrad,
+                   "bulk_dgrad": column and ub_bulk_dgrad and not ub_overlap_rs_dgrad,
+                   "bulk_wgrad": column and ub_bulk_wgrad and not ub_overlap_rs_dgrad,
+                   "rs_fprop": row and ub_overlap_rs, "ag_dgrad": row and ub_overlap_ag}
+        if any(self.ub.values()):
+            assert UB["initialized"] is not None, "initialize_ub() must be called before layer construction."
+            assert ub_name is not None
+        self.ub_name = ub_name
         if parallel_mode == "column":
             assert out_features % self.tp_size == 0
             out_features //= self.tp_size
@@ -214,13 +242,17 @@ class LayerNormLinear(Linear):
                  get_rng_state_tracker=None, init_method=None, bias: bool = True, normalization: str = "LayerNorm",
                  return_bias: bool = False, params_dtype=None, parallel_mode=None,
                  return_layernorm_output: bool = False, return_layernorm_output_gathered: bool = False,
-                 parameters_split=None, zero_centered_gamma: bool = False, device="cuda"):
+                 parameters_split=None, zero_centered_gamma: bool = False, device="cuda",
+                 ub_overlap_ag: bool = False, ub_overlap_rs: bool = False, ub_overlap_rs_dgrad: bool = False,
+                 ub_bulk_wgrad: bool = False, ub_bulk_dgrad: bool = False, ub_name=None):
         assert normalization in ("LayerNorm", "RMSNorm")
         if parallel_mode == "row":
             raise NotImplementedError("Normalization does not support tensor-parallel distribution.")
         super().__init__(in_features, out_features, sequence_parallel=sequence_parallel, tp_group=tp_group,
                          tp_size=tp_size, init_method=init_method, bias=bias, params_dtype=params_dtype,
-                         parallel_mode=parallel_mode, device=device)
+                         parallel_mode=parallel_mode, device=device, ub_overlap_ag=ub_overlap_ag,
+                         ub_overlap_rs=ub_overlap_rs, ub_overlap_rs_dgrad=ub_overlap_rs_dgrad,
+                         ub_bulk_dgrad=ub_bulk_dgrad, ub_bulk_wgrad=ub_bulk_wgrad, ub_name=ub_name)
         self.eps, self.normalization = eps, normalization
         dtype = params_dtype or torch.get_default_dtype()
         self.layer_norm_weight = _param((in_features,), device, dtype, 1.0)
@@ -306,6 +338,8 @@ def install(monkeypatch, version: str = "2.9") -> types.ModuleType:
     root.__version__ = version
     root.__spec__ = importlib.machinery.ModuleSpec("transformer_engine", None)
     pytorch = types.ModuleType("transformer_engine.pytorch")
+    pytorch.module = types.SimpleNamespace(base=types.SimpleNamespace(initialize_ub=initialize_ub,
+                                                                      destroy_ub=destroy_ub))
     for obj in (Linear, LayerNormLinear, LayerNorm, RMSNorm, DotProductAttention, fp8_autocast):
         setattr(pytorch, obj.__name__, obj)
     if version != "2.8":

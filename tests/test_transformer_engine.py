@@ -250,3 +250,55 @@ def test_real_te_fp8_trains_and_its_state_round_trips(tmp_path):
     resumed = [r["loss"] for r in pretrain(args + ["--load", str(tmp_path)])]
     assert all(torch.isfinite(torch.tensor(full))) and full[-1] < full[0]
     assert resumed == pytest.approx(full[3:], rel=1e-3)
+
+
+# -- --tp-comm-overlap (TE userbuffers) ---------------------------------------------------------
+def _overlap_worker(rank, world):
+    from megalite.arguments import build_parser, config_from_args
+    from megalite.layers.transformer_engine import tp_comm_overlap
+    from megalite.parallel.grid import build_grid
+    from megalite.pipeline.partition import build_model_chunks
+    argv = PRETRAIN + TE + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16",
+                            "--tp-comm-overlap", "--tp-comm-bootstrap-backend", "gloo"]
+    config = config_from_args(build_parser().parse_args(argv), vocab_size=300)
+    grid = build_grid(config.parallel, world, rank)
+    release = tp_comm_overlap(config)
+    layer = build_model_chunks(config, grid)[0].layers["0"]
+    linears = {path.split(".")[1]: layer.get_submodule(path) for path in ("attn.qkv", "attn.proj", "mlp.fc1", "mlp.fc2")}
+    switches = {name: {k for k, on in linear.ub.items() if on} for name, linear in linears.items()}
+    names = [linear.ub_name for linear in linears.values()]
+    ub = dict(te_standin.UB["initialized"])
+    release()
+    return switches, names, ub, te_standin.UB["initialized"]
+
+
+def test_tp_comm_overlap_sets_up_userbuffers_and_each_linear_overlap(standin):
+    switches, names, ub, after = run_world(_overlap_worker, 2)[0]
+    # buffers for one micro-batch of all TP ranks' tokens (s b / CP, h), before any layer is built
+    assert ub == dict(shape=[16 * 2, 32], tp_size=2, use_fp8=False, dtype=torch.bfloat16, bootstrap_backend="gloo")
+    column, row = {"ag_fprop", "bulk_dgrad", "bulk_wgrad"}, {"rs_fprop", "ag_dgrad"}
+    assert switches == {"qkv": column, "proj": row, "fc1": column, "fc2": row}
+    assert names == ["qkv", "proj", "fc1", "fc2"] and after is None  # freed again
+
+
+def test_tp_comm_overlap_trains_as_without_it(standin):
+    base = TE + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16", "--train-iters", "4",
+                 "--tp-comm-bootstrap-backend", "gloo"]
+    plain = run_world(_pretrain_worker, 2, base)[0]
+    overlapped = run_world(_pretrain_worker, 2, base + ["--tp-comm-overlap"])[0]
+    assert overlapped == plain
+
+
+@pytest.mark.parametrize("flags,message", [
+    ([], "Fix: add --sequence-parallel"),
+    (["--sequence-parallel", "--bf16", "--tensor-model-parallel-size", "1"], "at --tensor-model-parallel-size 1"),
+    (["--sequence-parallel"], "Fix: add --bf16"),
+    (["--sequence-parallel", "--bf16", "--num-experts", "4"], "MoE layers' experts are megalite's own"),
+])
+def test_tp_comm_overlap_refused_where_it_cannot_run(standin, flags, message):
+    from megalite.arguments import build_parser, config_from_args
+    from megalite.config import ConfigError, validate
+    argv = PRETRAIN + TE + ["--tensor-model-parallel-size", "2", "--tp-comm-overlap"] + flags
+    with pytest.raises(ConfigError) as e:
+        validate(config_from_args(build_parser().parse_args(argv), vocab_size=300), 2)
+    assert message in str(e.value) and str(e.value).count("Fix:") == 1

@@ -27,6 +27,14 @@ names: initialization, checkpoints, resume, reshard and Hugging Face export are 
 checkpoint moves between the two implementations as it is. Initialization is megalite's (TE's
 ``init_method`` is a no-op), so the same seed gives the same model.
 
+``--tp-comm-overlap`` (Megatron's flag) hands TE the TP communication of the sequence-parallel
+linears to overlap with their GEMMs through its userbuffers: the column layers (qkv, fc1) all-
+gather their input chunk by chunk inside the forward GEMM and overlap their backward's
+reduce-scatter and weight-gradient GEMM ("bulk" dgrad/wgrad); the row layers (proj, fc2)
+reduce-scatter their output inside the GEMM and all-gather the output gradient inside the
+backward's. :func:`tp_comm_overlap` sets up (and afterwards frees) the buffers, sized for one
+micro-batch's (s b / CP, h) tokens, on TP groups of consecutive ranks, as the grid's are.
+
 Under context parallelism the attention core is megalite's ring attention (on
 ``--attention-backend``), between TE's linears; an explicit ``--attention-backend
 triton|flash|torch`` also keeps megalite's attention, ``auto`` takes TE's.
@@ -80,6 +88,54 @@ def check_transformer_impl(m, tp: int = 1) -> None:
                           f"GPU machine, or use --transformer-impl local (megalite's own layers).")
     if m.fp8_format is not None:
         _check_fp8_shapes(m, tp, ConfigError)
+
+
+def check_tp_comm_overlap(m, tp: int, sequence_parallel: bool, half_precision: bool) -> None:
+    """Raise ConfigError where ``--tp-comm-overlap`` cannot run (called by config.validate)."""
+    from megalite.config import ConfigError
+
+    if not m.tp_comm_overlap:
+        return
+    rules = [
+        (m.transformer_impl == "transformer_engine", "overlaps the TP communication inside transformer-engine's "
+         "linears (userbuffers)", "add --transformer-impl transformer_engine"),
+        (tp > 1, "has nothing to overlap at --tensor-model-parallel-size 1", "drop --tp-comm-overlap, or use TP > 1"),
+        (sequence_parallel, "overlaps the all-gathers and reduce-scatters of sequence parallelism",
+         "add --sequence-parallel"),
+        (half_precision, "keeps its buffers in bf16/fp16 (or FP8)", "add --bf16"),
+        (not m.num_experts, "covers the dense layers' linears, and MoE layers' experts are megalite's own",
+         "drop --tp-comm-overlap for an MoE model"),
+        (m.tp_comm_bootstrap_backend in ("nccl", "mpi", "gloo"),
+         f"bootstraps with nccl, mpi or gloo, not {m.tp_comm_bootstrap_backend!r}",
+         "--tp-comm-bootstrap-backend nccl"),
+    ]
+    for ok, why, fix in rules:
+        if not ok:
+            raise ConfigError(f"--tp-comm-overlap {why}. Fix: {fix}.")
+
+
+def tp_comm_overlap(config):
+    """Set up TE's userbuffers for ``--tp-comm-overlap`` (after the process group, before the
+    first forward); returns the function that frees them (a no-op without the flag)."""
+    m, t, p = config.model, config.train, config.parallel
+    if not m.tp_comm_overlap:
+        return lambda: None
+    te = _te()
+    base = te.module.base
+    tokens = m.seq_length * t.micro_batch_size // p.context_parallel_size  # one micro-batch, all TP ranks
+    base.initialize_ub(shape=[tokens, m.hidden_size], tp_size=p.tensor_model_parallel_size,
+                       use_fp8=m.fp8_format is not None, dtype=torch.bfloat16 if t.bf16 else torch.float16,
+                       bootstrap_backend=m.tp_comm_bootstrap_backend)
+    return base.destroy_ub
+
+
+def _overlap(cfg, ub_name: str | None, column: bool) -> dict:
+    """The userbuffer arguments of one TE linear under ``--tp-comm-overlap`` (Megatron's choice)."""
+    if not getattr(cfg, "tp_comm_overlap", False) or ub_name is None:
+        return {}
+    if column:  # input all-gather in the forward GEMM; dgrad reduce-scatter and wgrad overlapped in bulk
+        return dict(ub_overlap_ag=True, ub_bulk_dgrad=True, ub_bulk_wgrad=True, ub_name=ub_name)
+    return dict(ub_overlap_rs=True, ub_overlap_ag=True, ub_name=ub_name)  # output reduce-scatter; dgrad all-gather
 
 
 def _check_fp8_shapes(m, tp: int, ConfigError) -> None:
@@ -141,14 +197,16 @@ def _has_bias(module) -> bool:
 
 
 def column_parallel_linear(cfg, in_features: int, out_features: int, *, bias: bool, sections: int = 1,
-                           norm_inside: bool = False, tp_group=None, sequence_parallel: bool = False):
+                           norm_inside: bool = False, name: str | None = None, tp_group=None,
+                           sequence_parallel: bool = False):
     """A TE column-parallel linear y = x W^T (+ b), W cut along its rows over TP.
 
     ``norm_inside``: the block's norm before it runs inside (``LayerNormLinear``), with
     ``cfg.normalization`` and ``cfg.norm_epsilon``; its parameters join this module
-    (``layer_norm_weight``, and ``layer_norm_bias`` for LayerNorm)."""
+    (``layer_norm_weight``, and ``layer_norm_bias`` for LayerNorm). ``name``: its role (qkv, fc1),
+    which names its userbuffers under ``--tp-comm-overlap``."""
     te = _te()
-    common = _common(tp_group, sequence_parallel)
+    common = {**_common(tp_group, sequence_parallel), **_overlap(cfg, name, column=True)}
     if norm_inside:
         module = te.LayerNormLinear(in_features, out_features, eps=cfg.norm_epsilon, bias=bias,
                                     normalization=cfg.normalization, parallel_mode="column", **common)
@@ -161,13 +219,13 @@ def column_parallel_linear(cfg, in_features: int, out_features: int, *, bias: bo
     return module
 
 
-def row_parallel_linear(cfg, in_features: int, out_features: int, *, bias: bool, tp_group=None,
-                        sequence_parallel: bool = False):
+def row_parallel_linear(cfg, in_features: int, out_features: int, *, bias: bool, name: str | None = None,
+                        tp_group=None, sequence_parallel: bool = False):
     """A TE row-parallel linear: W cut along its columns, the partial products all-reduced
     (reduce-scattered under SP), then the full bias added."""
     te = _te()
     module = te.Linear(in_features, out_features, bias=bias, parallel_mode="row",
-                       **_common(tp_group, sequence_parallel))
+                       **_common(tp_group, sequence_parallel), **_overlap(cfg, name, column=False))
     tp = group_size(tp_group)
     mark_tensor_parallel(module.weight, (out_features, in_features), TPSplit(1), _rank(tp_group), tp)
     if _has_bias(module) and sequence_parallel:

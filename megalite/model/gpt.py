@@ -87,18 +87,20 @@ def _norm_before(linear: nn.Module, cfg: ModelConfig, sequence_parallel: bool) -
 
 
 def _column(cfg: ModelConfig, in_features: int, out_features: int, *, bias: bool, sections: int = 1,
-            norm_inside: bool = False, **par) -> nn.Module:
+            norm_inside: bool = False, name: str | None = None, **par) -> nn.Module:
     """megalite's ColumnParallelLinear, or transformer-engine's (``norm_inside``: its
-    LayerNormLinear, the norm before it fused in; the local layer keeps the norm apart)."""
+    LayerNormLinear, the norm before it fused in; the local layer keeps the norm apart;
+    ``name``: the layer's role, naming TE's communication buffers)."""
     if te_layers.uses_te(cfg):
         return te_layers.column_parallel_linear(cfg, in_features, out_features, bias=bias, sections=sections,
-                                                norm_inside=norm_inside, **par)
+                                                norm_inside=norm_inside, name=name, **par)
     return ColumnParallelLinear(in_features, out_features, bias=bias, sections=sections, **par)
 
 
-def _row(cfg: ModelConfig, in_features: int, out_features: int, *, bias: bool, **par) -> nn.Module:
+def _row(cfg: ModelConfig, in_features: int, out_features: int, *, bias: bool, name: str | None = None,
+         **par) -> nn.Module:
     if te_layers.uses_te(cfg):
-        return te_layers.row_parallel_linear(cfg, in_features, out_features, bias=bias, **par)
+        return te_layers.row_parallel_linear(cfg, in_features, out_features, bias=bias, name=name, **par)
     return RowParallelLinear(in_features, out_features, bias=bias, **par)
 
 
@@ -113,9 +115,9 @@ class SelfAttention(nn.Module):
         qkv_out = cfg.num_query_groups * (self.heads_per_group + 2) * cfg.head_dim
         par = dict(tp_group=tp_group, sequence_parallel=sequence_parallel)
         self.qkv = _column(cfg, cfg.hidden_size, qkv_out, bias=cfg.add_bias_linear or cfg.add_qkv_bias,
-                           norm_inside=True, **par)
+                           norm_inside=True, name="qkv", **par)
         self.proj = _row(cfg, cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.add_bias_linear,
-                         **par)
+                         name="proj", **par)
         self.te_core = te_layers.te_attention_core(cfg, tp_group, self.cp_group)  # None: megalite's attention
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
@@ -163,8 +165,8 @@ class MLP(nn.Module):
         par = dict(tp_group=tp_group, sequence_parallel=sequence_parallel)
         sections = 2 if cfg.swiglu else 1  # SwiGLU: fc1 = [gate; up]
         self.fc1 = _column(cfg, cfg.hidden_size, sections * ffn, bias=cfg.add_bias_linear, sections=sections,
-                           norm_inside=norm_inside, **par)
-        self.fc2 = _row(cfg, ffn, cfg.hidden_size, bias=cfg.add_bias_linear, **par)
+                           norm_inside=norm_inside, name="fc1", **par)
+        self.fc2 = _row(cfg, ffn, cfg.hidden_size, bias=cfg.add_bias_linear, name="fc2", **par)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)

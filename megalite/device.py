@@ -154,3 +154,25 @@ def host_barrier(grid=None) -> None:
         dist.barrier(device_ids=[torch.cuda.current_device()])  # NCCL must know the GPU
     else:
         dist.barrier(group=group)
+
+
+def meta_stand_ins(model) -> list[str]:
+    """On the meta device nothing computes, so GPU-only kernels and libraries are not needed:
+    swap them for megalite's torch paths (in place, on a ModelConfig) before validation, and
+    return one line per swap. Parameters, names and the communication are the same; activation
+    memory differs by the kernels' workspaces only (the torch attention path is counted)."""
+    swaps = {
+        "attention_backend": ("torch", lambda v: v in ("triton", "flash"), "--attention-backend {v}"),
+        "fused_kernels": (False, bool, "--fused-kernels"),
+        "moe_grouped_gemm": (False, bool, "--moe-grouped-gemm"),
+        "transformer_impl": ("local", lambda v: v != "local", "--transformer-impl {v}"),
+        "fp8_format": (None, lambda v: v is not None, "--fp8-format {v}"),
+        "tp_comm_overlap": (False, bool, "--tp-comm-overlap"),
+    }
+    lines = []
+    for field, (stand_in, applies, flag) in swaps.items():
+        value = getattr(model, field)
+        if applies(value):
+            lines.append(flag.format(v=value))
+            setattr(model, field, stand_in)
+    return lines

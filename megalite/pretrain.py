@@ -37,7 +37,7 @@ from megalite.parallel.random import model_parallel_seed
 from megalite.pipeline.partition import build_model_chunks, virtual_stages
 from megalite.pipeline.schedules import Trace
 from megalite.data_parallel.accounting import describe_memory
-from megalite.device import host_barrier, init_distributed, resolve_device, to_device
+from megalite.device import host_barrier, init_distributed, meta_stand_ins, resolve_device, to_device
 from megalite.launch import detect_launch
 from megalite.faults import (CollectiveTimeout, HangWatchdog, TrainingDiverged, bytes_by_group, check_finite,
                              hang_report, looks_like_timeout, report_failure)
@@ -120,6 +120,11 @@ def setup(argv=None):
         batch = saved_config["train"].get("global_batch_size")
         if batch and not args.finetune and "global_batch_size" not in given:
             config.train.global_batch_size = batch  # a resumed run keeps its global batch under any DP
+    if args.device == "meta":  # nothing computes: GPU-only kernels give way to the torch paths
+        swapped = meta_stand_ins(config.model)
+        if swapped and (rank == 0 or args.fake_process_group):  # a fake rank is the only process
+            print(f"meta device: megalite's torch layers and kernels stand in for {', '.join(swapped)} "
+                  f"(same parameters and communication)")
     for warning in validate(config, world_size, gpus_per_node_from_env(world_size)):
         if rank == 0:
             warnings.warn(warning)

@@ -128,3 +128,20 @@ def test_cuda_without_a_gpu_is_refused():
     with pytest.raises(ConfigError, match="--device cuda was asked for, but torch sees no CUDA GPU"):
         resolve_device("cuda")
     assert resolve_device("auto") == torch.device("cpu")
+
+
+def test_gpu_only_kernels_and_libraries_give_way_to_torch_on_meta(monkeypatch, capsys):
+    """A dry run of a GPU configuration (Triton kernels, transformer-engine with FP8 and TP comm
+    overlap, grouped GEMM) needs none of them on meta: the torch paths stand in, said once, with
+    the same memory and traffic as the run that asked for torch."""
+    base = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--sequence-parallel",
+            "--bf16", "--attention-dropout", "0", "--num-experts", "4", "--expert-model-parallel-size", "2"]
+    gpu_only = ["--attention-backend", "triton", "--fused-kernels", "--moe-grouped-gemm",
+                "--transformer-impl", "transformer_engine", "--fp8-format", "hybrid"]
+    plain = dry_run(monkeypatch, 16, 15, base)[-1]
+    capsys.readouterr()
+    swapped = dry_run(monkeypatch, 16, 15, base + gpu_only)[-1]
+    out = capsys.readouterr().out
+    assert ("torch layers and kernels stand in for --attention-backend triton, --fused-kernels, "
+            "--moe-grouped-gemm, --transformer-impl transformer_engine, --fp8-format hybrid") in out
+    assert swapped["memory_bytes"] == plain["memory_bytes"] and swapped["comm_bytes"] == plain["comm_bytes"]

@@ -39,6 +39,7 @@ import torch.distributed as dist  # noqa: E402
 
 from megalite.arguments import build_parser, config_from_args  # noqa: E402
 from megalite.config import ConfigError, validate  # noqa: E402
+from megalite.device import meta_stand_ins  # noqa: E402
 from megalite.parallel.grid import GridLayout  # noqa: E402
 from megalite.moe.planning import wire_from_handed  # noqa: E402
 from megalite.planner import Hardware, Layout, communication, precision, stage_memory  # noqa: E402
@@ -158,6 +159,10 @@ def main(argv=None) -> int:
         return 2
     flags = flags + ([] if pre.mock_data else ["--mock-data"])
     config = config_from_args(build_parser().parse_args(flags), pre.vocab_size)
+    swapped = meta_stand_ins(config.model) if args.device == "meta" else []
+    if swapped:
+        print(f"dry run on meta: megalite's torch layers and kernels stand in for {', '.join(swapped)} "
+              f"(same parameters and communication; kernel workspaces not counted)")
     try:
         validate(config, args.world_size, args.gpus_per_node)
     except ConfigError as e:

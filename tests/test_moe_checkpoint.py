@@ -77,12 +77,12 @@ def test_dense_flags_against_moe_checkpoint_are_refused(tmp_path):
         run_world(_run, 1, argv)
 
 
-def test_hf_export_of_moe_checkpoint_is_refused(tmp_path):
+def test_hf_export_of_gpt2_style_moe_checkpoint_is_refused(tmp_path):
     from megalite.checkpoint import CheckpointError
     from megalite.checkpoint.convert import export_hf
 
     src = tmp_path / "moe"
     run_world(_run, 1, BASE + ["--train-iters", "1", "--save", str(src)])
-    with pytest.raises(CheckpointError, match="mixture-of-experts checkpoint .4 experts.*Fix: load it with megalite"):
+    with pytest.raises(CheckpointError, match="GPT-2-style mixture-of-experts checkpoint .4 experts.*Fix: load it"):
         export_hf(str(src), str(tmp_path / "hf"), progress=False)
     assert not (tmp_path / "hf").exists()

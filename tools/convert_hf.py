@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Exchange weights with Hugging Face: GPT-2, Llama (2, 3, 3.1/3.2) and Qwen2.
+"""Exchange weights with Hugging Face: GPT-2, Llama (2, 3, 3.1/3.2), Qwen2 and Mixtral.
 
     python tools/convert_hf.py --direction import --hf-dir HF --save CKPT
     python tools/convert_hf.py --direction export --load CKPT --hf-dir HF
@@ -30,7 +30,7 @@ def main(argv=None) -> int:
     p.add_argument("--load", help="export: megalite checkpoint directory to read")
     p.add_argument("--seq-length", type=int, default=None,
                    help="import: the training sequence length to record (default: min(max positions, 4096))")
-    p.add_argument("--model-type", choices=["gpt2", "llama", "qwen2"], default=None,
+    p.add_argument("--model-type", choices=["gpt2", "llama", "qwen2", "mixtral"], default=None,
                    help="export: the Hugging Face architecture (default: the one imported, else from the model)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="export: tensor dtype (default: the imported model's, else the training dtype)")

@@ -1,9 +1,9 @@
 """Hugging Face <-> megalite checkpoints, streamed one unit (embeddings, a layer) at a time.
 
-Import reads ``config.json`` for the architecture (GPT-2, Llama, Qwen2), then the tensors
+Import reads ``config.json`` for the architecture (GPT-2, Llama, Qwen2, Mixtral), then the tensors
 of one unit at a time from the (sharded) safetensors, maps them to megalite's names and
 layout (:mod:`megalite.checkpoint.hf` for GPT-2, :mod:`megalite.checkpoint.hf_llama` for
-Llama and Qwen2) and writes that unit as one file of a weights-only megalite checkpoint,
+Llama, Qwen2 and Mixtral) and writes that unit as one file of a weights-only megalite checkpoint,
 which loads under any layout. Export assembles each unit's full tensors from any megalite
 checkpoint (whatever layout wrote it), maps them back and writes safetensors shards with
 their index, ``config.json`` and ``generation_config.json``, in the dtype of the original
@@ -72,20 +72,29 @@ def export_hf(load: str, hf_dir: str, model_type: str | None = None, dtype: str 
     reader = PieceReader(_checkpoint_dir(load))
     meta = reader.metadata
     cfg = model_config_from(meta["config"]["model"])
-    if cfg.num_experts:
-        raise CheckpointError(f"{load}: a mixture-of-experts checkpoint ({cfg.num_experts} experts); export to "
-                              f"Hugging Face covers dense GPT-2 / Llama / Qwen2 models only (Mixtral's layout "
-                              f"is not written yet). Fix: load it with megalite (tools/generate.py, --load).")
     source = meta.get("source") or {}
     train = meta["config"].get("train", {})
     if cfg.position_embedding_type == "learned_absolute":
         model_type = model_type or "gpt2"
     else:
-        model_type = model_type or source.get("model_type") or ("qwen2" if cfg.add_qkv_bias else "llama")
+        model_type = model_type or source.get("model_type") or ("mixtral" if cfg.num_experts else
+                                                                "qwen2" if cfg.add_qkv_bias else "llama")
     family = _family(model_type)
     dtype_name = dtype or source.get("torch_dtype") or ("bfloat16" if train.get("bf16") else
                                                         "float16" if train.get("fp16") else "float32")
     torch_dtype = getattr(torch, dtype_name)
+    special = {k: source[k] for k in SPECIAL if k in source}
+    if family is GPT2:
+        if cfg.num_experts:
+            raise CheckpointError(f"{load}: a GPT-2-style mixture-of-experts checkpoint ({cfg.num_experts} "
+                                  f"experts); Hugging Face has no such architecture (an MoE model exports as "
+                                  f"Mixtral: rope, RMSNorm, SwiGLU). Fix: load it with megalite (tools/generate.py, "
+                                  f"--load), or train the Llama shape to export it.")
+        config = gpt2.hf_config_from(cfg)
+        config["torch_dtype"] = dtype_name
+        config.update(special)
+    else:  # before any weight is written: a model HF cannot express is refused first
+        config = llama.hf_config_from_llama(cfg, model_type, torch_dtype, special)
 
     def get(name: str) -> torch.Tensor:
         return reader.full_tensor(name, "weight", cfg.vocab_size)
@@ -97,13 +106,6 @@ def export_hf(load: str, hf_dir: str, model_type: str | None = None, dtype: str 
         for name, tensor in unit.items():
             writer.add(name, tensor.to(torch_dtype))
     writer.close()
-    special = {k: source[k] for k in SPECIAL if k in source}
-    if family is GPT2:
-        config = gpt2.hf_config_from(cfg)
-        config["torch_dtype"] = dtype_name
-        config.update(special)
-    else:
-        config = llama.hf_config_from_llama(cfg, model_type, torch_dtype, special)
     with open(os.path.join(hf_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
     generation = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id"),

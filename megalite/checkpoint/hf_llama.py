@@ -1,4 +1,4 @@
-"""Hugging Face Llama (2, 3, 3.1/3.2) and Qwen2 <-> megalite: settings and weight names.
+"""Hugging Face Llama (2, 3, 3.1/3.2), Qwen2 and Mixtral <-> megalite: settings and weight names.
 
 Settings come from ``config.json``, in the older form (``rope_theta``, ``rope_scaling``) or
 the one ``transformers`` 5 writes (``rope_parameters`` holding both). What megalite cannot
@@ -13,6 +13,15 @@ groups. The rows inside a head are in the same order in both: HF's Llama/Qwen2 w
 already arranged for the rotate-half rotation megalite uses, so no permutation is needed
 (the logits tests prove it). SwiGLU: megalite's ``fc1`` is ``[gate; up]``, HF's are
 ``gate_proj`` and ``up_proj``. Matrices keep their (out, in) orientation.
+
+Mixtral is this Llama with every MLP a mixture of experts, whose router megalite's matches
+(fp32 softmax over the experts, top-k, weights renormalized over the k; dropless). The hub's
+files (and what ``save_pretrained`` writes) name each expert ``block_sparse_moe.experts.E.w1``
+(gate), ``w3`` (up), ``w2`` (down) and the router ``block_sparse_moe.gate``; transformers 5
+holds them in memory stacked, ``mlp.experts.gate_up_proj`` (E, 2F, h: [gate; up]) and
+``down_proj`` (E, h, F) with ``mlp.gate``, and both are read. megalite's checkpoint has one
+tensor per expert, ``layers.N.mlp.experts.E.fc1.weight`` = [w1; w3] and ``fc2.weight`` = w2,
+and the router ``layers.N.mlp.router.weight``. Export writes the hub's names.
 """
 from __future__ import annotations
 
@@ -20,7 +29,7 @@ import torch
 
 from megalite.config import ModelConfig
 
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mixtral": "MixtralForCausalLM"}
 
 
 class UnsupportedModel(ValueError):
@@ -63,17 +72,35 @@ def model_config_from_hf_llama(hf: dict, seq_length: int | None = None) -> Model
                                f"over the whole sequence (no sliding-window attention).")
     base, scaling = _rope(hf)
     max_positions = hf.get("max_position_embeddings", 4096)
+    seq_length = seq_length or min(max_positions, 4096)
+    moe = _moe_fields(hf, seq_length) if kind == "mixtral" else {}
     qkv_bias = kind == "qwen2" or bool(hf.get("attention_bias"))
     return ModelConfig(
         num_layers=hf["num_hidden_layers"], hidden_size=h, num_attention_heads=heads,
         num_query_groups=hf.get("num_key_value_heads") or heads, ffn_hidden_size=hf["intermediate_size"],
-        vocab_size=hf["vocab_size"], seq_length=seq_length or min(max_positions, 4096),
+        vocab_size=hf["vocab_size"], seq_length=seq_length,
         max_position_embeddings=max_positions, position_embedding_type="rope", rotary_base=base,
         rope_scaling=scaling, normalization="RMSNorm", norm_epsilon=hf.get("rms_norm_eps", 1e-6), swiglu=True,
         add_bias_linear=False, add_qkv_bias=qkv_bias,
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
-        hidden_dropout=0.0, attention_dropout=0.0)
+        hidden_dropout=0.0, attention_dropout=0.0, **moe)
 
+
+def _moe_fields(hf: dict, seq_length: int) -> dict:
+    """Mixtral's experts as megalite's MoE settings (every layer, dropless)."""
+    window, k = hf.get("sliding_window"), hf.get("num_experts_per_tok", 2)
+    if window is not None and window < seq_length:
+        raise UnsupportedModel(f"config.json sliding_window {window} is shorter than the sequence length "
+                               f"{seq_length}: megalite attends over the whole sequence. Fix: a --seq-length of at "
+                               f"most {window}, where the two are the same.")
+    if k < 2:
+        raise UnsupportedModel("config.json num_experts_per_tok 1: Mixtral then gives the chosen expert weight 1, "
+                               "megalite's top-1 router keeps its probability.")
+    if hf.get("router_jitter_noise"):
+        raise UnsupportedModel(f"config.json router_jitter_noise {hf['router_jitter_noise']}: megalite's router "
+                               f"adds no noise. Fix: set it to 0.0 in config.json (it only perturbs training).")
+    return dict(num_experts=hf["num_local_experts"], moe_router_topk=k, moe_ffn_hidden_size=hf["intermediate_size"],
+                moe_aux_loss_coeff=hf.get("router_aux_loss_coef", 0.0))
 
 def hf_config_from_llama(cfg: ModelConfig, model_type: str, dtype: torch.dtype, special: dict) -> dict:
     """config.json for ``model_type`` (llama or qwen2) in the older form, which transformers 4
@@ -81,7 +108,10 @@ def hf_config_from_llama(cfg: ModelConfig, model_type: str, dtype: torch.dtype, 
     if (cfg.position_embedding_type, cfg.normalization, cfg.swiglu, cfg.add_bias_linear) != ("rope", "RMSNorm", True, False):
         raise UnsupportedModel("only the Llama architecture (rope, RMSNorm, SwiGLU, no linear biases) exports to "
                                "Hugging Face Llama/Qwen2")
-    if model_type == "llama" and cfg.add_qkv_bias:
+    if cfg.num_experts:
+        _check_mixtral(cfg)
+        model_type = "mixtral"
+    elif model_type == "llama" and cfg.add_qkv_bias:
         model_type = "qwen2"  # Llama with q/k/v biases is what Qwen2 is
     out = {"architectures": [ARCHITECTURES[model_type]], "model_type": model_type,
            "hidden_size": cfg.hidden_size, "intermediate_size": cfg.ffn_hidden_size,
@@ -93,9 +123,26 @@ def hf_config_from_llama(cfg: ModelConfig, model_type: str, dtype: torch.dtype, 
            "torch_dtype": str(dtype).removeprefix("torch."), "attention_dropout": 0.0}
     if model_type == "llama":
         out.update(attention_bias=cfg.add_qkv_bias, mlp_bias=False)
+    elif model_type == "mixtral":
+        out.update(intermediate_size=cfg.moe_ffn_hidden_size, num_local_experts=cfg.num_experts,
+                   num_experts_per_tok=cfg.moe_router_topk, router_aux_loss_coef=cfg.moe_aux_loss_coeff,
+                   output_router_logits=False, router_jitter_noise=0.0, sliding_window=None)
     else:
         out.update(use_sliding_window=False, sliding_window=None)
     return {**out, **special}
+
+
+def _check_mixtral(cfg: ModelConfig) -> None:
+    from megalite.moe.settings import moe_layers
+
+    why = [w for ok, w in ((all(moe_layers(cfg)), "every layer an MoE layer (--moe-layer-freq 1)"),
+                           (not cfg.moe_shared_expert_intermediate_size, "no shared expert"),
+                           (cfg.moe_expert_capacity_factor is None, "dropless routing (no capacity factor)"),
+                           (cfg.moe_router_topk >= 2, "top-k of at least 2"),
+                           (not cfg.add_qkv_bias, "no q/k/v biases")) if not ok]
+    if why:
+        raise UnsupportedModel(f"a mixture-of-experts model exports as Mixtral, which needs {', '.join(why)}; "
+                               f"this checkpoint's model does not have that.")
 
 
 # -- weights, one unit (embeddings+head, or one layer) at a time ----------------------------------
@@ -121,6 +168,11 @@ LAYER_NAMES = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": 
                "attn.proj.weight": "self_attn.o_proj.weight", "mlp.fc2.weight": "mlp.down_proj.weight"}
 
 
+def _layer_names(cfg: ModelConfig) -> dict[str, str]:
+    """LAYER_NAMES without the dense MLP's down projection for an MoE (Mixtral) layer."""
+    return {k: v for k, v in LAYER_NAMES.items() if not (cfg.num_experts and k == "mlp.fc2.weight")}
+
+
 def global_names(cfg: ModelConfig) -> dict[str, str]:
     """megalite name -> HF name of the tensors outside the layers."""
     names = {"word_embeddings.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight"}
@@ -136,14 +188,36 @@ def import_globals(get, cfg: ModelConfig) -> dict:
 def import_layer(get, i: int, cfg: ModelConfig) -> dict:
     p, q = f"model.layers.{i}.", f"layers.{i}."
     a = p + "self_attn."
-    out = {q + ours: get(p + theirs) for ours, theirs in LAYER_NAMES.items()}
+    out = {q + ours: get(p + theirs) for ours, theirs in _layer_names(cfg).items()}
     out[q + "attn.qkv.weight"] = _fuse_qkv(get(a + "q_proj.weight"), get(a + "k_proj.weight"),
                                            get(a + "v_proj.weight"), cfg.num_query_groups)
-    out[q + "mlp.fc1.weight"] = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
+    if cfg.num_experts:
+        out.update(_import_experts(get, p, q, cfg))
+    else:
+        out[q + "mlp.fc1.weight"] = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
     if cfg.add_qkv_bias:
         out[q + "attn.qkv.bias"] = _fuse_qkv(get(a + "q_proj.bias"), get(a + "k_proj.bias"), get(a + "v_proj.bias"),
                                              cfg.num_query_groups)
     return out
+
+
+def _import_experts(get, p: str, q: str, cfg: ModelConfig) -> dict:
+    """Mixtral's router and experts of HF layer prefix ``p`` under megalite's names (prefix ``q``)."""
+    from megalite.checkpoint.format import CheckpointError
+
+    try:  # the hub's names, one tensor per expert and projection
+        out = {q + "mlp.router.weight": get(p + "block_sparse_moe.gate.weight")}
+        for e in range(cfg.num_experts):
+            x = f"{p}block_sparse_moe.experts.{e}."
+            out[f"{q}mlp.experts.{e}.fc1.weight"] = torch.cat([get(x + "w1.weight"), get(x + "w3.weight")])
+            out[f"{q}mlp.experts.{e}.fc2.weight"] = get(x + "w2.weight")
+        return out
+    except CheckpointError:  # transformers 5's stacked names
+        gate_up, down = get(p + "mlp.experts.gate_up_proj"), get(p + "mlp.experts.down_proj")
+        out = {q + "mlp.router.weight": get(p + "mlp.gate.weight")}
+        for e in range(cfg.num_experts):
+            out[f"{q}mlp.experts.{e}.fc1.weight"], out[f"{q}mlp.experts.{e}.fc2.weight"] = gate_up[e], down[e]
+        return out
 
 
 def export_globals(get, cfg: ModelConfig) -> dict:
@@ -153,10 +227,18 @@ def export_globals(get, cfg: ModelConfig) -> dict:
 def export_layer(get, i: int, cfg: ModelConfig) -> dict:
     p, q = f"model.layers.{i}.", f"layers.{i}."
     a = p + "self_attn."
-    out = {p + theirs: get(q + ours) for ours, theirs in LAYER_NAMES.items()}
+    out = {p + theirs: get(q + ours) for ours, theirs in _layer_names(cfg).items()}
     out.update(zip((a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
                    _split_qkv(get(q + "attn.qkv.weight"), cfg)))
-    out.update(zip((p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), get(q + "mlp.fc1.weight").chunk(2)))
+    if cfg.num_experts:
+        m = p + "block_sparse_moe."
+        out[m + "gate.weight"] = get(q + "mlp.router.weight")
+        for e in range(cfg.num_experts):
+            w1, w3 = get(f"{q}mlp.experts.{e}.fc1.weight").chunk(2)
+            out.update({f"{m}experts.{e}.w1.weight": w1, f"{m}experts.{e}.w3.weight": w3,
+                        f"{m}experts.{e}.w2.weight": get(f"{q}mlp.experts.{e}.fc2.weight")})
+    else:
+        out.update(zip((p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), get(q + "mlp.fc1.weight").chunk(2)))
     if cfg.add_qkv_bias:
         out.update(zip((a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"),
                        _split_qkv(get(q + "attn.qkv.bias"), cfg)))

@@ -169,3 +169,33 @@ def test_mixed_precision_step_runs_and_is_close_to_fp32(flag):
         assert not r.skipped
         losses[mode] = r.loss
     assert abs(losses[flag] - losses["fp32"]) / losses["fp32"] < 2e-2
+
+
+@pytest.mark.parametrize("rope", [True, False])
+def test_attention_keeps_no_more_than_q_k_v_for_backward(rope):
+    """What the graph keeps for backward holds q, k and v once. The Triton kernel (as flash-attn
+    and SDPA's GPU kernels) saves its inputs as given: with RoPE, q and k are new tensors and v is
+    copied out of the fused qkv, so no view keeps the qkv projection's output alive (heads +
+    groups head dims per token more than needed); without RoPE q, k, v are views of it, and
+    qkv is exactly them, kept once."""
+    from megalite.layers.backends import triton_missing
+    if triton_missing("cpu"):
+        pytest.skip(triton_missing("cpu"))
+    extra = dict(position_embedding_type="rope", num_query_groups=2) if rope else {}
+    cfg = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=4, vocab_size=97, seq_length=32,
+                      hidden_dropout=0.0, attention_dropout=0.0, attention_backend="triton", **extra)
+    model = GPTModel(cfg)
+    model.init_weights(0)
+    attn = model.layers["0"].attn
+    qkv = {}  # between the qkv projection and proj: its output is alive, no address is reused
+    attn.qkv.register_forward_hook(lambda m, i, o: qkv.update(ptr=o.untyped_storage().data_ptr(), saved=False))
+    attn.proj.register_forward_pre_hook(lambda m, i: qkv.update(ptr=None))
+
+    def pack(t):
+        if qkv.get("ptr") is not None and t.untyped_storage().data_ptr() == qkv["ptr"]:
+            qkv["saved"] = True
+        return t
+    x = torch.randint(0, 97, (2, 33))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x[:, :-1], labels=x[:, 1:]).sum().backward()
+    assert qkv["saved"] == (not rope)

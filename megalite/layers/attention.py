@@ -113,10 +113,10 @@ class _MetaFlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v):
-        # Compact copies, as the planner (megalite/planner.py) counts Q, K, V. On a GPU the
-        # Triton kernels read views in place and every backend saves its inputs as given: the
-        # model's k, v (views of the fused qkv) keep all of qkv alive, heads * head_dim more
-        # per token and layer than counted here when q is a separate tensor.
+        # Compact copies, as the planner (megalite/planner.py) counts Q, K, V. On a GPU every
+        # backend saves its inputs as given, which costs the same: without RoPE q, k, v are
+        # views that keep the fused qkv (= q + k + v) alive; with RoPE q and k are new tensors
+        # and the model copies v out of qkv (SelfAttention.forward), so qkv is freed.
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)

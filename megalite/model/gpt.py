@@ -130,6 +130,9 @@ class SelfAttention(nn.Module):
         k, v = qkv[:, :, hpg], qkv[:, :, hpg + 1]  # (b, groups, s, d)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            # q and k are new tensors now; saved for backward, the view v would keep all of qkv
+            # alive (heads + groups head dims per token more than q, k, v need): copy it out.
+            v = v.contiguous()
         dropout_p = self.cfg.attention_dropout if self.training else 0.0
         if cache is not None:  # generation: these positions attend over every position so far
             out = cached_attention(q, *cache.extend(k, v))

@@ -246,16 +246,14 @@ def layer_activation_bytes(m: ModelConfig, micro: int, tp: int = 1, sp: bool = F
 def megalite_layer_overhead(m: ModelConfig, micro: int, tp: int = 1, sp: bool = False, cp: int = 1,
                             act_bytes: int = 2) -> float:
     """What one megalite layer keeps per micro-batch beyond the formula above (measured by the
-    meta dry run, tools/dry_run.py): the torch norms keep fp32 intermediates (RMSNorm its fp32
-    input and normalized output, 8 bytes per element, not 2; LayerNorm under autocast its fp32
-    input, 4), and under sequence parallelism the column-parallel QKV and FC1 keep their
-    gathered full-sequence input, not the shard (Megatron re-gathers it in backward)."""
+    meta dry run, tools/dry_run.py): under sequence parallelism the column-parallel QKV and FC1
+    keep their gathered full-sequence input, not the shard (Megatron re-gathers it in backward).
+    (The norms keep their input and per-row statistics only, as the formula counts, in every
+    implementation: megalite.layers.norms.)"""
+    if not (sp and tp > 1):
+        return 0.0
     sbh = m.seq_length / cp * micro * m.hidden_size
-    norm = 2 if m.fused_kernels else 8 if m.normalization == "RMSNorm" else 4
-    extra = 2 * max(norm - act_bytes, 0) * sbh / (tp if sp else 1)
-    if sp and tp > 1:
-        extra += 2 * act_bytes * sbh * (1 - 1 / tp)
-    return extra
+    return 2 * act_bytes * sbh * (1 - 1 / tp)
 
 
 def in_flight(pp: int, stage: int, num_micro: int) -> int:

@@ -58,7 +58,9 @@ weight and gradient bytes::
     ZeRO-2: reduce-scatter every micro-batch (megalite)     Psi (M g + w) (N-1)/N
     ZeRO-3: + weights gathered before each forward and backward: Psi M (g + 2 w) (N-1)/N,
             1.5x DDP at M = 1
-    TP: 4 all-reduces of b s h (2 bytes) per layer per micro-batch (6 with full recompute)
+    TP: 4 all-reduces of b s h (2 bytes) per layer per micro-batch (6 with full recompute);
+        under SP an all-gather + reduce-scatter pair in place of each, plus the backward's
+        all-gathers of the QKV and FC1 inputs (kept as sequence shards): one all-reduce more
     PP: each micro-batch's activation forward and its gradient backward, b s h (/t under SP)
     CP: K and V passed round the ring, (CP-1) times forward and twice that backward
 
@@ -243,19 +245,6 @@ def layer_activation_bytes(m: ModelConfig, micro: int, tp: int = 1, sp: bool = F
     return replicated / (tp if sp else 1) + (split + scores) / tp
 
 
-def megalite_layer_overhead(m: ModelConfig, micro: int, tp: int = 1, sp: bool = False, cp: int = 1,
-                            act_bytes: int = 2) -> float:
-    """What one megalite layer keeps per micro-batch beyond the formula above (measured by the
-    meta dry run, tools/dry_run.py): under sequence parallelism the column-parallel QKV and FC1
-    keep their gathered full-sequence input, not the shard (Megatron re-gathers it in backward).
-    (The norms keep their input and per-row statistics only, as the formula counts, in every
-    implementation: megalite.layers.norms.)"""
-    if not (sp and tp > 1):
-        return 0.0
-    sbh = m.seq_length / cp * micro * m.hidden_size
-    return 2 * act_bytes * sbh * (1 - 1 / tp)
-
-
 def in_flight(pp: int, stage: int, num_micro: int) -> int:
     """Micro-batches whose activations a stage holds at once under 1F1B: min(P - p, M)."""
     return min(pp - stage, num_micro)
@@ -266,8 +255,6 @@ def stage_activation_bytes(m: ModelConfig, layout: Layout, stage: int, micro: in
     t, sp, cp = layout.tp, layout.sp, layout.cp
     args = dict(micro=micro, tp=t, sp=sp, cp=cp, act_bytes=prec.act_bytes, flash_attention=flash_attention)
     per_layer = layer_activation_bytes(m, recompute=layout.recompute, **args)
-    if layout.recompute != "full":
-        per_layer += megalite_layer_overhead(m, micro, t, sp, cp, prec.act_bytes)
     layers = m.num_layers // layout.pp
     moe_flags = moe_planning.stage_moe_flags(m, layout.pp, stage)  # which of the stage's layers are MoE
     moe = dict(micro=micro, tp=t, sp=sp, cp=cp, ep=layout.ep, act_bytes=prec.act_bytes)
@@ -325,9 +312,10 @@ def communication(m: ModelConfig, layout: Layout, psi: int, micro: int, num_micr
     layers = m.num_layers // layout.pp
     bsh = micro * m.seq_length / layout.cp * m.hidden_size * prec.act_bytes
     passes = 6 if layout.recompute == "full" else 4
-    tp = M * layers * passes * bsh * 2 * (t - 1) / t
+    regather = 1 if layout.sp else 0  # SP: backward all-gathers QKV's and FC1's inputs again
+    tp = M * layers * (passes + regather) * bsh * 2 * (t - 1) / t
     if n_moe and not m.moe_shared_expert_intermediate_size:  # an MoE MLP has no TP traffic
-        tp -= M * n_moe * passes / 2 * bsh * 2 * (t - 1) / t
+        tp -= M * n_moe * (passes + regather) / 2 * bsh * 2 * (t - 1) / t
     ep = moe_planning.all_to_all_bytes(m, micro, M, n_moe, t, layout.sp, layout.cp, layout.ep, prec.act_bytes,
                                        layout.recompute)
     edp = moe_planning.gradient_reduction_bytes(psi_e, layout.edp, layout.zero, M, prec.weight_bytes, prec.grad_bytes)

@@ -8,7 +8,8 @@ L and 2L layers; the difference divided by L is the traffic of one transformer l
 Theory (DESIGN.md section 5), per layer per step, activations of b*s*h elements:
   TP without SP: 4 all-reduces of b*s*h  (fwd: after attention and MLP; bwd: their conjugates)
   TP with SP:    4 all-gathers + 4 reduce-scatters of b*s*h (the same volume: an all-reduce
-                 is a reduce-scatter followed by an all-gather)
+                 is a reduce-scatter followed by an all-gather), plus 2 all-gathers in backward:
+                 QKV and FC1 keep only their input's sequence shard and gather it again there
 Bytes counted are those of the full tensor each collective works on.
 
     python tools/bench_tp_comm.py [--tp 2 4] [--batch 2 --seq 32 --hidden 64 --layers 2]
@@ -59,7 +60,7 @@ def main():
         for sp in (False, True):
             small = run_world(_worker, tp, args, args.layers, sp)[0]
             large = run_world(_worker, tp, args, 2 * args.layers, sp)[0]
-            theory = {"reduce_scatter": 4 * bsh_bytes, "all_gather": 4 * bsh_bytes} if sp else \
+            theory = {"reduce_scatter": 4 * bsh_bytes, "all_gather": 6 * bsh_bytes} if sp else \
                 {"all_reduce": 4 * bsh_bytes}
             for kind in sorted(set(small) | set(large)):
                 calls = (large.get(kind, {}).get("calls", 0) - small.get(kind, {}).get("calls", 0)) / args.layers

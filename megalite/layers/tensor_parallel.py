@@ -5,7 +5,9 @@ activations outside attention and MLP are sharded along ``s`` over the TP group.
 
 - :class:`ColumnParallelLinear`: ``Y = X A^T`` with ``A`` split on the output dim; rank r
   computes ``Y_r = X A_r^T`` (its columns of Y). Input enters with ``copy_to_tp``
-  (bwd all-reduce) or, under SP, ``gather_from_sp`` (fwd all-gather, bwd reduce-scatter).
+  (bwd all-reduce) or, under SP, through :func:`sequence_parallel_linear` (fwd all-gather,
+  bwd reduce-scatter, keeping only the sequence shard: the full input is gathered again in
+  backward, as Megatron does).
 - :class:`RowParallelLinear`: ``A`` split on the input dim; rank r computes the partial
   ``X_r A_r^T`` from its slice of X; partials are summed with ``reduce_from_tp``
   (all-reduce) or, under SP, ``reduce_scatter_to_sp``. The bias is added after the sum.
@@ -32,6 +34,50 @@ def _divide(n: int, d: int, what: str) -> int:
     return n // d
 
 
+class _SequenceParallelLinear(torch.autograd.Function):
+    """y = X W^T + b with X = all-gather of the sequence shards x (dim 0) over TP.
+
+    Only the shard x is kept for backward, not X (TP times larger): backward gathers X again,
+    overlapped with the input-gradient GEMM, then reduce-scatters dX, overlapped with the
+    weight-gradient GEMM (the conjugate of the forward all-gather)::
+
+        X  = all-gather(x)   (async)  |  dX = dy W
+        dx = reduce-scatter(dX) (async)  |  dW = dy^T X,  db = sum dy
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, group):
+        ctx.save_for_backward(x, weight)
+        ctx.group, ctx.has_bias = group, bias is not None
+        return F.linear(comm.all_gather_dim0(x, group), weight, bias)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        group, world = ctx.group, group_size(ctx.group)
+        x = x.contiguous()
+        with comm.category("communication"):
+            full = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+        gathering = comm.all_gather_async(full, x, group)
+        dfull = dy.matmul(weight.to(dy.dtype))
+        gathering.wait()
+        with comm.category("communication"):
+            dx = torch.empty_like(x, dtype=dfull.dtype)
+        reducing = comm.reduce_scatter_async(dx, dfull.contiguous(), group)
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dw = dy2.t().matmul(full.reshape(-1, full.shape[-1]).to(dy.dtype)).to(weight.dtype)
+        db = dy2.sum(0) if ctx.has_bias else None
+        reducing.wait()
+        return dx.to(x.dtype), dw, db, None
+
+
+def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group) -> torch.Tensor:
+    """all-gather(x) W^T + b from this rank's sequence shard x (see _SequenceParallelLinear)."""
+    if group_size(group) == 1:
+        return F.linear(x, weight, bias)
+    return _SequenceParallelLinear.apply(x, weight, bias, group)
+
+
 class ColumnParallelLinear(nn.Module):
     """Weight (out/TP, in) per rank; ``sections`` > 1 for fused weights such as [gate; up]."""
 
@@ -52,10 +98,9 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
-            x = comm.gather_from_sp(x, self.tp_group)
+            y = sequence_parallel_linear(x, self.weight, self.bias, self.tp_group)
         else:
-            x = comm.copy_to_tp(x, self.tp_group)
-        y = F.linear(x, self.weight, self.bias)
+            y = F.linear(comm.copy_to_tp(x, self.tp_group), self.weight, self.bias)
         if not self.gather_output:
             return y
         y = comm.gather_from_tp(y, self.tp_group)  # rank-major: [r0 s0, r0 s1, r1 s0, ...]

@@ -44,8 +44,8 @@ from megalite.layers import transformer_engine as te_layers
 from megalite.layers.rotary import apply_rotary, rotary_angles
 from megalite.moe.block import MoEMLP
 from megalite.moe.settings import moe_layers
-from megalite.layers.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
-                                             VocabParallelEmbedding, vocab_parallel_cross_entropy)
+from megalite.layers.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                             sequence_parallel_linear, vocab_parallel_cross_entropy)
 from megalite.context_parallel.ring_attention import ring_attention
 from megalite.parallel import comm
 from megalite.parallel.random import get_rng_tracker, init_full_tensor
@@ -275,8 +275,9 @@ class GPTModel(nn.Module):
         """This rank's vocabulary slice of the logits, (s, b, V_padded / TP)."""
         if self.cfg.untie_embeddings_and_output_weights:
             return self.output_layer(x)
-        enter = comm.gather_from_sp if self.sequence_parallel else comm.copy_to_tp
-        return F.linear(enter(x, self.tp_group), self.word_embeddings.weight)
+        if self.sequence_parallel:
+            return sequence_parallel_linear(x, self.word_embeddings.weight, None, self.tp_group)
+        return F.linear(comm.copy_to_tp(x, self.tp_group), self.word_embeddings.weight)
 
     def forward(self, tokens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, hidden: torch.Tensor | None = None, kv_cache=None):

@@ -99,14 +99,8 @@ class RMSNorm(nn.Module):
         return _RMSNorm.apply(x, self.weight, self.eps)
 
 
-class FusedLayerNorm(nn.Module):
+class FusedLayerNorm(LayerNorm):
     """LayerNorm through the Triton kernel: (x - mean) / sqrt(var + eps) * weight + bias."""
-
-    def __init__(self, hidden_size: int, eps: float = 1e-5):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.bias = nn.Parameter(torch.zeros(hidden_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         from megalite.kernels.norms import layer_norm

@@ -80,6 +80,7 @@ LAYOUTS = {
     "TP2 SP x DP2 ZeRO-1": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--zero-stage", "1"]),
     "TP2 x PP2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
     "CP2 (ring attention between TE linears)": (2, ["--context-parallel-size", "2"]),
+    "DP2 ZeRO-3 (TE weights gathered layer by layer)": (2, ["--zero-stage", "3"]),
 }
 
 
@@ -103,6 +104,14 @@ def _fp8_states(path):
 def _state_error(a, b):
     assert a.keys() == b.keys() and a
     return max(((a[n] - b[n]).abs().max() / b[n].abs().max().clamp_min(1e-30)).item() for n in a)
+
+
+def test_te_moe_at_ep2_trains_as_the_serial_local_moe(standin):
+    from megalite.pretrain import pretrain
+    moe = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2", "--train-iters", "8"]
+    serial = [(r["loss"], r["grad_norm"]) for r in pretrain(PRETRAIN + moe)]
+    ep2 = run_world(_pretrain_worker, 2, TE + moe + ["--expert-model-parallel-size", "2"])[0]
+    assert _worst(ep2, serial) < 1e-5
 
 
 def test_fp8_amax_reduced_over_the_stage_so_tp_sp_matches_serial_fp8(standin, monkeypatch, tmp_path):

@@ -27,7 +27,8 @@ learned positions, and on the last stage the final norm and the output layer (wi
 embeddings and P > 1 the last stage holds its own copy of the word embedding).
 
 **Activations** per layer and micro-batch (Korthikanti et al. 2022, "Reducing Activation
-Recomputation in Large Transformer Models"), 16-bit, with dropout masks of 1 byte,
+Recomputation in Large Transformer Models"), 16-bit, with dropout masks of 1 byte (none
+without dropout: ``--hidden-dropout 0`` drops the two per layer and the embedding's),
 for s tokens, micro batch b, hidden h, a heads::
 
     s b h (34 + 5 a s / h)     bytes without recomputation, t = 1
@@ -238,11 +239,21 @@ def layer_activation_bytes(m: ModelConfig, micro: int, tp: int = 1, sp: bool = F
     sbh, sbf, B = s * b * h, s * b * m.ffn_hidden_size, act_bytes
     if recompute == "full":
         return B * sbh / (tp if sp else 1)
-    replicated = (4 * B + 2) * sbh  # norm inputs, QKV and FC1 inputs, two dropout masks: 10 sbh
+    masks = 2 if m.hidden_dropout > 0 else 0  # two 1-byte dropout masks (the fused kernel's)
+    replicated = (4 * B + masks) * sbh  # norm inputs, QKV and FC1 inputs, the masks: 10 sbh
     mlp = (4 if m.swiglu else 2) * B * sbf
     split = B * sbh * (2 + 2 * kv) + mlp  # Q, K, V, attention output; MLP: 24 sbh for GPT-2
     scores = 0.0 if recompute == "selective" or flash_attention else (2 * B + 1) * a * s * s * b  # 5 a s^2 b
     return replicated / (tp if sp else 1) + (split + scores) / tp
+
+
+def attention_output_copy_bytes(m: ModelConfig, micro: int, tp: int = 1, cp: int = 1, act_bytes: int = 2) -> float:
+    """What a megalite layer keeps beyond the formula above (measured by the meta dry run,
+    tools/dry_run.py): a flash-style kernel keeps its output for its backward, in its own
+    (b, heads, s, d) layout, and proj keeps the (s, b, heads d) copy it takes as input: the
+    attention output twice, B s b h / t more (not with selective recomputation, where the
+    kernel's is recomputed)."""
+    return act_bytes * m.seq_length / cp * micro * m.hidden_size / tp
 
 
 def in_flight(pp: int, stage: int, num_micro: int) -> int:
@@ -255,13 +266,15 @@ def stage_activation_bytes(m: ModelConfig, layout: Layout, stage: int, micro: in
     t, sp, cp = layout.tp, layout.sp, layout.cp
     args = dict(micro=micro, tp=t, sp=sp, cp=cp, act_bytes=prec.act_bytes, flash_attention=flash_attention)
     per_layer = layer_activation_bytes(m, recompute=layout.recompute, **args)
+    if flash_attention and layout.recompute == "none":
+        per_layer += attention_output_copy_bytes(m, micro, t, cp, prec.act_bytes)
     layers = m.num_layers // layout.pp
     moe_flags = moe_planning.stage_moe_flags(m, layout.pp, stage)  # which of the stage's layers are MoE
     moe = dict(micro=micro, tp=t, sp=sp, cp=cp, ep=layout.ep, act_bytes=prec.act_bytes)
     delta = moe_planning.moe_layer_delta(m, **moe) if any(moe_flags) and layout.recompute != "full" else 0.0
     per_mb = layers * per_layer + sum(moe_flags) * delta  # routed tokens instead of the dense MLP
     sbh = m.seq_length / cp * micro * m.hidden_size / (t if sp else 1)
-    first = sbh if stage == 0 else 0.0  # embedding dropout mask
+    first = sbh if stage == 0 and m.hidden_dropout > 0 else 0.0  # embedding dropout mask
     per_mb += first
     if stage == layout.pp - 1:
         per_mb += prec.act_bytes * sbh + 4 * m.seq_length / cp * micro * m.padded_vocab_size(t) / t
@@ -270,8 +283,10 @@ def stage_activation_bytes(m: ModelConfig, layout: Layout, stage: int, micro: in
     recomputed = 0.0
     if layout.recompute == "full":  # the layer being recomputed during backward (the larger kind)
         recomputed = layer_activation_bytes(m, recompute="none", **args)
+        if flash_attention:
+            recomputed += attention_output_copy_bytes(m, micro, t, cp, prec.act_bytes)
         if any(moe_flags):
-            full_delta = moe_planning.moe_layer_delta(m, **moe, gathered=False)
+            full_delta = moe_planning.moe_layer_delta(m, **moe)
             recomputed += full_delta if all(moe_flags) else max(full_delta, 0.0)
         total += recomputed
     if any(moe_flags):  # an MoE layer's dispatch buffers (forward) or expert weight gradients (backward)

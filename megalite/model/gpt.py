@@ -65,7 +65,14 @@ class ParallelDropout(nn.Dropout):
     def forward(self, x):
         if self.sequence_parallel and self.training and self.p > 0:
             with get_rng_tracker().fork():
-                return super().forward(x)
+                return self._drop(x)
+        return self._drop(x)
+
+    def _drop(self, x):
+        if x.device.type == "meta" and self.training and self.p > 0:
+            # A dry run measures a GPU's memory: there F.dropout is the fused kernel, keeping a
+            # 1-byte mask (the composite path the meta device would take keeps one of x's dtype).
+            return torch.ops.aten.native_dropout(x, self.p, True)[0]
         return super().forward(x)
 
 

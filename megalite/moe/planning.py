@@ -35,9 +35,10 @@ backward, beyond what its attention and norms keep (a dense layer's)::
                weighted rows (``index_add`` keeps its source); the weights in B bytes
     indices    8 N x (2 + 2 [EP > 1])   sort order, token of each row (+ the EP permutation
                and its inverse)
-    shared     a dense MLP of F_s: its (gathered) input B s/c b h + 2 sec B s/c b F_s / t
+    shared     a dense MLP of F_s: its input B s/c b h (/t under SP) + 2 sec B s/c b F_s / t
 
-replacing the dense MLP's B s/c b h (fc1 input, gathered under SP) + 2 sec B s/c b F / t.
+replacing the dense MLP's B s/c b h (fc1 input; under SP this rank's shard, /t) + 2 sec B s/c
+b F / t.
 The input of the MoE block itself is not kept (the router keeps its fp32 copy).
 With a capacity factor the meta run and this arithmetic keep every row (balanced routing
 never drops one); imbalanced routing puts up to max/mean load more rows on a rank.
@@ -199,13 +200,13 @@ def routed_tokens(m, micro: int, tp: int = 1, sp: bool = False, cp: int = 1) -> 
 
 
 def mlp_activation_bytes(m, ffn: int, micro: int, tp: int = 1, sp: bool = False, cp: int = 1,
-                         act_bytes: int = 2, gathered: bool = True) -> float:
-    """What megalite's dense MLP of ``ffn`` keeps: fc1's input (the gathered sequence under SP
-    with ``gathered``, as megalite keeps it; else this rank's shard) and its intermediates."""
+                         act_bytes: int = 2) -> float:
+    """What megalite's dense MLP of ``ffn`` keeps: fc1's input (under SP this rank's sequence
+    shard: it is gathered again in backward) and its intermediates."""
     if not ffn:
         return 0.0
     sbh = m.seq_length / cp * micro * m.hidden_size
-    inp = act_bytes * sbh / (1 if gathered or not sp else tp)
+    inp = act_bytes * sbh / (tp if sp else 1)
     return inp + 2 * _sections(m) * act_bytes * m.seq_length / cp * micro * ffn / tp
 
 
@@ -223,11 +224,10 @@ def routed_activation_bytes(m, micro: int, tp: int = 1, sp: bool = False, cp: in
 
 
 def moe_layer_delta(m, micro: int, tp: int = 1, sp: bool = False, cp: int = 1, ep: int = 1,
-                    act_bytes: int = 2, gathered: bool = True) -> float:
+                    act_bytes: int = 2) -> float:
     """Bytes an MoE layer keeps per micro-batch minus what a dense layer keeps: the routed part
-    and the shared expert, less the dense MLP (``gathered``: as in the planner's megalite
-    overhead, the dense MLP's input counted as the gathered sequence under SP)."""
-    args = dict(micro=micro, tp=tp, sp=sp, cp=cp, act_bytes=act_bytes, gathered=gathered)
+    and the shared expert, less the dense MLP."""
+    args = dict(micro=micro, tp=tp, sp=sp, cp=cp, act_bytes=act_bytes)
     return (routed_activation_bytes(m, micro, tp, sp, cp, ep, act_bytes)
             + mlp_activation_bytes(m, m.moe_shared_expert_intermediate_size or 0, **args)
             - mlp_activation_bytes(m, m.ffn_hidden_size, **args))

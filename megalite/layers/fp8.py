@@ -85,10 +85,8 @@ def fp8_state(model: nn.Module) -> dict[str, torch.Tensor]:
     modules that have not run in FP8 yet)."""
     out = {}
     for name, module in _fp8_modules(model):
-        tensors = module.get_fp8_meta_tensors()
-        if tensors is None:
-            pending = getattr(module, "megalite_fp8_pending", None)  # loaded, not yet run
-            tensors = pending
+        # a state loaded but not yet copied in (the module has not run in FP8 since) is saved as loaded
+        tensors = module.get_fp8_meta_tensors() or getattr(module, "megalite_fp8_pending", None)
         if tensors is None:
             continue
         for scaling in SCALINGS:

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from megalite.layers.backends import te_missing
-from megalite.parallel.comm import group_size
+from megalite.parallel.comm import group_rank, group_size
 from megalite.parallel.random import get_rng_tracker
 from megalite.parallel.sharding import TPSplit, mark_sequence_parallel, mark_tensor_parallel
 
@@ -179,16 +179,10 @@ def _common(tp_group, sequence_parallel: bool) -> dict:
 
 
 def _mark_column(module, in_features: int, out_features: int, sections: int, tp_group) -> None:
-    tp, rank = group_size(tp_group), _rank(tp_group)
+    tp, rank = group_size(tp_group), group_rank(tp_group)
     mark_tensor_parallel(module.weight, (out_features, in_features), TPSplit(0, sections), rank, tp)
     if _has_bias(module):
         mark_tensor_parallel(module.bias, (out_features,), TPSplit(0, sections), rank, tp)
-
-
-def _rank(group) -> int:
-    from megalite.parallel.comm import group_rank
-
-    return group_rank(group)
 
 
 def _has_bias(module) -> bool:
@@ -226,8 +220,8 @@ def row_parallel_linear(cfg, in_features: int, out_features: int, *, bias: bool,
     te = _te()
     module = te.Linear(in_features, out_features, bias=bias, parallel_mode="row",
                        **_common(tp_group, sequence_parallel), **_overlap(cfg, name, column=False))
-    tp = group_size(tp_group)
-    mark_tensor_parallel(module.weight, (out_features, in_features), TPSplit(1), _rank(tp_group), tp)
+    mark_tensor_parallel(module.weight, (out_features, in_features), TPSplit(1), group_rank(tp_group),
+                         group_size(tp_group))
     if _has_bias(module) and sequence_parallel:
         mark_sequence_parallel(module.bias)  # added to a sequence shard only
     return module

@@ -17,7 +17,10 @@ Layout: q (b, heads, s_q, d), k and v (b, groups, s_k, d) with ``heads % groups 
 query head h reads key/value head ``h // (heads // groups)``; d up to 256. The kernels take
 the (batch, head, sequence) strides of every input, so any tensor whose last dim has stride
 1 (a permuted view of a fused qkv, a chunk along the sequence) is read in place; others are
-copied first. Outputs are contiguous. fp32, fp16, bf16; softmax statistics and accumulators
+copied first. The output is a (b, heads, s_q, d) view of memory laid out (s_q, b, heads, d), the
+order the model's output projection reads it in: there ``permute + reshape`` to (s, b, h) is a
+view, so the tensor the kernel keeps for backward and the projection's input are one. The lse
+is contiguous. fp32, fp16, bf16; softmax statistics and accumulators
 are fp32. Under the CPU interpreter every load is upcast to fp32 (bf16 is wrong there
 otherwise); on a GPU fp16/bf16 tiles go to the tensor cores as they are and fp32 tiles use
 exact ("ieee") dot products.
@@ -58,7 +61,8 @@ TUNING_KEY = ("HEAD_DIM", "CAUSAL", "SQ_KEY", "SK_KEY")  # + the tensors' dtypes
 
 @triton.jit
 def _fwd_kernel(Q, K, V, O, LSE, stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
-                stride_vb, stride_vh, stride_vs, s_q, s_k, delta, qk_scale, heads, groups, SQ_KEY, SK_KEY,
+                stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os, s_q, s_k, delta, qk_scale,
+                heads, groups, SQ_KEY, SK_KEY,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, MASK_N: tl.constexpr,
                 UPCAST: tl.constexpr, PREC: tl.constexpr):
@@ -115,9 +119,9 @@ def _fwd_kernel(Q, K, V, O, LSE, stride_qb, stride_qh, stride_qs, stride_kb, str
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
-    bh = bh.to(tl.int64)
-    o_ptrs = O + bh * s_q * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]  # contiguous out
+    o_ptrs = O + b * stride_ob + h * stride_oh + offs_m.to(tl.int64)[:, None] * stride_os + offs_d[None, :]
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=q_mask)
+    bh = bh.to(tl.int64)
     tl.store(LSE + bh * s_q + offs_m, lse, mask=offs_m < s_q)
 
 
@@ -180,7 +184,8 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
                             q_offset: int = 0, k_offset: int = 0, scale: float | None = None,
                             block_m: int | None = None, block_n: int | None = None,
                             num_warps: int | None = None, num_stages: int | None = None):
-    """(out, lse): out (b, heads, s_q, d) contiguous in q's dtype, lse (b, heads, s_q) float32
+    """(out, lse): out (b, heads, s_q, d) in q's dtype, laid out (s_q, b, heads, d) in memory (module
+    docstring), lse (b, heads, s_q) float32
     natural log; no autograd. q, k, v of any strides with a unit last stride are read in place
     (e.g. permuted views of a fused qkv); others are copied. Tiles: autotuned on a GPU (see
     ``fwd_configs``), or the ones given (``block_m``/``block_n``/``num_warps``/``num_stages``;
@@ -193,13 +198,13 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     config = None
     if block_m or block_n or num_warps or num_stages:
         config = explicit_config(fwd_configs(d, q.dtype), block_m, block_n, num_warps, num_stages)
-    out = torch.empty((b, heads, s_q, d), device=q.device, dtype=q.dtype)
+    out = torch.empty((s_q, b, heads, d), device=q.device, dtype=q.dtype).permute(1, 2, 0, 3)
     lse = torch.empty((b, heads, s_q), device=q.device, dtype=torch.float32)
     if out.numel() == 0:
         return out, lse.fill_(float("-inf"))
     grid = lambda meta: (triton.cdiv(s_q, meta["BLOCK_M"]), b * heads)  # noqa: E731
     launch_tiles(_fwd, None if config else _tuned_fwd(d, q.dtype), config, grid,
-                 q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], s_q, s_k,
+                 q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], s_q, s_k,
                  int(q_offset) - int(k_offset), scale * LOG2E, heads, groups, seq_key(s_q), seq_key(s_k),
                  HEAD_DIM=d, BLOCK_D=block_d(d), CAUSAL=bool(causal), UPCAST=INTERPRET,
                  PREC="ieee" if q.dtype == torch.float32 else "tf32")

@@ -44,7 +44,10 @@ an FFN of 4h); the code computes the parts from the real FFN size, key/value gro
 SwiGLU (which stores gate, up, silu(gate) and their product: 8 s b f instead of 4 s b f).
 The last stage adds fp32 logits for the loss, 4 s b V / t. With CP each rank holds s/CP
 tokens. ``flash_attention=True`` drops the scores term as selective recomputation does
-(flash-style kernels never store the s x s probabilities).
+(flash-style kernels never store the s x s probabilities). The attention output is kept once:
+megalite's Triton kernel writes it in the (s, b, heads, d) order proj reads (and flash-attn's
+(b, s, heads, d) output is a view there too); torch SDPA on a GPU returns (b, heads, s, d), so
+proj keeps a second copy, B s b h / t more per layer, which is not counted here.
 
 Micro-batches in flight: 1 without PP (gradient accumulation finishes each backward
 before the next forward); under 1F1B stage p holds min(P - p, M), so the first stage P.
@@ -247,15 +250,6 @@ def layer_activation_bytes(m: ModelConfig, micro: int, tp: int = 1, sp: bool = F
     return replicated / (tp if sp else 1) + (split + scores) / tp
 
 
-def attention_output_copy_bytes(m: ModelConfig, micro: int, tp: int = 1, cp: int = 1, act_bytes: int = 2) -> float:
-    """What a megalite layer keeps beyond the formula above (measured by the meta dry run,
-    tools/dry_run.py): a flash-style kernel keeps its output for its backward, in its own
-    (b, heads, s, d) layout, and proj keeps the (s, b, heads d) copy it takes as input: the
-    attention output twice, B s b h / t more (not with selective recomputation, where the
-    kernel's is recomputed)."""
-    return act_bytes * m.seq_length / cp * micro * m.hidden_size / tp
-
-
 def in_flight(pp: int, stage: int, num_micro: int) -> int:
     """Micro-batches whose activations a stage holds at once under 1F1B: min(P - p, M)."""
     return min(pp - stage, num_micro)
@@ -266,8 +260,6 @@ def stage_activation_bytes(m: ModelConfig, layout: Layout, stage: int, micro: in
     t, sp, cp = layout.tp, layout.sp, layout.cp
     args = dict(micro=micro, tp=t, sp=sp, cp=cp, act_bytes=prec.act_bytes, flash_attention=flash_attention)
     per_layer = layer_activation_bytes(m, recompute=layout.recompute, **args)
-    if flash_attention and layout.recompute == "none":
-        per_layer += attention_output_copy_bytes(m, micro, t, cp, prec.act_bytes)
     layers = m.num_layers // layout.pp
     moe_flags = moe_planning.stage_moe_flags(m, layout.pp, stage)  # which of the stage's layers are MoE
     moe = dict(micro=micro, tp=t, sp=sp, cp=cp, ep=layout.ep, act_bytes=prec.act_bytes)
@@ -283,8 +275,6 @@ def stage_activation_bytes(m: ModelConfig, layout: Layout, stage: int, micro: in
     recomputed = 0.0
     if layout.recompute == "full":  # the layer being recomputed during backward (the larger kind)
         recomputed = layer_activation_bytes(m, recompute="none", **args)
-        if flash_attention:
-            recomputed += attention_output_copy_bytes(m, micro, t, cp, prec.act_bytes)
         if any(moe_flags):
             full_delta = moe_planning.moe_layer_delta(m, **moe)
             recomputed += full_delta if all(moe_flags) else max(full_delta, 0.0)

@@ -173,11 +173,12 @@ def test_mixed_precision_step_runs_and_is_close_to_fp32(flag):
 
 @pytest.mark.parametrize("rope", [True, False])
 def test_attention_keeps_no_more_than_q_k_v_for_backward(rope):
-    """What the graph keeps for backward holds q, k and v once. The Triton kernel (as flash-attn
-    and SDPA's GPU kernels) saves its inputs as given: with RoPE, q and k are new tensors and v is
-    copied out of the fused qkv, so no view keeps the qkv projection's output alive (heads +
-    groups head dims per token more than needed); without RoPE q, k, v are views of it, and
-    qkv is exactly them, kept once."""
+    """What the graph keeps for backward holds q, k, v and the attention output once. The Triton
+    kernel (as flash-attn and SDPA's GPU kernels) saves its inputs as given: with RoPE, q and k
+    are new tensors and v is copied out of the fused qkv, so no view keeps the qkv projection's
+    output alive (heads + groups head dims per token more than needed); without RoPE q, k, v are
+    views of it, and qkv is exactly them, kept once. The kernel's output, which it keeps, is
+    proj's input (no copy between them)."""
     from megalite.layers.backends import triton_missing
     if triton_missing("cpu"):
         pytest.skip(triton_missing("cpu"))
@@ -188,14 +189,18 @@ def test_attention_keeps_no_more_than_q_k_v_for_backward(rope):
     model.init_weights(0)
     attn = model.layers["0"].attn
     qkv = {}  # between the qkv projection and proj: its output is alive, no address is reused
+    saved = set()  # storages saved for backward inside attention
     attn.qkv.register_forward_hook(lambda m, i, o: qkv.update(ptr=o.untyped_storage().data_ptr(), saved=False))
-    attn.proj.register_forward_pre_hook(lambda m, i: qkv.update(ptr=None))
+    # proj's input is the kernel's output itself (it writes the (s, b, heads, d) order proj reads)
+    attn.proj.register_forward_pre_hook(lambda m, i: qkv.update(ptr=None, out_once=i[0].untyped_storage().data_ptr()
+                                                                in saved))
 
     def pack(t):
-        if qkv.get("ptr") is not None and t.untyped_storage().data_ptr() == qkv["ptr"]:
-            qkv["saved"] = True
+        if qkv.get("ptr") is not None:
+            saved.add(t.untyped_storage().data_ptr())
+            qkv["saved"] |= t.untyped_storage().data_ptr() == qkv["ptr"]
         return t
     x = torch.randint(0, 97, (2, 33))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(x[:, :-1], labels=x[:, 1:]).sum().backward()
-    assert qkv["saved"] == (not rope)
+    assert qkv["saved"] == (not rope) and qkv["out_once"]

@@ -118,7 +118,8 @@ class _MetaFlashAttention(torch.autograd.Function):
         # views that keep the fused qkv (= q + k + v) alive; with RoPE q and k are new tensors
         # and the model copies v out of qkv (SelfAttention.forward), so qkv is freed.
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        out = torch.empty_like(q)
+        b, h, s, d = q.shape  # laid out (s, b, heads, d), as the Triton kernel writes it
+        out = torch.empty((s, b, h, d), dtype=q.dtype, device=q.device).permute(1, 2, 0, 3)
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         ctx.save_for_backward(q, k, v, out, lse)
         return out

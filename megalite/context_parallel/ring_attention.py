@@ -172,7 +172,14 @@ class _RingAttention(torch.autograd.Function):
             exchange.events.append(("computed", time.perf_counter()))
             if pending is not None:
                 k_cur, v_cur = exchange.finish(pending)
-        out = torch.cat([a[0] for a in acc], dim=2).to(q.dtype)
+        # The output laid out (s, b, heads, d), the order proj reads (as the Triton kernel writes
+        # it): the model's permute + reshape is then a view, and the output is kept once.
+        b, heads, s, d = q.shape
+        out = torch.empty((s, b, heads, d), dtype=q.dtype, device=q.device).permute(1, 2, 0, 3)
+        start = 0
+        for part, _ in acc:
+            out[:, :, start: start + part.shape[2]].copy_(part)
+            start += part.shape[2]
         lse = torch.cat([a[1] for a in acc], dim=2)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.scale, ctx.exchange, ctx.ops = causal, scale, exchange, ops

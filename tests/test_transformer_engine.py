@@ -32,7 +32,7 @@ def standin(monkeypatch):
     return te_standin.install(monkeypatch)
 
 
-def _loss_and_grads(cfg, moe=False):
+def _loss_and_grads(cfg):
     model = GPTModel(cfg)
     model.init_weights(7)
     x = torch.randint(0, cfg.vocab_size, (2, cfg.seq_length + 1), generator=torch.Generator().manual_seed(3))

@@ -164,13 +164,12 @@ def _ring_case(rank, world, grid, causal, heads, groups, seq, d, backend):
             t.shape[0], t.shape[1], -1, t.shape[3])
 
     ql, kl, vl = (mine(t).clone().requires_grad_() for t in (q, k, v))
-    ra.WORK_LOG.clear()
     exchange = ra.RingExchange(grid.cp_group)
     out = ra.ring_attention(ql, kl, vl, grid.cp_group, causal=causal, exchange=exchange, backend=backend)
     out.backward(mine(dout))
     errs = {"out": rel(out, mine(ref.detach())), "dq": rel(ql.grad, mine(q64.grad)),
             "dk": rel(kl.grad, mine(k64.grad)), "dv": rel(vl.grad, mine(v64.grad))}
-    return errs, list(ra.WORK_LOG), exchange.events
+    return errs, exchange.work, exchange.events
 
 
 def _ring_worker(rank, world, cases):
@@ -350,3 +349,35 @@ def test_pretrain_context_parallel_matches_single_process(name):
             worst = max([worst] + [abs(a - b) / b for a, b in zip(got, ref)])
     print(f"{name}: largest relative loss / grad-norm difference vs 1 process, {iters} iterations:", worst)
     assert worst < 1e-5, worst
+
+
+def _module_state_sizes():
+    """Sizes of every module-level container of the context-parallel package and the attention
+    layer: state that lives across calls (and would grow with steps)."""
+    import sys
+    sizes = {}
+    for name, module in list(sys.modules.items()):
+        if name.startswith(("megalite.context_parallel", "megalite.layers.attention")) and module:
+            for attr, value in vars(module).items():
+                if isinstance(value, (list, dict, set)) and not attr.startswith("__"):
+                    sizes[f"{name}.{attr}"] = len(value)
+    return sizes
+
+
+def _repeated_ring_worker(rank, world, steps):
+    grid = build_grid(ParallelConfig(context_parallel_size=world), world, rank)
+    from megalite.context_parallel import ring_attention as ra
+    q = torch.randn(1, 2, 8, 8, requires_grad=True)
+    k, v = torch.randn(1, 2, 8, 8), torch.randn(1, 2, 8, 8)
+    sizes = []
+    for _ in range(steps):
+        ra.ring_attention(q, k, v, grid.cp_group, causal=True, backend="torch").sum().backward()
+        sizes.append(_module_state_sizes())
+    return sizes
+
+
+def test_ring_attention_keeps_no_state_across_steps():
+    """Nothing module-level grows per call (a list appended to on every block of every step
+    leaks host memory over a long run): the logs live on the per-call RingExchange."""
+    for sizes in run_world(_repeated_ring_worker, 2, 3):
+        assert sizes[0] == sizes[1] == sizes[2], sizes

@@ -110,7 +110,9 @@ class RingExchange:
         self.size, self.rank = comm.group_size(group), comm.group_rank(group)
         self.next = dist.get_global_rank(group, (self.rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (self.rank - 1) % self.size)
+        # Per call (a RingExchange lives for one attention call, and so do these logs):
         self.events: list[tuple[str, float]] = []  # (what, time) for the overlap test
+        self.work: list[tuple[int, int, bool]] = []  # (q chunk, k chunk, causal) per block forward
 
     def start(self, tensors: list[torch.Tensor]):
         tensors = [t.contiguous() for t in tensors]
@@ -134,10 +136,6 @@ class RingExchange:
 
 def local_chunk_ids(rank: int, size: int, causal: bool) -> list[int]:
     return [rank, 2 * size - 1 - rank] if causal else [rank]
-
-
-# Work done per rank, for the load-balance count: (query chunk, key chunk, causal) per call.
-WORK_LOG: list[tuple[int, int, bool]] = []
 
 
 def _pairs(rank, src, size, causal):
@@ -165,7 +163,7 @@ class _RingAttention(torch.autograd.Function):
             exchange.events.append(("compute", time.perf_counter()))
             k_parts, v_parts = k_cur.chunk(n, dim=2), v_cur.chunk(n, dim=2)
             for qi, qa, ki, ka, diag in _pairs(rank, src, size, causal):
-                WORK_LOG.append((qa, ka, diag))
+                exchange.work.append((qa, ka, diag))  # the load-balance count of the tests
                 o, lse = ops.forward(q_parts[qi], k_parts[ki], v_parts[ki], causal=diag, scale=scale)
                 o = o.to(acc_dtype)
                 acc[qi] = (o, lse) if acc[qi] is None else merge_attention(acc[qi][0], acc[qi][1], o, lse)

@@ -56,12 +56,22 @@ def resolve_device(name: str = "auto", fake_process_group: bool = False) -> torc
     return torch.device(name)
 
 
+def cuda_allocator_environment() -> None:
+    """Expandable segments for CUDA's caching allocator, unless the user configured it: blocks
+    grow in place instead of fragmenting into fixed segments (activations of varying sizes,
+    pipeline micro-batches). The allocator reads ``PYTORCH_CUDA_ALLOC_CONF`` once, when CUDA is
+    first initialized (``set_device``, ``is_available`` may already probe), so this must run
+    before any ``torch.cuda`` call of the process: the first thing of the startup, on every
+    GPU run, one GPU included."""
+    if "PYTORCH_ALLOC_CONF" not in os.environ:  # torch >= 2.9 also reads this newer name
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+
 def nccl_environment() -> None:
     """The field's defaults for NCCL runs, unless the user set them: errors raise instead of
     hanging (async error handling), and on a timeout every rank dumps its flight recorder
     (the last collectives it issued, with sequence numbers) for ``torch.distributed``'s
     fr_trace analyzer."""
-    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
     os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
     os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")

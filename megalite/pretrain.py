@@ -37,7 +37,8 @@ from megalite.parallel.random import model_parallel_seed
 from megalite.pipeline.partition import build_model_chunks, virtual_stages
 from megalite.pipeline.schedules import Trace
 from megalite.data_parallel.accounting import describe_memory
-from megalite.device import host_barrier, init_distributed, meta_stand_ins, resolve_device, to_device
+from megalite.device import (cuda_allocator_environment, host_barrier, init_distributed, meta_stand_ins,
+                             resolve_device, to_device)
 from megalite.launch import detect_launch
 from megalite.faults import (CollectiveTimeout, HangWatchdog, TrainingDiverged, bytes_by_group, check_finite,
                              hang_report, looks_like_timeout, report_failure)
@@ -104,6 +105,8 @@ def setup(argv=None):
     """Parse and validate (before any group or model), then, in this order: the device
     (``LOCAL_RANK`` -> ``set_device``), the default process group, the grid's groups."""
     args = build_parser().parse_args(argv)
+    if args.device in ("auto", "cuda"):
+        cuda_allocator_environment()  # before any torch.cuda call: the allocator reads it once
     world_size, rank = _world_from_env(args)
     # Elastic jobs pass --load D --save D from the first start: nothing to load yet is fine there.
     args.fresh_start = bool(args.load and args.save and os.path.abspath(args.load) == os.path.abspath(args.save)

@@ -3,6 +3,7 @@ timers' host fallback, batch placement (the RNG tracker's keys: tests/test_dp_an
 from __future__ import annotations
 
 import io
+import os
 import time
 import types
 
@@ -63,3 +64,37 @@ def test_batches_move_to_the_device():
     assert meta["tokens"].device.type == "meta" and meta["tokens"].shape == (2, 3)
     assert host_value(torch.tensor(2.5)) == 2.5
     assert host_value(torch.empty((), device="meta")) != host_value(torch.empty((), device="meta"))  # NaN
+
+
+def test_allocator_setting_precedes_the_first_cuda_call(monkeypatch):
+    """``PYTORCH_CUDA_ALLOC_CONF`` is read once, when CUDA initializes: setup() must put
+    expandable segments in the environment before its first ``torch.cuda`` call, on one GPU
+    too. torch.cuda is patched to record the environment each call sees."""
+    from megalite.pretrain import setup
+
+    for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    seen = []
+
+    def recorder(name, result=None):
+        def call(*args, **kwargs):
+            seen.append((name, os.environ.get("PYTORCH_CUDA_ALLOC_CONF")))
+            return result
+        return call
+
+    for name, result in (("is_available", True), ("device_count", 1), ("set_device", None), ("init", None),
+                         ("_lazy_init", None), ("current_device", 0), ("get_device_name", "H200")):
+        monkeypatch.setattr(torch.cuda, name, recorder(name, result))
+    setup(["--device", "cuda", "--mock-data", "--vocab-size", "64", "--num-layers", "1", "--hidden-size", "16",
+           "--num-attention-heads", "2", "--seq-length", "8", "--micro-batch-size", "1", "--global-batch-size", "1",
+           "--train-iters", "1"])
+    assert ("set_device", "expandable_segments:True") in seen, seen
+    assert seen and all(conf == "expandable_segments:True" for _, conf in seen), seen
+
+
+def test_allocator_setting_keeps_the_users(monkeypatch):
+    from megalite.device import cuda_allocator_environment
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:128")
+    cuda_allocator_environment()
+    assert os.environ["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:128"

@@ -2,7 +2,7 @@
 
 For tokens ``x`` (T, h) and router weight ``W`` (E, h)::
 
-    logits = x W^T                      (T, E), computed in fp32
+    logits = x W^T                      (T, E), computed in fp32, autocast or not
     p      = softmax(logits)            over the E experts
     (v, i) = topk(p, k)                 the k chosen experts of each token
     w      = v / sum_j v_j              weights renormalized over the chosen k
@@ -21,6 +21,11 @@ Load-balancing loss (Switch Transformer, GShard; Megatron's ``switch_load_balanc
 ``f_e`` counts the assignments *before* capacity dropping (what the router asked for).
 
 z-loss (ST-MoE): ``z = mean_t logsumexp(logits[t])^2``, keeps the logits small.
+
+**fp32 under autocast.** Autocast casts ``linear``'s inputs to its 16-bit dtype whatever they
+are, so ``F.linear(x.float(), W.float())`` alone would give bf16 logits: top-k would choose
+among rounded probabilities and the z-loss square rounded log-sum-exps. The logits, softmax,
+top-k and both losses are computed with autocast disabled for the input's device type.
 
 **Over a token group.** The tokens of one micro-batch may be spread over several ranks: under
 sequence parallelism each TP rank holds s/TP positions, under context parallelism each CP
@@ -48,12 +53,15 @@ first come, first served in the serial order of the micro-batch's tokens (the fl
 group, each rank passes ``token_index``, its tokens' places in that order (the rank-order
 concatenation when omitted); the ids are all-gathered (T_global*k integers), every rank runs
 the same first-come count over the whole micro-batch and keeps its own rows. So the same
-assignments are dropped under any layout as in the serial model. A dropped assignment gets
+assignments are dropped under any layout as in the serial model. Under the fake process
+group the all-gather writes nothing (on a GPU its buffer is garbage, used as indices): there
+every rank is taken to have routed as this one, in rank order. A dropped assignment gets
 weight 0 and is not sent to any expert; the kept weights are *not* renormalized (a token
 whose choices are all dropped passes through the residual only).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import NamedTuple
 
@@ -61,6 +69,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megalite.device import is_fake
 from megalite.parallel import comm
 
 
@@ -95,6 +104,13 @@ def first_come_kept(ids: torch.Tensor, num_experts: int, cap: float) -> torch.Te
     return (position.double() < cap).view_as(ids)
 
 
+def full_precision(device: torch.device):
+    """Autocast off for ``device``'s type (a no-op context where autocast does not exist: meta)."""
+    if torch.amp.is_autocast_available(device.type):
+        return torch.autocast(device.type, enabled=False)
+    return contextlib.nullcontext()
+
+
 class TopKRouter(nn.Module):
     """``forward(x (T, h), token_group=None, token_index=None) -> RouterOutput``; see the
     module docstring."""
@@ -111,17 +127,17 @@ class TopKRouter(nn.Module):
     def forward(self, x: torch.Tensor, token_group=None, token_index: torch.Tensor | None = None) -> RouterOutput:
         E, k = self.num_experts, self.topk
         T, G = x.shape[0], comm.group_size(token_group)
-        logits = F.linear(x.float(), self.weight.float())  # (T, E) fp32
-        probs = logits.softmax(dim=-1)
-        top_p, ids = probs.topk(k, dim=-1)
-        weights = top_p / top_p.sum(dim=-1, keepdim=True) if k > 1 else top_p
-
-        requested = expert_counts(ids, E)  # (E,) this rank's assignments, before dropping
-        total = comm.all_reduce(requested.clone(), token_group)  # the micro-batch's (no gradient)
         t_global = T * G  # every rank of the group holds as many tokens
-        f = total.to(probs.dtype) / max(1, t_global * k)
-        aux_loss = E * (f * probs.sum(dim=0)).sum() / max(1, t_global)
-        z_loss = torch.logsumexp(logits, dim=-1).square().sum() / max(1, t_global)
+        with full_precision(x.device):
+            logits = F.linear(x.float(), self.weight.float())  # (T, E) fp32
+            probs = logits.softmax(dim=-1)
+            top_p, ids = probs.topk(k, dim=-1)
+            weights = top_p / top_p.sum(dim=-1, keepdim=True) if k > 1 else top_p
+            requested = expert_counts(ids, E)  # (E,) this rank's assignments, before dropping
+            total = comm.all_reduce(requested.clone(), token_group)  # the micro-batch's (no gradient)
+            f = total.to(probs.dtype) / max(1, t_global * k)
+            aux_loss = E * (f * probs.sum(dim=0)).sum() / max(1, t_global)
+            z_loss = torch.logsumexp(logits, dim=-1).square().sum() / max(1, t_global)
 
         if self.capacity_factor is None:
             kept = torch.ones_like(ids, dtype=torch.bool)
@@ -135,6 +151,9 @@ class TopKRouter(nn.Module):
                     token_index = torch.arange(rank * T, (rank + 1) * T, device=ids.device)
                 all_ids = comm.all_gather_dim0(ids, token_group)  # (T_global, k), rank order
                 all_index = comm.all_gather_dim0(token_index.to(ids.device), token_group)
+                if is_fake():  # nothing was gathered (module docstring)
+                    all_ids = ids.repeat(G, 1)
+                    all_index = torch.arange(t_global, device=ids.device)
                 ordered = torch.empty_like(all_ids).index_copy_(0, all_index, all_ids)  # serial order
                 kept = first_come_kept(ordered, E, cap).index_select(0, token_index.to(ids.device))
             weights = weights * kept.to(weights.dtype)

@@ -16,12 +16,19 @@ The torch fallback is a loop of two matmuls per non-empty group. ``--moe-grouped
 (:mod:`megalite.kernels.grouped_gemm`: tiles assigned to groups by a prefix sum over the
 counts, dW per group without atomics); the loop stays its oracle (tests/test_grouped_gemm.py,
 tests/test_moe.py). On meta (dry runs) the loop stands in: same shapes, same memory.
+
+``counts`` are host ints or an (E,) integer tensor on the rows' device. The Triton path keeps a
+tensor on the device (offsets ``F.pad(cumsum(counts), (1, 0))``, built once for both matmuls;
+the grid is then sized by a bound, see the kernel): no device->host sync. The loop slices rows
+by host counts, so it reads a tensor to the host: one sync (balanced counts on meta).
 """
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from megalite.moe.dispatch import host_ints
 
 
 def _activation(h: torch.Tensor, swiglu: bool) -> torch.Tensor:
@@ -31,12 +38,19 @@ def _activation(h: torch.Tensor, swiglu: bool) -> torch.Tensor:
     return F.gelu(h, approximate="tanh")
 
 
-def grouped_mlp(x_sorted: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor,
+def host_counts(counts, n_rows: int) -> list[int]:
+    """Host ints as they are; a tensor read to the host (one sync; balanced over ``n_rows``
+    on meta)."""
+    return host_ints(counts, n_rows) if isinstance(counts, torch.Tensor) else list(counts)
+
+
+def grouped_mlp(x_sorted: torch.Tensor, counts, w1: torch.Tensor, w2: torch.Tensor,
                 swiglu: bool = True) -> torch.Tensor:
-    """Rows ``x_sorted`` (N, h) grouped by expert (``counts``: E host ints summing to N) ->
-    (N, h). Experts without rows cost nothing; their weight gradients are zero (not None),
-    also when no expert gets a row at all: every rank must still present a gradient to
-    the data-parallel reduction of expert parameters."""
+    """Rows ``x_sorted`` (N, h) grouped by expert (``counts``: E ints summing to N; a tensor is
+    read to the host) -> (N, h). Experts without rows cost nothing; their weight gradients are
+    zero (not None), also when no expert gets a row at all: every rank must still present a
+    gradient to the data-parallel reduction of expert parameters."""
+    counts = host_counts(counts, x_sorted.shape[0])
     if len(counts) != w1.shape[0]:
         raise ValueError(f"{len(counts)} group counts for {w1.shape[0]} experts")
     if sum(counts) != x_sorted.shape[0]:
@@ -64,17 +78,26 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def grouped_mlp_triton(x_sorted: torch.Tensor, counts: list[int], w1: torch.Tensor, w2: torch.Tensor,
+def grouped_mlp_triton(x_sorted: torch.Tensor, counts, w1: torch.Tensor, w2: torch.Tensor,
                        swiglu: bool = True) -> torch.Tensor:
     """:func:`grouped_mlp` with each matmul one Triton grouped GEMM (same numbers to fp32
-    rounding). Autocast does not reach a Triton kernel, so inputs are cast as F.linear's would be."""
-    from megalite.kernels.grouped_gemm import grouped_linear
+    rounding). Autocast does not reach a Triton kernel, so inputs are cast as F.linear's would be.
+    ``counts``: host ints, or a tensor on the rows' device (no sync, see the module docstring)."""
+    from megalite.kernels.grouped_gemm import _GroupedLinear, group_offsets
 
-    if len(counts) != w1.shape[0]:
-        raise ValueError(f"{len(counts)} group counts for {w1.shape[0]} experts")
+    n_groups = w1.shape[0]
+    if isinstance(counts, torch.Tensor):
+        if counts.shape != (n_groups,):
+            raise ValueError(f"{tuple(counts.shape)} group counts for {n_groups} experts")
+        # Trusted device offsets: grouped_linear would read a CPU tensor's counts to check them.
+        offsets, exact = F.pad(torch.cumsum(counts, 0, dtype=torch.int32), (1, 0)), None
+    else:
+        if len(counts) != n_groups:
+            raise ValueError(f"{len(counts)} group counts for {n_groups} experts")
+        offsets, exact = group_offsets(counts, n_groups, x_sorted.shape[0], x_sorted.device)
     dtype = _compute_dtype(x_sorted)
-    h = grouped_linear(x_sorted.to(dtype), w1.to(dtype), counts)
-    return grouped_linear(_activation(h, swiglu), w2.to(dtype), counts)
+    h = _GroupedLinear.apply(x_sorted.to(dtype), w1.to(dtype), offsets, exact)
+    return _GroupedLinear.apply(_activation(h, swiglu), w2.to(dtype), offsets, exact)
 
 
 class GroupedExperts(nn.Module):
@@ -89,7 +112,8 @@ class GroupedExperts(nn.Module):
         self.w1 = nn.Parameter(torch.empty(num_local, sections * ffn, hidden))
         self.w2 = nn.Parameter(torch.empty(num_local, hidden, ffn))
 
-    def forward(self, x_sorted: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def forward(self, x_sorted: torch.Tensor, counts) -> torch.Tensor:
+        """``counts``: host ints or a device tensor (see the module docstring)."""
         if self.grouped_gemm and x_sorted.device.type != "meta":
             return grouped_mlp_triton(x_sorted, counts, self.w1, self.w2, self.swiglu)
         return grouped_mlp(x_sorted, counts, self.w1, self.w2, self.swiglu)

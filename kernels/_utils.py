@@ -1,19 +1,40 @@
-"""Helpers shared by the kernels: interpreter detection, device and dtype checks.
+"""Helpers shared by the kernels: interpreter detection, device and dtype checks, tuning.
 
 ``TRITON_INTERPRET=1`` must be set before any ``@triton.jit`` decorator runs (that is,
 before the kernel modules are imported); it then runs every kernel in a numpy
 interpreter on the CPU, program after program. ``INTERPRET`` records what was set at
 import time, which is what decides how the kernels here were compiled.
+
+``MEGALITE_KERNEL_TUNING`` (read at import, ``TUNING``): ``autotune`` (default) gives every
+autotuned kernel its whole config list, pruned by the GPU's shared memory and timed by
+``triton.autotune`` on the first launch of each key; ``fixed`` gives it ONE config per device
+kind, the first of its list whose shared-memory estimate fits the GPU (``fixed_config``):
+one compiled variant per kernel and constexpr set, no timing (a GPU test run; a benchmark
+keeps ``autotune``).
+
+Launch limits: CUDA caps grid axes 1 and 2 at 65,535 programs and axis 0 at 2^31 - 1, so the
+launchers put every product that grows with the batch (b * heads, expert count, rows) on
+axis 0 (``check_grid``). Offsets inside a kernel are int32 unless cast: a tile's relative
+offsets ``rows * stride`` stay int32 only while ``MAX_TILE * stride`` fits (``seq_strided``).
 """
 from __future__ import annotations
 
 import functools
 import os
+import time
 from typing import Callable
 
 import torch
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+TUNING = os.environ.get("MEGALITE_KERNEL_TUNING", "autotune")
+if TUNING not in ("autotune", "fixed"):
+    raise ValueError(f"MEGALITE_KERNEL_TUNING={TUNING!r}: expected 'autotune' (time every config, the "
+                     f"default) or 'fixed' (one config per kernel). Fix: set one of them or unset it.")
+
+GRID_LIMITS = (2**31 - 1, 65535, 65535)  # CUDA's grid size per axis (x, y, z)
+INT32_MAX = 2**31 - 1
+MAX_TILE = 128  # the most rows (BLOCK_M / BLOCK_N) of any attention tile (tests check the configs)
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_HEAD_DIM = 256
@@ -98,6 +119,27 @@ def unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
 
+def seq_strided(t: torch.Tensor) -> torch.Tensor:
+    """A (b, heads, s, d) attention input as the kernels read it: ``t`` itself when its last
+    stride is 1 and a tile's relative offsets ``i * stride_s + j`` (i < MAX_TILE, j < d), which
+    the kernels keep in int32 registers, cannot pass 2^31 - 1; else a contiguous copy (stride_s
+    = d). A view of a huge fused tensor (stride_s of millions of elements) is the rare case."""
+    t = unit_last_stride(t)
+    if t.dim() == 4 and (MAX_TILE - 1) * abs(t.stride(2)) + t.shape[3] > INT32_MAX:
+        return t.contiguous()
+    return t
+
+
+def check_grid(what: str, grid: tuple) -> tuple:
+    """``grid`` itself when every axis is within CUDA's limits (GRID_LIMITS), else a ValueError
+    naming the sizes: a launch past them fails on the GPU with an opaque 'invalid argument'."""
+    for axis, (n, limit) in enumerate(zip(grid, GRID_LIMITS)):
+        if n > limit:
+            raise ValueError(f"{what}: grid {tuple(grid)} has {n} programs on axis {axis}, above CUDA's "
+                             f"{limit}. Fix: split the call (fewer rows or batch * heads per launch).")
+    return grid
+
+
 def seq_key(n: int) -> int:
     """A sequence length rounded up to a power of two (at least 16): an autotuning key, so
     lengths of one octave share a tuned config (>= 16 keeps one integer specialization)."""
@@ -124,20 +166,49 @@ def fit_shared(configs: list, limit: int, nbytes: Callable) -> list:
     return fit or [min(configs, key=nbytes)]
 
 
-def shared_memory_pruner(tensor_arg: str, shared_bytes: Callable) -> Callable:
+def device_shared_limit(t) -> int | None:
+    """The shared-memory limit of the GPU holding tensor ``t``; None when it is not on a GPU."""
+    if not getattr(t, "is_cuda", False):
+        return None
+    return shared_memory_limit(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def shared_memory_pruner(tensor_arg: str, shared_bytes: Callable, width_arg: str | None = "BLOCK_D") -> Callable:
     """An ``early_config_prune`` for ``triton.autotune``: keep the configs that fit the shared
     memory of the GPU holding argument ``tensor_arg``, by the estimate
-    ``shared_bytes(config, BLOCK_D, element_size)`` (BLOCK_D a constexpr of the launch)."""
+    ``shared_bytes(config, args[width_arg], element_size)`` (``width_arg`` a constexpr of the
+    launch), or ``shared_bytes(config, element_size)`` when ``width_arg`` is None.
+
+    Triton calls it as ``prune(configs, nargs, **kwargs)``: ``configs`` a list, ``nargs`` a
+    dict of the positional arguments by name, ``kwargs`` the keyword arguments (constexprs,
+    and ``grid``, ``warmup``). Both are unhashable, so nothing here may be ``lru_cache``d
+    (the limit is cached per device by ``shared_memory_limit``)."""
     def prune(configs, nargs, **kwargs):
         args = {**nargs, **kwargs}
         t = args[tensor_arg]
-        if not t.is_cuda:
-            return configs
-        index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-        return fit_shared(configs, shared_memory_limit(index),
-                          lambda c: shared_bytes(c, args["BLOCK_D"], t.element_size()))
+        limit = device_shared_limit(t)
+        if limit is None:
+            return list(configs)
+        if width_arg is None:
+            return fit_shared(list(configs), limit, lambda c: shared_bytes(c, t.element_size()))
+        return fit_shared(list(configs), limit, lambda c: shared_bytes(c, args[width_arg], t.element_size()))
 
     return prune
+
+
+def fixed_limit() -> int | None:
+    """What ``MEGALITE_KERNEL_TUNING=fixed`` selects by: the shared-memory limit of the current
+    GPU (a launcher runs with its tensors' GPU current, ``on_input_device``); None when tuning
+    is ``autotune``, under the interpreter or without a GPU (then the first config)."""
+    if TUNING != "fixed" or INTERPRET or not torch.cuda.is_available():
+        return None
+    return shared_memory_limit(torch.cuda.current_device())
+
+
+def fixed_config(configs: list, limit: int | None, nbytes: Callable):
+    """The one config of the fixed setting: the first of ``configs`` whose estimate
+    ``nbytes(config)`` fits ``limit`` (the smallest if none does; the first when limit is None)."""
+    return configs[0] if limit is None else fit_shared(configs, limit, nbytes)[0]
 
 
 INTERPRET_TILES = (32, 32, 1, 1)  # (BLOCK_M, BLOCK_N, warps, stages): the interpreter's one config
@@ -175,15 +246,36 @@ def launch_tiles(kernel, tuned, config, grid, *args, **consts):
                         num_stages=config.num_stages)
 
 
-def autotune(configs, key, prune):
-    """``triton.autotune`` with the choice kept on disk where this Triton can (``cache_results``,
-    Triton >= 3.2): the timing picks the fastest config, and a config changes the order of the
-    sums, so without it a restarted process (a resumed run) could pick another and not repeat the
-    uninterrupted run bit for bit. The cache is keyed by the kernel, the key values and the
-    configs (Triton's cache directory, ``TRITON_CACHE_DIR``)."""
+def interpreter_bench(kernel_call: Callable, quantiles=None, **kwargs):
+    """The autotuner's timing under the interpreter: the wall time of one call, in ms (per
+    quantile asked). Triton's default benchmarker asks the active GPU driver, and the
+    interpreter has none ('0 active drivers'): without this, autotuning over two or more
+    configs fails on the CPU."""
+    start = time.perf_counter()
+    kernel_call()
+    ms = (time.perf_counter() - start) * 1e3
+    return [ms] * len(quantiles) if quantiles else ms
+
+
+def autotune(configs, key, prune, nbytes: Callable | None = None, limit: int | None = None):
+    """``triton.autotune`` over ``configs`` keyed on ``key`` and pruned by ``prune``, or, under
+    ``MEGALITE_KERNEL_TUNING=fixed``, over the single ``fixed_config(configs, limit, nbytes)``
+    (the autotuner then neither prunes nor times: it launches it).
+
+    The choice is kept on disk where this Triton can (``cache_results``, Triton >= 3.2): the
+    timing picks the fastest config, and a config changes the order of the sums, so without it
+    a restarted process (a resumed run) could pick another and not repeat the uninterrupted
+    run bit for bit. The cache is keyed by the kernel, the key values and the configs (Triton's
+    cache directory, ``TRITON_CACHE_DIR``; Triton itself turns it off under the interpreter).
+    Under the interpreter the timing is ``interpreter_bench``."""
     import inspect
 
     import triton
 
-    extra = {"cache_results": True} if "cache_results" in inspect.signature(triton.autotune).parameters else {}
+    if TUNING == "fixed":
+        configs = [fixed_config(list(configs), limit, nbytes or (lambda c: 0))]
+    params = inspect.signature(triton.autotune).parameters
+    extra = {"cache_results": True} if "cache_results" in params else {}
+    if INTERPRET and "do_bench" in params:
+        extra["do_bench"] = interpreter_bench
     return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune}, **extra)

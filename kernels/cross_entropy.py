@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megalite.kernels._utils import INTERPRET, check_float, check_tensors, on_input_device
+from megalite.kernels._utils import INTERPRET, check_float, check_grid, check_tensors, on_input_device
 
 
 # Reductions call tl.reduce with the combine functions tl.sum / tl.max use: identical when
@@ -105,7 +105,7 @@ def cross_entropy_stats(logits: torch.Tensor, target: torch.Tensor, vocab_start:
     stats = torch.empty((3, rows), device=z.device, dtype=torch.float32)
     block_r, block_v, warps = _tiles(n)
     if rows:
-        _ce_stats_kernel[(triton.cdiv(rows, block_r),)](
+        _ce_stats_kernel[check_grid("cross_entropy_stats", (triton.cdiv(rows, block_r),))](
             z, t, stats[0], stats[1], stats[2], rows, n, z.stride(0), vocab_start, vocab_size,
             ignore_index, BLOCK_R=block_r, BLOCK_V=block_v, num_warps=warps)
     return tuple(x.view(logits.shape[:-1]) for x in stats)
@@ -122,7 +122,7 @@ def cross_entropy_grad(logits: torch.Tensor, target: torch.Tensor, lse: torch.Te
     dz = torch.empty((rows, n), device=z.device, dtype=logits.dtype)
     block_r, block_v, warps = _tiles(n)
     if rows and n:
-        _ce_grad_kernel[(triton.cdiv(rows, block_r), triton.cdiv(n, block_v))](
+        _ce_grad_kernel[check_grid("cross_entropy_grad", (triton.cdiv(rows, block_r), triton.cdiv(n, block_v)))](
             z, t, lse.reshape(-1).float().contiguous(), grad_loss.reshape(-1).contiguous(), dz, rows,
             n, z.stride(0), vocab_start, vocab_size, ignore_index, BLOCK_R=block_r,
             BLOCK_V=block_v, num_warps=warps)

@@ -50,8 +50,9 @@ import triton
 import triton.language as tl
 
 from megalite.kernels._utils import (INTERPRET, INTERPRET_TILES, autotune, block_d, check_attention_inputs,
-                                     config_width, explicit_config, launch_tiles, on_input_device,
-                                     seq_key, shared_memory_pruner, tile_config, unit_last_stride)
+                                     check_grid, config_width, explicit_config, fixed_limit, launch_tiles,
+                                     on_input_device, seq_key, seq_strided, shared_memory_pruner, tile_config,
+                                     unit_last_stride)
 from megalite.kernels.attention_reference import attention_reference, merge_attention  # noqa: F401
 from megalite.kernels.flash_attention_bwd import flash_attention_backward
 
@@ -69,8 +70,12 @@ def _fwd_kernel(Q, K, V, O, LSE, stride_qb, stride_qh, stride_qs, stride_kb, str
     # Reductions call tl.reduce with the combine functions tl.sum / tl.max use: the same code
     # when compiled, and it skips a jit-wrapper call that costs milliseconds in the interpreter.
     # SQ_KEY, SK_KEY (the lengths rounded to powers of two) only key the autotuner.
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+    # One axis: program pid is query tile pid % n_m of (batch, head) bh = pid // n_m, the order
+    # of a (tiles, b * heads) grid, without CUDA's 65,535 cap on axis 1 (b * heads can pass it).
+    n_m = tl.cdiv(s_q, BLOCK_M)
+    pid = tl.program_id(0)
+    start_m = (pid % n_m) * BLOCK_M
+    bh = pid // n_m
     b = (bh // heads).to(tl.int64)
     h = bh % heads
     g = (h // (heads // groups)).to(tl.int64)
@@ -170,13 +175,19 @@ def _mask_n(args) -> bool:
 _fwd = triton.heuristics({"MASK_N": _mask_n})(_fwd_kernel)  # no mask on an unmasked, whole-tile loop
 
 
-@functools.lru_cache(maxsize=None)
 def _tuned_fwd(head_dim: int, dtype: torch.dtype):
     """The autotuned forward for a head dim and dtype. ``triton.autotune`` times the configs that
     fit the GPU the first time it meets a key (head dim, causal, s_q and s_k rounded to powers of
-    two, and the dtypes of the tensors) and caches the fastest per key for the process."""
-    prune = shared_memory_pruner("Q", fwd_shared_bytes)
-    return autotune(fwd_configs(head_dim, dtype), list(TUNING_KEY), prune)(_fwd)
+    two, and the dtypes of the tensors) and caches the fastest per key for the process. Under
+    MEGALITE_KERNEL_TUNING=fixed: one config, the first that fits the current GPU."""
+    return _build_fwd(head_dim, dtype, fixed_limit())
+
+
+@functools.lru_cache(maxsize=None)
+def _build_fwd(head_dim: int, dtype: torch.dtype, limit: int | None):
+    width, size = block_d(head_dim), dtype.itemsize
+    return autotune(fwd_configs(head_dim, dtype), list(TUNING_KEY), shared_memory_pruner("Q", fwd_shared_bytes),
+                    lambda c: fwd_shared_bytes(c, width, size), limit)(_fwd)
 
 
 @on_input_device
@@ -191,7 +202,7 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     ``fwd_configs``), or the ones given (``block_m``/``block_n``/``num_warps``/``num_stages``;
     what is not given comes from the first config)."""
     check_attention_inputs(q, k, v)
-    q, k, v = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v)
+    q, k, v = unit_last_stride(q), seq_strided(k), seq_strided(v)  # q's offsets are int64
     b, heads, s_q, d = q.shape
     groups, s_k = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
@@ -202,7 +213,8 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     lse = torch.empty((b, heads, s_q), device=q.device, dtype=torch.float32)
     if out.numel() == 0:
         return out, lse.fill_(float("-inf"))
-    grid = lambda meta: (triton.cdiv(s_q, meta["BLOCK_M"]), b * heads)  # noqa: E731
+    grid = lambda meta: check_grid("flash_attention_forward",  # noqa: E731
+                                   (triton.cdiv(s_q, meta["BLOCK_M"]) * b * heads,))
     launch_tiles(_fwd, None if config else _tuned_fwd(d, q.dtype), config, grid,
                  q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], s_q, s_k,
                  int(q_offset) - int(k_offset), scale * LOG2E, heads, groups, seq_key(s_q), seq_key(s_k),

@@ -37,9 +37,9 @@ import triton
 import triton.language as tl
 
 from megalite.kernels._utils import (INTERPRET, INTERPRET_TILES, autotune, block_d, check_attention_inputs,
-                                     check_backward_shapes, config_width, explicit_config, launch_tiles,
-                                     on_input_device, seq_key, shared_memory_pruner, tile_config,
-                                     unit_last_stride)
+                                     check_backward_shapes, check_grid, config_width, explicit_config,
+                                     fixed_limit, launch_tiles, on_input_device, seq_key, seq_strided,
+                                     shared_memory_pruner, tile_config, unit_last_stride)
 
 LOG2E = 1.4426950408889634
 TUNING_KEY = ("HEAD_DIM", "CAUSAL", "SQ_KEY", "SK_KEY")  # + the tensors' dtypes, added by triton.autotune
@@ -48,10 +48,12 @@ TUNING_KEY = ("HEAD_DIM", "CAUSAL", "SQ_KEY", "SK_KEY")  # + the tensors' dtypes
 @triton.jit
 def _delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_os, stride_db, stride_dh, stride_ds, s_q, heads,
                   SQ_KEY, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    bh = tl.program_id(1)
+    n_m = tl.cdiv(s_q, BLOCK_M)  # one grid axis: row tile pid % n_m of (batch, head) pid // n_m
+    pid = tl.program_id(0)
+    bh = pid // n_m
     b = (bh // heads).to(tl.int64)
     h = (bh % heads).to(tl.int64)
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = (pid % n_m) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < s_q) & (offs_d[None, :] < HEAD_DIM)
     r64 = rows.to(tl.int64)[:, None]
@@ -70,8 +72,12 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, stride_qb, stride_qh, stride_q
                  BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
     # One program: BLOCK_N keys of group g of batch b, over the query blocks of the group's
     # heads. stride_o*: dout's; stride_l*, stride_e*: lse's and delta's (sequence stride 1).
-    start_n = tl.program_id(0) * BLOCK_N
-    bg = tl.program_id(1)
+    # One grid axis: key tile pid % n_n of (batch, group) bg = pid // n_n (b * groups can pass
+    # CUDA's 65,535 cap of axis 1).
+    n_n = tl.cdiv(s_k, BLOCK_N)
+    pid = tl.program_id(0)
+    start_n = (pid % n_n) * BLOCK_N
+    bg = pid // n_n
     b = (bg // groups).to(tl.int64)
     g = (bg % groups).to(tl.int64)
     per_group = heads // groups
@@ -122,7 +128,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, stride_qb, stride_qh, stride_q
             dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
             ds_t = p_t * (dp_t - dlt[None, :])
             dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PREC)
-    out = bg.to(tl.int64) * s_k * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]  # contiguous
+    out = bg.to(tl.int64) * s_k * HEAD_DIM + n64 * HEAD_DIM + offs_d[None, :]  # contiguous
     tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
@@ -133,8 +139,10 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, stride_qb, stride_qh, stride_qs, str
                stride_lh, stride_eb, stride_eh, s_q, s_k, delta_pos, qk_scale, scale, heads, groups,
                SQ_KEY, SK_KEY, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
-    start_m = tl.program_id(0) * BLOCK_M
-    bh = tl.program_id(1)
+    n_m = tl.cdiv(s_q, BLOCK_M)  # one grid axis: query tile pid % n_m of (batch, head) pid // n_m
+    pid = tl.program_id(0)
+    start_m = (pid % n_m) * BLOCK_M
+    bh = pid // n_m
     b = (bh // heads).to(tl.int64)
     h = bh % heads
     g = (h // (heads // groups)).to(tl.int64)
@@ -180,7 +188,7 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, stride_qb, stride_qh, stride_qs, str
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p * (dp - dlt[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
-    out = bh.to(tl.int64) * s_q * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]  # contiguous
+    out = bh.to(tl.int64) * s_q * HEAD_DIM + m64 * HEAD_DIM + offs_d[None, :]  # contiguous
     tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty), mask=q_mask)
 
 
@@ -265,20 +273,27 @@ def delta_shared_bytes(config: triton.Config, width: int, element_size: int) -> 
     return 4 * config.kwargs["BLOCK_M"] * config.num_warps
 
 
-@functools.lru_cache(maxsize=None)
 def _tuned(kind: str, head_dim: int, dtype: torch.dtype):
     """The autotuned ``kind`` kernel ("dkdv", "dq" or "delta") for a head dim and dtype.
     ``triton.autotune`` times the configs that fit the GPU's shared memory the first time it
     meets a key (head dim, causal, s_q and s_k rounded to powers of two, and the tensors'
-    dtypes) and caches the fastest per key for the process."""
+    dtypes) and caches the fastest per key for the process. Under
+    MEGALITE_KERNEL_TUNING=fixed: one config, the first that fits the current GPU."""
+    return _build(kind, head_dim, dtype, fixed_limit())
+
+
+@functools.lru_cache(maxsize=None)
+def _build(kind: str, head_dim: int, dtype: torch.dtype, limit: int | None):
     if kind == "delta":
-        fn, configs, key = _delta_kernel, delta_configs(head_dim, dtype), ["HEAD_DIM", "SQ_KEY"]
-        prune = shared_memory_pruner("O", delta_shared_bytes)
+        fn, configs, key, tensor = _delta_kernel, delta_configs(head_dim, dtype), ["HEAD_DIM", "SQ_KEY"], "O"
+        nbytes = delta_shared_bytes
     else:
         fn, configs, nbytes = ((_dkdv_kernel, dkdv_configs, dkdv_shared_bytes) if kind == "dkdv"
                                else (_dq_kernel, dq_configs, dq_shared_bytes))
-        configs, key, prune = configs(head_dim, dtype), list(TUNING_KEY), shared_memory_pruner("Q", nbytes)
-    return autotune(configs, key, prune)(fn)
+        configs, key, tensor = configs(head_dim, dtype), list(TUNING_KEY), "Q"
+    width, size = block_d(head_dim), dtype.itemsize
+    return autotune(configs, key, shared_memory_pruner(tensor, nbytes),
+                    lambda c: nbytes(c, width, size), limit)(fn)
 
 
 @on_input_device
@@ -300,7 +315,7 @@ def attention_delta(out: torch.Tensor, dout: torch.Tensor, *, block_m: int | Non
             first = delta_configs(d, out.dtype)[0]
             config = triton.Config(dict(BLOCK_M=block_m or first.kwargs["BLOCK_M"]),
                                    num_warps=num_warps or first.num_warps, num_stages=1)
-        grid = lambda meta: (triton.cdiv(s, meta["BLOCK_M"]), b * heads)  # noqa: E731
+        grid = lambda meta: check_grid("attention_delta", (triton.cdiv(s, meta["BLOCK_M"]) * b * heads,))  # noqa: E731
         launch_tiles(_delta_kernel, None if config else _tuned("delta", d, out.dtype), config, grid,
                      out, dout, delta, *out.stride()[:3], *dout.stride()[:3], s, heads, seq_key(s),
                      HEAD_DIM=d, BLOCK_D=block_d(d))
@@ -331,7 +346,7 @@ def flash_attention_backward(q, k, v, out, dout, lse, causal: bool = True, q_off
     the ones given, for both kernels (what is not given comes from each kernel's first config)."""
     check_attention_inputs(q, k, v)
     check_backward_shapes("flash_attention_backward", q, out, dout, lse, delta)
-    q, k, v, dout = unit_last_stride(q), unit_last_stride(k), unit_last_stride(v), unit_last_stride(dout)
+    q, k, v, dout = seq_strided(q), seq_strided(k), seq_strided(v), seq_strided(dout)
     b, heads, s_q, d = q.shape
     groups, s_k = k.shape[1], k.shape[2]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
@@ -354,11 +369,11 @@ def flash_attention_backward(q, k, v, out, dout, lse, causal: bool = True, q_off
                   PREC="ieee" if q.dtype == torch.float32 else "tf32")
     tiles = (block_m, block_n, num_warps, num_stages)
     config = explicit_config(dkdv_configs(d, q.dtype), *tiles) if explicit else None
-    grid = lambda meta: (triton.cdiv(s_k, meta["BLOCK_N"]), b * groups)  # noqa: E731
+    grid = lambda meta: check_grid("attention dk/dv", (triton.cdiv(s_k, meta["BLOCK_N"]) * b * groups,))  # noqa: E731
     launch_tiles(_dkdv_kernel, None if config else _tuned("dkdv", d, q.dtype), config, grid,
                  *tensors, dk, dv, *args, **consts)
     config = explicit_config(dq_configs(d, q.dtype), *tiles) if explicit else None
-    grid = lambda meta: (triton.cdiv(s_q, meta["BLOCK_M"]), b * heads)  # noqa: E731
+    grid = lambda meta: check_grid("attention dq", (triton.cdiv(s_q, meta["BLOCK_M"]) * b * heads,))  # noqa: E731
     launch_tiles(_dq_kernel, None if config else _tuned("dq", d, q.dtype), config, grid,
                  *tensors, dq, *args, **consts)
     return dq, dk, dv

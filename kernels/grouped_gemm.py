@@ -25,7 +25,8 @@ return at once). Program ids are swizzled in bands of ``GROUP_M`` row tiles so t
 neighbouring programs share weight and row tiles in L2. dx uses the same kernel with the
 weight read transposed (``w.transpose(1, 2)``, passed by its strides).
 
-dw (``_gmm_dw_kernel``): a grid of (Nout x K output tiles, E); each program walks over its
+dw (``_gmm_dw_kernel``): a grid of Nout x K output tiles times E (one axis: E may pass CUDA's
+65,535 cap of axis 1); each program walks over its
 group's rows in steps of BLOCK_M, accumulating ``dy_tile^T @ x_tile`` in fp32, and stores its
 tile (zeros for an empty group). No atomics: every dw element is written by one program.
 
@@ -46,8 +47,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from megalite.kernels._utils import (INTERPRET, autotune, check_float, check_tensors, fit_shared, next_power_of_2,
-                                     on_input_device, shared_memory_limit)
+from megalite.kernels._utils import (INTERPRET, autotune, check_float, check_grid, check_tensors, fixed_limit,
+                                     next_power_of_2, on_input_device, shared_memory_pruner)
 
 
 @triton.jit
@@ -103,11 +104,14 @@ def _gmm_kernel(X, W, Y, OFFSETS, n_groups, N_OUT, K, stride_we, stride_wn, stri
 @triton.jit
 def _gmm_dw_kernel(DY, X, DW, OFFSETS, N_OUT, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
-    # dw[e, n, k] = sum over the rows r of group e of dy[r, n] x[r, k]
-    g = tl.program_id(1)
+    # dw[e, n, k] = sum over the rows r of group e of dy[r, n] x[r, k]. One grid axis: program
+    # pid is output tile pid % (tiles_n tiles_k) of group pid // (tiles_n tiles_k).
     tiles_k = tl.cdiv(K, BLOCK_K)
-    tile_n = tl.program_id(0) // tiles_k
-    tile_k = tl.program_id(0) % tiles_k
+    tiles = tl.cdiv(N_OUT, BLOCK_N) * tiles_k
+    pid = tl.program_id(0)
+    g = pid // tiles
+    tile_n = (pid % tiles) // tiles_k
+    tile_k = (pid % tiles) % tiles_k
     row0 = tl.load(OFFSETS + g)
     row_end = tl.load(OFFSETS + g + 1)
     ns = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -126,7 +130,7 @@ def _gmm_dw_kernel(DY, X, DW, OFFSETS, N_OUT, K, BLOCK_M: tl.constexpr, BLOCK_N:
             dy_t = dy_t.to(tl.float32)
             x = x.to(tl.float32)
         acc += tl.dot(dy_t, x, input_precision=PREC)
-    tl.store(DW + g.to(tl.int64) * N_OUT * K + ns[:, None] * K + ks[None, :],
+    tl.store(DW + g.to(tl.int64) * N_OUT * K + ns.to(tl.int64)[:, None] * K + ks[None, :],
              acc.to(DW.dtype.element_ty), mask=n_ok[:, None] & k_ok[None, :])
 
 
@@ -172,25 +176,25 @@ def shared_bytes(config: triton.Config, element_size: int) -> int:
     return config.num_stages * tiles * element_size
 
 
-@functools.lru_cache(maxsize=None)
-def _fitting(configs, nargs, **kwargs):
-    """Early pruning for the autotuner: the configs whose pipelined tiles fit the device."""
-    x = nargs["X"]
-    if not x.is_cuda:
-        return configs
-    limit = shared_memory_limit(x.device.index if x.device.index is not None else torch.cuda.current_device())
-    return fit_shared(configs, limit, lambda c: shared_bytes(c, x.element_size()))
+# Early pruning for the autotuner: the configs whose pipelined tiles fit the GPU of X. Triton
+# calls it with a list and a dict (unhashable: no lru_cache here; the limit is cached per device).
+_fitting = shared_memory_pruner("X", shared_bytes, width_arg=None)
 
 
-@functools.lru_cache(maxsize=None)
 def _tuned(kind: str, dtype: torch.dtype):
     """The autotuned kernel for ``kind`` ("mm" or "dw") and a dtype (one config under the
-    interpreter: the autotuner then runs it without benchmarking)."""
+    interpreter: the autotuner then runs it without benchmarking). Under
+    MEGALITE_KERNEL_TUNING=fixed: one config, the first that fits the current GPU."""
+    return _build(kind, dtype, fixed_limit())
+
+
+@functools.lru_cache(maxsize=None)
+def _build(kind: str, dtype: torch.dtype, limit: int | None):
     if kind == "mm":
         fn, configs, key = _gmm_kernel, mm_configs(dtype), ["N_OUT", "K", "M_HINT", "stride_wk"]
     else:
         fn, configs, key = _gmm_dw_kernel, dw_configs(dtype), ["N_OUT", "K"]
-    return autotune(configs, key, _fitting)(fn)
+    return autotune(configs, key, _fitting, lambda c: shared_bytes(c, dtype.itemsize), limit)(fn)
 
 
 def _precision(dtype: torch.dtype) -> str:
@@ -272,7 +276,7 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor,
         bm = meta["BLOCK_M"]
         tiles_m = (sum((c + bm - 1) // bm for c in counts) if counts is not None
                    else (n + n_groups * (bm - 1)) // bm)
-        return (tiles_m * triton.cdiv(n_out, meta["BLOCK_N"]),)
+        return check_grid("grouped_matmul", (tiles_m * triton.cdiv(n_out, meta["BLOCK_N"]),))
 
     _tuned("mm", x.dtype)[grid](
         x, w, y, offsets, n_groups, n_out, k, w.stride(0), w.stride(1), w.stride(2),
@@ -295,8 +299,8 @@ def grouped_weight_grad(dy: torch.Tensor, x: torch.Tensor, offsets: torch.Tensor
     if n == 0 or n_out == 0 or k == 0:
         return torch.zeros((n_groups, n_out, k), device=x.device, dtype=x.dtype)
     dw = torch.empty((n_groups, n_out, k), device=x.device, dtype=x.dtype)
-    grid = lambda meta: (triton.cdiv(n_out, meta["BLOCK_N"]) * triton.cdiv(k, meta["BLOCK_K"]),  # noqa: E731
-                         n_groups)
+    grid = lambda meta: check_grid("grouped_weight_grad", (  # noqa: E731
+        triton.cdiv(n_out, meta["BLOCK_N"]) * triton.cdiv(k, meta["BLOCK_K"]) * n_groups,))
     _tuned("dw", x.dtype)[grid](dy, x, dw, offsets, n_out, k, UPCAST=INTERPRET, PREC=_precision(x.dtype))
     return dw
 

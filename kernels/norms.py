@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from megalite.kernels._utils import INTERPRET, check_float, check_tensors, next_power_of_2, on_input_device
+from megalite.kernels._utils import INTERPRET, check_float, check_grid, check_tensors, next_power_of_2, on_input_device
 
 WHOLE_ROW_MAX = 8192  # features up to which a row is held whole in registers
 CHUNK = 2048  # columns per step of the chunked kernels (fp32: 8 per thread at 8 warps)
@@ -202,12 +202,11 @@ def norm_forward(x, weight, bias, eps: float, rms: bool, chunk: int | None = Non
     rstd = torch.empty(rows, device=x.device, dtype=torch.float32)
     chunk = _chunk(n, chunk)
     if rows and chunk is not None:
-        _norm_fwd_chunked_kernel[(rows,)](x, weight, bias if bias is not None else weight, y,
-                                          rstd if rms else mean, rstd, n, float(eps), RMS=rms,
-                                          HAS_BIAS=bias is not None, CHUNK=chunk,
-                                          num_warps=1 if INTERPRET else 8)
+        _norm_fwd_chunked_kernel[check_grid("norm_forward", (rows,))](
+            x, weight, bias if bias is not None else weight, y, rstd if rms else mean, rstd, n, float(eps),
+            RMS=rms, HAS_BIAS=bias is not None, CHUNK=chunk, num_warps=1 if INTERPRET else 8)
     elif rows:
-        _norm_fwd_kernel[(triton.cdiv(rows, block_r),)](
+        _norm_fwd_kernel[check_grid("norm_forward", (triton.cdiv(rows, block_r),))](
             x, weight, bias if bias is not None else weight, y, rstd if rms else mean, rstd, rows, n,
             float(eps), RMS=rms, HAS_BIAS=bias is not None, BLOCK_R=block_r, BLOCK=block,
             num_warps=warps)

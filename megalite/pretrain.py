@@ -40,12 +40,14 @@ from megalite.data_parallel.accounting import describe_memory
 from megalite.device import (cuda_allocator_environment, host_barrier, init_distributed, meta_stand_ins,
                              resolve_device, to_device)
 from megalite.launch import detect_launch
-from megalite.faults import (CollectiveTimeout, HangWatchdog, TrainingDiverged, bytes_by_group, check_finite,
+from megalite.faults import (CollectiveTimeout, HangWatchdog, TrainingDiverged,
                              hang_report, looks_like_timeout, report_failure)
 from megalite.memory_tracker import training_tracker
 from megalite.monitor import Monitor, memory_line
 from megalite.preflight import check_datasets, check_save_location
 from megalite.profiling import Profiler
+from megalite.step_log import PendingStep, StepLog
+from megalite.timers import Clock
 from megalite.training import LossScaler, build_data_parallel_optimizer, evaluate, train_step
 
 
@@ -144,6 +146,14 @@ def setup(argv=None):
     init_distributed(device, world_size, rank, timeout, fake=args.fake_process_group)
     grid = build_grid(config.parallel, world_size, rank, timeout=timeout, experts=bool(config.model.num_experts))
     return args, config, tokenizer, grid, device
+
+
+def step_trace(args, iteration: int, t, device) -> Trace | None:
+    """The pipeline trace of the last iteration (``--pipeline-trace``), timed on the device's
+    clock: CUDA events on a GPU (host timestamps would time the kernel launches only)."""
+    if not args.pipeline_trace or iteration != t.train_iters - 1:
+        return None
+    return Trace(Clock(device))
 
 
 def write_trace(trace_dir: str, trace, grid, num_micro: int, num_chunks: int) -> None:
@@ -258,7 +268,8 @@ def pretrain(argv=None) -> list[dict]:
     term = TermSignal() if args.save else None
     faults = {k: int(os.environ.get(f"MEGALITE_TEST_{k}", "0"))  # fault injection for the tests
               for k in ("KILL_AT_ITERATION", "NAN_AT_ITERATION", "HANG_AT_ITERATION")}
-    skipped_total = 0
+    steps = StepLog(monitor, grid, check=device.type != "meta" and not args.fake_process_group, fp16=t.fp16,
+                    meta=device.type == "meta")
     tracker = training_tracker(model, optimizer) if args.track_memory else None
     watchdog = None
     if device.type == "cuda" and dist.is_initialized() and not args.fake_process_group:
@@ -274,7 +285,7 @@ def pretrain(argv=None) -> list[dict]:
         micro_batches = [to_device(next(train_iter), device) for _ in range(num_micro)]
         if faults["NAN_AT_ITERATION"] == iteration + 1:
             micro_batches[0] = {**micro_batches[0], "loss_mask": micro_batches[0]["loss_mask"] * float("nan")}
-        trace = Trace() if args.pipeline_trace and iteration == t.train_iters - 1 else None
+        trace = step_trace(args, iteration, t, device)
         try:
             with count_collectives() as traffic, tracker or contextlib.nullcontext():
                 if tracker is not None:
@@ -284,49 +295,44 @@ def pretrain(argv=None) -> list[dict]:
             if dist.is_initialized() and looks_like_timeout(error):
                 raise hang_report(grid, args.distributed_timeout_minutes * 60) from error
             raise
-        if device.type != "meta" and not args.fake_process_group:  # no values / made-up collectives
-            check_finite(result, iteration + 1, t.fp16)
-        skipped_total += int(result.skipped)
-        if trace is not None:
-            write_trace(args.pipeline_trace, trace, grid, num_micro, len(model))
-        elapsed = time.perf_counter() - step_start
         print_line = (iteration + 1) % t.log_interval == 0 or iteration == start_iteration
         memory, memory_stats = memory_line(optimizer, reset_peak=print_line, device=device)
-        record = {"iteration": iteration + 1, "loss": result.loss, "lr": result.lr,
-                  "grad_norm": result.grad_norm, "loss_scale": result.loss_scale,
-                  "skipped": result.skipped, "skipped_total": skipped_total, "elapsed_ms": elapsed * 1e3,
-                  **monitor.metrics(elapsed), "times_ms": result.times_ms,
-                  "comm_bytes": {k: v["bytes"] for k, v in traffic.items()}, "memory_bytes": memory_stats,
-                  "comm_bytes_by_group": bytes_by_group(grid, traffic), **(result.moe or {})}
-        if tracker is not None:
-            record["memory_tracked"] = tracker.summary()
-        log_lines.append(record)
-        if result.skipped:
-            say(f"iteration {iteration + 1}: inf/nan gradients, step skipped (loss scale now {result.loss_scale:g})")
-        if valid_iter is not None and (iteration + 1) % t.eval_interval == 0:
-            with optimizer.full_weights():
-                val = evaluate(model, [to_device(next(valid_iter), device)
-                                       for _ in range(t.eval_iters * num_micro)], t, grid)
-            record["valid_loss"] = val
-        if device.type == "meta":  # nothing was computed: no values to report (n/a), unlike a NaN
-            record.update({k: None for k in ("loss", "grad_norm", "valid_loss", "tokens_per_sec",
-                                             "tflops_per_gpu", "mfu") if k in record})
-        monitor.log(record, memory, print_line)
-        if record.get("valid_loss") is not None:
-            say(f"validation at iter {iteration + 1}: loss {record['valid_loss']:.4f} | "
-                f"ppl {min(1e9, math.exp(min(record['valid_loss'], 30))):.2f}")
-        if iteration == start_iteration and traffic:
-            say(f"collectives/step (rank {grid.rank}, bytes handed): " + ", ".join(
-                f"{k} {v['calls']} calls {v['bytes'] / 2**20:.2f} MiB" for k, v in sorted(traffic.items())))
-        if log_file:
-            log_file.write(json.dumps(record) + "\n")
-            log_file.flush()
+        steps.add(PendingStep(iteration + 1, result, step_start, traffic, memory, memory_stats,
+                              tracker.summary() if tracker is not None else None))
+        evaluate_now = valid_iter is not None and (iteration + 1) % t.eval_interval == 0
+        stop = term is not None and term.agreed(grid)
+        save_now = bool(args.save and ((args.save_interval and (iteration + 1) % args.save_interval == 0) or stop))
+        if (print_line or evaluate_now or save_now or stop or iteration == t.train_iters - 1
+                or faults["KILL_AT_ITERATION"] == iteration + 1):  # else: no sync, the GPU stays fed
+            records = steps.flush()
+            if trace is not None:
+                write_trace(args.pipeline_trace, trace, grid, num_micro, len(model))
+            if evaluate_now:
+                with optimizer.full_weights():
+                    val = evaluate(model, [to_device(next(valid_iter), device)
+                                           for _ in range(t.eval_iters * num_micro)], t, grid)
+                records[-1]["valid_loss"] = None if device.type == "meta" else val
+            for record in records:
+                log_lines.append(record)
+                if record["skipped"]:
+                    say(f"iteration {record['iteration']}: inf/nan gradients, step skipped "
+                        f"(loss scale now {record['loss_scale']:g})")
+                monitor.log(record, memory, print_line and record is records[-1])
+                if record.get("valid_loss") is not None:
+                    say(f"validation at iter {record['iteration']}: loss {record['valid_loss']:.4f} | "
+                        f"ppl {min(1e9, math.exp(min(record['valid_loss'], 30))):.2f}")
+                if record["iteration"] == start_iteration + 1 and traffic:
+                    say(f"collectives/step (rank {grid.rank}, bytes handed): " + ", ".join(
+                        f"{k} {v['calls']} calls {v['bytes'] / 2**20:.2f} MiB" for k, v in sorted(traffic.items())))
+                if log_file:
+                    log_file.write(json.dumps(record) + "\n")
+            if log_file:
+                log_file.flush()
         if watchdog is not None:
             watchdog.beat()
         if faults["KILL_AT_ITERATION"] == iteration + 1 and _fault_applies(grid.rank):
             os.kill(os.getpid(), signal.SIGKILL)
-        stop = term is not None and term.agreed(grid)
-        if args.save and ((args.save_interval and (iteration + 1) % args.save_interval == 0) or stop):
+        if save_now:
             path = save_checkpoint(args.save, iteration + 1, optimizer, scaler, config, grid,
                                    (iteration + 1) * global_batch, args.keep_last)
             say(f"saved checkpoint {os.path.abspath(path)}")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
 
 import torch
 
@@ -21,6 +20,7 @@ from megalite.parallel import comm
 from megalite.moe.stats import start_step as start_moe_step
 from megalite.moe.stats import step_stats as moe_step_stats
 from megalite.parallel.sharding import is_expert, is_tensor_parallel
+from megalite.step_values import LossScaler, StepResult
 from megalite.timers import Clock, StepTimers
 
 
@@ -63,36 +63,6 @@ def build_optimizer(model, t: TrainConfig) -> torch.optim.AdamW:
     groups = [{"params": decay, "weight_decay": t.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=t.lr, betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps)
-
-
-class LossScaler:
-    """fp16 loss scaling. Dynamic: halve on inf/nan gradients (step skipped), double after
-    ``growth_interval`` clean steps. Static when ``static_scale`` is given. Scale 1 otherwise."""
-
-    def __init__(self, enabled: bool, initial_scale: float = 2.0**16, static_scale: float | None = None,
-                 growth_interval: int = 1000, min_scale: float = 1.0):
-        self.enabled = enabled
-        self.dynamic = enabled and static_scale is None
-        self.scale = (static_scale or initial_scale) if enabled else 1.0
-        self.growth_interval, self.min_scale = growth_interval, min_scale
-        self._clean_steps = 0
-
-    def update(self, found_inf: bool) -> None:
-        if not self.dynamic:
-            return
-        if found_inf:
-            self.scale = max(self.min_scale, self.scale / 2)
-            self._clean_steps = 0
-        else:
-            self._clean_steps += 1
-            if self._clean_steps % self.growth_interval == 0:
-                self.scale *= 2
-
-    def state_dict(self) -> dict:
-        return {"scale": self.scale, "clean_steps": self._clean_steps}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.scale, self._clean_steps = state["scale"], state["clean_steps"]
 
 
 def autocast_context(t: TrainConfig, device_type: str = "cpu"):
@@ -186,9 +156,7 @@ def forward_backward(model, micro_batches, t: TrainConfig, loss_scale: float = 1
                             lambda c, x, b: stage_forward(c, x, b, t), stage_loss, trace=trace,
                             loss_scale=loss_scale, dtype=next(chunks[0].parameters()).dtype, device=device)
     runner.run(t.pipeline_schedule)
-    events = trace.events
-    for op, key in (("F", "forward"), ("B", "backward")):
-        timers.add_seconds(key, sum(e[4] - e[3] for e in events if e[0] == op))
+    timers.add_trace(trace)  # read with the step's other times, at the log line
     total = torch.stack(runner.losses).sum() / num_micro if runner.losses else torch.zeros((), device=device)
     return comm.all_reduce(total, grid.pp_group)
 
@@ -268,17 +236,6 @@ def clip_gradients(params, max_norm: float, norm: torch.Tensor) -> None:
                     p.grad.mul_(coeff)
 
 
-@dataclass
-class StepResult:
-    loss: float
-    grad_norm: float
-    lr: float
-    loss_scale: float
-    skipped: bool
-    times_ms: dict | None = None  # forward, backward, grad_sync (not overlapped), optimizer
-    moe: dict | None = None  # MoE aux loss and expert load (megalite.moe.stats), None if dense
-
-
 def moe_stats(model, micro_batches, grid) -> dict | None:
     dp = grid.layout.dp if grid is not None else 1
     return moe_step_stats(as_chunks(model), grid, len(micro_batches) * dp)
@@ -304,10 +261,21 @@ def reduce_gradients(params, grid=None) -> None:
     expert_allreduce_gradients(params, grid.edp_group, grid.layout.dp * grid.layout.cp)
 
 
+def clip_coefficient(norm: torch.Tensor, max_norm: float, found_inf: torch.Tensor) -> torch.Tensor | float:
+    """``min(1, max_norm / (norm + 1e-6))`` on the device (1 where the norm is not finite, a
+    step that is skipped anyway); 1.0 without clipping."""
+    if max_norm <= 0:
+        return 1.0
+    coeff = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    return torch.where(found_inf, torch.ones_like(coeff), coeff)
+
+
 def distributed_train_step(model, optimizer, micro_batches, t: TrainConfig, iteration: int,
                            scaler: LossScaler, grid=None, trace=None) -> StepResult:
     """One step with the data-parallel optimizer (DDP / ZeRO): gradients are reduced in
-    buckets during backward, then unscaled, measured, clipped and applied on the shards."""
+    buckets during backward, then unscaled, measured, clipped and applied on the shards.
+    No host sync: the inf/NaN skip, the clip coefficient and the loss scale are device
+    values (see :mod:`megalite.step_values`)."""
     optimizer.zero_grad(num_micro=len(micro_batches))
     timers = StepTimers(Clock(model_device(model)))
     loss = forward_backward(model, micro_batches, t, scaler.scale, grid, trace, timers)
@@ -316,19 +284,15 @@ def distributed_train_step(model, optimizer, micro_batches, t: TrainConfig, iter
     middle = timers.mark()
     timers.add("grad_sync", start, middle)
     norm = optimizer.grad_norm(scaler.scale)
-    found_inf = not is_finite(norm)
+    found_inf = ~torch.isfinite(norm)
     scaler.update(found_inf)
     lr = lr_at(iteration, t)
-    if not found_inf:
-        norm_value = host_value(norm)
-        coeff = min(1.0, t.clip_grad / (norm_value + 1e-6)) if t.clip_grad > 0 and norm_value == norm_value else 1.0
-        optimizer.step(lr, coeff)
+    optimizer.step(lr, clip_coefficient(norm, t.clip_grad, found_inf), found_inf)
     timers.add("optimizer", middle, timers.mark())
     if grid is not None:
         comm.all_reduce(loss, grid.dp_cp_group)
         loss /= comm.group_size(grid.dp_cp_group)
-    return StepResult(host_value(loss), host_value(norm), lr, scaler.scale, found_inf, timers.milliseconds(),
-                      moe_stats(model, micro_batches, grid))
+    return StepResult(loss, norm, lr, scaler.scale, found_inf, timers, moe_stats(model, micro_batches, grid))
 
 
 def train_step(model, optimizer, micro_batches, t: TrainConfig, iteration: int,
@@ -342,13 +306,13 @@ def train_step(model, optimizer, micro_batches, t: TrainConfig, iteration: int,
     optimizer.zero_grad(set_to_none=True)
     loss = forward_backward(model, micro_batches, t, scaler.scale, grid, trace)
     reduce_gradients(params, grid)
-    if scaler.scale != 1.0:
+    if scaler.enabled:
         for p in params:
             if p.grad is not None:
                 p.grad.div_(scaler.scale)
     norm = global_grad_norm(params, grid.mp_group if grid else None, grid.tp_rank if grid else 0,
                             grid.ep_group if grid else None)
-    found_inf = not is_finite(norm)
+    found_inf = not is_finite(norm)  # torch.optim.AdamW cannot skip on the device: one sync
     scaler.update(found_inf)
     lr = lr_at(iteration, t)
     if not found_inf:
@@ -359,8 +323,7 @@ def train_step(model, optimizer, micro_batches, t: TrainConfig, iteration: int,
     if grid is not None:
         comm.all_reduce(loss, grid.dp_cp_group)
         loss /= comm.group_size(grid.dp_cp_group)
-    return StepResult(host_value(loss), host_value(norm), lr, scaler.scale, found_inf,
-                      moe=moe_stats(model, micro_batches, grid))
+    return StepResult(loss, norm, lr, scaler.scale, found_inf, moe=moe_stats(model, micro_batches, grid))
 
 
 @torch.no_grad()

@@ -27,9 +27,7 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
 import os
-import sys
 
 import pytest
 import torch
@@ -38,6 +36,7 @@ import torch.distributed as dist
 from megalite.moe import MoELayer
 from megalite.moe.dispatch import expert_major_permutation
 from megalite.moe.router import TopKRouter
+from megalite.host_syncs import count_host_syncs
 from megalite.testing import run_world
 
 H, FFN, E, K, T = 16, 12, 8, 2, 20
@@ -204,44 +203,6 @@ def test_expert_major_permutation_equals_the_loop(P, E_local):
 
 
 # -- 4. host syncs ---------------------------------------------------------------------------------
-
-_OURS = tuple(os.path.dirname(os.path.abspath(importlib.import_module(m).__file__)) + os.sep
-              for m in ("megalite", "megalite.kernels"))  # megalite's code, its kernels included
-_READS = ("item", "tolist", "cpu", "numpy", "__int__", "__bool__", "__float__", "__index__")
-
-
-@contextlib.contextmanager
-def count_host_syncs():
-    """Counts calls, from megalite's code, of Tensor methods that read values to the host
-    (``.to(cpu)`` only from another device: ``t.to(x.device)`` on the CPU is no copy)."""
-    calls = []
-    saved = {name: getattr(torch.Tensor, name) for name in _READS}
-    real_to = torch.Tensor.to
-
-    def wrap(name, fn):
-        def counted(self, *a, **kw):
-            if sys._getframe(1).f_code.co_filename.startswith(_OURS):
-                calls.append(name)
-            return fn(self, *a, **kw)
-        return counted
-
-    def to(self, *a, **kw):
-        target = kw.get("device", a[0] if a else None)
-        if isinstance(target, (str, torch.device)) and torch.device(target).type == "cpu" \
-                and self.device.type != "cpu" and sys._getframe(1).f_code.co_filename.startswith(_OURS):
-            calls.append("to(cpu)")
-        return real_to(self, *a, **kw)
-
-    for name, fn in saved.items():
-        setattr(torch.Tensor, name, wrap(name, fn))
-    torch.Tensor.to = to
-    try:
-        yield calls
-    finally:
-        for name, fn in saved.items():
-            setattr(torch.Tensor, name, fn)
-        torch.Tensor.to = real_to
-
 
 def _syncs(layer, x, g):
     x = x.clone().requires_grad_(True)

@@ -17,8 +17,9 @@ The step, on this rank's shard of every bucket (:mod:`megalite.data_parallel.ddp
    sums that cross other groups: sequence-parallel parameters over TP, the tied embedding
    over the first/last pipeline stage (both linear, so they commute with the DP mean);
 2. unscale (fp16 loss scale), global norm over the shards (DP for stages >= 1, then TP x PP,
-   each parameter counted once), skip on inf/NaN, clip;
-3. AdamW on the fp32 master shard (on the CPU with ``offload``);
+   each parameter counted once);
+3. AdamW on the fp32 master shard (on the CPU with ``offload``), with torch's fused kernel,
+   clipping and the inf/NaN skip decided on the device (:mod:`megalite.data_parallel.adamw`);
 4. the new weights reach the model: stage 0 copies them, stages 1-2 all-gather the
    shards into every replica, stage 3 keeps only the shard (gathered before use).
 """
@@ -29,6 +30,7 @@ import contextlib
 import torch
 
 from megalite.config import TrainConfig
+from megalite.data_parallel.adamw import FlatAdamW
 from megalite.data_parallel.ddp import GradSync, group_by_size
 from megalite.data_parallel.sharded_params import ShardedParameters
 from megalite.memory_tracker import category
@@ -48,9 +50,6 @@ def _shard_ranges(bucket, shard, fn) -> list[tuple[int, int]]:
             else:
                 ranges.append((a - lo, z - lo))
     return ranges
-
-
-STEP_CHUNK = 1 << 24  # elements per slice of the optimizer step (64 MiB of fp32 temporaries)
 
 
 def host_device(device: torch.device) -> torch.device:
@@ -119,7 +118,8 @@ class DistributedOptimizer:
                                                      pin_memory=pinned))
         for p in params:  # the model now holds its weights in the training dtype
             p.data = p.data.to(param_dtype)
-        self.step_count = 0
+        self.adamw = FlatAdamW(self.master, self.exp_avg, self.exp_avg_sq, self.decay_ranges,
+                               betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay)
         self.param_groups = [{"lr": t.lr}]  # for schedulers and logging
         self.sharded = ShardedParameters(self.chunks, self.sync, self.group) if stage == 3 else None
 
@@ -147,7 +147,7 @@ class DistributedOptimizer:
             if getattr(b.params[0], "tied_embedding", False) and comm.group_size(self.grid.embedding_group) > 1:
                 comm.all_reduce(self.sync.shard_grad(b), self.grid.embedding_group)
 
-    def grad_norm(self, loss_scale: float = 1.0) -> torch.Tensor:
+    def grad_norm(self, loss_scale: torch.Tensor | float = 1.0) -> torch.Tensor:
         """Unscale the gradient shards and return the global L2 norm (fp32). Each element is
         counted once: dense shards are disjoint over DP (stages >= 1) and TP-replicated ones
         are counted on TP rank 0; expert shards are disjoint over expert-data-parallel ranks
@@ -157,7 +157,7 @@ class DistributedOptimizer:
         experts = torch.zeros((), dtype=torch.float32, device=self.device)
         for b, ranges in zip(self.sync.buckets, self.norm_ranges):
             g = self.sync.shard_grad(b)
-            if loss_scale != 1.0:
+            if isinstance(loss_scale, torch.Tensor) or loss_scale != 1.0:  # a device scale: no host test
                 g.div_(loss_scale)
             total = experts if b.expert else dense
             for a, z in ranges:
@@ -176,29 +176,28 @@ class DistributedOptimizer:
 
     @torch.no_grad()
     @category("optimizer state")
-    def step(self, lr: float, clip_coeff: float = 1.0) -> None:
-        """AdamW (decoupled weight decay) on the master shards, then publish the weights."""
-        t = self.t
-        self.step_count += 1
-        bc1, bc2 = 1 - t.adam_beta1 ** self.step_count, 1 - t.adam_beta2 ** self.step_count
+    def step(self, lr: float, clip_coeff: torch.Tensor | float = 1.0, found_inf: torch.Tensor | None = None) -> None:
+        """AdamW (decoupled weight decay) on the master shards, then publish the weights.
+
+        ``clip_coeff`` (a device scalar, or 1.0) scales the gradients; ``found_inf`` (a device
+        scalar) skips the update where nonzero: decided on the device, no host sync
+        (:mod:`megalite.data_parallel.adamw`). The weights are published either way (a
+        skipped step publishes the unchanged masters)."""
         grads = self._host_grads() if self.offload else [self.sync.shard_grad(b) for b in self.sync.buckets]
-        for i, b in enumerate(self.sync.buckets):
-            for a, z in self.decay_ranges[i]:
-                self.master[i][a:z].mul_(1 - lr * t.weight_decay)
-            # In slices of at most STEP_CHUNK elements: the temporaries (fp32 gradient, clipped
-            # gradient, denominator) stay small instead of three copies of the whole shard.
-            for lo in range(0, grads[i].numel(), STEP_CHUNK):
-                hi = min(lo + STEP_CHUNK, grads[i].numel())
-                g = grads[i][lo:hi].float()
-                if clip_coeff != 1.0:
-                    g = g * clip_coeff
-                m, v, w = self.exp_avg[i][lo:hi], self.exp_avg_sq[i][lo:hi], self.master[i][lo:hi]
-                m.lerp_(g, 1 - t.adam_beta1)
-                v.mul_(t.adam_beta2).addcmul_(g, g, value=1 - t.adam_beta2)
-                denom = (v.sqrt() / bc2 ** 0.5).add_(t.adam_eps)
-                w.addcdiv_(m, denom, value=-lr / bc1)
+        grad_scale = 1.0 / clip_coeff if isinstance(clip_coeff, torch.Tensor) else (
+            None if clip_coeff == 1.0 else torch.tensor(1.0 / clip_coeff, device=self.state_device))
+        self.adamw.step(grads, lr, grad_scale, found_inf)
         self.param_groups[0]["lr"] = lr
         self.publish()
+
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps taken (skipped ones not counted): a device value, read on demand."""
+        return self.adamw.step_count
+
+    @step_count.setter
+    def step_count(self, value: int) -> None:
+        self.adamw.step_count = value
 
     def _host_grads(self) -> list[torch.Tensor]:
         """Offload: every gradient shard copied into its pinned host buffer. The copies are

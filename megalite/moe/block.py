@@ -38,7 +38,10 @@ class _AttachLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, torch.full((), ctx.scale, dtype=grad.dtype, device=grad.device), None
+        scale = ctx.scale  # a host number, or the fp16 loss scale's device scalar (no host read)
+        if isinstance(scale, torch.Tensor):
+            return grad, scale.detach().to(device=grad.device, dtype=grad.dtype).reshape(()), None
+        return grad, torch.full((), scale, dtype=grad.dtype, device=grad.device), None
 
 
 def attach_loss(out: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:

@@ -39,9 +39,11 @@ def start_step(chunks, scale: float) -> None:
         layer.reset_stats()
 
 
-def step_stats(chunks, grid, num_micro_global: int) -> dict | None:
-    """The step's MoE figures (see the module docstring), the same on every rank; None for a
-    dense model. A collective: every rank calls it."""
+def step_stats(chunks, grid, num_micro_global: int) -> torch.Tensor | None:
+    """The step's MoE figures (see the module docstring), the same on every rank, as a device
+    vector (aux loss, z loss, load min, load max: :data:`megalite.step_values.MOE_KEYS`, read on
+    the host with the step's other values, no sync here); None for a dense model. A
+    collective: every rank calls it."""
     cfg = chunks[0].cfg
     if not cfg.num_experts:
         return None
@@ -59,10 +61,6 @@ def step_stats(chunks, grid, num_micro_global: int) -> dict | None:
     if grid is not None:
         comm.all_reduce(both, grid.dp_cp_group)
         comm.all_reduce(both, grid.mp_group)
-    if device.type == "meta":
-        return {"moe_aux_loss": None, "moe_z_loss": None, "moe_load_min": None, "moe_load_max": None}
-    both = both.cpu()
     losses, tokens = both[:2] / max(1, len(index) * num_micro_global), both[2:].view(len(index), -1)
     load = tokens / tokens.mean(dim=1, keepdim=True).clamp_min(1e-12)
-    return {"moe_aux_loss": losses[0].item(), "moe_z_loss": losses[1].item(),
-            "moe_load_min": load.min().item(), "moe_load_max": load.max().item()}
+    return torch.stack([losses[0], losses[1], load.min(), load.max()])  # read with the step's values

@@ -1,0 +1,74 @@
+"""The training loop's log records, read from the device once per log interval.
+
+Each iteration leaves a :class:`PendingStep` (its :class:`~megalite.step_values.StepResult`,
+still on the device, and what the host measured: collectives handed, memory, its start
+time). :meth:`StepLog.flush` runs at the log line (and before evaluation, a checkpoint, a
+stop, the end): it reads every pending step's values with one sync, checks them for
+divergence, and turns them into the records that the monitor prints, the JSON log keeps
+and ``pretrain`` returns. Between flushes the host never waits for the GPU, so it keeps
+queueing the next steps' kernels.
+
+Times: without a sync per step, a step's host time is how long its launches took. The
+window from the first pending step's start to the flush's sync is the true time of the
+window's steps, so each record's ``elapsed_ms`` (and its tokens/s, TFLOP/s, MFU) is the
+window's mean; with ``--log-interval 1`` that is the step's own time, as before.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from megalite.faults import bytes_by_group, check_finite
+from megalite.step_values import StepResult, resolve_steps
+
+
+@dataclass
+class PendingStep:
+    iteration: int                 # 1-based, as logged
+    result: StepResult
+    start: float                   # perf_counter at the step's start (before its data)
+    traffic: dict                  # count_collectives() of the step
+    memory: str                    # the memory column of the log line
+    memory_stats: dict
+    tracked: dict | None = None    # the memory tracker's summary (--track-memory)
+    extra: dict = field(default_factory=dict)
+
+
+class StepLog:
+    """Pending steps and their records; see the module docstring."""
+
+    def __init__(self, monitor, grid, *, check: bool, fp16: bool, meta: bool, skipped_total: int = 0):
+        self.monitor, self.grid = monitor, grid
+        self.check, self.fp16, self.meta = check, fp16, meta
+        self.skipped_total = skipped_total
+        self.pending: list[PendingStep] = []
+
+    def add(self, step: PendingStep) -> None:
+        self.pending.append(step)
+
+    def flush(self) -> list[dict]:
+        """Records of the pending steps, in order (one sync for all of them). Raises
+        :class:`~megalite.faults.TrainingDiverged` at the first non-finite bf16/fp32 step."""
+        steps, self.pending = self.pending, []
+        if not steps:
+            return []
+        resolve_steps([s.result for s in steps])
+        elapsed = (time.perf_counter() - steps[0].start) / len(steps)
+        records = []
+        for s in steps:
+            r = s.result
+            if self.check:  # a meta or fake-group run has no values / made-up collectives
+                check_finite(r, s.iteration, self.fp16)
+            self.skipped_total += int(r.skipped)
+            record = {"iteration": s.iteration, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
+                      "loss_scale": r.loss_scale, "skipped": r.skipped, "skipped_total": self.skipped_total,
+                      "elapsed_ms": elapsed * 1e3, **self.monitor.metrics(elapsed), "times_ms": r.times_ms,
+                      "comm_bytes": {k: v["bytes"] for k, v in s.traffic.items()}, "memory_bytes": s.memory_stats,
+                      "comm_bytes_by_group": bytes_by_group(self.grid, s.traffic), **(r.moe or {}), **s.extra}
+            if s.tracked is not None:
+                record["memory_tracked"] = s.tracked
+            if self.meta:  # nothing was computed: no values to report (n/a), unlike a NaN
+                record.update({k: None for k in ("loss", "grad_norm", "tokens_per_sec", "tflops_per_gpu", "mfu")
+                               if k in record})
+            records.append(record)
+        return records

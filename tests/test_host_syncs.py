@@ -1,0 +1,171 @@
+"""No host sync in the train step; one per log line. The fused AdamW step equals the unfused one.
+
+Host reads of tensor values are counted by patching ``torch.Tensor`` (megalite.host_syncs):
+on a GPU each would wait for the kernels queued before it. The step decides the inf/NaN skip,
+the clip coefficient and the fp16 loss scale on the device, so a dense step reads nothing; an
+MoE layer with expert parallelism reads its all-to-all split sizes once per forward (they
+must be host ints), and none without it on the grouped GEMM. The training loop then reads
+every pending step's values with one ``tolist()``.
+"""
+import math
+import types
+
+import pytest
+import torch
+
+from megalite.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
+from megalite.data_parallel.adamw import FlatAdamW, segments
+from megalite.data_parallel.zero import DistributedOptimizer
+from megalite.host_syncs import count_host_syncs
+from megalite.parallel.grid import build_grid
+from megalite.pipeline.partition import build_model_chunks
+from megalite.step_values import LossScaler, resolve_steps
+from megalite.testing import run_world
+from megalite.training import train_step
+
+from tests.test_zero import global_batch
+
+
+def make_config(tp=1, pp=1, ep=1, layers=2, experts=0, fp16=False, grouped=False):
+    moe = dict(num_experts=experts, moe_router_topk=2, moe_ffn_hidden_size=24, moe_aux_loss_coeff=1e-2,
+               moe_grouped_gemm=grouped) if experts else {}
+    model = ModelConfig(num_layers=layers, hidden_size=32, num_attention_heads=4, vocab_size=97, seq_length=16,
+                        hidden_dropout=0.0, attention_dropout=0.0, **moe)
+    t = TrainConfig(micro_batch_size=2, global_batch_size=8, lr=3e-3, weight_decay=0.1, clip_grad=0.5,
+                    train_iters=3, fp16=fp16)
+    parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                              expert_model_parallel_size=ep)
+    return Config(model, parallel, t, DataConfig(mock_data=True))
+
+
+def _sync_worker(rank, world, case):
+    """Syncs per step (3 steps) of one layout, and of reading the three results at once."""
+    config = make_config(**case.get("layout", {}))
+    grid = build_grid(config.parallel, world, rank, experts=bool(config.model.num_experts))
+    chunks = build_model_chunks(config, grid)
+    for c in chunks:
+        c.init_weights(7)
+    fp16 = config.train.fp16
+    opt = DistributedOptimizer(chunks, config.train, grid, stage=case.get("stage", 0), bucket_size=1500,
+                               param_dtype=torch.float16 if fp16 else torch.float32, grad_dtype=torch.float32)
+    scaler = LossScaler(fp16, initial_scale=2.0**8)
+    dp, r = grid.layout.dp, grid.dp_rank
+    per_step, results = [], []
+    for s in range(3):
+        mine = [b for i, b in enumerate(global_batch(config.model, s)) if i % dp == r]
+        with count_host_syncs() as calls:
+            results.append(train_step(chunks, opt, mine, config.train, s, scaler, grid))
+        per_step.append(list(calls))
+    with count_host_syncs() as read:
+        resolve_steps(results)
+    losses = [x.loss for x in results]
+    return per_step, list(read), losses, len(mine)
+
+
+DENSE = {"single process": (1, {}), "DP2 ZeRO-1": (2, {"stage": 1}), "TP2 PP2 (1F1B)": (4, {"layout": {"tp": 2, "pp": 2}}),
+         "DP2 ZeRO-3": (2, {"stage": 3}), "fp16 dynamic loss scale": (1, {"layout": {"fp16": True}})}
+
+
+@pytest.mark.parametrize("name", list(DENSE))
+def test_dense_step_reads_nothing_and_the_log_reads_once(name):
+    world, case = DENSE[name]
+    run = (lambda f, *a: [f(0, 1, *a)]) if world == 1 else (lambda f, *a: run_world(f, world, *a))
+    for per_step, read, losses, _ in run(_sync_worker, case):
+        assert per_step == [[], [], []], per_step
+        assert read == ["tolist"], read  # all three steps' values in one transfer
+        assert all(math.isfinite(x) for x in losses)
+
+
+def test_moe_step_reads_split_sizes_once_per_layer_with_expert_parallelism():
+    """EP1 on the grouped GEMM: nothing. EP2: one read per MoE layer forward (2 layers x the
+    rank's micro-batches), none in backward."""
+    [(per_step, read, _, _)] = [_sync_worker(0, 1, {"layout": {"experts": 4, "grouped": True}})]
+    assert per_step == [[], [], []] and read == ["tolist"], (per_step, read)
+    for per_step, read, _, micro in run_world(_sync_worker, 2, {"layout": {"experts": 4, "ep": 2}}):
+        assert [len(calls) for calls in per_step] == [2 * micro] * 3, per_step
+        assert read == ["tolist"]
+
+
+def _unfused_adamw(master, m, v, grad, decay_ranges, step, lr, wd, betas, eps, coeff):
+    """The textbook AdamW as separate torch ops (the update this step replaced)."""
+    b1, b2 = betas
+    for a, z in decay_ranges:
+        master[a:z].mul_(1 - lr * wd)
+    g = grad.float() * coeff
+    m.lerp_(g, 1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    denom = (v.sqrt() / math.sqrt(1 - b2 ** step)).add_(eps)
+    master.addcdiv_(m, denom, value=-lr / (1 - b1 ** step))
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_fused_adamw_equals_the_unfused_step(grad_dtype, monkeypatch):
+    """Three shards with decayed and undecayed ranges, clipping, a skipped step (found_inf)
+    that changes nothing and does not count; 16-bit gradients cast in bounded slices."""
+    import megalite.data_parallel.adamw as adamw
+    monkeypatch.setattr(adamw, "STEP_CHUNK", 7)  # several slices per shard
+    g = torch.Generator().manual_seed(0)
+    sizes, ranges = [23, 5, 40], [[(0, 10), (14, 20)], [], [(3, 40)]]
+    fused = [torch.randn(n, generator=g) for n in sizes]
+    ref = [w.clone() for w in fused]
+    m_f, v_f = [torch.zeros(n) for n in sizes], [torch.zeros(n) for n in sizes]
+    m_r, v_r = [torch.zeros(n) for n in sizes], [torch.zeros(n) for n in sizes]
+    opt = FlatAdamW(fused, m_f, v_f, ranges, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    step = 0
+    for it, (coeff, skip) in enumerate([(1.0, False), (0.3, False), (0.5, True), (0.7, False)]):
+        grads = [torch.randn(n, generator=g).to(grad_dtype) for n in sizes]
+        opt.step([x.clone() for x in grads], lr=1e-2 * (it + 1), grad_scale=torch.tensor(1 / coeff),
+                 found_inf=torch.tensor(float(skip)))
+        if not skip:
+            step += 1
+            for i in range(3):
+                _unfused_adamw(ref[i], m_r[i], v_r[i], grads[i], ranges[i], step, 1e-2 * (it + 1), 0.1,
+                               (0.9, 0.95), 1e-8, coeff)
+        assert opt.step_count == step
+        for a, b in zip(fused + m_f + v_f, ref + m_r + v_r):
+            torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
+
+
+def test_segments_cover_the_shard_once():
+    segs = segments([(2, 9), (12, 13)], 20, max_len=4)
+    assert [(a, z) for a, z, _ in segs] == [(0, 2), (2, 6), (6, 9), (9, 12), (12, 13), (13, 17), (17, 20)]
+    assert [d for *_, d in segs] == [False, True, True, False, True, False, False]
+
+
+def test_resolve_reads_values_once_and_keeps_them():
+    from megalite.step_values import StepResult
+    results = [StepResult(torch.tensor(float(i)), torch.tensor(2.0 * i), 0.1, 1.0, torch.tensor(i == 1))
+               for i in range(4)]
+    with count_host_syncs() as calls:
+        resolve_steps(results)
+        values = [(r.loss, r.grad_norm, r.skipped, r.loss_scale) for r in results]
+    assert calls == ["tolist"]
+    assert values == [(0.0, 0.0, False, 1.0), (1.0, 2.0, True, 1.0), (2.0, 4.0, False, 1.0), (3.0, 6.0, False, 1.0)]
+
+
+def test_dynamic_loss_scale_on_the_device():
+    scaler = LossScaler(True, initial_scale=8.0, growth_interval=2, min_scale=2.0)
+    history = []
+    for inf in (False, True, False, False, True, True, True):
+        scaler.update(torch.tensor(inf))
+        history.append(float(scaler.scale))
+    assert history == [8.0, 4.0, 4.0, 8.0, 4.0, 2.0, 2.0]
+    assert scaler.state_dict() == {"scale": 2.0, "clean_steps": 0}
+
+
+def test_pipeline_trace_takes_the_device_clock(monkeypatch):
+    """On a GPU the trace's marks are CUDA events (host timestamps time only the launches)."""
+    from megalite.pretrain import step_trace
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+
+        def record(self):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    args, t = types.SimpleNamespace(pipeline_trace="out"), types.SimpleNamespace(train_iters=3)
+    trace = step_trace(args, 2, t, torch.device("cuda", 0))
+    assert trace.clock.cuda and isinstance(trace.clock.mark(), Event)
+    assert step_trace(args, 1, t, torch.device("cuda", 0)) is None  # only the last iteration

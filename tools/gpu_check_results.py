@@ -1,0 +1,172 @@
+"""Reading the GPU acceptance check's results: one judge per part (scripts/gpu_check.sh).
+
+A judge takes the output folder and the part's ``Outcome``s (tools/gpu_check_runner.py) and
+returns (passed, figures, one line). It reads whatever the part left, complete or not: a part
+killed at its budget still reports the tests, ranks, iterations or benchmark rows it finished.
+Standard library only.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+GPT_ITERS = 12      # part (c): iterations per run
+GPT_WINDOW = 6      # measured: the last 6 (7-12); 1-6 hold compilation, allocator growth, warm-up
+
+# Optional GPU libraries a test may skip for when they are not installed (tests/ skips with
+# pytest.importorskip or a reason naming the library): such skips are not failures.
+OPTIONAL_LIBRARIES = {"flash-attn": r"flash[-_]attn", "transformer-engine": r"transformer[-_]engine"}
+NOT_INSTALLED = r"not installed|no module named|could not import"
+
+
+def library_skip(reason: str) -> str | None:
+    """The optional library a skip reason says is missing, or None (any other skip)."""
+    if not re.search(NOT_INSTALLED, reason, re.I):
+        return None
+    return next((lib for lib, pattern in OPTIONAL_LIBRARIES.items() if re.search(pattern, reason, re.I)), None)
+
+
+def junit_cases(path: Path) -> list[dict]:
+    """[{test, outcome: passed|failed|error|skipped, reason}] of a pytest junit XML."""
+    cases = []
+    for tc in ET.parse(path).getroot().iter("testcase"):
+        if not tc.get("name"):
+            continue  # the placeholder pytest writes for a test cut by KeyboardInterrupt
+        test = f"{tc.get('classname')}::{tc.get('name')}" if tc.get("classname") else tc.get("name")
+        outcome, reason = "passed", ""
+        for child in tc:
+            if child.tag in ("failure", "error", "skipped"):
+                outcome = {"failure": "failed"}.get(child.tag, child.tag)
+                reason = " ".join(filter(None, [child.get("message", ""), (child.text or "").strip()]))
+                break
+        cases.append(dict(test=test, outcome=outcome, reason=reason[:300]))
+    return cases
+
+
+def judge_pytest(out: Path, outcomes: list) -> tuple:
+    """Part (a): the shards' junit XMLs. Pass: every test passed or skipped for an optional
+    library that is not installed, and every shard exited 0 (5, "no tests", for an empty shard)."""
+    cases, missing, bad_rc = {}, [], []
+    for o in outcomes:
+        xml = next((a.split("=", 1)[1] for a in o.command.argv if str(a).startswith("--junitxml=")), None)
+        found = []
+        if xml and Path(xml).is_file():
+            found = junit_cases(Path(xml))
+            for c in found:
+                cases.setdefault(c["test"], c)  # a module skipped at collection shows in every shard
+        else:
+            missing.append(o.command.log)
+        if not (o.rc == 0 or (o.rc == 5 and not found)):
+            bad_rc.append(f"{o.command.log}: exit {o.rc}")
+    count = {k: sum(c["outcome"] == k for c in cases.values()) for k in ("passed", "failed", "error", "skipped")}
+    libraries, other = {}, []
+    for c in cases.values():
+        if c["outcome"] == "skipped":
+            lib = library_skip(c["reason"])
+            if lib:
+                libraries[f"{lib} not installed"] = libraries.get(f"{lib} not installed", 0) + 1
+            else:
+                other.append(f"{c['test']}: {c['reason']}")
+    failed = [c["test"] for c in cases.values() if c["outcome"] in ("failed", "error")]
+    figures = dict(tests=len(cases), **count, skipped_not_installed=libraries, skipped_other=other,
+                   failed_tests=failed[:30], shards=len(outcomes), no_junit=missing, bad_exit=bad_rc)
+    skips = f"skipped: {count['skipped']}" + "".join(f", {k} ({n})" for k, n in libraries.items())
+    if other:
+        skips += f", {len(other)} for other reasons (a failure on a GPU)"
+    line = (f"({count['passed']} passed, {len(failed)} failed, {skips}; {len(outcomes)} shards"
+            + (f"; no junit XML from {', '.join(missing)}" if missing else "")
+            + (f"; {'; '.join(bad_rc)}" if bad_rc else "") + "; logs a_pytest_gpu_*.log)")
+    return (bool(cases) and not failed and not other and not missing and not bad_rc), figures, line
+
+
+def judge_fake(out: Path, outcomes: list) -> tuple:
+    """Part (b): each rank exited 0 and printed "done: 2 iterations"."""
+    ok, failed = [], []
+    for o in outcomes:
+        text = o.log.read_text(errors="replace") if o.log.is_file() else ""
+        good = o.rc == 0 and re.search(r"^done: 2 iterations", text, re.M)
+        (ok if good else failed).append(o.command.log.removeprefix("b_").removesuffix(".log"))
+    figures = dict(ranks=len(outcomes), ranks_ok=len(ok), failed=failed, side_by_side=len(outcomes),
+                   seconds_max=max((o.seconds for o in outcomes), default=0.0))
+    line = (f"({len(ok)}/{len(outcomes)} ran, side by side{'; failed: ' + ' '.join(failed) if failed else ''}; "
+            "logs b_*.log)")
+    return not failed and bool(ok), figures, line
+
+
+def gpt_figures(records: list, log_text: str) -> dict:
+    """Tokens/s, TFLOP/s and MFU over the measurement window (time-weighted: total work over
+    total time) of a ``--log-json`` run, and what it managed if it stopped early."""
+    params = re.search(r"model: ([\d.]+[KMB]) parameters", log_text)
+    fig = dict(iterations=len(records), parameters=params.group(1) if params else None)
+    if records:
+        fig.update(loss_first=records[0]["loss"], loss_last=records[-1]["loss"])
+    if len(records) >= GPT_ITERS:
+        window = records[GPT_ITERS - GPT_WINDOW:GPT_ITERS]
+        secs = [r["elapsed_ms"] / 1e3 for r in window]
+
+        def avg(key):
+            return sum(r[key] * s for r, s in zip(window, secs)) / sum(secs)
+        fig.update(window=f"iterations {GPT_ITERS - GPT_WINDOW + 1}-{GPT_ITERS}", tokens_per_sec=round(avg("tokens_per_sec")),
+                   tflops_per_gpu=round(avg("tflops_per_gpu"), 1), seconds_per_iteration=round(sum(secs) / len(secs), 3))
+        if all("mfu" in r for r in window):
+            fig["mfu_pct"] = round(100 * avg("mfu"), 1)
+    return fig
+
+
+def gpt_judge(name: str):
+    """Part (c), one run: 12 records with finite losses; the window's figures."""
+    def judge(out: Path, outcomes: list) -> tuple:
+        path, log = out / f"c_gpt1p3b_{name}.jsonl", outcomes[0].log
+        records = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+        fig = gpt_figures(records, log.read_text(errors="replace") if log.is_file() else "")
+        finite = all(math.isfinite(r["loss"]) for r in records)
+        if "tokens_per_sec" in fig:
+            mfu = f"MFU {fig['mfu_pct']:.1f}%" if "mfu_pct" in fig else "MFU n/a (GPU not in the peak table)"
+            line = (f"{fig['parameters'] or '?'} params: {fig['tokens_per_sec']:,} tokens/s, {fig['tflops_per_gpu']:.1f} "
+                    f"TFLOP/s/GPU, {mfu} ({fig['window']}); loss {fig['loss_first']:.3f} -> {fig['loss_last']:.3f}")
+        else:
+            line = f"{len(records)}/{GPT_ITERS} iterations logged"
+        ok = outcomes[0].rc == 0 and len(records) == GPT_ITERS and finite
+        if not finite:
+            line += "; a loss is not finite"
+        return ok, fig, f"({line}; log {log.name})"
+    return judge
+
+
+def _rows(out: Path) -> tuple[list, bool]:
+    """The benchmark's rows: its final JSON, or the sections kept so far (partial)."""
+    final = out / "d_bench_kernels.json"
+    if final.is_file():
+        try:
+            return json.loads(final.read_text())["rows"], True
+        except (ValueError, KeyError):
+            pass
+    part = out / "d_bench_rows.jsonl"
+    lines = part.read_text().splitlines() if part.is_file() else []
+    return [json.loads(x) for x in lines if x.strip().endswith("}")], False
+
+
+def judge_bench(out: Path, outcomes: list) -> tuple:
+    """Part (d): the rows (all, or the sections finished); fail if a Triton row has an error."""
+    rows, complete = _rows(out)
+    bad = [f"{r['kernel']} {r['case']}" for r in rows if "error" in r and r.get("impl") == "triton"]
+
+    def best(kernel, impl, key):
+        vals = [r[key] for r in rows if r.get("kernel") == kernel and r.get("impl") == impl and r.get(key)]
+        return round(max(vals), 1) if vals else None
+    attention = {impl: [best("attention", impl, "fwd_rate"), best("attention", impl, "bwd_rate")]
+                 for impl in ("triton", "sdpa-flash", "flash-attn") if best("attention", impl, "fwd_rate")}
+    kernels = sorted({r.get("kernel") for r in rows})
+    triton = {k: best(k, "triton", "fwd_rate") for k in kernels}
+    figures = dict(rows=len(rows), complete=complete, kernels=kernels, attention_best_tflops_fwd_bwd=attention,
+                   triton_best_fwd_rate=triton, triton_errors=bad)
+
+    def pair(impl):
+        return "/".join("-" if v is None else f"{v:.0f}" for v in attention.get(impl, [None, None]))
+    line = (f"{len(rows)} rows{'' if complete else ' (partial: ' + ', '.join(kernels) + ')'}; attention TFLOP/s "
+            f"fwd/bwd best: triton {pair('triton')}, sdpa-flash {pair('sdpa-flash')}"
+            + (f"; triton failed: {', '.join(bad)}" if bad else ""))
+    return outcomes[0].rc == 0 and complete and not bad, figures, f"({line}; table d_bench_kernels.txt)"

@@ -26,7 +26,7 @@ from megalite.training import train_step
 from tests.test_zero import global_batch
 
 
-def make_config(tp=1, pp=1, ep=1, layers=2, experts=0, fp16=False, grouped=False):
+def make_config(tp=1, pp=1, cp=1, ep=1, layers=2, experts=0, fp16=False, grouped=False):
     moe = dict(num_experts=experts, moe_router_topk=2, moe_ffn_hidden_size=24, moe_aux_loss_coeff=1e-2,
                moe_grouped_gemm=grouped) if experts else {}
     model = ModelConfig(num_layers=layers, hidden_size=32, num_attention_heads=4, vocab_size=97, seq_length=16,
@@ -34,7 +34,7 @@ def make_config(tp=1, pp=1, ep=1, layers=2, experts=0, fp16=False, grouped=False
     t = TrainConfig(micro_batch_size=2, global_batch_size=8, lr=3e-3, weight_decay=0.1, clip_grad=0.5,
                     train_iters=3, fp16=fp16)
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                              expert_model_parallel_size=ep)
+                              context_parallel_size=cp, expert_model_parallel_size=ep)
     return Config(model, parallel, t, DataConfig(mock_data=True))
 
 
@@ -63,7 +63,7 @@ def _sync_worker(rank, world, case):
 
 
 DENSE = {"single process": (1, {}), "DP2 ZeRO-1": (2, {"stage": 1}), "TP2 PP2 (1F1B)": (4, {"layout": {"tp": 2, "pp": 2}}),
-         "DP2 ZeRO-3": (2, {"stage": 3}), "fp16 dynamic loss scale": (1, {"layout": {"fp16": True}})}
+         "DP2 ZeRO-3": (2, {"stage": 3}), "CP2 (ring)": (2, {"layout": {"cp": 2}}), "fp16 dynamic loss scale": (1, {"layout": {"fp16": True}})}
 
 
 @pytest.mark.parametrize("name", list(DENSE))

@@ -19,8 +19,10 @@ autotuned over its own few configs per dtype class and tile width (``dkdv_config
 ``dq_configs``, ``delta_configs``), pruned by the device's shared memory (the
 ``*_shared_bytes`` estimates, checked against the compiled figures by
 tools/compile_kernels.py), keyed on (head dim, causal, s_q and s_k rounded up to powers of
-two, dtypes) and cached by ``triton.autotune`` per key for the process; one small config under
-the interpreter; explicit tiles bypass the autotuner.
+two, dtypes) and cached by ``triton.autotune`` per key (one config under
+MEGALITE_KERNEL_TUNING=fixed); one small config under the interpreter; explicit tiles bypass
+the autotuner. Each grid is one axis (tiles x b * heads, or x b * groups for dk/dv), so no
+count passes CUDA's 65,535 cap of axes 1 and 2.
 
 Ring attention: the pair (q block, k/v block) may be any piece of a longer attention. Pass
 the *global* lse and the global out and do (or their ``delta``), and the result is that

@@ -36,7 +36,8 @@ otherwise); on a GPU 16-bit tiles go to the tensor cores as they are and fp32 ti
 ("ieee") products, as torch's default fp32 matmul (TF32 off). Tiles: one small config under
 the interpreter; on a GPU a few ``triton.autotune`` configs keyed on (Nout, K, rows per group
 rounded to a power of two), pruned to those whose pipelined tiles fit the device's shared
-memory (sm_80/sm_90 keep all; GPUs with ~100 KB or less keep the smaller ones).
+memory (sm_80/sm_90 keep all; GPUs with ~100 KB or less keep the smaller ones); under
+MEGALITE_KERNEL_TUNING=fixed the first config that fits, alone.
 """
 from __future__ import annotations
 

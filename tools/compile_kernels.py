@@ -10,8 +10,11 @@ delta for head dims 64, 96, 128 and 256; grouped GEMM) every autotune config, wi
 strides and sizes 16-divisible as in a model, so the pipelined loops are what compiles. For
 those it also prints the launcher's shared-memory estimate (the one that prunes configs on a
 GPU) and fails if the estimate is below the compiled figure; and, with the bundled cuobjdump,
-registers per thread and the stack frame (``stack`` > 0: register spills). Uncached, each
-compilation takes seconds: ``--quick`` compiles one dtype (bf16), ``--only`` a subset.
+registers per thread and the stack frame (``stack`` > 0: register spills). The norms
+(LayerNorm and RMSNorm, whole-row and chunked) and the cross-entropy (both vocabulary block
+widths) compile in the one tile setting their launchers use. Uncached, each compilation takes
+seconds (the last line prints the count and seconds per variant; point TRITON_CACHE_DIR at an
+empty folder to time it): ``--quick`` compiles one dtype (bf16), ``--only`` a subset.
 
     python tools/compile_kernels.py [--arch 80 90] [--quick] [--only attention] [--json out.json]
 """
@@ -22,6 +25,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 
 os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, not the interpreter
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -108,20 +112,26 @@ def jobs(dtype: str):
     p, tdtype = "*" + dtype, getattr(torch, TORCH_DTYPES[dtype])
     prec = "ieee" if dtype == "fp32" else "tf32"
     yield from attention_jobs(dtype)
-    for n in (1000, 8192):
-        block, block_r, warps = norms._tiles(n)
-        types = dict(X=p, W=p, B=p, Y=p, DY=p, DX=p, MEAN="*fp32", RSTD="*fp32", DW_PART="*fp32",
-                     DB_PART="*fp32", n_rows="i32", n_cols="i32", eps="fp32", n_tiles="i32")
-        consts = dict(RMS=False, HAS_BIAS=True, BLOCK_R=block_r, BLOCK=block)
-        yield f"layernorm fwd n{n}", norms._norm_fwd_kernel, types, consts, warps, 1, None
-        yield f"layernorm bwd n{n}", norms._norm_bwd_kernel, types, consts, warps, 1, None
-    block_r, block_v, warps = ce._tiles(50304)
+    types = dict(X=p, W=p, B=p, Y=p, DY=p, DX=p, MEAN="*fp32", RSTD="*fp32", DW_PART="*fp32",
+                 DB_PART="*fp32", n_rows="i32", n_cols="i32", eps="fp32", n_tiles="i32")
+    for rms, kind in ((False, "layernorm"), (True, "rmsnorm")):
+        norm = dict(RMS=rms, HAS_BIAS=not rms)
+        for n in (1000, 8192):  # whole rows
+            block, block_r, warps = norms._tiles(n)
+            consts = dict(**norm, BLOCK_R=block_r, BLOCK=block)
+            yield f"{kind} fwd n{n}", norms._norm_fwd_kernel, types, consts, warps, 1, None
+            yield f"{kind} bwd n{n}", norms._norm_bwd_kernel, types, consts, warps, 1, None
+        consts = dict(**norm, CHUNK=norms.CHUNK)  # rows above WHOLE_ROW_MAX, in column chunks (8 warps)
+        yield f"{kind} fwd chunked", norms._norm_fwd_chunked_kernel, types, consts, 8, 1, None
+        yield f"{kind} bwd chunked", norms._norm_bwd_chunked_kernel, types, consts, 8, 1, None
     types = dict(Z=p, TARGET="*i64", MAX="*fp32", SUMEXP="*fp32", TLOGIT="*fp32", LSE="*fp32",
                  GRAD="*fp32", DZ=p, n_rows="i32", n_cols="i32", stride_row="i32",
                  vocab_start="i32", vocab_size="i32", ignore_index="i32")
-    consts = dict(BLOCK_R=block_r, BLOCK_V=block_v)
-    yield "cross-entropy stats", ce._ce_stats_kernel, types, consts, warps, 1, None
-    yield "cross-entropy grad", ce._ce_grad_kernel, types, consts, warps, 1, None
+    for vocab in (50304, 1000):  # BLOCK_V 4096, and 1024 below 4096 columns
+        block_r, block_v, warps = ce._tiles(vocab)
+        consts = dict(BLOCK_R=block_r, BLOCK_V=block_v)
+        yield f"cross-entropy stats V{block_v}", ce._ce_stats_kernel, types, consts, warps, 1, None
+        yield f"cross-entropy grad V{block_v}", ce._ce_grad_kernel, types, consts, warps, 1, None
     # grouped GEMM: every autotune config (the autotuner picks among them on the GPU), with
     # pointers and sizes 16-divisible as in a model (h, F multiples of 16), so the pipelined
     # loop is what compiles: its shared memory is num_stages (sm_90) or num_stages - 1
@@ -148,7 +158,7 @@ def main():
     p.add_argument("--json", help="also write every figure to this JSON file")
     args = p.parse_args()
     dtypes = args.dtype or (["bf16"] if args.quick else ["bf16", "fp16", "fp32"])
-    records, low = [], []
+    records, low, start = [], [], time.time()
     for arch in args.arch:
         for dtype in dtypes:
             for name, fn, types, consts, warps, stages, estimate in jobs(dtype):
@@ -167,6 +177,9 @@ def main():
                 print(line, flush=True)
                 records.append(dict(arch=arch, dtype=dtype, kernel=name, warps=warps, stages=stages,
                                     estimate=estimate, **got))
+    took = time.time() - start
+    print(f"Triton {triton.__version__}: {len(records)} kernel variants compiled in {took:.0f} s "
+          f"({took / max(1, len(records)):.2f} s per variant)", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(records, f, indent=1)

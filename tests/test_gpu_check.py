@@ -63,14 +63,15 @@ def test_plan_runs_without_torch_and_fits_480_s(tmp_path):
 
 
 def test_the_real_parts_commands(tmp_path):
-    """Fixed tiles in (a)-(c), autotuning only in (d); 4 shards, 8 ranks, 12 iterations."""
+    """Fixed tiles in (a)-(c), autotuning only in (d); pytest shards, 8 ranks, 12 iterations."""
     stages = gpu_check.build_stages(sys.executable, ["--quick"])
     parts = {p.key: p for stage in stages for p in stage}
     cmds = {k: p.commands(tmp_path) for k, p in parts.items()}
     for key in ("a", "b", "c-triton", "c-torch"):
         assert all(c.env["MEGALITE_KERNEL_TUNING"] == "fixed" for c in cmds[key]), key
     assert cmds["d"][0].env["MEGALITE_KERNEL_TUNING"] == "autotune" and "--quick" in cmds["d"][0].argv
-    assert [c.env["GPU_CHECK_SHARD"] for c in cmds["a"]] == ["0/4", "1/4", "2/4", "3/4"]
+    k = gpu_check.SHARDS
+    assert [c.env["GPU_CHECK_SHARD"] for c in cmds["a"]] == [f"{i}/{k}" for i in range(k)]
     assert sorted((c.env["WORLD_SIZE"], c.env["RANK"]) for c in cmds["b"]) == [("8", "0")] * 4 + [("8", "7")] * 4
     assert len({c.log for c in cmds["b"]}) == 8
     assert cmds["c-triton"][0].argv[cmds["c-triton"][0].argv.index("--train-iters") + 1] == "12"
@@ -183,6 +184,45 @@ def test_side_by_side_parts_extras_and_a_stretch_part(tmp_path):
     assert parts["absent"]["status"] == "skipped" and parts["absent"]["unavailable"]
     assert parts["stretch"]["status"] == "pass" and parts["stretch"]["seconds"] >= 1.4
     assert ok and summary["overall"] == "pass" and summary["failed_parts"] == []
+
+
+RUNNER = """
+import sys, time
+sys.path.insert(0, {repo!r})
+from pathlib import Path
+from tools.gpu_check_runner import Command, Part, Run
+code = "import os, time; open({pid!r}, 'w').write(str(os.getpid())); time.sleep(60)"
+part = Part("sleep", "sleep", 60, lambda out: [Command([sys.executable, "-c", code], "sleep.log")],
+            lambda out, o: (True, {{}}, ""))
+Run([[part]], Path({out!r}), 120, time.monotonic(), print).run()
+"""
+
+
+@pytest.mark.parametrize("how", ["SIGTERM", "SIGKILL"])
+def test_a_stopped_check_stops_its_parts(tmp_path, how):
+    """SIGTERM: the runner kills the running part and records it "interrupted"; SIGKILL (no
+    chance to clean up): the part dies with it (PR_SET_PDEATHSIG)."""
+    import signal
+
+    pid, out = tmp_path / "part.pid", tmp_path / "out"
+    runner = subprocess.Popen([sys.executable, "-c", RUNNER.format(repo=str(REPO), pid=str(pid), out=str(out))])
+    deadline = time.monotonic() + 30
+    while not pid.exists() or not pid.read_text():
+        assert time.monotonic() < deadline and runner.poll() is None
+        time.sleep(0.05)
+    runner.send_signal(getattr(signal, how))
+    runner.wait(timeout=30)
+    part_pid = int(pid.read_text())
+    deadline = time.monotonic() + 10
+    while not gone(part_pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert gone(part_pid)
+    summary = json.loads((out / "summary.json").read_text())
+    if how == "SIGTERM":
+        assert summary["parts"][0]["status"] == "interrupted" and summary["finished"]
+        assert summary["overall"] == "fail"
+    else:
+        assert summary["parts"][0]["status"] == "running" and not summary["finished"]
 
 
 def test_a_broken_judge_or_missing_program_fails_only_its_part(tmp_path):

@@ -25,6 +25,7 @@ import math
 import os
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,8 +93,21 @@ def write_json_atomic(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
-def _default_sigint():
-    signal.signal(signal.SIGINT, signal.SIG_DFL)  # a shell's background job inherits SIGINT ignored
+def _child_setup():
+    """In each started command, before it runs: SIGINT back to its default (a shell's background
+    job inherits it ignored, and pytest must see it), and SIGKILL should this runner die
+    (Linux PR_SET_PDEATHSIG; best effort), so no part outlives a killed check."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if _PRCTL is not None:
+        _PRCTL(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
+
+
+try:  # looked up here, in the runner, not in the forked child
+    import ctypes
+
+    _PRCTL = ctypes.CDLL(None).prctl if sys.platform.startswith("linux") else None
+except (OSError, AttributeError, ImportError):
+    _PRCTL = None
 
 
 def _signal_groups(procs, sig) -> None:
@@ -251,7 +265,7 @@ class Run:
                 try:
                     proc = subprocess.Popen([str(a) for a in cmd.argv], stdout=f, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL, env={**self.env, **cmd.env},
-                                            start_new_session=True, preexec_fn=_default_sigint)
+                                            start_new_session=True, preexec_fn=_child_setup)
                 except OSError as e:
                     f.write(f"could not start: {e}\n")
                     proc = None

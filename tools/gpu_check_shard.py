@@ -9,7 +9,7 @@ and computes the same split, so the K shards together hold each test exactly onc
 
 - tests that share a fixture wider than a function (a module-scoped CPU reference run, say)
   stay together, so it is computed once;
-- a test that takes ``tmp_path`` usually writes files or runs processes: it weighs 5, others 1;
+- a test that takes ``tmp_path`` usually writes files or runs processes: it weighs HEAVY, others 1;
 - groups are dealt heaviest first, each to the lightest shard (ties: the lower index).
 
 Without ``GPU_CHECK_SHARD`` the plugin does nothing.
@@ -20,7 +20,7 @@ import os
 
 import pytest
 
-HEAVY = 5
+HEAVY = 12  # ~a training process or two (10-25 s) against ~2 s of kernel compiles per test
 
 
 def shard_spec(value: str | None) -> tuple[int, int] | None:

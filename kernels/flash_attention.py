@@ -36,8 +36,9 @@ first call with a new key times the configs, and the fastest is cached by the au
 the rest of the process and on disk (``_utils.autotune``). MEGALITE_KERNEL_TUNING=fixed gives
 the autotuner one config instead, the first that fits the GPU (a test run: one compiled variant
 per kernel and shape class). The grid is one axis, (query tiles x b * heads): CUDA caps axes 1
-and 2 at 65,535 programs, which b * heads can pass. The configs were chosen from a compile-only sweep (tools/compile_kernels.py)
-to fit sm_80 and sm_90 shared memory without register spills.
+and 2 at 65,535 programs, which b * heads can pass. The configs were chosen from a
+compile-only sweep (tools/compile_kernels.py) to fit sm_80 and sm_90 shared memory without
+register spills.
 Under the interpreter one small config runs; explicit ``block_m``/``block_n``/``num_warps``/
 ``num_stages`` bypass the autotuner. The backward is in ``flash_attention_bwd.py``; the torch
 reference and the merge of partials in ``attention_reference.py``.

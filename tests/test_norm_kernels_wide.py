@@ -44,3 +44,28 @@ def test_wide_rows_take_the_chunked_path_through_autograd():
         fused(x).backward(dy)
         ref = _reference(x.detach(), w, None if rms else b, dy, rms)
         assert (x.grad.double() - ref[1]).abs().max() / ref[1].abs().max() < 1e-5
+
+
+@pytest.mark.gpu
+def test_chunked_kernels_compiled_on_the_gpu():
+    """On a GPU (scripts/gpu_check.sh): the compiled chunked kernels in bf16 (a ragged last chunk,
+    6 rows: fewer rows than programs) against float64, LayerNorm and RMSNorm (4 variants)."""
+    from megalite.kernels._utils import INTERPRET
+
+    if INTERPRET:
+        pytest.skip("TRITON_INTERPRET=1: run with TRITON_INTERPRET=0 (scripts/gpu_check.sh does).")
+    n = 12296  # above WHOLE_ROW_MAX, not a multiple of CHUNK
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = (torch.randn(6, n, device="cuda", generator=g) * 2 + 0.5).bfloat16()
+    w = (1 + 0.1 * torch.randn(n, device="cuda", generator=g)).bfloat16()
+    b = torch.randn(n, device="cuda", generator=g).bfloat16()
+    dy = torch.randn(6, n, device="cuda", generator=g).bfloat16()
+    for rms in (False, True):
+        leaves = [t.clone().requires_grad_() for t in ((x, w) if rms else (x, w, b))]
+        y = rms_norm(*leaves) if rms else layer_norm(*leaves)
+        y.backward(dy)
+        ref = _reference(x, w, None if rms else b, dy, rms)
+        for name, got, want in zip(("y", "dx", "dw", "db"), (y, *(t.grad for t in leaves)), ref):
+            if want is not None:
+                err = ((got.double() - want).abs().max() / want.abs().max().clamp_min(1.0)).item()
+                assert got.dtype == torch.bfloat16 and err < 1.6e-2, (rms, name, err)

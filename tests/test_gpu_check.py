@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tools import gpu_check, gpu_check_bench, gpu_check_results as results, gpu_check_shard
+from tools import gpu_check, gpu_check_bench, gpu_check_shard
+from tools import gpu_check_results as results
 from tools.gpu_check_runner import Command, Part, Run
 
 REPO = Path(__file__).resolve().parent.parent
@@ -146,7 +147,7 @@ except KeyboardInterrupt:
     open({str(flag)!r}, "w").write("cleaned up")
     sys.exit(130)
 """, budget=2.0)
-    ok, summary, parts, _ = run_parts(tmp_path, [[part]], grace_s=1.0)
+    ok, _, parts, _ = run_parts(tmp_path, [[part]], grace_s=1.0)
     assert not ok and parts["slow"]["status"] == "timeout" and flag.read_text() == "cleaned up"
     assert parts["slow"]["commands"][0]["rc"] == 130
 
@@ -256,8 +257,10 @@ def test_run_check_writes_summary_txt_and_json(tmp_path, capsys):
 SKIPS = '''
 import pytest
 def test_ok(): pass
-def test_te(): pytest.skip("transformer-engine is not installed; it needs a CUDA GPU with cuDNN: pip install megalite[te]")
-def test_fa(): pytest.importorskip("flash_attn", reason="flash-attn is not installed (it builds only on a CUDA machine)")
+def test_te():
+    pytest.skip("transformer-engine is not installed; it needs a CUDA GPU with cuDNN: pip install megalite[te]")
+def test_fa():
+    pytest.importorskip("flash_attn", reason="flash-attn is not installed (it builds only on a CUDA machine)")
 def test_fa_default(): pytest.importorskip("flash_attn")
 def test_other(): pytest.skip("TRITON_INTERPRET=1 was set when megalite.kernels was imported")
 '''
@@ -326,6 +329,17 @@ def test_gpt_figures_use_iterations_7_to_12_time_weighted():
     assert fig["tokens_per_sec"] == round((5 * 8000 + 16000) / 6) and fig["mfu_pct"] == 25.0
     partial = results.gpt_figures(records[:5], "")
     assert partial["iterations"] == 5 and "tokens_per_sec" not in partial
+
+
+def test_a_gpt_run_cut_mid_line_still_reports_its_iterations(tmp_path):
+    log = tmp_path / "c_gpt1p3b_triton.log"
+    log.write_text("model: 1316.3M parameters\n")
+    lines = [json.dumps(dict(iteration=i, loss=9.0, elapsed_ms=300.0, tokens_per_sec=27000.0, tflops_per_gpu=250.0))
+             for i in (1, 2, 3)]
+    (tmp_path / "c_gpt1p3b_triton.jsonl").write_text("\n".join(lines) + '\n{"iteration": 4, "lo')
+    cut = types.SimpleNamespace(rc=-9, log=log)
+    ok, fig, line = results.gpt_judge("triton")(tmp_path, [cut])
+    assert not ok and fig["iterations"] == 3 and fig["parameters"] == "1316.3M" and "3/12 iterations" in line
 
 
 def test_bench_rows_are_kept_per_section_and_read_back_when_cut_short(tmp_path):

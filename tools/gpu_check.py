@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """The GPU acceptance check (scripts/gpu_check.sh): its parts, their budgets, the probe, the CLI.
 
     python tools/gpu_check.py --plan [--json]     # the parts, budgets and total; no torch import
@@ -28,7 +27,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tools import gpu_check_results as results  # noqa: E402
-from tools.gpu_check_runner import Command, Part, Run, RESERVE_S, plan_total, stage_budget  # noqa: E402
+from tools.gpu_check_runner import (  # noqa: E402
+    RESERVE_S,
+    Command,
+    Part,
+    Run,
+    plan_total,
+    stage_budget,
+)
 
 LIMIT_S = 480          # the whole check, probe included: 15 min of device time = a failed start + one rerun
 PROBE_S = 20
@@ -76,7 +82,8 @@ def build_stages(py: str, bench_args: list) -> list:
     def pytest_shards(out: Path) -> list:
         tmp = tempfile.mkdtemp(prefix="gpu_check_a_")  # pytest's tmp_path: checkpoints stay out of OUT
         return [Command([py, "-m", "pytest", "-q", "-rs", "-m", "gpu", "-p", "no:cacheprovider",
-                         "-p", "tools.gpu_check_shard", "tests/", f"--junitxml={out}/a_pytest_gpu_{i}.xml",
+                         "-p", "tools.gpu_check_shard", "--continue-on-collection-errors", "tests/",
+                         f"--junitxml={out}/a_pytest_gpu_{i}.xml",
                          f"--basetemp={tmp}/shard{i}"], f"a_pytest_gpu_{i}.log",
                         dict(FIXED, GPU_CHECK_SHARD=f"{i}/{SHARDS}")) for i in range(SHARDS)]
 
@@ -106,7 +113,8 @@ def build_stages(py: str, bench_args: list) -> list:
         title = f"GPT ~1.3B bf16 (24 x 2048, seq 2048, micro 4), {results.GPT_ITERS} iterations, {' '.join(flags)}"
         stages.append([Part(f"c-{name}".replace("_", "-"), title, BUDGETS["c"], gpt(name, flags),
                             results.gpt_judge(name), "10 s start + ~9 s drawing 1.3B weights on the CPU + ~8 "
-                            "variants x 0.6 s + 12 x ~0.3 s iterations + set-up, ~31 s", mode=mode, unavailable=te if mode == "extra" else None)])
+                            "variants x 0.6 s + 12 x ~0.3 s iterations + set-up, ~31 s",
+                            mode=mode, unavailable=te if mode == "extra" else None)])
     stages.append([Part("d", f"tools/bench_kernels.py {' '.join(bench_args)}".rstrip(), BUDGETS["d"], bench,
                         results.judge_bench, "full autotuning: 132 attention configs x (0.6 s compile + 0.13 s "
                         "timing) + torch.compile baselines ~65 s + the rest, ~215 s", mode="stretch")])
@@ -224,6 +232,7 @@ def run_check(stages: list, out: Path, info: dict, smi: str, started: float, lim
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
     header = dict(started=now, host=platform.node(), gpu=info, nvidia_smi=smi, out=str(out))
     run = Run(stages, out, limit_s, started, say, header=header, env=env, **run_options)
+    run.summary.update(plan_total_s=PROBE_S + plan_total(stages), probe_s=round(time.monotonic() - started, 1))
     ok = run.run()
     took = time.monotonic() - started
     if ok:

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """tools/bench_kernels.py, keeping each finished section's rows as it goes.
 
     python tools/gpu_check_bench.py ROWS.jsonl [bench_kernels flags...]

@@ -22,6 +22,17 @@ OPTIONAL_LIBRARIES = {"flash-attn": r"flash[-_]attn", "transformer-engine": r"tr
 NOT_INSTALLED = r"not installed|no module named|could not import"
 
 
+def json_lines(path: Path) -> list:
+    """The JSON objects of a JSON-lines file, skipping a line cut off when its writer was killed."""
+    rows = []
+    for line in path.read_text(errors="replace").splitlines() if path.is_file() else []:
+        try:
+            rows.append(json.loads(line))
+        except ValueError:
+            pass
+    return rows
+
+
 def library_skip(reason: str) -> str | None:
     """The optional library a skip reason says is missing, or None (any other skip)."""
     if not re.search(NOT_INSTALLED, reason, re.I):
@@ -71,7 +82,7 @@ def judge_pytest(out: Path, outcomes: list) -> tuple:
             else:
                 other.append(f"{c['test']}: {c['reason']}")
     failed = [c["test"] for c in cases.values() if c["outcome"] in ("failed", "error")]
-    figures = dict(tests=len(cases), **count, skipped_not_installed=libraries, skipped_other=other,
+    figures = dict(tests=len(cases), **count, skipped_not_installed=libraries, skipped_other=other[:30],
                    failed_tests=failed[:30], shards=len(outcomes), no_junit=missing, bad_exit=bad_rc)
     skips = f"skipped: {count['skipped']}" + "".join(f", {k} ({n})" for k, n in libraries.items())
     if other:
@@ -109,8 +120,9 @@ def gpt_figures(records: list, log_text: str) -> dict:
 
         def avg(key):
             return sum(r[key] * s for r, s in zip(window, secs)) / sum(secs)
-        fig.update(window=f"iterations {GPT_ITERS - GPT_WINDOW + 1}-{GPT_ITERS}", tokens_per_sec=round(avg("tokens_per_sec")),
-                   tflops_per_gpu=round(avg("tflops_per_gpu"), 1), seconds_per_iteration=round(sum(secs) / len(secs), 3))
+        fig.update(window=f"iterations {GPT_ITERS - GPT_WINDOW + 1}-{GPT_ITERS}",
+                   tokens_per_sec=round(avg("tokens_per_sec")), tflops_per_gpu=round(avg("tflops_per_gpu"), 1),
+                   seconds_per_iteration=round(sum(secs) / len(secs), 3))
         if all("mfu" in r for r in window):
             fig["mfu_pct"] = round(100 * avg("mfu"), 1)
     return fig
@@ -120,13 +132,14 @@ def gpt_judge(name: str):
     """Part (c), one run: 12 records with finite losses; the window's figures."""
     def judge(out: Path, outcomes: list) -> tuple:
         path, log = out / f"c_gpt1p3b_{name}.jsonl", outcomes[0].log
-        records = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.is_file() else []
+        records = json_lines(path)
         fig = gpt_figures(records, log.read_text(errors="replace") if log.is_file() else "")
         finite = all(math.isfinite(r["loss"]) for r in records)
         if "tokens_per_sec" in fig:
             mfu = f"MFU {fig['mfu_pct']:.1f}%" if "mfu_pct" in fig else "MFU n/a (GPU not in the peak table)"
-            line = (f"{fig['parameters'] or '?'} params: {fig['tokens_per_sec']:,} tokens/s, {fig['tflops_per_gpu']:.1f} "
-                    f"TFLOP/s/GPU, {mfu} ({fig['window']}); loss {fig['loss_first']:.3f} -> {fig['loss_last']:.3f}")
+            line = (f"{fig['parameters'] or '?'} params: {fig['tokens_per_sec']:,} tokens/s, "
+                    f"{fig['tflops_per_gpu']:.1f} TFLOP/s/GPU, {mfu} ({fig['window']}); "
+                    f"loss {fig['loss_first']:.3f} -> {fig['loss_last']:.3f}")
         else:
             line = f"{len(records)}/{GPT_ITERS} iterations logged"
         ok = outcomes[0].rc == 0 and len(records) == GPT_ITERS and finite
@@ -144,9 +157,7 @@ def _rows(out: Path) -> tuple[list, bool]:
             return json.loads(final.read_text())["rows"], True
         except (ValueError, KeyError):
             pass
-    part = out / "d_bench_rows.jsonl"
-    lines = part.read_text().splitlines() if part.is_file() else []
-    return [json.loads(x) for x in lines if x.strip().endswith("}")], False
+    return json_lines(out / "d_bench_rows.jsonl"), False
 
 
 def judge_bench(out: Path, outcomes: list) -> tuple:

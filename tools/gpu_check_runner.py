@@ -21,15 +21,14 @@ about GPUs:
 from __future__ import annotations
 
 import json
-import math
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 RESERVE_S = 5.0     # kept back from the limit: killing the last part and writing the summary
 MIN_RUN_S = 5.0     # a part offered less than this is skipped, not started

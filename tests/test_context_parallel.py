@@ -114,7 +114,7 @@ class _PlacementExchange:
     size, rank = 2, 0
 
     def __init__(self):
-        self.events = []
+        self.events, self.work = [], []
 
     def start(self, tensors):
         return [torch.empty_like(t) for t in tensors]

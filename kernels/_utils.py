@@ -12,9 +12,10 @@ kind, the first of its list whose shared-memory estimate fits the GPU (``fixed_c
 one compiled variant per kernel and constexpr set, no timing (a GPU test run; a benchmark
 keeps ``autotune``).
 
-Launch limits: CUDA caps grid axes 1 and 2 at 65,535 programs and axis 0 at 2^31 - 1, so the
-launchers put every product that grows with the batch (b * heads, expert count, rows) on
-axis 0 (``check_grid``). Offsets inside a kernel are int32 unless cast: a tile's relative
+Launch limits: CUDA caps grid axes 1 and 2 at 65,535 programs and axis 0 at 2^31 - 1. The
+attention kernels take their (batch, head) index from axes 1 and 2 (``split_grid``: b * heads
+past MAX_GRID_Y continues on axis 2); the others put what grows on axis 0; every launcher
+checks its grid (``check_grid``). Offsets inside a kernel are int32 unless cast: a tile's relative
 offsets ``rows * stride`` stay int32 only while ``MAX_TILE * stride`` fits (``seq_strided``).
 """
 from __future__ import annotations
@@ -33,6 +34,7 @@ if TUNING not in ("autotune", "fixed"):
                      f"default) or 'fixed' (one config per kernel). Fix: set one of them or unset it.")
 
 GRID_LIMITS = (2**31 - 1, 65535, 65535)  # CUDA's grid size per axis (x, y, z)
+MAX_GRID_Y = 65535  # programs per grid axis 1 before a count spills onto axis 2 (tests lower it)
 INT32_MAX = 2**31 - 1
 MAX_TILE = 128  # the most rows (BLOCK_M / BLOCK_N) of any attention tile (tests check the configs)
 
@@ -128,6 +130,16 @@ def seq_strided(t: torch.Tensor) -> torch.Tensor:
     if t.dim() == 4 and (MAX_TILE - 1) * abs(t.stride(2)) + t.shape[3] > INT32_MAX:
         return t.contiguous()
     return t
+
+
+def split_grid(what: str, tiles: int, n: int) -> tuple:
+    """The grid (tiles, y, z) of ``tiles`` programs for each of ``n`` (batch, head) pairs, the pair
+    ``p = program_id(1) + program_id(2) * MAX_GRID_Y`` (kernels return at once for p >= n): the
+    old (tiles, n) grid while n <= MAX_GRID_Y (z = 1), and within CUDA's limits past it. Program
+    ids, unlike values computed from them, cost the kernel no register (a one-axis grid with
+    p = pid // tiles added register spills to compiled configs at the 255-register limit)."""
+    y = max(1, min(n, MAX_GRID_Y))
+    return check_grid(what, (tiles, y, -(-n // y)))
 
 
 def check_grid(what: str, grid: tuple) -> tuple:

@@ -35,10 +35,10 @@ key is (head dim, causal, s_q and s_k rounded up to powers of two, the tensors' 
 first call with a new key times the configs, and the fastest is cached by the autotuner for
 the rest of the process and on disk (``_utils.autotune``). MEGALITE_KERNEL_TUNING=fixed gives
 the autotuner one config instead, the first that fits the GPU (a test run: one compiled variant
-per kernel and shape class). The grid is one axis, (query tiles x b * heads): CUDA caps axes 1
-and 2 at 65,535 programs, which b * heads can pass. The configs were chosen from a
-compile-only sweep (tools/compile_kernels.py) to fit sm_80 and sm_90 shared memory without
-register spills.
+per kernel and shape class). The grid is (query tiles, b * heads), the second spilling onto a
+third axis past 65,535 (CUDA's cap of axes 1 and 2; ``_utils.split_grid``). The configs were
+chosen from a compile-only sweep (tools/compile_kernels.py) to fit sm_80 and sm_90 shared
+memory without register spills.
 Under the interpreter one small config runs; explicit ``block_m``/``block_n``/``num_warps``/
 ``num_stages`` bypass the autotuner. The backward is in ``flash_attention_bwd.py``; the torch
 reference and the merge of partials in ``attention_reference.py``.
@@ -52,10 +52,11 @@ import torch
 import triton
 import triton.language as tl
 
+from megalite.kernels import _utils
 from megalite.kernels._utils import (INTERPRET, INTERPRET_TILES, autotune, block_d, check_attention_inputs,
-                                     check_grid, config_width, explicit_config, fixed_limit, launch_tiles,
-                                     on_input_device, seq_key, seq_strided, shared_memory_pruner, tile_config,
-                                     unit_last_stride)
+                                     config_width, explicit_config, fixed_limit, launch_tiles,
+                                     on_input_device, seq_key, seq_strided, shared_memory_pruner, split_grid,
+                                     tile_config, unit_last_stride)
 from megalite.kernels.attention_reference import attention_reference, merge_attention  # noqa: F401
 from megalite.kernels.flash_attention_bwd import flash_attention_backward
 
@@ -63,22 +64,20 @@ LOG2E = 1.4426950408889634
 TUNING_KEY = ("HEAD_DIM", "CAUSAL", "SQ_KEY", "SK_KEY")  # + the tensors' dtypes, added by triton.autotune
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_bh"])  # b * heads: no variant per value class
 def _fwd_kernel(Q, K, V, O, LSE, stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
                 stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os, s_q, s_k, delta, qk_scale,
-                heads, groups, SQ_KEY, SK_KEY,
+                heads, groups, n_bh, SQ_KEY, SK_KEY,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, MASK_N: tl.constexpr,
-                UPCAST: tl.constexpr, PREC: tl.constexpr):
+                UPCAST: tl.constexpr, PREC: tl.constexpr, GRID_Y: tl.constexpr):
     # Reductions call tl.reduce with the combine functions tl.sum / tl.max use: the same code
     # when compiled, and it skips a jit-wrapper call that costs milliseconds in the interpreter.
     # SQ_KEY, SK_KEY (the lengths rounded to powers of two) only key the autotuner.
-    # One axis: program pid is query tile pid % n_m of (batch, head) bh = pid // n_m, the order
-    # of a (tiles, b * heads) grid, without CUDA's 65,535 cap on axis 1 (b * heads can pass it).
-    n_m = tl.cdiv(s_q, BLOCK_M)
-    pid = tl.program_id(0)
-    start_m = (pid % n_m) * BLOCK_M
-    bh = pid // n_m
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1) + tl.program_id(2) * GRID_Y  # (batch, head): axes 1 and 2 (split_grid)
+    if bh >= n_bh:
+        return
     b = (bh // heads).to(tl.int64)
     h = bh % heads
     g = (h // (heads // groups)).to(tl.int64)
@@ -216,13 +215,12 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     lse = torch.empty((b, heads, s_q), device=q.device, dtype=torch.float32)
     if out.numel() == 0:
         return out, lse.fill_(float("-inf"))
-    grid = lambda meta: check_grid("flash_attention_forward",  # noqa: E731
-                                   (triton.cdiv(s_q, meta["BLOCK_M"]) * b * heads,))
+    grid = lambda meta: split_grid("flash_attention_forward", triton.cdiv(s_q, meta["BLOCK_M"]), b * heads)  # noqa
     launch_tiles(_fwd, None if config else _tuned_fwd(d, q.dtype), config, grid,
                  q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], s_q, s_k,
-                 int(q_offset) - int(k_offset), scale * LOG2E, heads, groups, seq_key(s_q), seq_key(s_k),
+                 int(q_offset) - int(k_offset), scale * LOG2E, heads, groups, b * heads, seq_key(s_q), seq_key(s_k),
                  HEAD_DIM=d, BLOCK_D=block_d(d), CAUSAL=bool(causal), UPCAST=INTERPRET,
-                 PREC="ieee" if q.dtype == torch.float32 else "tf32")
+                 PREC="ieee" if q.dtype == torch.float32 else "tf32", GRID_Y=_utils.MAX_GRID_Y)
     return out, lse
 
 

@@ -21,8 +21,8 @@ autotuned over its own few configs per dtype class and tile width (``dkdv_config
 tools/compile_kernels.py), keyed on (head dim, causal, s_q and s_k rounded up to powers of
 two, dtypes) and cached by ``triton.autotune`` per key (one config under
 MEGALITE_KERNEL_TUNING=fixed); one small config under the interpreter; explicit tiles bypass
-the autotuner. Each grid is one axis (tiles x b * heads, or x b * groups for dk/dv), so no
-count passes CUDA's 65,535 cap of axes 1 and 2.
+the autotuner. Grids are (tiles, b * heads) (dk/dv: b * groups), the second spilling onto a
+third axis past CUDA's 65,535 (``_utils.split_grid``).
 
 Ring attention: the pair (q block, k/v block) may be any piece of a longer attention. Pass
 the *global* lse and the global out and do (or their ``delta``), and the result is that
@@ -38,24 +38,26 @@ import torch
 import triton
 import triton.language as tl
 
+from megalite.kernels import _utils
 from megalite.kernels._utils import (INTERPRET, INTERPRET_TILES, autotune, block_d, check_attention_inputs,
-                                     check_backward_shapes, check_grid, config_width, explicit_config,
-                                     fixed_limit, launch_tiles, on_input_device, seq_key, seq_strided,
-                                     shared_memory_pruner, tile_config, unit_last_stride)
+                                     check_backward_shapes, config_width, explicit_config, fixed_limit,
+                                     launch_tiles, on_input_device, seq_key, seq_strided, shared_memory_pruner,
+                                     split_grid, tile_config, unit_last_stride)
 
 LOG2E = 1.4426950408889634
 TUNING_KEY = ("HEAD_DIM", "CAUSAL", "SQ_KEY", "SK_KEY")  # + the tensors' dtypes, added by triton.autotune
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_bh"])  # b * heads: no variant per value class
 def _delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_os, stride_db, stride_dh, stride_ds, s_q, heads,
-                  SQ_KEY, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
-    n_m = tl.cdiv(s_q, BLOCK_M)  # one grid axis: row tile pid % n_m of (batch, head) pid // n_m
-    pid = tl.program_id(0)
-    bh = pid // n_m
+                  n_bh, SQ_KEY, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                  GRID_Y: tl.constexpr):
+    bh = tl.program_id(1) + tl.program_id(2) * GRID_Y  # (batch, head): axes 1 and 2 (split_grid)
+    if bh >= n_bh:
+        return
     b = (bh // heads).to(tl.int64)
     h = (bh % heads).to(tl.int64)
-    rows = (pid % n_m) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     mask = (rows[:, None] < s_q) & (offs_d[None, :] < HEAD_DIM)
     r64 = rows.to(tl.int64)[:, None]
@@ -66,20 +68,19 @@ def _delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_os, stride_db, stri
     tl.store(DELTA + bh.to(tl.int64) * s_q + rows, row_sums, mask=rows < s_q)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_bg"])  # b * groups: no variant per value class
 def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, stride_qb, stride_qh, stride_qs, stride_kb, stride_kh,
                  stride_ks, stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os, stride_lb,
-                 stride_lh, stride_eb, stride_eh, s_q, s_k, delta_pos, qk_scale, scale, heads, groups,
+                 stride_lh, stride_eb, stride_eh, s_q, s_k, delta_pos, qk_scale, scale, heads, groups, n_bg,
                  SQ_KEY, SK_KEY, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
+                 BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+                 GRID_Y: tl.constexpr):
     # One program: BLOCK_N keys of group g of batch b, over the query blocks of the group's
     # heads. stride_o*: dout's; stride_l*, stride_e*: lse's and delta's (sequence stride 1).
-    # One grid axis: key tile pid % n_n of (batch, group) bg = pid // n_n (b * groups can pass
-    # CUDA's 65,535 cap of axis 1).
-    n_n = tl.cdiv(s_k, BLOCK_N)
-    pid = tl.program_id(0)
-    start_n = (pid % n_n) * BLOCK_N
-    bg = pid // n_n
+    start_n = tl.program_id(0) * BLOCK_N
+    bg = tl.program_id(1) + tl.program_id(2) * GRID_Y  # (batch, group): axes 1 and 2 (split_grid)
+    if bg >= n_bg:
+        return
     b = (bg // groups).to(tl.int64)
     g = (bg % groups).to(tl.int64)
     per_group = heads // groups
@@ -130,21 +131,23 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, stride_qb, stride_qh, stride_q
             dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
             ds_t = p_t * (dp_t - dlt[None, :])
             dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PREC)
-    out = bg.to(tl.int64) * s_k * HEAD_DIM + n64 * HEAD_DIM + offs_d[None, :]  # contiguous
+    # contiguous; the tile's base in int64, its rows (BLOCK_N x HEAD_DIM) in int32
+    out = (bg.to(tl.int64) * s_k + start_n) * HEAD_DIM + tl.arange(0, BLOCK_N)[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_bh"])  # b * heads: no variant per value class
 def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, stride_qb, stride_qh, stride_qs, stride_kb, stride_kh,
                stride_ks, stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os, stride_lb,
-               stride_lh, stride_eb, stride_eh, s_q, s_k, delta_pos, qk_scale, scale, heads, groups,
+               stride_lh, stride_eb, stride_eh, s_q, s_k, delta_pos, qk_scale, scale, heads, groups, n_bh,
                SQ_KEY, SK_KEY, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr):
-    n_m = tl.cdiv(s_q, BLOCK_M)  # one grid axis: query tile pid % n_m of (batch, head) pid // n_m
-    pid = tl.program_id(0)
-    start_m = (pid % n_m) * BLOCK_M
-    bh = pid // n_m
+               BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
+               GRID_Y: tl.constexpr):
+    start_m = tl.program_id(0) * BLOCK_M
+    bh = tl.program_id(1) + tl.program_id(2) * GRID_Y  # (batch, head): axes 1 and 2 (split_grid)
+    if bh >= n_bh:
+        return
     b = (bh // heads).to(tl.int64)
     h = bh % heads
     g = (h // (heads // groups)).to(tl.int64)
@@ -190,7 +193,8 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, stride_qb, stride_qh, stride_qs, str
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
         ds = p * (dp - dlt[:, None])
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PREC)
-    out = bh.to(tl.int64) * s_q * HEAD_DIM + m64 * HEAD_DIM + offs_d[None, :]  # contiguous
+    # contiguous; the tile's base in int64, its rows (BLOCK_M x HEAD_DIM) in int32
+    out = (bh.to(tl.int64) * s_q + start_m) * HEAD_DIM + tl.arange(0, BLOCK_M)[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty), mask=q_mask)
 
 
@@ -317,10 +321,10 @@ def attention_delta(out: torch.Tensor, dout: torch.Tensor, *, block_m: int | Non
             first = delta_configs(d, out.dtype)[0]
             config = triton.Config(dict(BLOCK_M=block_m or first.kwargs["BLOCK_M"]),
                                    num_warps=num_warps or first.num_warps, num_stages=1)
-        grid = lambda meta: check_grid("attention_delta", (triton.cdiv(s, meta["BLOCK_M"]) * b * heads,))  # noqa: E731
+        grid = lambda meta: split_grid("attention_delta", triton.cdiv(s, meta["BLOCK_M"]), b * heads)  # noqa: E731
         launch_tiles(_delta_kernel, None if config else _tuned("delta", d, out.dtype), config, grid,
-                     out, dout, delta, *out.stride()[:3], *dout.stride()[:3], s, heads, seq_key(s),
-                     HEAD_DIM=d, BLOCK_D=block_d(d))
+                     out, dout, delta, *out.stride()[:3], *dout.stride()[:3], s, heads, b * heads, seq_key(s),
+                     HEAD_DIM=d, BLOCK_D=block_d(d), GRID_Y=_utils.MAX_GRID_Y)
     return delta.view(shape[:-1])
 
 
@@ -365,17 +369,17 @@ def flash_attention_backward(q, k, v, out, dout, lse, causal: bool = True, q_off
     explicit = bool(block_m or block_n or num_warps or num_stages)
     tensors = (q, k, v, dout, lse, delta)
     args = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *lse_strides,
-            *delta_strides, s_q, s_k, int(q_offset) - int(k_offset), scale * LOG2E, scale, heads, groups,
-            seq_key(s_q), seq_key(s_k))
+            *delta_strides, s_q, s_k, int(q_offset) - int(k_offset), scale * LOG2E, scale, heads, groups)
+    keys = (seq_key(s_q), seq_key(s_k))
     consts = dict(HEAD_DIM=d, BLOCK_D=block_d(d), CAUSAL=bool(causal), UPCAST=INTERPRET,
-                  PREC="ieee" if q.dtype == torch.float32 else "tf32")
+                  PREC="ieee" if q.dtype == torch.float32 else "tf32", GRID_Y=_utils.MAX_GRID_Y)
     tiles = (block_m, block_n, num_warps, num_stages)
     config = explicit_config(dkdv_configs(d, q.dtype), *tiles) if explicit else None
-    grid = lambda meta: check_grid("attention dk/dv", (triton.cdiv(s_k, meta["BLOCK_N"]) * b * groups,))  # noqa: E731
+    grid = lambda meta: split_grid("attention dk/dv", triton.cdiv(s_k, meta["BLOCK_N"]), b * groups)  # noqa: E731
     launch_tiles(_dkdv_kernel, None if config else _tuned("dkdv", d, q.dtype), config, grid,
-                 *tensors, dk, dv, *args, **consts)
+                 *tensors, dk, dv, *args, b * groups, *keys, **consts)
     config = explicit_config(dq_configs(d, q.dtype), *tiles) if explicit else None
-    grid = lambda meta: check_grid("attention dq", (triton.cdiv(s_q, meta["BLOCK_M"]) * b * heads,))  # noqa: E731
+    grid = lambda meta: split_grid("attention dq", triton.cdiv(s_q, meta["BLOCK_M"]), b * heads)  # noqa: E731
     launch_tiles(_dq_kernel, None if config else _tuned("dq", d, q.dtype), config, grid,
-                 *tensors, dq, *args, **consts)
+                 *tensors, dq, *args, b * heads, *keys, **consts)
     return dq, dk, dv

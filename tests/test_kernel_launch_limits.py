@@ -6,8 +6,10 @@ launcher (attention forward, delta, dk/dv, dq; grouped GEMM y/dx and dw; norms; 
 is called on meta tensors of sizes no CPU could hold (b * heads = 70,000 and 10^6, 2^22 tokens,
 70,000 experts, 10^9 rows), with its kernel launch intercepted: the grid it would launch is
 evaluated for every GPU config of that kernel and must be within CUDA's limits. Then small
-interpreter runs show the one-axis program ids (tile, batch x head) compute what the torch
-reference does, and views whose tile offsets would pass int32 reach the kernels as copies.
+interpreter runs show the remapped program ids compute what the torch reference does (the
+attention grids' (batch, head) pairs spilling onto axis 2, with axis 1 capped at 4 for the
+test; the grouped GEMM's dw on one axis), and views whose tile offsets would pass int32 reach
+the kernels as copies.
 """
 from __future__ import annotations
 
@@ -172,18 +174,25 @@ def test_views_whose_tile_offsets_pass_int32_are_copied(monkeypatch):
     assert max(tiles) <= _utils.MAX_TILE, "MAX_TILE must bound every attention tile"
 
 
-# -- the one-axis program ids compute the same ----------------------------------------------------
+# -- the remapped program ids compute the same ----------------------------------------------------
 
 def randn(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-def test_one_axis_attention_programs_match_the_reference():
-    """3 batches x 4 heads on 2 groups, 70 queries (3 row tiles of 32) and 45 keys: every
-    (tile, batch, head) of the flattened grid lands where it should, forward and backward."""
+@pytest.mark.parametrize("grid_y", [_utils.MAX_GRID_Y, 4])
+def test_split_attention_grids_match_the_reference(monkeypatch, grid_y):
+    """3 batches x 4 heads on 2 groups, 70 queries (3 row tiles of 32) and 45 keys, forward and
+    backward. With axis 1 capped at 4 (as CUDA caps it at 65,535) the 12 (batch, head) pairs
+    take grid (tiles, 4, 3), the 6 (batch, group) pairs (tiles, 4, 2), 2 of whose programs
+    return at once: every pair still lands where it should."""
+    monkeypatch.setattr(_utils, "MAX_GRID_Y", grid_y)
+    grids = []
+    monkeypatch.setattr(fa, "split_grid", lambda *a: grids.append(_utils.split_grid(*a)) or grids[-1])
+    monkeypatch.setattr(fb, "split_grid", lambda *a: grids.append(_utils.split_grid(*a)) or grids[-1])
     q, dout = randn(3, 4, 70, 24, seed=1), randn(3, 4, 70, 24, seed=2)
     k, v = randn(3, 2, 45, 24, seed=3), randn(3, 2, 45, 24, seed=4)
-    for causal, q_off in ((True, 0), (False, 0)):
+    for causal, q_off in ((True, 5), (False, 0)):
         out, lse = fa.flash_attention_forward(q, k, v, causal, q_off, 0)
         grads = fb.flash_attention_backward(q, k, v, out, dout, lse, causal, q_off, 0)
         leaves = [x.double().requires_grad_() for x in (q, k, v)]
@@ -192,6 +201,8 @@ def test_one_axis_attention_programs_match_the_reference():
         assert (out.double() - ref_out).abs().max() < 1e-5 and (lse.double() - ref_lse).abs().max() < 1e-5
         for g, leaf in zip(grads, leaves):
             assert (g.double() - leaf.grad).abs().max() < 1e-5
+    # (y, z) of the (batch, head) grids (forward, delta, dq) and the (batch, group) one (dk/dv)
+    assert {g[1:] for g in grids} == ({(12, 1), (6, 1)} if grid_y > 12 else {(4, 3), (4, 2)})
 
 
 def test_one_axis_weight_gradient_programs_match_the_loop():

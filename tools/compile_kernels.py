@@ -83,12 +83,12 @@ def attention_jobs(dtype: str):
     strides.update({f"stride_{t}{x}": a for t in "le" for x in "bh"})
     strides.update(stride_db=a, stride_dh=a, stride_ds=a)  # delta kernel: dout
     sizes = dict(s_q="i32", s_k="i32", delta="i32", delta_pos="i32", qk_scale="fp32", scale="fp32",
-                 heads="i32", groups="i32", SQ_KEY=a, SK_KEY=a)
+                 heads="i32", groups="i32", n_bh="i32", n_bg="i32", SQ_KEY=a, SK_KEY=a)
     tensors = {name: p for name in ("Q", "K", "V", "O", "DO", "DK", "DV", "DQ")}
     types = dict(**tensors, LSE="*fp32:16", DELTA="*fp32:16", **strides, **sizes)
     for d in ATTENTION_HEAD_DIMS:
         width = fa.block_d(d)
-        tile = dict(HEAD_DIM=d, BLOCK_D=width, CAUSAL=True, UPCAST=False, PREC=prec)
+        tile = dict(HEAD_DIM=d, BLOCK_D=width, CAUSAL=True, UPCAST=False, PREC=prec, GRID_Y=fa._utils.MAX_GRID_Y)
         kinds = (("fwd", fa._fwd_kernel, fa.fwd_configs, fa.fwd_shared_bytes, dict(MASK_N=True)),
                  ("dk/dv", fb._dkdv_kernel, fb.dkdv_configs, fb.dkdv_shared_bytes, {}),
                  ("dq", fb._dq_kernel, fb.dq_configs, fb.dq_shared_bytes, {}))
@@ -100,7 +100,7 @@ def attention_jobs(dtype: str):
                        nbytes(c, width, size))
         for c in fb.delta_configs(d, tdtype, interpret=False):
             yield (f"attention delta d{d} {c.kwargs['BLOCK_M']} rows w{c.num_warps}", fb._delta_kernel, types,
-                   dict(HEAD_DIM=d, BLOCK_D=width, **c.kwargs), c.num_warps, c.num_stages,
+                   dict(HEAD_DIM=d, BLOCK_D=width, GRID_Y=fa._utils.MAX_GRID_Y, **c.kwargs), c.num_warps, c.num_stages,
                    fb.delta_shared_bytes(c, width, size))
 
 

@@ -76,6 +76,10 @@ class FlatAdamW:
         device = self.steps.device
         grad_scale = None if grad_scale is None else grad_scale.to(device, torch.float32)
         found_inf = None if found_inf is None else found_inf.to(device, torch.float32)
+        for i, grad in enumerate(grads):  # the fused kernel's meta version does not check this
+            if grad.device != self.masters[i].device:
+                raise RuntimeError(f"AdamW: gradient shard {i} on device {grad.device} is not on the expected "
+                                   f"device {self.masters[i].device} (where its master weights are)")
         self.steps += 1
         for i, grad in enumerate(grads):
             batch, size = [], 0

@@ -24,6 +24,7 @@ they also run on CUDA and on ``meta`` tensors. Backward of one (q, k/v) block, f
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -108,6 +109,22 @@ def _check_block_inputs(what: str, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 
 
 @torch.no_grad()
+def without_autocast(fn):
+    """Run a block function with autocast off on its inputs' device. The block functions
+    compute in float32 for 16-bit inputs (as the Triton kernels accumulate); the model's
+    forward runs under autocast, which would cast their float32 ``matmul`` back to 16 bits."""
+    @functools.wraps(fn)
+    def run(q, *args, **kwargs):
+        kind = q.device.type
+        if kind in ("cpu", "cuda") and torch.is_autocast_enabled(kind):
+            with torch.autocast(kind, enabled=False):
+                return fn(q, *args, **kwargs)
+        return fn(q, *args, **kwargs)
+
+    return run
+
+
+@without_autocast
 def attention_block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                             q_offset: int = 0, k_offset: int = 0, scale: float | None = None):
     """(out, lse) of one block, as ``flash_attention_forward``: out in q's dtype, lse
@@ -126,6 +143,7 @@ def attention_block_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor
 
 
 @torch.no_grad()
+@without_autocast
 def attention_block_backward(q, k, v, out, dout, lse, causal: bool = True, q_offset: int = 0,
                              k_offset: int = 0, scale: float | None = None, *, delta=None,
                              dlse=None):

@@ -381,3 +381,18 @@ def test_ring_attention_keeps_no_state_across_steps():
     leaks host memory over a long run): the logs live on the per-call RingExchange."""
     for sizes in run_world(_repeated_ring_worker, 2, 3):
         assert sizes[0] == sizes[1] == sizes[2], sizes
+
+
+def test_math_blocks_compute_in_float32_under_autocast():
+    """The model's forward runs under autocast, which casts float32 matmuls to 16 bits: the
+    block functions (the torch ring backend) must give the same numbers inside it as outside."""
+    g = torch.Generator().manual_seed(5)
+    q, dout = (torch.randn(1, 4, 24, 16, generator=g).bfloat16() for _ in range(2))
+    k, v = (torch.randn(1, 2, 24, 16, generator=g).bfloat16() for _ in range(2))
+    out, lse = attention_block_forward(q, k, v)
+    grads = attention_block_backward(q, k, v, out, dout, lse)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out_ac, lse_ac = attention_block_forward(q, k, v)
+        grads_ac = attention_block_backward(q, k, v, out, dout, lse)
+    assert torch.equal(out, out_ac) and torch.equal(lse, lse_ac)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_ac))

@@ -108,7 +108,6 @@ def _check_block_inputs(what: str, q: torch.Tensor, k: torch.Tensor, v: torch.Te
                          f"v {tuple(v.shape)}.")
 
 
-@torch.no_grad()
 def without_autocast(fn):
     """Run a block function with autocast off on its inputs' device. The block functions
     compute in float32 for 16-bit inputs (as the Triton kernels accumulate); the model's
@@ -124,6 +123,7 @@ def without_autocast(fn):
     return run
 
 
+@torch.no_grad()
 @without_autocast
 def attention_block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                             q_offset: int = 0, k_offset: int = 0, scale: float | None = None):

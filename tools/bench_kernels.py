@@ -61,7 +61,7 @@ def timed(fn, reps: int) -> float:
     if GPU:
         import triton.testing
 
-        return triton.testing.do_bench(fn, warmup=25, rep=100)
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
     fn()
     times = []
     for _ in range(reps):

@@ -57,7 +57,8 @@ LAYOUTS = {
 }
 GPT = ["--device", "cuda", "--bf16", "--mock-data", "--vocab-size", "50257", "--num-layers", "24", "--hidden-size",
        "2048", "--num-attention-heads", "16", "--seq-length", "2048", "--micro-batch-size", "4", "--train-iters",
-       str(results.GPT_ITERS), "--log-interval", "4", "--hidden-dropout", "0", "--attention-dropout", "0"]
+       str(results.GPT_ITERS), "--log-interval", str(results.GPT_WINDOW), "--hidden-dropout", "0",
+       "--attention-dropout", "0"]  # values are read once per log interval: the last one is the window
 GPT_RUNS = {  # name -> (flags, mode); transformer-engine runs are extras (only with TE, only spare time)
     "triton": (["--attention-backend", "triton"], "required"),
     "torch": (["--attention-backend", "torch"], "required"),

@@ -16,7 +16,7 @@ window's mean; with ``--log-interval 1`` that is the step's own time, as before.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from megalite.faults import bytes_by_group, check_finite
 from megalite.step_values import StepResult, resolve_steps
@@ -31,7 +31,6 @@ class PendingStep:
     memory: str                    # the memory column of the log line
     memory_stats: dict
     tracked: dict | None = None    # the memory tracker's summary (--track-memory)
-    extra: dict = field(default_factory=dict)
 
 
 class StepLog:
@@ -64,7 +63,7 @@ class StepLog:
                       "loss_scale": r.loss_scale, "skipped": r.skipped, "skipped_total": self.skipped_total,
                       "elapsed_ms": elapsed * 1e3, **self.monitor.metrics(elapsed), "times_ms": r.times_ms,
                       "comm_bytes": {k: v["bytes"] for k, v in s.traffic.items()}, "memory_bytes": s.memory_stats,
-                      "comm_bytes_by_group": bytes_by_group(self.grid, s.traffic), **(r.moe or {}), **s.extra}
+                      "comm_bytes_by_group": bytes_by_group(self.grid, s.traffic), **(r.moe or {})}
             if s.tracked is not None:
                 record["memory_tracked"] = s.tracked
             if self.meta:  # nothing was computed: no values to report (n/a), unlike a NaN

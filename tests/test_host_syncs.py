@@ -169,3 +169,28 @@ def test_pipeline_trace_takes_the_device_clock(monkeypatch):
     trace = step_trace(args, 2, t, torch.device("cuda", 0))
     assert trace.clock.cuda and isinstance(trace.clock.mark(), Event)
     assert step_trace(args, 1, t, torch.device("cuda", 0)) is None  # only the last iteration
+
+
+@pytest.mark.gpu
+def test_dense_step_makes_no_device_sync_on_cuda():
+    """On a GPU, torch's sync debug mode raises on any synchronizing CUDA call, those made
+    inside torch's C++ code included (which the CPU count cannot see): a bf16 step with the
+    DP optimizer (clipping on, skip and clip decided on the device) makes none."""
+    config = make_config()
+    config.train.bf16 = True
+    device = torch.device("cuda", torch.cuda.current_device())
+    chunks = build_model_chunks(config, build_grid(config.parallel, 1, 0), device)
+    for c in chunks:
+        c.init_weights(7)
+    opt = DistributedOptimizer(chunks, config.train, None, stage=0, param_dtype=torch.bfloat16,
+                               grad_dtype=torch.float32)
+    batches = [[{k: v.to(device) for k, v in b.items()} for b in global_batch(config.model, s)] for s in range(3)]
+    results = [train_step(chunks, opt, batches[0], config.train, 0, LossScaler(False))]  # warm-up
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        results += [train_step(chunks, opt, batches[s], config.train, s, LossScaler(False)) for s in (1, 2)]
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    resolve_steps(results)
+    assert all(math.isfinite(r.loss) and not r.skipped for r in results), [r.loss for r in results]

@@ -4,6 +4,9 @@ model or step, so a bad path or bad data never costs the iterations before the f
 - ``--save``: the directory can be created and written, and its filesystem has room for one
   checkpoint (estimated: fp32 master weights and two fp32 Adam moments, 12 bytes per
   parameter of the whole model; each value is written by exactly one rank).
+- every other output flag (``--log-json``, ``--tensorboard-dir``, ``--wandb-save-dir``,
+  ``--pipeline-trace``, ``--profile-dir`` with ``--profile``): its folder (the parent folder for
+  a file flag) is created and written to, or the run is refused naming the flag, the path and why.
 - ``--data-path``: every dataset opens (headers checked) and holds no token id outside the
   model's vocabulary.
 """
@@ -15,6 +18,7 @@ import shutil
 import uuid
 
 from megalite.checkpoint.format import CheckpointError
+from megalite.config import ConfigError
 
 CHECKPOINT_BYTES_PER_PARAMETER = 12  # fp32 weight + exp_avg + exp_avg_sq
 
@@ -23,21 +27,68 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+def _why(e: OSError) -> str:
+    return {errno.ENOTDIR: "a part of the path is a file, not a directory",
+            errno.EEXIST: "it exists and is not a directory",
+            errno.EISDIR: "it is a directory, not a file",
+            errno.EROFS: "the filesystem is read-only", errno.EACCES: "permission denied",
+            errno.EPERM: "not permitted: a read-only or special filesystem",
+            errno.ENOSPC: "the filesystem is full"}.get(e.errno, e.strerror or str(e))
+
+
+def _writable_folder(folder: str) -> None:
+    """Create ``folder`` (and its parents) and write a probe file there; OSError if not possible."""
+    os.makedirs(folder, exist_ok=True)
+    probe = os.path.join(folder, f".megalite-write-test-{uuid.uuid4().hex}")
+    with open(probe, "w") as f:
+        f.write("ok")
+    os.remove(probe)
+
+
+# (attribute, flag, is a directory); --save has its own check (room for a checkpoint): check_save_location.
+OUTPUT_FLAGS = (("log_json", "--log-json", False), ("tensorboard_dir", "--tensorboard-dir", True),
+                ("wandb_save_dir", "--wandb-save-dir", True), ("pipeline_trace", "--pipeline-trace", True),
+                ("profile_dir", "--profile-dir", True))
+
+
+def output_paths(args) -> list[tuple[str, str, bool]]:
+    """(flag, path, is a directory) of every output the run will write besides --save."""
+    out = []
+    for attr, flag, is_dir in OUTPUT_FLAGS:
+        path = getattr(args, attr, None)
+        if path and (attr != "profile_dir" or getattr(args, "profile", False)):
+            out.append((flag, path, is_dir))
+    return out
+
+
+def check_output_paths(args) -> None:
+    """Create every output folder now, before the model is built, or raise ConfigError with one
+    line per unusable path naming the flag, the path, the reason and the fix."""
+    problems = []
+    for flag, path, is_dir in output_paths(args):
+        folder = path if is_dir else os.path.dirname(os.path.abspath(path))
+        what = "create and write that directory" if is_dir else f"create and write its folder {folder}"
+        try:
+            _writable_folder(folder)
+            if not is_dir and os.path.isdir(path):
+                what, e = "write that file", IsADirectoryError(errno.EISDIR, "is a directory", path)
+                raise e
+            if not is_dir and os.path.exists(path):
+                what = "write that file"
+                open(path, "a").close()  # writable? (appends nothing)
+        except OSError as e:
+            kind = "directory" if is_dir else "file path"
+            problems.append(f"{flag} {path}: cannot {what} ({_why(e)}). Fix: choose a writable {kind} for {flag}.")
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
 def check_save_location(root: str, num_parameters: int) -> None:
     """Raise CheckpointError naming the path, the problem and the fix."""
     try:
-        os.makedirs(root, exist_ok=True)
-        probe = os.path.join(root, f".megalite-write-test-{uuid.uuid4().hex}")
-        with open(probe, "w") as f:
-            f.write("ok")
-        os.remove(probe)
+        _writable_folder(root)
     except OSError as e:
-        why = {errno.ENOTDIR: "a part of the path is a file, not a directory",
-               errno.EEXIST: "it exists and is not a directory",
-               errno.EROFS: "the filesystem is read-only", errno.EACCES: "permission denied",
-               errno.EPERM: "not permitted: a read-only or special filesystem",
-               errno.ENOSPC: "the filesystem is full"}.get(e.errno, e.strerror or str(e))
-        raise CheckpointError(f"--save {root}: cannot create and write checkpoints there ({why}). Fix: "
+        raise CheckpointError(f"--save {root}: cannot create and write checkpoints there ({_why(e)}). Fix: "
                               f"choose a writable directory for --save.") from e
     needed = CHECKPOINT_BYTES_PER_PARAMETER * num_parameters
     free = shutil.disk_usage(root).free

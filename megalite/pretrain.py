@@ -44,7 +44,7 @@ from megalite.faults import (CollectiveTimeout, HangWatchdog, TrainingDiverged,
                              hang_report, looks_like_timeout, report_failure)
 from megalite.memory_tracker import training_tracker
 from megalite.monitor import Monitor, memory_line
-from megalite.preflight import check_datasets, check_save_location
+from megalite.preflight import check_datasets, check_output_paths, check_save_location
 from megalite.profiling import Profiler
 from megalite.step_log import PendingStep, StepLog
 from megalite.timers import Clock
@@ -138,6 +138,7 @@ def setup(argv=None):
         check_datasets(parse_data_path(config.data.data_path)[0], config.model.vocab_size)
     if args.save:
         check_save_location(args.save, count_parameters(config.model))
+    check_output_paths(args)  # --log-json, --tensorboard-dir, ...: folders created now, or refused by flag
     device = resolve_device(args.device, args.fake_process_group)
     if device.type == "cuda":
         torch.cuda.set_device(device)

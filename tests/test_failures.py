@@ -79,3 +79,36 @@ def test_out_of_vocabulary_data_fails_at_startup(tmp_path, capsys):
     assert "megalite: input error: Dataset" in captured.err and "contains token id" in captured.err
     assert "the vocabulary size is 300" in captured.err
     assert "grid:" not in captured.out  # before any group or model
+
+
+def test_log_json_in_a_new_folder_is_created_at_startup(tmp_path, capsys):
+    log = tmp_path / "new" / "dir" / "x.jsonl"
+    assert main(SMALL + ["--log-json", str(log)]) == 0
+    assert log.exists() and len(log.read_text().splitlines()) == 2
+
+
+@pytest.mark.parametrize("flag,tail,why", [
+    ("--log-json", "file/x.jsonl", "its folder"),
+    ("--log-json", "adir", "it is a directory, not a file"),
+    ("--tensorboard-dir", "file/tb", "a part of the path is a file, not a directory"),
+    ("--pipeline-trace", "file/sub/trace", "a part of the path is a file, not a directory"),
+])
+def test_unusable_output_path_is_refused_by_flag_before_the_model(tmp_path, capsys, flag, tail, why):
+    (tmp_path / "file").write_text("x")
+    (tmp_path / "adir").mkdir()
+    path = str(tmp_path / tail)
+    assert main(SMALL + [flag, path]) == 2
+    captured = capsys.readouterr()
+    assert f"megalite: configuration error: {flag} {path}: cannot" in captured.err, captured.err
+    assert why in captured.err and f"Fix: choose a writable" in captured.err
+    assert "model:" not in captured.out and "grid:" not in captured.out  # before any group or model
+
+
+def test_every_unusable_output_path_gets_its_own_line(tmp_path, capsys):
+    (tmp_path / "file").write_text("x")
+    argv = SMALL + ["--log-json", str(tmp_path / "file" / "x.jsonl"), "--profile",
+                    "--profile-dir", str(tmp_path / "file" / "prof"), "--tensorboard-dir", str(tmp_path / "tb")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[0].startswith("megalite: configuration error: --log-json ") and err[1].startswith("--profile-dir ")
+    assert len(err) == 2 and (tmp_path / "tb").is_dir()  # the usable one was created

@@ -140,3 +140,67 @@ def test_torchrun_max_restarts_resumes_and_finishes_bit_identically(tmp_path):
     assert "no checkpoint there yet, starting from iteration 0" in run.stdout
     assert "loaded" in run.stdout and "at iteration 8" in run.stdout  # the restart resumed from iteration 8
     assert _losses(log) == _losses(full_log)  # bit for bit
+
+
+# -- the SLURM examples, run through a local stand-in for srun and scontrol ---------------------------
+
+STANDIN = os.path.join(ROOT, "tests", "slurm_standin")
+TINY = {"DATA_ARGS": "--mock-data --vocab-size 300",
+        "MODEL_ARGS": "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+                      "--hidden-dropout 0 --attention-dropout 0",
+        "TRAIN_ARGS": "--micro-batch-size 2 --global-batch-size 8 --lr 3e-3 --lr-warmup-iters 2 --log-interval 100 "
+                      "--adam-eps 1e-5 --train-iters 3"}
+
+
+@pytest.fixture(scope="module")
+def tiny_serial(tmp_path_factory):
+    return _serial(tmp_path_factory.mktemp("serial"), " ".join(TINY.values()).split())
+
+
+def _job_id_with_free_port():
+    """A job id whose port (the scripts' 20000 + id % 20000) is free now."""
+    for _ in range(500):
+        port = free_port()
+        if 20000 <= port < 40000:
+            return 1_000_000 + port - 20000  # 1_000_000 % 20000 == 0
+    pytest.skip("no free port in 20000-39999")
+
+
+def _sbatch(tmp_path, script, tasks_per_node, cpus, **variables):
+    """Run an example batch script as sbatch would on a 2-node allocation (both "nodes" are this
+    machine over loopback), with the stand-ins first on PATH. Returns (losses, output, srun calls)."""
+    env = {k: v for k, v in ENV.items() if not k.startswith("SLURM_") and k not in (
+        "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+        "OMP_NUM_THREADS")}  # the scripts derive OMP_NUM_THREADS from the CPUs per task
+    venv = sys.prefix if os.path.exists(os.path.join(sys.prefix, "bin", "activate")) else ""
+    env.update(TINY, **variables, PATH=os.pathsep.join([STANDIN, os.path.dirname(sys.executable), env["PATH"]]),
+               MEGALITE_VENV=venv, MEGALITE_HOME=ROOT, SRUN_STANDIN_LOG=str(tmp_path / "srun.jsonl"),
+               SLURM_JOB_ID=str(_job_id_with_free_port()), SLURM_JOB_NODELIST="localhost,127.0.0.1",
+               SLURM_JOB_NUM_NODES="2", SLURM_NNODES="2", SLURM_NTASKS_PER_NODE=str(tasks_per_node),
+               SLURM_NTASKS=str(2 * tasks_per_node), SLURM_CPUS_PER_TASK=str(cpus), SLURM_SUBMIT_DIR=str(tmp_path))
+    run = subprocess.run(["bash", os.path.join(ROOT, "examples", "slurm", script)], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=180)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert (tmp_path / "ckpt" / "latest").read_text() == "3"  # --save ckpt --load ckpt: a fresh start, then saved
+    calls = [json.loads(line) for line in open(tmp_path / "srun.jsonl")]
+    return _losses(tmp_path / "logs" / "train.jsonl"), run.stdout + run.stderr, calls
+
+
+def test_slurm_example_srun_per_gpu_runs_and_trains_like_one_process(tmp_path, tiny_serial):
+    losses, text, calls = _sbatch(tmp_path, "srun_per_gpu.sbatch", 1, 1,
+                                  PARALLEL_ARGS="--pipeline-model-parallel-size 2")
+    assert losses.keys() == tiny_serial.keys()
+    assert max(abs(losses[i] - tiny_serial[i]) / tiny_serial[i] for i in tiny_serial) < 1e-5, (losses, tiny_serial)
+    assert "launch: slurm; rank 0 of 2, local rank 0 of 1 on node 0" in text
+    assert [c["options"].get("cpus_per_task") for c in calls] == ["1"]  # passed on to srun explicitly
+
+
+def test_slurm_example_torchrun_per_node_runs_and_trains_like_one_process(tmp_path, tiny_serial):
+    losses, text, calls = _sbatch(tmp_path, "torchrun_per_node.sbatch", 1, 2, GPUS_PER_NODE="2",
+                                  PARALLEL_ARGS="--tensor-model-parallel-size 2")
+    assert losses.keys() == tiny_serial.keys()
+    assert max(abs(losses[i] - tiny_serial[i]) / tiny_serial[i] for i in tiny_serial) < 1e-5, (losses, tiny_serial)
+    assert "(2 per node, 2 node(s))" in text and "launch: torchrun; rank 0 of 4, local rank 0 of 2 on node 0" in text
+    (call,) = calls
+    assert call["options"].get("cpus_per_task") == "2" and call["options"].get("no_kill") is True
+    assert call["command"][0] == "torchrun" and "1:2" in call["command"]

@@ -164,7 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", type=str, default=None, help="checkpoint directory (also saved at the end and on SIGTERM)")
     g.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
     g.add_argument("--keep-last", type=int, default=None, help="keep only the newest K checkpoints")
-    g.add_argument("--load", type=str, default=None, help="resume from this directory's 'latest' checkpoint")
+    g.add_argument("--load", type=str, default=None,
+                   help="resume from this directory's 'latest' checkpoint, or from an iteration directory "
+                        "(DIR/iter_0000010)")
+    g.add_argument("--ckpt-step", type=int, default=None, help="with --load DIR: load iteration N instead of 'latest'")
     g.add_argument("--no-load-optim", action="store_true", help="load weights only; fresh optimizer")
     g.add_argument("--no-load-rng", action="store_true", help="do not restore the RNG states")
     g.add_argument("--finetune", action="store_true", help="load weights, restart at iteration 0")

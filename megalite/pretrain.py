@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from megalite.arguments import build_parser, config_from_args, explicit_args
 from megalite.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from megalite.checkpoint.format import resolve_checkpoint
 from megalite.checkpoint.settings import adopt_checkpoint_model, checkpoint_config, describe_layout_change
 from megalite.config import ConfigError, validate
 from megalite.data import build_data_iterators
@@ -111,9 +112,12 @@ def setup(argv=None):
         cuda_allocator_environment()  # before any torch.cuda call: the allocator reads it once
     world_size, rank = _world_from_env(args)
     # Elastic jobs pass --load D --save D from the first start: nothing to load yet is fine there.
+    if args.ckpt_step is not None and not args.load:
+        raise ConfigError(f"--ckpt-step {args.ckpt_step} needs --load DIR (the checkpoint root to take it from).")
     args.fresh_start = bool(args.load and args.save and os.path.abspath(args.load) == os.path.abspath(args.save)
-                            and not os.path.exists(os.path.join(args.load, "latest")))
-    saved_config = checkpoint_config(args.load) if args.load and not args.fresh_start else None
+                            and args.ckpt_step is None and not os.path.exists(os.path.join(args.load, "latest")))
+    load_dir = resolve_checkpoint(args.load, args.ckpt_step) if args.load and not args.fresh_start else None
+    saved_config = checkpoint_config(load_dir) if load_dir else None
     saved = saved_config["model"] if saved_config else None
     if saved and args.mock_data and args.vocab_size is None and args.tokenizer_type in (None, "NullTokenizer"):
         args.vocab_size = saved["vocab_size"]  # mock data over the checkpoint's vocabulary
@@ -224,13 +228,13 @@ def pretrain(argv=None) -> list[dict]:
     scaler = LossScaler(t.fp16, t.initial_loss_scale, t.loss_scale)
     start_iteration, consumed = 0, 0
     if args.load and not args.fresh_start:
-        meta = load_checkpoint(args.load, optimizer, scaler, config, grid,
-                               load_optimizer=not args.no_load_optim, load_rng=not args.no_load_rng)
+        meta = load_checkpoint(args.load, optimizer, scaler, config, grid, load_optimizer=not args.no_load_optim,
+                               load_rng=not args.no_load_rng, iteration=args.ckpt_step)
         start_iteration, consumed = meta["iteration"], meta["consumed_samples"]
         if args.finetune or meta.get("weights_only"):
             start_iteration, consumed = 0, 0
-        say(f"loaded {args.load} at iteration {meta['iteration']} (layout then {meta['layout']}; "
-            f"RNG {'restored' if meta['rng_restored'] else 'reseeded: different layout'})")
+        say(f"loaded {meta['directory']} at iteration {meta['iteration']} (layout then {meta['layout']}; "
+            f"{meta['rng_note']})")
         if not (args.finetune or meta.get("weights_only")):
             change = describe_layout_change(meta, grid, t)
             if change:

@@ -166,3 +166,42 @@ def test_zero3_checkpoint_resumes_exactly(tmp_path):
     (tmp_path / "b" / "latest").write_text("3")
     resumed = run_world(_run, 2, argv + ["--load", str(tmp_path / "b")])[0]
     assert resumed == full[3:]
+
+
+def test_load_a_chosen_iteration_resumes_exactly(tmp_path, capsys):
+    from megalite.pretrain import main
+    argv = BASE + ["--train-iters", "3", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+    full = run_world(_run, 1, argv + ["--save", str(tmp_path), "--save-interval", "1"])[0]
+    # --load DIR/iter_N (and --save to the same root: training goes on from there as usual)
+    resumed = run_world(_run, 1, argv + ["--load", str(tmp_path / "iter_0000001"), "--save", str(tmp_path)])[0]
+    assert [r[0] for r in resumed] == [2, 3] and resumed == full[1:]
+    assert (tmp_path / "latest").read_text() == "3"
+    # Megatron's --ckpt-step N with --load DIR
+    assert run_world(_run, 1, argv + ["--load", str(tmp_path), "--ckpt-step", "2"])[0] == full[2:]
+    # A missing or incomplete iteration names the ones there are.
+    os.remove(tmp_path / "iter_0000002" / "metadata.json")
+    for flags in (["--ckpt-step", "7"], ["--ckpt-step", "2"]):
+        assert main(argv + ["--load", str(tmp_path), *flags]) == 2
+        err = capsys.readouterr().err
+        assert "complete iterations in" in err and "1, 3" in err, err
+    assert main(argv + ["--load", str(tmp_path / "iter_0000009")]) == 2
+    assert "1, 3" in capsys.readouterr().err
+
+
+def test_rng_message_says_what_happened(tmp_path, capfd):
+    from megalite.checkpoint.core import rng_note
+    argv = BASE + ["--train-iters", "3"]
+    run_world(_run, 1, BASE + ["--train-iters", "2", "--save", str(tmp_path / "a")])
+    run_world(_run, 1, argv + ["--load", str(tmp_path / "a")])
+    assert "RNG: restored" in capfd.readouterr().out
+    reshard(str(tmp_path / "a"), str(tmp_path / "b"), 1, 1, None, 1, 0)  # the same layout, no RNG state
+    run_world(_run, 1, argv + ["--load", str(tmp_path / "b")])
+    out = capfd.readouterr().out
+    assert "RNG: reseeded (the checkpoint carries no RNG state: written by reshard_checkpoint)" in out
+    assert "different layout" not in out
+    one = {"tp": 1, "cp": 1, "dp": 1, "pp": 1}
+    meta = {"layout": one}
+    assert rng_note(meta, {**one, "tp": 2}, True, False) == "RNG: reseeded: layout changed from TP1 DP1 PP1 to TP2 DP1 PP1"
+    assert rng_note(meta, one, False, False) == "RNG: reseeded (--no-load-rng)"
+    assert "imported from Hugging Face" in rng_note({"layout": one, "weights_only": True,
+                                                     "source": {"format": "huggingface"}}, one, True, False)

@@ -2,23 +2,34 @@
 """Convert a checkpoint to another layout, offline: no GPU, no process group.
 
     python tools/reshard_checkpoint.py --load SRC --save DST \\
-        --target-tensor-model-parallel-size T --target-pipeline-model-parallel-size P \\
+        [--target-tensor-model-parallel-size T] [--target-pipeline-model-parallel-size P] \\
         [--target-num-layers-per-virtual-pipeline-stage K] \\
-        [--target-data-parallel-size D --target-zero-stage Z] [--target-expert-model-parallel-size E]
+        [--target-data-parallel-size D] [--target-zero-stage Z] [--target-expert-model-parallel-size E]
+
+A size not given is the source's. SRC is a --save root (its 'latest' iteration) or one
+iteration directory (SRC/iter_0000010). The target layout is checked first, by the same rules
+training applies (megalite.config.validate and the layers' own checks): a layout training would
+refuse is refused here, naming the rule and the numbers, before anything is written. The result
+is DST/iter_N (N: the source's iteration), written as a training save is (into iter_N.tmp,
+renamed when complete), then DST/latest. It never writes into its source and never replaces an
+existing iteration.
 
 For every rank of the target layout, one after another, it builds that rank's model shard
 on the meta device (shapes only), assembles each of its parameters' full tensors from the
 source pieces (master weights and Adam moments), cuts the rank's tensor-parallel shard and,
 with ZeRO (Z >= 1), the rank's 1/D of it, and writes the rank's file. Memory stays near one
 full tensor plus one rank's file. The result loads under the target layout (or any other:
-loading re-slices pieces whatever their layout). RNG states are not carried over; transformer-
-engine's FP8 scales and amax histories (replicated) are copied into rank 0's file. Experts are
-stored one global tensor per expert (``layers.3.mlp.experts.7.fc1.weight``): each expert-parallel
-rank writes its own experts (expert-data-parallel rank 0, or its 1/EDP with ZeRO).
+loading re-slices pieces whatever their layout). RNG states are not carried over (training
+reseeds and says so); transformer-engine's FP8 scales and amax histories (replicated) are
+copied into rank 0's file. Experts are stored one global tensor per expert
+(``layers.3.mlp.experts.7.fc1.weight``): each expert-parallel rank writes its own experts
+(expert-data-parallel rank 0, or its 1/EDP with ZeRO).
 """
 import argparse
 import copy
+import dataclasses
 import os
+import shutil
 import sys
 import types
 
@@ -28,14 +39,17 @@ import torch  # noqa: E402
 
 from megalite.checkpoint.core import KINDS  # noqa: E402
 from megalite.checkpoint.names import global_pieces  # noqa: E402
-from megalite.checkpoint.format import (FORMAT_VERSION, VOCAB_PARAMS, PieceReader, iteration_dir,  # noqa: E402
-                                        read_latest, write_json_atomic, write_rank_files)
+from megalite.checkpoint.format import (FORMAT_VERSION, VOCAB_PARAMS, CheckpointError, PieceReader,  # noqa: E402
+                                        fsync_path, iteration_dir, resolve_checkpoint, write_json_atomic,
+                                        write_rank_files)
 from megalite.checkpoint.serial import model_config_from  # noqa: E402
-from megalite.config import Config, DataConfig, ParallelConfig, TrainConfig, validate_layout  # noqa: E402
+from megalite.config import Config, ConfigError, DataConfig, ParallelConfig, TrainConfig, validate  # noqa: E402
 from megalite.parallel.comm import OfflineGroup  # noqa: E402
 from megalite.parallel.grid import GridLayout  # noqa: E402
 from megalite.parallel.sharding import shard_tensor  # noqa: E402
 from megalite.pipeline.partition import build_model_chunks  # noqa: E402
+
+SOURCE = "source"  # --target-num-layers-per-virtual-pipeline-stage not given
 
 
 def rank_chunks(config, layout: GridLayout, tp: int, pp: int, ep: int = 0):
@@ -53,29 +67,118 @@ def _piece(name, kind, local, tp, tp_size, split, lo, hi):
     return key, local.reshape(-1)[lo:hi].clone(), piece
 
 
-def reshard(src: str, dst: str, tp: int, pp: int, vp_layers, dp: int, zero: int, ep: int = 1) -> str:
-    src_dir = src if os.path.exists(os.path.join(src, "metadata.json")) else iteration_dir(src, read_latest(src))
-    reader = PieceReader(src_dir)
-    meta = reader.metadata
-    model = model_config_from(meta["config"]["model"])
+def _target_config(meta: dict, tp: int, pp: int, vp_layers, dp: int, zero: int, ep: int) -> Config:
+    """The config the target layout trains under, checked by training's own rules. Settings a
+    checkpoint does not fix (kernels, recomputation, offload, the batch) are the trainer's choice at
+    load: they take neutral values here, so only what the layout itself rules out is refused."""
+    saved = meta["config"]
+    model = dataclasses.replace(model_config_from(saved["model"]), attention_backend="auto", fused_kernels=False,
+                                recompute_granularity=None, tp_comm_overlap=False, moe_grouped_gemm=False)
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                               num_layers_per_virtual_pipeline_stage=vp_layers,
-                              sequence_parallel=meta["config"]["parallel"].get("sequence_parallel", False) and tp > 1,
+                              sequence_parallel=tp > 1 and bool(model.num_experts),  # MoE with TP needs it
                               expert_model_parallel_size=ep)
-    config = Config(model, parallel, TrainConfig(**{k: v for k, v in meta["config"]["train"].items()
-                                                   if k in TrainConfig.__dataclass_fields__}),
-                    DataConfig(**meta["config"]["data"]))
-    config.train.zero_stage = zero
-    validate_layout(parallel, tp * pp * dp)
-    if model.num_experts and model.num_experts % ep:
-        raise SystemExit(f"--target-expert-model-parallel-size {ep} must divide the {model.num_experts} experts.")
-    if (tp * dp) % ep:
-        raise SystemExit(f"--target-expert-model-parallel-size {ep} must divide TP*DP = {tp * dp}.")
-    layout = GridLayout(tp=tp, cp=1, dp=dp, pp=pp, ep=ep, experts=bool(model.num_experts))
+    train = TrainConfig(**{k: v for k, v in saved["train"].items() if k in TrainConfig.__dataclass_fields__})
+    train.zero_stage, train.offload_optimizer = zero, False
+    train.micro_batch_size, train.global_batch_size = 1, dp * pp  # any batch the trainer picks must fit
+    config = Config(model, parallel, train, DataConfig(mock_data=True))
+    try:
+        validate(config, tp * pp * dp)
+        for c in {(layout_coord.tp, layout_coord.pp, ep_rank) for layout_coord, ep_rank in _rank_coords(config, dp)}:
+            rank_chunks(config, _layout(config, dp), *c)  # the layers' own checks (shapes on meta)
+    except (ConfigError, ValueError) as e:
+        raise ConfigError(f"the target layout {_describe(tp, pp, vp_layers, dp, zero, ep)} is one training "
+                          f"refuses: {e}") from None
+    train.micro_batch_size = saved["train"].get("micro_batch_size", 1)
+    train.global_batch_size = saved["train"].get("global_batch_size")
+    return config
+
+
+def _layout(config: Config, dp: int) -> GridLayout:
+    p = config.parallel
+    return GridLayout(tp=p.tensor_model_parallel_size, cp=1, dp=dp, pp=p.pipeline_model_parallel_size,
+                      ep=p.expert_model_parallel_size, experts=bool(config.model.num_experts))
+
+
+def _rank_coords(config: Config, dp: int):
+    layout = _layout(config, dp)
+    return [(layout.coord(r), layout.expert_coord(r)[0]) for r in range(layout.world_size)]
+
+
+def _describe(tp, pp, vp_layers, dp, zero, ep) -> str:
+    return (f"TP{tp} PP{pp}" + (f" (VP {vp_layers} layers/stage)" if vp_layers else "") + f" DP{dp} ZeRO-{zero}"
+            + (f" EP{ep}" if ep > 1 else ""))
+
+
+def _inside(path: str, parent: str) -> bool:
+    return os.path.commonpath([path, parent]) == parent
+
+
+def _check_destination(src_dir: str, dst: str, out_dir: str) -> None:
+    """Refuse a --save that would write into the source or replace an existing iteration."""
+    src_real, dst_real, out_real = (os.path.realpath(p) for p in (src_dir, dst, out_dir))
+    if _inside(dst_real, src_real) or _inside(src_real, out_real):
+        raise CheckpointError(f"--save {dst} would write {out_dir}, into the source checkpoint {src_dir}. "
+                              f"Fix: --save a new directory (the source is never modified).")
+    if os.path.exists(out_dir):
+        raise CheckpointError(f"{out_dir} already exists; reshard_checkpoint never replaces a checkpoint. "
+                              f"Fix: --save another directory, or remove that one first.")
+    if os.path.exists(dst) and not os.path.isdir(dst):
+        raise CheckpointError(f"--save {dst} is a file, not a directory.")
+
+
+def reshard(src: str, dst: str, tp=None, pp=None, vp_layers=SOURCE, dp=None, zero=None, ep=None) -> str:
+    """Write ``src``'s checkpoint under ``dst`` for the target layout; sizes left None are the
+    source's (``vp_layers``: the source's when PP is unchanged; None or 0: no interleaving)."""
+    src_dir = resolve_checkpoint(src)
+    reader = PieceReader(src_dir)
+    meta = reader.metadata
+    then = meta["layout"]
+    tp, pp = tp or then.get("tp", 1), pp or then.get("pp", 1)
+    dp, ep = dp or then.get("dp", 1), ep or then.get("ep", 1)
+    zero = meta.get("zero_stage", 0) if zero is None else zero
+    if vp_layers == SOURCE:
+        vp_layers = meta["config"]["parallel"].get("num_layers_per_virtual_pipeline_stage") if pp == then.get("pp", 1) else None
+    config = _target_config(meta, tp, pp, vp_layers or None, dp, zero, ep)
+    model = config.model
+    layout = _layout(config, dp)
     out_dir = iteration_dir(dst, meta["iteration"])
-    os.makedirs(out_dir, exist_ok=True)
-    with_optim = not meta.get("weights_only")
-    files = []
+    _check_destination(src_dir, dst, out_dir)
+    batch = config.train.global_batch_size
+    if batch and batch % (config.train.micro_batch_size * dp):
+        print(f"reshard_checkpoint: note: the checkpoint's global batch {batch} is not a multiple of its micro "
+              f"batch {config.train.micro_batch_size} x DP {dp}; train it with a --micro-batch-size that fits "
+              f"(or a new --global-batch-size).", file=sys.stderr)
+    tmp = out_dir + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        files = _write_ranks(reader, config, layout, tmp, zero, model, with_optim=not meta.get("weights_only"))
+        new_meta = copy.deepcopy(meta)
+        new_meta.update({"format_version": FORMAT_VERSION, "config": config.to_dict(),
+                         "layout": dict(layout.__dict__), "zero_stage": zero, "files": files,
+                         "resharded_from": os.path.abspath(src_dir)})
+        write_json_atomic(os.path.join(tmp, "metadata.json"), new_meta)
+        fsync_path(tmp)
+        os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_path(dst)
+    _write_text_atomic(os.path.join(dst, "latest"), str(meta["iteration"]))
+    return out_dir
+
+
+def _write_text_atomic(path: str, text: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(path + ".tmp", path)
+
+
+def _write_ranks(reader, config, layout: GridLayout, out_dir: str, zero: int, model, with_optim: bool) -> list:
+    files, dp = [], layout.dp
     for rank in range(layout.world_size):
         c = layout.coord(rank)
         ep_rank, edp_rank = layout.expert_coord(rank)
@@ -99,8 +202,8 @@ def reshard(src: str, dst: str, tp: int, pp: int, vp_layers, dp: int, zero: int,
                         full = reader.full_tensor(global_name, kind, model.vocab_size)
                         if global_name in VOCAB_PARAMS:
                             full = torch.cat([full, torch.zeros(p.full_shape[0] - full.shape[0], *full.shape[1:])])
-                        local = shard_tensor(full, split, c.tp, tp) if split is not None else full
-                        key, values, piece = _piece(global_name, kind, local, c.tp, tp, split, lo, hi)
+                        local = shard_tensor(full, split, c.tp, layout.tp) if split is not None else full
+                        key, values, piece = _piece(global_name, kind, local, c.tp, layout.tp, split, lo, hi)
                         tensors[key] = values
                         pieces.append(piece)
         if rank == 0:  # transformer-engine's FP8 scaling state: replicated, layout-free
@@ -111,31 +214,46 @@ def reshard(src: str, dst: str, tp: int, pp: int, vp_layers, dp: int, zero: int,
         if pieces:
             write_rank_files(out_dir, rank, tensors, pieces)
             files.append(f"rank{rank:05d}.safetensors")
-    new_meta = copy.deepcopy(meta)
-    new_meta.update({"format_version": FORMAT_VERSION, "config": config.to_dict(), "layout": dict(layout.__dict__),
-                     "zero_stage": zero, "files": files, "resharded_from": src_dir})
-    write_json_atomic(os.path.join(out_dir, "metadata.json"), new_meta)
-    with open(os.path.join(dst, "latest"), "w") as f:
-        f.write(str(meta["iteration"]))
-    return out_dir
+    return files
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--load", required=True)
-    p.add_argument("--save", required=True)
-    p.add_argument("--target-tensor-model-parallel-size", type=int, default=1)
-    p.add_argument("--target-pipeline-model-parallel-size", type=int, default=1)
-    p.add_argument("--target-num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    p.add_argument("--target-data-parallel-size", type=int, default=1)
-    p.add_argument("--target-zero-stage", type=int, default=0, choices=[0, 1, 2, 3])
-    p.add_argument("--target-expert-model-parallel-size", type=int, default=1)
-    a = p.parse_args()
-    out = reshard(a.load, a.save, a.target_tensor_model_parallel_size, a.target_pipeline_model_parallel_size,
-                  a.target_num_layers_per_virtual_pipeline_stage, a.target_data_parallel_size, a.target_zero_stage,
-                  a.target_expert_model_parallel_size)
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="reshard_checkpoint", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--load", required=True, help="the source: a --save root (its 'latest') or an iter_N directory")
+    p.add_argument("--save", required=True,
+                   help="the destination root (gets iter_N and 'latest'); not the source, not inside it")
+    src = " (default: the source's)"
+    p.add_argument("--target-tensor-model-parallel-size", type=int, default=None, help="TP" + src)
+    p.add_argument("--target-pipeline-model-parallel-size", type=int, default=None, help="PP" + src)
+    p.add_argument("--target-num-layers-per-virtual-pipeline-stage", type=int, default=None,
+                   help="layers per virtual stage, 0 for none (default: the source's when PP is unchanged, else none)")
+    p.add_argument("--target-data-parallel-size", type=int, default=None, help="DP" + src)
+    p.add_argument("--target-zero-stage", type=int, default=None, choices=[0, 1, 2, 3], help="ZeRO stage" + src)
+    p.add_argument("--target-expert-model-parallel-size", type=int, default=None, help="EP" + src)
+    return p
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    sizes = {"tensor-model-parallel-size": a.target_tensor_model_parallel_size,
+             "pipeline-model-parallel-size": a.target_pipeline_model_parallel_size,
+             "data-parallel-size": a.target_data_parallel_size,
+             "expert-model-parallel-size": a.target_expert_model_parallel_size}
+    try:
+        for flag, value in sizes.items():
+            if value is not None and value < 1:
+                raise ConfigError(f"--target-{flag} must be a positive integer, got {value}.")
+        out = reshard(a.load, a.save, a.target_tensor_model_parallel_size, a.target_pipeline_model_parallel_size,
+                      SOURCE if a.target_num_layers_per_virtual_pipeline_stage is None
+                      else a.target_num_layers_per_virtual_pipeline_stage, a.target_data_parallel_size,
+                      a.target_zero_stage, a.target_expert_model_parallel_size)
+    except (CheckpointError, ConfigError, OSError) as e:
+        print(f"reshard_checkpoint: {e}", file=sys.stderr)
+        raise SystemExit(2)
     print(f"wrote {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

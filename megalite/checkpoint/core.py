@@ -5,8 +5,10 @@ writes ``metadata.json``, fsyncs, renames the directory to ``iter_N``, then rewr
 ``latest`` pointer (write + rename) and deletes checkpoints beyond ``keep_last``. A crash at
 any point leaves ``latest`` on the previous complete checkpoint.
 
-Load: every rank fills its optimizer shards (fp32 master weights, Adam moments) from the
-full tensors of the checkpoint, cut for *its* layout, then publishes the weights to the
+Load (``--load DIR``: its 'latest'; ``--load DIR --ckpt-step N`` or ``--load DIR/iter_N``:
+that iteration, see :func:`megalite.checkpoint.format.resolve_checkpoint`): every rank fills
+its optimizer shards (fp32 master weights, Adam moments) from the full tensors of the
+checkpoint, cut for *its* layout, then publishes the weights to the
 model. With the same layout it also restores its RNG streams, so a resumed run repeats the
 uninterrupted one bit for bit.
 """
@@ -20,7 +22,7 @@ import torch
 
 from megalite import __version__
 from megalite.checkpoint.format import (FORMAT_VERSION, VOCAB_PARAMS, CheckpointError, PieceReader,
-                                        fsync_path, iteration_dir, read_latest, write_json_atomic,
+                                        fsync_path, iteration_dir, resolve_checkpoint, write_json_atomic,
                                         write_rank_files)
 from megalite.config import ModelConfig
 from megalite.device import host_barrier
@@ -189,8 +191,7 @@ def load_checkpoint(root: str, optimizer, scaler, config, grid, load_optimizer: 
                     load_rng: bool = True, iteration: int | None = None) -> dict:
     """Fill the optimizer (and through it the model) from a checkpoint; return its metadata."""
     c = _coords(grid)
-    iteration = read_latest(root) if iteration is None else iteration
-    reader = PieceReader(iteration_dir(root, iteration))
+    reader = PieceReader(resolve_checkpoint(root, iteration))  # root, root + iteration, or an iter_N directory
     meta = reader.metadata
     check_config(meta["config"]["model"], config.model)
     vocab = config.model.vocab_size
@@ -222,4 +223,29 @@ def load_checkpoint(root: str, optimizer, scaler, config, grid, load_optimizer: 
     if rng:  # same layout: every rank continues its own random streams
         get_rng_tracker().load_state_dict(rng)
     meta["rng_restored"] = bool(rng)
+    meta["rng_note"] = rng_note(meta, c["layout"], load_rng, bool(rng))
+    meta["directory"] = reader.directory
     return meta
+
+
+def _layout_text(layout: dict) -> str:
+    dims = [d for d in ("tp", "cp", "dp", "pp") if d != "cp" or layout.get("cp", 1) > 1]
+    return " ".join([f"{d.upper()}{layout.get(d, 1)}" for d in dims]
+                    + ([f"EP{layout['ep']}"] if layout.get("ep", 1) > 1 else []))
+
+
+def rng_note(meta: dict, current: dict, load_rng: bool, restored: bool) -> str:
+    """What happened to the random streams at load, and why, for the log."""
+    if restored:
+        return "RNG: restored"
+    if not load_rng:
+        return "RNG: reseeded (--no-load-rng)"
+    hf = (meta.get("source") or {}).get("format") == "huggingface"
+    writer = ("reshard_checkpoint" if meta.get("resharded_from") else None if not meta.get("weights_only") else
+              "tools/convert_hf.py (imported from Hugging Face, weights only)" if hf
+              else "save_weights_checkpoint (weights only)")
+    if writer:
+        return f"RNG: reseeded (the checkpoint carries no RNG state: written by {writer})"
+    if not same_layout(meta["layout"], current):
+        return f"RNG: reseeded: layout changed from {_layout_text(meta['layout'])} to {_layout_text(current)}"
+    return "RNG: reseeded (the checkpoint carries no RNG state for this rank)"

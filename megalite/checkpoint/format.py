@@ -36,6 +36,7 @@ from megalite.parallel.sharding import TPSplit, unshard_tensors
 
 FORMAT_VERSION = 1
 VOCAB_PARAMS = ("word_embeddings.weight", "output_layer.weight")
+REQUIRED = ("format_version", "iteration", "config", "layout", "files")  # metadata.json's keys every reader needs
 
 
 class CheckpointError(RuntimeError):
@@ -80,17 +81,72 @@ def write_rank_files(directory: str, rank: int, tensors: dict[str, torch.Tensor]
                       {"file": os.path.basename(path), "sha256": sha256_file(path), "pieces": pieces})
 
 
+def complete_iterations(root: str) -> list[int]:
+    """The iterations under ``root`` whose directory is complete (holds metadata.json)."""
+    found = []
+    for name in os.listdir(root) if os.path.isdir(root) else []:
+        if name.startswith("iter_") and name[5:].isdigit() and is_iteration_dir(os.path.join(root, name)):
+            found.append(int(name[5:]))
+    return sorted(found)
+
+
+def is_iteration_dir(path: str) -> bool:
+    """Whether ``path`` is one iteration's checkpoint (it holds the metadata file)."""
+    return os.path.isfile(os.path.join(path, "metadata.json")) and not path.rstrip(os.sep).endswith(".tmp")
+
+
+def _available(root: str) -> str:
+    done = complete_iterations(root)
+    if not done:
+        return f"There is no complete iteration in {root!r}."
+    return (f"The complete iterations in {root!r}: {', '.join(map(str, done))}. Fix: --load {root} "
+            f"--ckpt-step N, or --load {iteration_dir(root, done[-1])}.")
+
+
 def read_latest(root: str) -> int:
     if not os.path.isdir(root):
         raise CheckpointError(f"checkpoint directory {root!r} does not exist. Fix: check --load.")
     path = os.path.join(root, "latest")
     if not os.path.exists(path):
+        if complete_iterations(root):
+            raise CheckpointError(f"{root!r} has no 'latest' file. {_available(root)}")
         raise CheckpointError(f"{root!r} has no 'latest' file, so no complete checkpoint was ever "
                               f"written there. Fix: point --load at a directory written with --save.")
     text = open(path).read().strip()
     if not text.isdigit():
         raise CheckpointError(f"{path!r} should hold an iteration number, found {text[:40]!r}.")
     return int(text)
+
+
+def resolve_checkpoint(path: str, iteration: int | None = None) -> str:
+    """The iteration directory that ``--load PATH [--ckpt-step N]`` names: PATH itself when it
+    is one (it holds metadata.json), else PATH/iter_N, else the one PATH's 'latest' names."""
+    parent = os.path.dirname(path.rstrip(os.sep)) or "."
+    name = os.path.basename(path.rstrip(os.sep))
+    if name.endswith(".tmp"):
+        raise CheckpointError(f"{path!r} is an unfinished save (a .tmp directory). {_available(parent)}")
+    if not os.path.isdir(path):
+        named = name.startswith("iter_") and os.path.isdir(parent)
+        raise CheckpointError(f"checkpoint directory {path!r} does not exist. "
+                              + (_available(parent) if named else "Fix: check --load."))
+    if is_iteration_dir(path):
+        if iteration is not None and name.startswith("iter_") and name[5:].isdigit() and int(name[5:]) != iteration:
+            raise CheckpointError(f"--ckpt-step {iteration} contradicts --load {path} (iteration {int(name[5:])}). "
+                                  f"Fix: give the checkpoint root with --ckpt-step, or the iteration directory alone.")
+        return path
+    if name.startswith("iter_") and name[5:].isdigit():  # an iteration directory without its metadata
+        raise CheckpointError(f"{path!r} is not a complete checkpoint (no metadata.json: an interrupted save "
+                              f"or a partial copy). {_available(parent)}")
+    if iteration is None:
+        iteration = read_latest(path)
+        what = f"'latest' names iteration {iteration}, but"
+    else:
+        what = f"--ckpt-step {iteration}:"
+    directory = iteration_dir(path, iteration)
+    if not is_iteration_dir(directory):
+        state = "is incomplete (no metadata.json)" if os.path.isdir(directory) else "does not exist"
+        raise CheckpointError(f"{what} {directory!r} {state}. {_available(path)}")
+    return directory
 
 
 class PieceReader:
@@ -104,10 +160,18 @@ class PieceReader:
         if not os.path.exists(meta_path):
             raise CheckpointError(f"{meta_path!r} is missing: the checkpoint is incomplete.")
         self.directory = directory
-        self.metadata = json.load(open(meta_path))
+        try:
+            self.metadata = json.load(open(meta_path))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{meta_path}: not valid JSON ({e}): the checkpoint's metadata is corrupt.") from None
+        if not isinstance(self.metadata, dict):
+            raise CheckpointError(f"{meta_path}: not a JSON object: the checkpoint's metadata is corrupt.")
         if self.metadata.get("format_version") != FORMAT_VERSION:
             raise CheckpointError(f"{meta_path}: format version {self.metadata.get('format_version')}, "
                                   f"this megalite reads version {FORMAT_VERSION}.")
+        missing = [k for k in REQUIRED if k not in self.metadata]
+        if missing:
+            raise CheckpointError(f"{meta_path}: lacks {', '.join(missing)}: the checkpoint's metadata is corrupt.")
         self.index: dict[tuple[str, str], list[tuple[str, dict]]] = defaultdict(list)
         self.descriptions = {}
         for name in self.metadata["files"]:

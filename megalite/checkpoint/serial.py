@@ -7,7 +7,7 @@ import torch
 
 from megalite.checkpoint.names import global_pieces
 from megalite.checkpoint.format import (FORMAT_VERSION, VOCAB_PARAMS, PieceReader, iteration_dir,
-                                        read_latest, write_json_atomic, write_rank_files)
+                                        resolve_checkpoint, write_json_atomic, write_rank_files)
 from megalite.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 
 
@@ -22,9 +22,7 @@ def model_config_from(saved: dict) -> ModelConfig:
 
 def _checkpoint_dir(path: str) -> str:
     """``path`` is an iter_* directory, or a --save root whose 'latest' names one."""
-    if os.path.exists(os.path.join(path, "metadata.json")):
-        return path
-    return iteration_dir(path, read_latest(path))
+    return resolve_checkpoint(path)
 
 
 def load_serial_model(path: str, dtype: torch.dtype = torch.float32):

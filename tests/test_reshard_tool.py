@@ -1,0 +1,116 @@
+"""tools/reshard_checkpoint.py never harms a checkpoint: it refuses (before writing anything)
+the layouts training refuses, never writes into its source, defaults to the source's sizes,
+and answers bad input with one line and exit code 2."""
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from megalite.testing import run_world
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TOOL = os.path.join(ROOT, "tools", "reshard_checkpoint.py")
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import reshard_checkpoint  # noqa: E402
+
+BASE = ["--mock-data", "--vocab-size", "300", "--num-layers", "4", "--hidden-size", "32",
+        "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
+        "--global-batch-size", "8", "--lr", "3e-3", "--log-interval", "100"]
+
+
+def _train(rank, world, argv):
+    from megalite.pretrain import pretrain
+    pretrain(argv)
+
+
+@pytest.fixture(scope="module")
+def src(tmp_path_factory):
+    root = tmp_path_factory.mktemp("src")
+    run_world(_train, 1, BASE + ["--train-iters", "1", "--save", str(root)])
+    return root
+
+
+def _digest(directory) -> dict:
+    return {os.path.relpath(os.path.join(d, f), directory): hashlib.sha256(open(os.path.join(d, f), "rb").read()).hexdigest()
+            for d, _, files in os.walk(directory) for f in files}
+
+
+def _cli(capsys, *argv) -> tuple[int, str]:
+    with pytest.raises(SystemExit) as e:
+        reshard_checkpoint.main(list(argv))
+        raise SystemExit(0)
+    return e.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--target-pipeline-model-parallel-size", "3"],
+     "--num-layers (4) must be divisible by --pipeline-model-parallel-size (3)"),
+    (["--target-tensor-model-parallel-size", "3"],
+     "--num-attention-heads (4) must be divisible by --tensor-model-parallel-size (3)"),
+    (["--target-pipeline-model-parallel-size", "2", "--target-data-parallel-size", "2", "--target-zero-stage", "3"],
+     "--zero-stage 3 with --pipeline-model-parallel-size 2"),
+    (["--target-pipeline-model-parallel-size", "2", "--target-num-layers-per-virtual-pipeline-stage", "2"],
+     "gives 1 virtual stage per rank"),
+    (["--target-expert-model-parallel-size", "2"], "--expert-model-parallel-size 2 without --num-experts"),
+])
+def test_refuses_what_training_refuses_before_writing(src, tmp_path, capsys, flags, message):
+    before = _digest(src)
+    code, err = _cli(capsys, "--load", str(src), "--save", str(tmp_path / "dst"), *flags)
+    assert code == 2
+    assert err.startswith("reshard_checkpoint: ") and message in err, err
+    assert "Traceback" not in err
+    assert not (tmp_path / "dst").exists()  # nothing written
+    assert _digest(src) == before
+
+
+def test_never_writes_into_its_source(src, tmp_path, capsys):
+    before = _digest(src)
+    it = src / "iter_0000001"
+    for load, save in [(src, src), (it, src), (src, it), (it, it), (src, it / "sub")]:
+        code, err = _cli(capsys, "--load", str(load), "--save", str(save), "--target-tensor-model-parallel-size", "2")
+        assert code == 2 and "reshard_checkpoint: " in err and "source" in err, (load, save, err)
+    assert _digest(src) == before and not (it / "sub").exists()
+    # An existing iteration at the destination is not overwritten either.
+    dst = tmp_path / "dst"
+    assert _cli(capsys, "--load", str(src), "--save", str(dst), "--target-tensor-model-parallel-size", "2")[0] == 0
+    written = _digest(dst)
+    code, err = _cli(capsys, "--load", str(src), "--save", str(dst), "--target-tensor-model-parallel-size", "4")
+    assert code == 2 and "already exists" in err
+    assert _digest(dst) == written
+    assert not [n for n in os.listdir(dst) if n.endswith(".tmp")]  # written through iter_N.tmp + rename
+
+
+def test_unspecified_sizes_default_to_the_source(src, tmp_path, capsys):
+    tp2, both = tmp_path / "tp2", tmp_path / "tp2pp2"
+    reshard_checkpoint.reshard(str(src), str(tp2), tp=2, dp=2, zero=1)
+    reshard_checkpoint.reshard(str(tp2), str(both), pp=2)  # TP 2, DP 2, ZeRO 1 kept
+    meta = json.loads((both / "iter_0000001" / "metadata.json").read_text())
+    assert (meta["layout"]["tp"], meta["layout"]["pp"], meta["layout"]["dp"], meta["zero_stage"]) == (2, 2, 2, 1)
+    with pytest.raises(SystemExit):
+        reshard_checkpoint.main(["--help"])
+    assert " ".join(capsys.readouterr().out.split()).count("default: the source's") >= 5
+
+
+def test_bad_input_is_one_line_and_exit_2(src, tmp_path, capsys):
+    code, err = _cli(capsys, "--load", str(tmp_path / "nowhere"), "--save", str(tmp_path / "d1"))
+    assert code == 2 and err.startswith("reshard_checkpoint: ") and "does not exist" in err
+    bad = tmp_path / "bad"
+    shutil.copytree(src, bad)
+    (bad / "iter_0000001" / "metadata.json").write_text("{not json")
+    code, err = _cli(capsys, "--load", str(bad), "--save", str(tmp_path / "d2"))
+    assert code == 2 and err.startswith("reshard_checkpoint: ") and "metadata.json" in err, err
+    (bad / "iter_0000001" / "metadata.json").write_text(json.dumps({"format_version": 1}))
+    code, err = _cli(capsys, "--load", str(bad), "--save", str(tmp_path / "d3"))
+    assert code == 2 and err.startswith("reshard_checkpoint: ") and "metadata.json" in err, err
+    # The real command: an impossible layout, one line on stderr, no traceback.
+    proc = subprocess.run([sys.executable, TOOL, "--load", str(src), "--save", str(tmp_path / "d4"),
+                           "--target-tensor-model-parallel-size", "3"], capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("reshard_checkpoint: "), proc.stderr
+    assert not (tmp_path / "d4").exists()

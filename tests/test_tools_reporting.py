@@ -142,3 +142,61 @@ def test_output_paths():
     assert output_paths("a/b.svg") == ["a/b.svg"] and output_paths("a/b") == ["a/b.png"]
     assert output_paths("a/b.png", ["png", "svg"]) == ["a/b.png", "a/b.svg"]
     assert output_paths("a/b.v1", ["pdf"]) == ["a/b.v1.pdf"]
+
+
+# -- a missing or unreadable input: one line naming the file, exit status 2, no traceback ------------
+
+def _one_line_exit_2(capsys, call, *wanted):
+    with pytest.raises(SystemExit) as exit_info:
+        call()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    for text in wanted:
+        assert text in err, err
+
+
+def test_plot_log_missing_or_unreadable_file(tmp_path, capsys):
+    import plot_log
+    missing = str(tmp_path / "nope.jsonl")
+    _one_line_exit_2(capsys, lambda: plot_log.main([missing]), f"plot_log.py: cannot read {missing}",
+                     "No such file or directory")
+    _one_line_exit_2(capsys, lambda: plot_log.main([str(tmp_path)]), str(tmp_path), "Is a directory")
+    (tmp_path / "bad.jsonl").write_text('garbage\n{"iteration": 1}\n')
+    _one_line_exit_2(capsys, lambda: plot_log.main([str(tmp_path / "bad.jsonl")]), "bad.jsonl: line 1 is not JSON")
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plot_log.py"), missing],
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and run.stderr.strip() == f"plot_log.py: cannot read {missing}: No such file or directory"
+
+
+def test_timeline_and_scaling_tools_missing_input(tmp_path, capsys, monkeypatch):
+    import pipeline_timeline
+    _one_line_exit_2(capsys, lambda: pipeline_timeline.main(["--trace-dir", str(tmp_path / "none")]),
+                     f"pipeline_timeline.py: no trace_rank*.json in {tmp_path / 'none'}")
+    missing = str(tmp_path / "nope.jsonl")
+    monkeypatch.setattr(sys, "argv", ["scaling_efficiency.py", "--ranks", "1", "--logs", missing])
+    _one_line_exit_2(capsys, scaling_efficiency.main, f"scaling_efficiency.py: cannot read {missing}")
+
+
+def test_data_tools_missing_input(tmp_path, capsys):
+    import preprocess_data
+    import train_tokenizer
+    missing = str(tmp_path / "nope.jsonl")
+    _one_line_exit_2(capsys, lambda: preprocess_data.main(["--input", missing, "--output-prefix", str(tmp_path / "x"),
+                                                           "--tokenizer-type", "NullTokenizer", "--vocab-size", "9"]),
+                     "preprocess_data.py:", missing)
+    (tmp_path / "c.jsonl").write_text('{"text": "hello"}\n')
+    _one_line_exit_2(capsys, lambda: preprocess_data.main(
+        ["--input", str(tmp_path / "c.jsonl"), "--output-prefix", str(tmp_path / "x"),
+         "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", str(tmp_path / "t.model")]),
+        "preprocess_data.py:", str(tmp_path / "t.model"))
+    _one_line_exit_2(capsys, lambda: train_tokenizer.main(["--input", missing, "--model-prefix", str(tmp_path / "t")]),
+                     "train_tokenizer.py:", missing)
+
+
+def test_generate_missing_tokenizer(tmp_path, capsys):
+    import generate
+    assert generate.main(["--load", str(tmp_path), "--tokenizer-type", "HuggingFaceTokenizer",
+                          "--tokenizer-model", str(tmp_path / "tok"), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and str(tmp_path / "tok") in err and err.startswith("generate: ")

@@ -53,7 +53,12 @@ def main(argv=None) -> int:
         if not (a.tokenizer_type and a.tokenizer_model):
             print("generate: --tokenizer-type and --tokenizer-model go together", file=sys.stderr)
             return 2
-        tokenizer = build_tokenizer(a.tokenizer_type, a.tokenizer_model)
+        try:
+            tokenizer = build_tokenizer(a.tokenizer_type, a.tokenizer_model)
+        except OSError as e:  # one line naming the file, no traceback
+            print(f"generate: cannot read {e.filename}: {e.strerror}" if e.filename else f"generate: {e}",
+                  file=sys.stderr)
+            return 2
     try:
         meta = PieceReader(_checkpoint_dir(a.load)).metadata
         model = load_serial_model(a.load, getattr(torch, a.dtype)).to(a.device)

@@ -21,7 +21,13 @@ from megalite.plotting import FORMATS  # noqa: E402
 from megalite.timeline import draw_timeline, load_traces, measured_bubble, theory_bubble  # noqa: E402
 
 
-def main():
+def _cannot_read(tool: str, e: OSError) -> None:
+    """One line naming the file and why, no traceback; exit status 2."""
+    print(f"{tool}: cannot read {e.filename}: {e.strerror}" if e.filename else f"{tool}: {e}", file=sys.stderr)
+    sys.exit(2)
+
+
+def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace-dir", required=True)
     p.add_argument("--output", "-o", default=None, help="picture path (default: TRACE_DIR/timeline.png)")
@@ -29,8 +35,14 @@ def main():
                    help="write one file per format (the output's extension replaced)")
     p.add_argument("--schedule", default=None, help="schedule name for the title (default: guessed "
                    "from the trace: GPipe, 1F1B or interleaved 1F1B)")
-    args = p.parse_args()
-    traces = [t for t in load_traces(args.trace_dir) if t["tp_rank"] == 0 and t["dp_rank"] == 0]
+    args = p.parse_args(argv)
+    try:
+        traces = [t for t in load_traces(args.trace_dir) if t["tp_rank"] == 0 and t["dp_rank"] == 0]
+    except OSError as e:
+        _cannot_read("pipeline_timeline.py", e)
+    except (ValueError, KeyError) as e:  # a file that is not a --pipeline-trace JSON
+        print(f"pipeline_timeline.py: {args.trace_dir}: not a --pipeline-trace folder ({e!r})", file=sys.stderr)
+        sys.exit(2)
     traces.sort(key=lambda t: t["pp_rank"])
     P, V, M = traces[0]["P"], traces[0]["V"], traces[0]["M"]
     events = [t["events"] for t in traces]

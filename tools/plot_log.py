@@ -40,8 +40,18 @@ def load(path: str) -> list[dict]:
             records.append(json.loads(line))
         except json.JSONDecodeError:
             if n != len(lines) - 1:
-                raise
+                raise ValueError(f"{path}: line {n + 1} is not JSON (a --log-json file holds one JSON object "
+                                 f"per line)") from None
+    if any(not isinstance(r, dict) or "iteration" not in r for r in records):
+        raise ValueError(f"{path}: a record without an 'iteration' field: not a --log-json file")
     return sorted(records, key=lambda r: r["iteration"])
+
+
+def unreadable(tool: str, e: Exception) -> None:
+    """One line naming the file and why, no traceback; exit status 2."""
+    what = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.filename else str(e)
+    print(f"{tool}: cannot read {what}", file=sys.stderr)
+    sys.exit(2)
 
 
 def default_labels(paths: list[str]) -> list[str]:
@@ -276,14 +286,17 @@ def main(argv=None):
     a = p.parse_args(argv)
     if a.labels is not None and len(a.labels) != len(a.logs):
         p.error(f"--labels: {len(a.labels)} names for {len(a.logs)} logs")
+    labels = a.labels or default_labels(a.logs)
+    if len(set(labels)) != len(labels):
+        p.error(f"two runs share a label: {labels}")
+    try:
+        runs = {label: load(path) for label, path in zip(labels, a.logs)}
+    except (OSError, ValueError) as e:
+        unreadable("plot_log.py", e)
     try:
         require_matplotlib()
     except ImportError as e:
         sys.exit(f"plot_log.py: {e}")
-    labels = a.labels or default_labels(a.logs)
-    if len(set(labels)) != len(labels):
-        p.error(f"two runs share a label: {labels}")
-    runs = {label: load(path) for label, path in zip(labels, a.logs)}
     for label, records in runs.items():
         if not records:
             p.error(f"{label}: no records")

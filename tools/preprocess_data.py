@@ -41,11 +41,16 @@ def main(argv=None) -> None:
     if len(args.json_keys) != 1:
         parser.error(f"--json-keys got {args.json_keys}; megalite writes one dataset per "
                      f"run, so pass one key and run once per key.")
-    tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
-    print(f"tokenizing {args.input} with {tokenizer}, {args.workers} worker(s)")
-    summary = preprocess(args.input, args.output_prefix, tokenizer,
-                         json_key=args.json_keys[0], append_eod=args.append_eod,
-                         workers=args.workers, progress_stream=sys.stderr)
+    try:
+        tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
+        print(f"tokenizing {args.input} with {tokenizer}, {args.workers} worker(s)")
+        summary = preprocess(args.input, args.output_prefix, tokenizer,
+                             json_key=args.json_keys[0], append_eod=args.append_eod,
+                             workers=args.workers, progress_stream=sys.stderr)
+    except OSError as e:  # one line naming the file, no traceback
+        print(f"preprocess_data.py: cannot read {e.filename}: {e.strerror}" if e.filename
+              else f"preprocess_data.py: {e}", file=sys.stderr)
+        sys.exit(2)
     print(format_summary(summary))
 
 

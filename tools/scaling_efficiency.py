@@ -99,8 +99,16 @@ def main():
         from megalite.plotting import require_matplotlib
         require_matplotlib()
     if a.logs:
-        throughputs = [median_throughput([json.loads(x)["tokens_per_sec"] for x in open(f) if x.strip()])
-                       for f in a.logs]
+        try:
+            throughputs = [median_throughput([json.loads(x)["tokens_per_sec"] for x in open(f) if x.strip()])
+                           for f in a.logs]
+        except OSError as e:  # one line naming the file, no traceback
+            print(f"scaling_efficiency.py: cannot read {e.filename}: {e.strerror}", file=sys.stderr)
+            sys.exit(2)
+        except (ValueError, KeyError) as e:
+            print(f"scaling_efficiency.py: --logs must be --log-json files with tokens_per_sec ({e!r})",
+                  file=sys.stderr)
+            sys.exit(2)
     else:
         from megalite.testing import run_world
         argv = rest or DEFAULT

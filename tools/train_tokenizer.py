@@ -25,9 +25,14 @@ def main(argv=None) -> None:
     parser.add_argument("--json-key", default="text", help="JSONL field holding the text")
     parser.add_argument("--verbose", action="store_true", help="show SentencePiece's log")
     args = parser.parse_args(argv)
-    model_path = train_sentencepiece(args.input, args.model_prefix, args.vocab_size,
-                                     model_type=args.model_type, json_key=args.json_key,
-                                     verbose=args.verbose)
+    try:
+        model_path = train_sentencepiece(args.input, args.model_prefix, args.vocab_size,
+                                         model_type=args.model_type, json_key=args.json_key,
+                                         verbose=args.verbose)
+    except OSError as e:  # one line naming the file, no traceback
+        print(f"train_tokenizer.py: cannot read {e.filename}: {e.strerror}" if e.filename
+              else f"train_tokenizer.py: {e}", file=sys.stderr)
+        sys.exit(2)
     tokenizer = build_tokenizer("GPTSentencePieceTokenizer", model_path)
     print(f"wrote {model_path} (vocab_size={tokenizer.vocab_size}, eod={tokenizer.eod})")
 

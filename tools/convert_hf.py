@@ -10,6 +10,13 @@ by tensor and writes a weights-only megalite checkpoint: it loads under any layo
 checkpoint (any layout: pieces are assembled) and writes safetensors shards, the index,
 config.json and generation_config.json that transformers loads as they are. Memory: one
 layer at a time. transformers is not needed for either direction.
+
+Special tokens and tokenizer: the import copies the tokenizer files (tokenizer.json,
+tokenizer_config.json, special_tokens_map.json, tokenizer.model, ...) and generation_config.json
+of HF into the checkpoint and records the bos/eos/pad ids; every later save (--finetune,
+resume) carries them, and the export writes them back, so the exported model loads with
+AutoTokenizer and generate() stops at EOS. Export refuses a folder that is not empty (exit 2,
+nothing written) unless --force, and the folder the checkpoint was imported from always.
 """
 import argparse
 import os
@@ -35,6 +42,9 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="export: tensor dtype (default: the imported model's, else the training dtype)")
     p.add_argument("--max-shard-size-gb", type=float, default=5.0, help="export: bytes per safetensors shard")
+    p.add_argument("--force", action="store_true",
+                   help="export: write into a non-empty --hf-dir (its old weight files are removed; never the "
+                        "folder the checkpoint was imported from)")
     a = p.parse_args(argv)
     needed = "save" if a.direction == "import" else "load"
     if getattr(a, needed) is None:
@@ -43,7 +53,8 @@ def main(argv=None) -> int:
         if a.direction == "import":
             print(f"wrote {import_hf(a.hf_dir, a.save, a.seq_length)}")
         else:
-            print(f"wrote {export_hf(a.load, a.hf_dir, a.model_type, a.dtype, int(a.max_shard_size_gb * 2**30))}")
+            shard_bytes = int(a.max_shard_size_gb * 2**30)
+            print(f"wrote {export_hf(a.load, a.hf_dir, a.model_type, a.dtype, shard_bytes, force=a.force)}")
     except (CheckpointError, UnsupportedModel, ValueError) as e:
         print(f"convert_hf: {e}", file=sys.stderr)
         return 2

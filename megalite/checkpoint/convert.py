@@ -8,11 +8,22 @@ which loads under any layout. Export assembles each unit's full tensors from any
 checkpoint (whatever layout wrote it), maps them back and writes safetensors shards with
 their index, ``config.json`` and ``generation_config.json``, in the dtype of the original
 (or the training dtype). Memory: one unit, never the whole model.
+
+Special tokens and tokenizer: the import records bos/eos/pad token ids (config.json, else
+generation_config.json) and its folder in metadata.json's ``source``, and *copies* the tokenizer
+files and generation_config.json it finds beside the weights into the checkpoint (folder
+``huggingface/``; :mod:`megalite.checkpoint.settings` carries both through every later save,
+``--finetune`` or resume). The export writes them back: the ids into config.json, the original
+generation_config.json (its bos/eos/pad filled in where missing), the tokenizer files. A
+checkpoint that carries no tokenizer gets one line saying which files to copy. The export
+refuses a non-empty folder unless ``force``, and the folder it was imported from always.
 """
 from __future__ import annotations
 
 import json
 import os
+import sys
+import tempfile
 from types import SimpleNamespace
 
 import torch
@@ -20,8 +31,10 @@ import torch
 from megalite.checkpoint import hf as gpt2
 from megalite.checkpoint import hf_llama as llama
 from megalite.checkpoint.format import CheckpointError, PieceReader
-from megalite.checkpoint.hf_io import HFReader, HFShardWriter
+from megalite.checkpoint.hf_io import HFReader, HFShardWriter, check_export_target
+from megalite.checkpoint.settings import CARRIED, GENERATION_CONFIG, read_files, write_files
 from megalite.checkpoint.serial import _checkpoint_dir, model_config_from, write_weights_checkpoint
+from megalite.data.tokenizer import build_tokenizer
 from megalite.progress import track
 
 GPT2 = SimpleNamespace(import_globals=gpt2.import_globals, import_layer=gpt2.import_layer,
@@ -57,19 +70,27 @@ def import_hf(hf_dir: str, save: str, seq_length: int | None = None, progress: b
         for i in range(cfg.num_layers):
             yield family.import_layer(get, i, cfg)
 
-    source = {"format": "huggingface", "model_type": model_type,
+    files = read_files(hf_dir)  # tokenizer and generation config: copied into the checkpoint
+    generation = json.loads(files.get(GENERATION_CONFIG, b"{}"))
+    source = {"format": "huggingface", "model_type": model_type, "hf_dir": os.path.abspath(hf_dir),
               "torch_dtype": str(reader.dtype()).removeprefix("torch."),
+              **{k: generation[k] for k in SPECIAL if generation.get(k) is not None},
               **{k: hf[k] for k in SPECIAL if hf.get(k) is not None}}
     bar = track(units(), total=cfg.num_layers + 1, enabled=progress, unit=" unit",
                 desc=f"import {model_type}: embeddings + {cfg.num_layers} layers")
-    return write_weights_checkpoint(save, cfg, bar, source=source)
+    final = write_weights_checkpoint(save, cfg, bar, source=source)
+    write_files(os.path.join(final, CARRIED), files)  # none found: the export says what to copy
+    return final
 
 
 def export_hf(load: str, hf_dir: str, model_type: str | None = None, dtype: str | None = None,
-              max_shard_bytes: int = 5 * 2**30, progress: bool = True) -> str:
-    """Write any megalite checkpoint of a GPT-2 or Llama-family model as a Hugging Face model.
-    ``progress``: a bar of the units converted on stderr, when stderr is a terminal."""
-    reader = PieceReader(_checkpoint_dir(load))
+              max_shard_bytes: int = 5 * 2**30, progress: bool = True, force: bool = False) -> str:
+    """Write any megalite checkpoint of a GPT-2 or Llama-family model as a Hugging Face model,
+    with the special tokens, generation config and tokenizer files it carries. ``progress``: a
+    bar of the units converted on stderr, when stderr is a terminal. ``force``: write into a
+    non-empty folder (never the one the checkpoint was imported from)."""
+    directory = _checkpoint_dir(load)
+    reader = PieceReader(directory)
     meta = reader.metadata
     cfg = model_config_from(meta["config"]["model"])
     source = meta.get("source") or {}
@@ -83,7 +104,8 @@ def export_hf(load: str, hf_dir: str, model_type: str | None = None, dtype: str 
     dtype_name = dtype or source.get("torch_dtype") or ("bfloat16" if train.get("bf16") else
                                                         "float16" if train.get("fp16") else "float32")
     torch_dtype = getattr(torch, dtype_name)
-    special = {k: source[k] for k in SPECIAL if k in source}
+    files = read_files(os.path.join(directory, CARRIED))
+    special = {k: source[k] for k in SPECIAL if k in source} or _special_from_tokenizer(files)
     if family is GPT2:
         if cfg.num_experts:
             raise CheckpointError(f"{load}: a GPT-2-style mixture-of-experts checkpoint ({cfg.num_experts} "
@@ -99,6 +121,7 @@ def export_hf(load: str, hf_dir: str, model_type: str | None = None, dtype: str 
     def get(name: str) -> torch.Tensor:
         return reader.full_tensor(name, "weight", cfg.vocab_size)
 
+    check_export_target(hf_dir, force, source.get("hf_dir"))
     writer = HFShardWriter(hf_dir, max_shard_bytes)
     for i in track(range(-1, cfg.num_layers), enabled=progress, unit=" unit",
                    desc=f"export {model_type}: embeddings + {cfg.num_layers} layers"):
@@ -108,8 +131,29 @@ def export_hf(load: str, hf_dir: str, model_type: str | None = None, dtype: str 
     writer.close()
     with open(os.path.join(hf_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)
-    generation = {"bos_token_id": config.get("bos_token_id"), "eos_token_id": config.get("eos_token_id"),
-                  "do_sample": False}
-    with open(os.path.join(hf_dir, "generation_config.json"), "w") as f:
-        json.dump({k: v for k, v in generation.items() if v is not None}, f, indent=2)
+    generation = json.loads(files.pop(GENERATION_CONFIG, b"{}")) or {"do_sample": False}
+    for k in SPECIAL:  # the source's own file first; the ids of config.json where it has none
+        if generation.get(k) is None and config.get(k) is not None:
+            generation[k] = config[k]
+    with open(os.path.join(hf_dir, GENERATION_CONFIG), "w") as f:
+        json.dump(generation, f, indent=2)
+    write_files(hf_dir, files)
+    if not files:
+        print(f"note: {load} carries no tokenizer: copy tokenizer.json, tokenizer_config.json and "
+              f"special_tokens_map.json (or tokenizer.model) of the model's tokenizer into {hf_dir}", file=sys.stderr)
     return hf_dir
+
+
+def _special_from_tokenizer(files: dict[str, bytes]) -> dict:
+    """bos/eos ids of carried tokenizer files (a checkpoint trained with a HuggingFaceTokenizer
+    folder and never imported); none without them or without the tokenizers package."""
+    if "tokenizer.json" not in files:
+        return {}
+    with tempfile.TemporaryDirectory() as folder:
+        write_files(folder, files)
+        try:
+            tok = build_tokenizer("HuggingFaceTokenizer", folder)
+        except (ImportError, ValueError):
+            return {}
+    eos = tok.eos_ids[0] if len(tok.eos_ids) == 1 else tok.eos_ids or None
+    return {k: v for k, v in (("bos_token_id", tok.bos), ("eos_token_id", eos)) if v is not None}

@@ -27,6 +27,7 @@ from megalite.checkpoint.format import (FORMAT_VERSION, VOCAB_PARAMS, Checkpoint
 from megalite.config import ModelConfig
 from megalite.device import host_barrier
 from megalite.checkpoint.names import global_pieces
+from megalite.checkpoint.settings import carry_forward
 from megalite.layers.fp8 import fp8_state, load_fp8_state
 from megalite.parallel.random import get_rng_tracker
 from megalite.parallel.sharding import is_expert, is_tensor_parallel, shard_tensor
@@ -122,7 +123,7 @@ def save_checkpoint(root: str, iteration: int, optimizer, scaler, config, grid, 
             "consumed_samples": consumed_samples, "config": config.to_dict(), "layout": c["layout"],
             "zero_stage": optimizer.stage, "optimizer_step": optimizer.step_count,
             "loss_scaler": scaler.state_dict() if scaler is not None else None, "files": files,
-            "weights_only": False})
+            "weights_only": False, "source": carry_forward(config, tmp)})
         fsync_path(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)

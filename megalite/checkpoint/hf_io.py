@@ -111,3 +111,22 @@ class HFShardWriter:
             with open(os.path.join(self.directory, INDEX), "w") as f:
                 json.dump({"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}, f, indent=2)
         return names
+
+
+def check_export_target(directory: str, force: bool, imported_from: str | None = None) -> None:
+    """Refuse, before anything is written, to export into a folder that holds files (unless
+    ``force``) or, even with ``force``, into the folder the checkpoint was imported from: that
+    would overwrite the original model."""
+    if not os.path.isdir(directory) or not os.listdir(directory):
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            raise CheckpointError(f"--hf-dir {directory} is a file, not a folder. Fix: name a new folder.")
+        return
+    if imported_from and os.path.isdir(imported_from) and os.path.samefile(directory, imported_from):
+        raise CheckpointError(f"--hf-dir {directory} is the folder this checkpoint was imported from: exporting "
+                              f"there would overwrite the original model (even with --force). Fix: a new folder.")
+    if not force:
+        raise CheckpointError(f"--hf-dir {directory} is not empty ({len(os.listdir(directory))} entries); nothing "
+                              f"written. Fix: a new or empty folder, or --force to overwrite.")
+    for name in os.listdir(directory):  # stale shards or index of another model would be read with ours
+        if name == INDEX or (name.startswith("model") and name.endswith(".safetensors")):
+            os.remove(os.path.join(directory, name))

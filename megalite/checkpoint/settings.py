@@ -6,10 +6,30 @@ and their FFN size, which layers are MoE, the shared expert): a user
 resuming or fine-tuning does not retype them. A flag given on the command line that agrees
 is fine; one that contradicts the checkpoint is refused, naming both values. Settings a
 checkpoint does not fix (sequence length, dropout, recomputation, kernels) come from the flags.
+
+What a checkpoint carries beyond the model, from save to save (a ``--finetune`` run, an ordinary
+resume): the ``source`` record of metadata.json (a Hugging Face import's model type, dtype,
+folder and bos/eos/pad token ids) and the folder ``huggingface/`` inside the iteration directory,
+which holds the tokenizer and generation files the import found next to the weights. The
+import *copies* those files into the checkpoint rather than recording where they were, so a
+moved or deleted download does not lose them: :func:`adopt_checkpoint_model` reads both when a
+run loads a checkpoint (the files are small: a tokenizer is a few MB) and every save writes
+them again (:func:`carry_forward`). A run that trains with a ``HuggingFaceTokenizer`` folder and
+loaded none carries that folder's tokenizer files instead.
 """
 from __future__ import annotations
 
+import json
+import os
+
 from megalite.config import ConfigError, ModelConfig
+
+CARRIED = "huggingface"  # the folder in an iteration directory
+GENERATION_CONFIG = "generation_config.json"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "spiece.model",
+                   "chat_template.jinja", "chat_template.json")
+_RECORD = "_checkpoint_record"  # attribute of the run's ModelConfig (not a field: never in config.json)
 
 # Model field -> (the flag that sets it, the argparse destinations of that flag).
 FIXED = {
@@ -46,6 +66,48 @@ def checkpoint_config(load: str) -> dict:
     return PieceReader(_checkpoint_dir(load)).metadata["config"]
 
 
+def read_files(folder: str | None, names=TOKENIZER_FILES + (GENERATION_CONFIG,)) -> dict[str, bytes]:
+    """``{name: content}`` of the files ``names`` present in ``folder`` (none if it is not a folder)."""
+    if not folder or not os.path.isdir(folder):
+        return {}
+    out = {}
+    for name in names:
+        path = os.path.join(folder, name)
+        if os.path.isfile(path):
+            with open(path, "rb") as f:
+                out[name] = f.read()
+    return out
+
+
+def write_files(folder: str, files: dict[str, bytes]) -> None:
+    if not files:
+        return
+    os.makedirs(folder, exist_ok=True)
+    for name, content in files.items():
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(content)
+
+
+def checkpoint_record(directory: str) -> dict:
+    """What the iteration directory ``directory`` carries: its source record and files."""
+    with open(os.path.join(directory, "metadata.json")) as f:
+        source = json.load(f).get("source") or {}
+    return {"source": source, "files": read_files(os.path.join(directory, CARRIED))}
+
+
+def carry_forward(config, directory: str) -> dict:
+    """At a save (rank 0): write the carried files into ``directory``/huggingface and return the
+    source record for metadata.json. When the loaded checkpoint carried no files (or none was
+    loaded), the tokenizer files of the HuggingFaceTokenizer folder the run trains with are carried."""
+    record = getattr(config.model, _RECORD, None) or {"source": {}, "files": {}}
+    files, data = record["files"], config.data
+    if not files and data.tokenizer_type == "HuggingFaceTokenizer" and data.tokenizer_model:
+        folder = data.tokenizer_model
+        files = read_files(folder if os.path.isdir(folder) else os.path.dirname(folder), TOKENIZER_FILES)
+    write_files(os.path.join(directory, CARRIED), files)
+    return record["source"]
+
+
 def adopt_checkpoint_model(model: ModelConfig, saved: dict, given: set[str], tokenizer_vocab: int,
                            load: str) -> list[str]:
     """Set ``model``'s fixed fields to the checkpoint's; refuse flags in ``given`` (argparse
@@ -74,6 +136,9 @@ def adopt_checkpoint_model(model: ModelConfig, saved: dict, given: set[str], tok
         raise ConfigError(f"--load {load}: the model's settings come from the checkpoint, and these flags "
                           f"contradict it:\n  " + "\n  ".join(conflicts) +
                           "\nFix: drop those flags (the checkpoint's values are used), or load another checkpoint.")
+    from megalite.checkpoint.serial import _checkpoint_dir
+
+    setattr(model, _RECORD, checkpoint_record(_checkpoint_dir(load)))  # carried on by every save
     return taken
 
 

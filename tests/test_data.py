@@ -331,3 +331,15 @@ def test_build_data_iterators_real_data(pipeline):
     _check_batch(next(valid), 4, 32)
     with pytest.raises(ValueError, match=r"token id \d+, but the vocabulary size is 100"):
         build_data_iterators(**{**kwargs, "vocab_size": 100, "eod_token": None})
+
+
+@pytest.mark.parametrize("ext", [".bin", ".idx"])
+def test_data_path_with_an_extension_suggests_the_prefix(tmp_path, ext):
+    prefix = str(tmp_path / "corpus")
+    with IndexedDatasetBuilder(prefix, np.uint16) as builder:
+        builder.add_document(np.arange(10))
+        builder.finalize()
+    with pytest.raises(DatasetError, match=f"without the extension. Fix: --data-path {prefix}$"):
+        IndexedDataset(prefix + ext)
+    with pytest.raises(DatasetError, match="Check --data-path, or create the dataset"):  # no extension: as before
+        IndexedDataset(prefix + "-other")

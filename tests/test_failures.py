@@ -112,3 +112,16 @@ def test_every_unusable_output_path_gets_its_own_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert err[0].startswith("megalite: configuration error: --log-json ") and err[1].startswith("--profile-dir ")
     assert len(err) == 2 and (tmp_path / "tb").is_dir()  # the usable one was created
+
+
+def test_data_path_with_bin_extension_is_refused_at_startup_with_the_prefix(tmp_path, capsys):
+    prefix = str(tmp_path / "data")
+    with IndexedDatasetBuilder(prefix, np.uint16) as builder:
+        builder.add_document(np.arange(40))
+        builder.finalize()
+    argv = [a for a in SMALL if a != "--mock-data"] + ["--data-path", prefix + ".bin", "--tokenizer-type",
+                                                       "NullTokenizer"]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert f"megalite: input error: Dataset file '{prefix}.bin.idx' does not exist" in captured.err
+    assert captured.err.strip().endswith(f"Fix: --data-path {prefix}") and "grid:" not in captured.out

@@ -150,6 +150,11 @@ class IndexedDataset:
         self.idx_path, self.bin_path = prefix + ".idx", prefix + ".bin"
         for path in (self.idx_path, self.bin_path):
             if not os.path.isfile(path):
+                stem, ext = os.path.splitext(prefix)
+                if ext in (".bin", ".idx"):  # the file's name given instead of the pair's prefix
+                    raise DatasetFileNotFoundError(
+                        f"Dataset file {path!r} does not exist: --data-path takes the prefix of the "
+                        f".bin/.idx pair, without the extension. Fix: --data-path {stem}")
                 raise DatasetFileNotFoundError(
                     f"Dataset file {path!r} does not exist (expected both {prefix}.idx and "
                     f"{prefix}.bin). Check --data-path, or create the dataset with "

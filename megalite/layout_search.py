@@ -15,6 +15,7 @@ from megalite.config import ModelConfig
 from megalite.planner import (RECOMPUTE, Estimate, GiB, Hardware, Layout, Precision, check_layout, communication,
                               estimate, in_flight, model_state_bytes, precision, stage_parameters,
                               total_parameters)
+from megalite.planner_flags import grads_in_fp32
 
 
 def _divisors(n: int) -> list[int]:
@@ -90,8 +91,12 @@ class Plan:
 
 
 def plan(m: ModelConfig, hw: Hardware, global_batch: int, micro: int, prec: Precision | None = None,
-         flash_attention: bool = False, max_cp: int = 8) -> Plan:
-    prec = prec or precision()
+         flash_attention: bool = True, max_cp: int = 8) -> Plan:
+    """Every valid layout, estimated, in ladder order, and the recommendation. The defaults are
+    training's: bf16 with gradients accumulated in fp32 (``pretrain_gpt.py``'s default under
+    --bf16) and attention that never stores the s x s scores (what ``--attention-backend auto``
+    runs on a GPU, and what the meta dry run measures)."""
+    prec = prec or precision("bf16", grads_in_fp32("bf16"))
     checked: dict[tuple, str | None] = {}
     estimates, invalid = [], {}
     for layout in sorted(candidate_layouts(m, hw, max_cp), key=ladder_key):

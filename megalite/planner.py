@@ -14,7 +14,9 @@ activations. (A rougher rule counts fp16 weights + fp16 gradients + 4 bytes of o
 state = 8 bytes/param, i.e. 56 GB for 7B; that undercounts Adam, which keeps an fp32
 master copy and two fp32 moments. Both exceed a 24 GB GPU many times over, so plain DDP
 is impossible either way; the planner uses the 16-byte figure and reports its parts.)
-megalite's ``--bf16`` accumulates gradients in fp32 by default (``fp32_grads``: 18 bytes).
+megalite's ``--bf16`` accumulates gradients in fp32 by default (``fp32_grads``: 18 bytes), and so
+does the planner by default (:mod:`megalite.planner_flags` reads every default from
+``pretrain_gpt.py``'s parser and writes each layout as the flags that train it).
 
 **Experts** (``m.num_experts``; ``Layout.ep``): the MoE layers' parameters, their model state
 over the expert-data-parallel group, their routed-token activations and transients, the
@@ -92,9 +94,11 @@ from megalite.config import (Config, ConfigError, DataConfig, ModelConfig, Paral
 from megalite.data_parallel.accounting import zero_theory_bytes
 from megalite.moe import planning as moe_planning
 from megalite.parallel.grid import GridLayout
+from megalite.planner_flags import training_defaults
 
 GiB = 2**30
-DEFAULT_BUCKET = 40_000_000  # --ddp-bucket-size's default, elements
+DEFAULT_BUCKET = training_defaults()["ddp_bucket_size"]  # elements, pretrain_gpt.py's default
+DEFAULT_HEADROOM = 0.10  # fraction of GPU memory kept free (tools/dry_run.py's "fits" uses it too)
 RECOMPUTE = ("none", "selective", "full")
 
 
@@ -105,7 +109,7 @@ class Hardware:
     nodes: int = 1
     nvlink_gbps: float = 450.0  # GB/s per GPU inside a node
     ib_gbps: float = 50.0  # GB/s per GPU across nodes
-    headroom: float = 0.10  # fraction kept free: CUDA context, allocator fragmentation, workspaces
+    headroom: float = DEFAULT_HEADROOM  # fraction kept free: CUDA context, allocator fragmentation, workspaces
 
     @property
     def world_size(self) -> int:

@@ -42,7 +42,7 @@ from megalite.config import ConfigError, validate  # noqa: E402
 from megalite.device import meta_stand_ins  # noqa: E402
 from megalite.parallel.grid import GridLayout  # noqa: E402
 from megalite.moe.planning import wire_from_handed  # noqa: E402
-from megalite.planner import Hardware, Layout, communication, precision, stage_memory  # noqa: E402
+from megalite.planner import DEFAULT_HEADROOM, Hardware, Layout, communication, precision, stage_memory  # noqa: E402
 
 GiB = 2**30
 
@@ -147,6 +147,9 @@ def main(argv=None) -> int:
     own.add_argument("--world-size", type=int, required=True)
     own.add_argument("--gpus-per-node", type=int, default=8)
     own.add_argument("--gpu-memory-gb", type=float, default=80.0)
+    own.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM,
+                     help="fraction of GPU memory kept free, as tools/plan_parallel.py keeps it (CUDA context, "
+                          "allocator fragmentation, workspaces): a role fits when its peak is within the rest")
     own.add_argument("--device", choices=["meta", "cuda"], default="meta")
     own.add_argument("--json", default=None, help="write the per-role results here")
     args, flags = own.parse_known_args(argv)
@@ -169,7 +172,9 @@ def main(argv=None) -> int:
         print(f"dry_run: configuration error: {e}", file=sys.stderr)
         return 2
     layout = GridLayout.from_config(config.parallel, args.world_size, experts=bool(config.model.num_experts))
-    budget = args.gpu_memory_gb * GiB
+    budget = args.gpu_memory_gb * GiB * (1 - args.headroom)  # the planner's allowance (Hardware.usable_bytes)
+    allowance = (f"{budget / GiB:.1f} GiB ({1 - args.headroom:.0%} of {args.gpu_memory_gb:g} GiB, the planner's "
+                 f"{args.headroom:.0%} headroom)")
     experts = f" (EP {layout.ep} x EDP {layout.edp} per stage)" if layout.experts else ""
     print(f"dry run: world {args.world_size} = TP {layout.tp} x CP {layout.cp} x DP {layout.dp} x PP {layout.pp}"
           f"{experts}, "
@@ -177,6 +182,7 @@ def main(argv=None) -> int:
           f"{args.device}")
     header = (f"{'role':<34} {'ranks':<12} {'weights':>8} {'grads':>8} {'optim':>8} {'activ.':>8} {'comm':>8} "
               f"{'peak':>8} {'planned':>8} {'diff':>7}  fits   (GiB)")
+    print(f"fits: the peak within {allowance}")
     print(header)
     results = []
     for result in measure_layout(flags, config, layout, args.gpus_per_node, args.device, budget):
@@ -200,7 +206,9 @@ def main(argv=None) -> int:
         with open(args.json, "w") as f:
             json.dump({"world_size": args.world_size, "layout": dict(layout.__dict__), "roles": results}, f, indent=1)
         print(f"wrote {args.json}")
-    return 0 if all(r["fits"] for r in results) else 1
+    fits = all(r["fits"] for r in results)
+    print(f"fits within {allowance}: {'yes' if fits else 'no'}")
+    return 0 if fits else 1
 
 
 if __name__ == "__main__":

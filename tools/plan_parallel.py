@@ -7,6 +7,10 @@ The arithmetic (and its sources) is in ``megalite/planner.py``, the search and t
 gradients + fp32 master and Adam state under the layout's ZeRO stage + activations of the
 micro-batches in flight (+ ZeRO-3's gathered layers), against the GPU memory less a headroom.
 
+Its defaults are pretrain_gpt.py's (read from megalite.arguments.build_parser: fp32 gradient
+accumulation under --bf16, dropout 0.1, micro batch 4, ...), and the recommendation is printed as
+the exact pretrain_gpt.py flags it assumed, with the tools/dry_run.py command that measures it.
+
     python tools/plan_parallel.py --num-layers 32 --hidden-size 4096 --num-attention-heads 32 \\
         --seq-length 4096 --vocab-size 32000 --global-batch-size 64 --micro-batch-size 1 \\
         --gpu-memory-gb 24 --gpus-per-node 8 --nodes 1 [--json plan.json]
@@ -22,10 +26,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megalite.config import ModelConfig  # noqa: E402
 from megalite.moe.settings import moe_layers, parse_layer_freq  # noqa: E402
 from megalite.layout_search import plan  # noqa: E402
-from megalite.planner import GiB, Hardware, precision, total_parameters  # noqa: E402
+from megalite.planner import DEFAULT_HEADROOM, GiB, Hardware, precision, total_parameters  # noqa: E402
+from megalite.planner_flags import grads_in_fp32, pretrain_flags, training_defaults  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
+    d = training_defaults()  # pretrain_gpt.py's defaults: the one source
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model (megalite / Megatron-LM flag names)")
     g.add_argument("--num-layers", type=int, required=True)
@@ -36,12 +42,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seq-length", type=int, required=True)
     g.add_argument("--max-position-embeddings", type=int, default=None)
     g.add_argument("--vocab-size", type=int, required=True)
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=d["make_vocab_size_divisible_by"])
     g.add_argument("--swiglu", action="store_true")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     g.add_argument("--disable-bias-linear", action="store_true")
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
+    g.add_argument("--hidden-dropout", type=float, default=d["hidden_dropout"],
+                   help="pretrain_gpt.py's default; with dropout each layer keeps two 1-byte masks")
+    g.add_argument("--attention-dropout", type=float, default=d["attention_dropout"],
+                   help="pretrain_gpt.py's default (CP layouts are planned and printed with 0: ring attention has none)")
     g = p.add_argument_group("mixture of experts (planned with every expert-parallel size EP dividing E and TP*CP*DP)")
     g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (default: a dense model)")
     g.add_argument("--moe-router-topk", type=int, default=2)
@@ -51,22 +61,29 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
     g = p.add_argument_group("batch")
     g.add_argument("--global-batch-size", type=int, required=True)
-    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--micro-batch-size", type=int, default=d["micro_batch_size"], help="pretrain_gpt.py's default")
     g = p.add_argument_group("hardware")
     g.add_argument("--gpu-memory-gb", type=float, required=True, help="per GPU, as on the spec sheet (GiB)")
     g.add_argument("--gpus-per-node", type=int, default=8)
     g.add_argument("--nodes", type=int, default=1)
     g.add_argument("--nvlink-gbps", type=float, default=450.0, help="GB/s per GPU inside a node")
     g.add_argument("--ib-gbps", type=float, default=50.0, help="GB/s per GPU across nodes")
-    g.add_argument("--headroom", type=float, default=0.10,
+    g.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM,
                    help="fraction of GPU memory kept free (CUDA context, fragmentation, workspaces)")
     g = p.add_argument_group("precision and options")
     g.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16",
                    help="bf16/fp16: mixed precision with fp32 master weights and Adam (16 bytes/param)")
-    g.add_argument("--fp32-grads", action="store_true",
-                   help="4-byte gradient buffers (megalite's default with --bf16: 18 bytes/param)")
-    g.add_argument("--flash-attention", action="store_true",
-                   help="the attention kernel never stores the s x s scores (flash-attn, SDPA, Triton)")
+    g.add_argument("--accumulate-allreduce-grads-in-fp32", dest="accumulate", action=argparse.BooleanOptionalAction,
+                   default=d["accumulate_allreduce_grads_in_fp32"],
+                   help="pretrain_gpt.py's flag: fp32 gradient buffers (18 bytes/param), its default with "
+                        "--bf16/--fp16; --no-accumulate-allreduce-grads-in-fp32 plans 2-byte gradients (16 "
+                        "bytes/param) and prints that flag in the recommendation")
+    g.add_argument("--fp32-grads", dest="accumulate", action="store_const", const=True,
+                   help="old name of --accumulate-allreduce-grads-in-fp32 (now the default: a no-op)")
+    g.add_argument("--flash-attention", action=argparse.BooleanOptionalAction, default=True,
+                   help="the attention kernel never stores the s x s scores (flash-attn, SDPA, Triton: what "
+                        "--attention-backend auto runs on a GPU, and what the dry run measures); "
+                        "--no-flash-attention counts them (the math path)")
     g.add_argument("--max-context-parallel", type=int, default=8, help="largest CP considered")
     g.add_argument("--top", type=int, default=15, help="rows of the table of layouts that fit")
     g.add_argument("--json", default=None, help="write the whole plan (every candidate) as JSON")
@@ -88,7 +105,8 @@ def model_from_args(a) -> ModelConfig:
                        seq_length=a.seq_length, max_position_embeddings=a.max_position_embeddings,
                        position_embedding_type=a.position_embedding_type, normalization=a.normalization,
                        swiglu=a.swiglu, add_bias_linear=not a.disable_bias_linear,
-                       untie_embeddings_and_output_weights=a.untie_embeddings_and_output_weights, **moe)
+                       untie_embeddings_and_output_weights=a.untie_embeddings_and_output_weights,
+                       hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout, **moe)
 
 
 def table(estimates, usable: float) -> list[str]:
@@ -110,58 +128,52 @@ def table(estimates, usable: float) -> list[str]:
     return rows
 
 
-def verify(a, m, estimates) -> None:
-    """Dry-run each layout (one rank per role, meta tensors) and compare its peak with the estimate."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # tools/, for dry_run
-    from dry_run import measure_layout
+def layout_flags(a, m, e) -> list[str]:
+    """The exact pretrain_gpt.py flags of a planned layout (what the estimate assumed)."""
+    return pretrain_flags(m, e.layout, a.global_batch_size, a.micro_batch_size, a.precision, a.accumulate)
+
+
+def dry_run_command(a, flags: list[str], world: int) -> str:
+    return (f"python tools/dry_run.py --world-size {world} --gpus-per-node {a.gpus_per_node} "
+            f"--gpu-memory-gb {a.gpu_memory_gb:g} --headroom {a.headroom:g} " + " ".join(flags))
+
+
+def verify(a, m, estimates) -> list[dict]:
+    """Dry-run each layout with exactly its printed flags (one rank per role, meta tensors; the
+    dry run adds --mock-data as it always does) and compare its peak with the stated estimate."""
+    from tools import dry_run  # the repository root is on sys.path (above)
 
     from megalite.arguments import build_parser as pretrain_parser, config_from_args
+    from megalite.config import validate
+    from megalite.parallel.grid import GridLayout
 
-    print("\nverified by a dry run (one iteration per pipeline stage on meta tensors; the estimate with\n"
-          "flash-style attention, as the dry run and a GPU run it):")
+    print("\nverified by a dry run (tools/dry_run.py with exactly the flags printed; one iteration per "
+          "pipeline stage on meta tensors):")
+    out = []
     for e in estimates:
         lay = e.layout
-        flags = [f"--{k.replace('_', '-')}={v}" for k, v in (
-            ("num_layers", m.num_layers), ("hidden_size", m.hidden_size), ("num_attention_heads", m.num_attention_heads),
-            ("ffn_hidden_size", m.ffn_hidden_size), ("num_query_groups", m.num_query_groups),
-            ("seq_length", m.seq_length), ("max_position_embeddings", m.max_position_embeddings),
-            ("vocab_size", m.vocab_size), ("make_vocab_size_divisible_by", m.make_vocab_size_divisible_by),
-            ("normalization", m.normalization), ("position_embedding_type", m.position_embedding_type),
-            ("global_batch_size", a.global_batch_size), ("micro_batch_size", a.micro_batch_size),
-            ("tensor_model_parallel_size", lay.tp), ("pipeline_model_parallel_size", lay.pp),
-            ("context_parallel_size", lay.cp), ("zero_stage", lay.zero))]
-        if m.num_experts:
-            flags += [f"--{k.replace('_', '-')}={v}" for k, v in (
-                ("num_experts", m.num_experts), ("moe_router_topk", m.moe_router_topk),
-                ("moe_ffn_hidden_size", m.moe_ffn_hidden_size),
-                ("moe_layer_freq", json.dumps(m.moe_layer_freq).replace(" ", "")),
-                ("moe_shared_expert_intermediate_size", m.moe_shared_expert_intermediate_size),
-                ("expert_model_parallel_size", lay.ep)) if v is not None]
-        flags += [f for f, on in (("--swiglu", m.swiglu), ("--disable-bias-linear", not m.add_bias_linear),
-                                  ("--untie-embeddings-and-output-weights", m.untie_embeddings_and_output_weights),
-                                  ("--sequence-parallel", lay.sp), (f"--{a.precision}", a.precision != "fp32"),
-                                  ("--no-accumulate-allreduce-grads-in-fp32", not a.fp32_grads))
-                  if on]
-        flags += ["--mock-data", "--overlap-grad-reduce", "--attention-dropout", "0", "--hidden-dropout", "0"]
-        flags += [] if lay.recompute == "none" else ["--recompute-granularity", lay.recompute]
-        config = config_from_args(pretrain_parser().parse_args(flags), m.vocab_size)
-        from megalite.config import validate
-        from megalite.parallel.grid import GridLayout
-
+        flags = layout_flags(a, m, e)
+        config = config_from_args(pretrain_parser().parse_args(flags + ["--mock-data"]), m.vocab_size)
         world = lay.tp * lay.pp * lay.cp * lay.dp
         validate(config, world, a.gpus_per_node)
         grid = GridLayout.from_config(config.parallel, world, experts=bool(m.num_experts))
-        results = list(measure_layout(flags, config, grid, a.gpus_per_node))
+        results = list(dry_run.measure_layout(flags + ["--mock-data"], config, grid, a.gpus_per_node))
         worst = max(results, key=lambda r: r["measured_bytes"])  # the fullest stage, as in the estimate
-        print(f"  {lay.describe():<48} estimated {worst['planned_bytes'] / GiB:7.2f} GiB, measured "
-              f"{worst['measured_bytes'] / GiB:7.2f} GiB ({worst['role']}, {100 * worst['difference']:+.1f}%)")
+        stated = e.memory["total"]
+        diff = (worst["measured_bytes"] - stated) / stated
+        print(f"  {lay.describe():<48} stated {stated / GiB:7.2f} GiB, measured "
+              f"{worst['measured_bytes'] / GiB:7.2f} GiB ({worst['role']}, {100 * diff:+.1f}%)\n"
+              f"    flags: {' '.join(flags)}")
+        out.append({"layout": lay, "flags": flags, "stated_bytes": stated, "measured_bytes": worst["measured_bytes"],
+                    "role": worst["role"], "difference": diff})
+    return out
 
 
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     m = model_from_args(a)
     hw = Hardware(a.gpu_memory_gb, a.gpus_per_node, a.nodes, a.nvlink_gbps, a.ib_gbps, a.headroom)
-    prec = precision(a.precision, a.fp32_grads)
+    prec = precision(a.precision, grads_in_fp32(a.precision, a.accumulate))
     result = plan(m, hw, a.global_batch_size, a.micro_batch_size, prec, a.flash_attention, a.max_context_parallel)
     experts = ""
     if m.num_experts:
@@ -174,7 +186,8 @@ def main(argv=None) -> int:
           f"{a.global_batch_size}, micro batch {a.micro_batch_size}")
     print(f"hardware: {hw.world_size} GPUs = {hw.nodes} node(s) x {hw.gpus_per_node}, {hw.gpu_memory_gb:g} GiB each; "
           f"NVLink {hw.nvlink_gbps:g} GB/s inside a node, InfiniBand {hw.ib_gbps:g} GB/s across; precision "
-          f"{prec.name}" + (" (fp32 gradients)" if a.fp32_grads else ""))
+          f"{prec.name}, {prec.grad_bytes}-byte gradients"
+          + (" (pretrain_gpt.py's default)" if a.accumulate is None else ""))
     if not result.estimates:
         print("\nmegalite refuses every layout for this model and cluster:", file=sys.stderr)
         for reason in sorted(set(result.invalid.values()))[:8]:
@@ -183,6 +196,12 @@ def main(argv=None) -> int:
     print()
     for line in result.reasons:
         print(line)
+    if result.choice is not None:
+        flags = layout_flags(a, m, result.choice)
+        lay = result.choice.layout
+        print(f"\nThe recommendation as pretrain_gpt.py flags (every assumption of the estimate; add your data "
+              f"flags, or --mock-data):\n  {' '.join(flags)}\nMeasure it first: "
+              f"{dry_run_command(a, flags, lay.tp * lay.pp * lay.cp * lay.dp)}")
     fitting = result.fitting()
     print(f"\n{len(fitting)} of {len(result.estimates)} valid layouts fit ({len(result.invalid)} refused by "
           f"megalite's validation); the first {min(a.top, len(fitting))} in the practitioners' order:")
@@ -202,7 +221,8 @@ def main(argv=None) -> int:
             json.dump({"model": vars(m), "hardware": vars(hw), "precision": vars(prec),
                        "global_batch_size": a.global_batch_size, "micro_batch_size": a.micro_batch_size,
                        "model_parameters": total_parameters(m),
-                       "recommendation": result.choice.to_dict() if result.choice else None,
+                       "recommendation": ({**result.choice.to_dict(), "pretrain_flags": layout_flags(a, m, result.choice)}
+                                          if result.choice else None),
                        "reasons": result.reasons, "candidates": [e.to_dict() for e in result.estimates],
                        "refused": [{"layout": vars(k), "reason": v} for k, v in result.invalid.items()]},
                       f, indent=1)

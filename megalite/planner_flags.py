@@ -1,0 +1,99 @@
+"""What the planner assumes about a training run, and the run as ``pretrain_gpt.py`` flags.
+
+One source of truth: every default the planner models (gradient accumulation dtype, dropout,
+micro batch, ZeRO stage, recomputation, sequence parallelism, the DDP bucket size) is read from
+``megalite.arguments.build_parser()``, the parser of ``pretrain_gpt.py``, never copied here.
+:func:`pretrain_flags` writes a planned layout as the exact flags that train it, so that
+``tools/dry_run.py`` with those flags measures what the planner estimated, and
+``tools/plan_parallel.py --verify`` dry-runs nothing else.
+
+Beyond the parser's defaults the planner assumes, and prints in the flags:
+``--sequence-parallel`` with TP > 1 (Megatron practice); ``--overlap-grad-reduce`` under ZeRO-2/3
+(without it megalite's ZeRO-2/3 stage every bucket's gradients until the end of the step, a full
+gradient more than the one bucket the planner counts); ``--attention-dropout 0`` under CP (ring
+attention has none); the precision flag (``--bf16`` by default).
+"""
+from __future__ import annotations
+
+import functools
+import json
+
+from megalite.arguments import build_parser
+from megalite.config import ModelConfig
+
+
+@functools.lru_cache(maxsize=1)
+def _defaults() -> tuple:
+    return tuple(sorted(vars(build_parser().parse_args([])).items()))
+
+
+def training_defaults() -> dict:
+    """``pretrain_gpt.py``'s defaults (its parser with no flags), by destination name."""
+    return dict(_defaults())
+
+
+def grads_in_fp32(precision: str, accumulate: bool | None = None) -> bool:
+    """Whether gradients are accumulated and reduced in fp32: ``--accumulate-allreduce-grads-in-fp32``
+    (default from the parser: None, which ``megalite.config.validate`` turns on under --bf16/--fp16)."""
+    if accumulate is None:
+        accumulate = training_defaults()["accumulate_allreduce_grads_in_fp32"]
+    if accumulate is None:
+        return precision in ("bf16", "fp16")
+    return bool(accumulate) or precision == "fp32"
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _model_flags(m: ModelConfig) -> list[str]:
+    d = training_defaults()
+    flags = [f"{_flag(k)}={getattr(m, k)}" for k in ("num_layers", "hidden_size", "num_attention_heads",
+                                                     "seq_length", "vocab_size")]
+    derived = ModelConfig(num_layers=m.num_layers, hidden_size=m.hidden_size,
+                          num_attention_heads=m.num_attention_heads, seq_length=m.seq_length, swiglu=m.swiglu)
+    for k in ("ffn_hidden_size", "num_query_groups", "max_position_embeddings"):  # defaults derived from others
+        if getattr(m, k) != getattr(derived, k):
+            flags.append(f"{_flag(k)}={getattr(m, k)}")
+    for k in ("make_vocab_size_divisible_by", "normalization", "position_embedding_type", "hidden_dropout",
+              "attention_dropout"):
+        if getattr(m, k) != d[k]:
+            flags.append(f"{_flag(k)}={getattr(m, k)}")
+    flags += [f for f, on in (("--swiglu", m.swiglu), ("--disable-bias-linear", not m.add_bias_linear),
+                              ("--untie-embeddings-and-output-weights", m.untie_embeddings_and_output_weights))
+              if on]
+    if m.num_experts:
+        flags += [f"{_flag(k)}={v}" for k, v in (
+            ("num_experts", m.num_experts), ("moe_router_topk", m.moe_router_topk),
+            ("moe_ffn_hidden_size", m.moe_ffn_hidden_size),
+            ("moe_layer_freq", json.dumps(m.moe_layer_freq).replace(" ", "")),
+            ("moe_shared_expert_intermediate_size", m.moe_shared_expert_intermediate_size)) if v is not None]
+    return flags
+
+
+def pretrain_flags(m: ModelConfig, layout, global_batch: int, micro: int, precision: str = "bf16",
+                   accumulate: bool | None = None) -> list[str]:
+    """The ``pretrain_gpt.py`` flags of a planned layout (``megalite.planner.Layout``): the model,
+    the batch, the layout and every assumption the planner made (module docstring); flags left
+    at the parser's defaults are left out. Data flags are the user's (``--mock-data`` for a try)."""
+    d = training_defaults()
+    flags = _model_flags(m)
+    flags += [f"--global-batch-size={global_batch}", f"--micro-batch-size={micro}"]
+    flags += [f"{_flag(k)}={v}" for k, v in (("tensor_model_parallel_size", layout.tp),
+                                             ("pipeline_model_parallel_size", layout.pp),
+                                             ("context_parallel_size", layout.cp), ("zero_stage", layout.zero),
+                                             ("expert_model_parallel_size", layout.ep)) if v != d[k]]
+    if layout.sp and not d["sequence_parallel"]:
+        flags.append("--sequence-parallel")
+    if layout.recompute != (d["recompute_granularity"] or "none"):
+        flags.append(f"--recompute-granularity={layout.recompute}")
+    if layout.zero >= 2 and not d["overlap_grad_reduce"]:
+        flags.append("--overlap-grad-reduce")
+    if layout.cp > 1 and m.attention_dropout > 0:
+        flags.append("--attention-dropout=0")
+    if precision != "fp32":
+        flags.append(f"--{precision}")
+    if accumulate is not None and grads_in_fp32(precision, accumulate) != grads_in_fp32(precision, None):
+        flags.append("--accumulate-allreduce-grads-in-fp32" if accumulate else "--no-accumulate-allreduce-grads-in-fp32")
+    return flags
+

@@ -104,6 +104,20 @@ def test_unusable_output_path_is_refused_by_flag_before_the_model(tmp_path, caps
     assert "model:" not in captured.out and "grid:" not in captured.out  # before any group or model
 
 
+def test_output_directory_on_a_read_only_filesystem_is_refused(capsys):
+    path = "/sys/megalite-output-test/tb"  # sysfs: not writable, even for root
+    try:
+        os.mkdir("/sys/megalite-output-test")
+        os.rmdir("/sys/megalite-output-test")
+        pytest.skip("/sys is writable here: no read-only filesystem to test with")
+    except OSError:
+        pass
+    assert main(SMALL + ["--tensorboard-dir", path]) == 2
+    captured = capsys.readouterr()
+    assert f"megalite: configuration error: --tensorboard-dir {path}: cannot create and write" in captured.err
+    assert "model:" not in captured.out
+
+
 def test_every_unusable_output_path_gets_its_own_line(tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     argv = SMALL + ["--log-json", str(tmp_path / "file" / "x.jsonl"), "--profile",

@@ -100,7 +100,7 @@ def test_unusable_output_path_is_refused_by_flag_before_the_model(tmp_path, caps
     assert main(SMALL + [flag, path]) == 2
     captured = capsys.readouterr()
     assert f"megalite: configuration error: {flag} {path}: cannot" in captured.err, captured.err
-    assert why in captured.err and f"Fix: choose a writable" in captured.err
+    assert why in captured.err and "Fix: choose a writable" in captured.err
     assert "model:" not in captured.out and "grid:" not in captured.out  # before any group or model
 
 

@@ -166,7 +166,8 @@ def test_plot_log_missing_or_unreadable_file(tmp_path, capsys):
     _one_line_exit_2(capsys, lambda: plot_log.main([str(tmp_path / "bad.jsonl")]), "bad.jsonl: line 1 is not JSON")
     run = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plot_log.py"), missing],
                          capture_output=True, text=True, timeout=60)
-    assert run.returncode == 2 and run.stderr.strip() == f"plot_log.py: cannot read {missing}: No such file or directory"
+    assert run.returncode == 2
+    assert run.stderr.strip() == f"plot_log.py: cannot read {missing}: No such file or directory"
 
 
 def test_timeline_and_scaling_tools_missing_input(tmp_path, capsys, monkeypatch):

@@ -103,9 +103,10 @@ def test_bad_input_is_one_line_and_exit_2(src, tmp_path, capsys):
     (bad / "iter_0000001" / "metadata.json").write_text("{not json")
     code, err = _cli(capsys, "--load", str(bad), "--save", str(tmp_path / "d2"))
     assert code == 2 and err.startswith("reshard_checkpoint: ") and "metadata.json" in err, err
-    (bad / "iter_0000001" / "metadata.json").write_text(json.dumps({"format_version": 1}))
-    code, err = _cli(capsys, "--load", str(bad), "--save", str(tmp_path / "d3"))
-    assert code == 2 and err.startswith("reshard_checkpoint: ") and "metadata.json" in err, err
+    for meta in ({"format_version": 1}, {"format_version": 1, "iteration": 1, "config": {}, "layout": [], "files": []}):
+        (bad / "iter_0000001" / "metadata.json").write_text(json.dumps(meta))
+        code, err = _cli(capsys, "--load", str(bad), "--save", str(tmp_path / "d3"))
+        assert code == 2 and err.startswith("reshard_checkpoint: ") and "metadata.json" in err, err
     # The real command: an impossible layout, one line on stderr, no traceback.
     proc = subprocess.run([sys.executable, TOOL, "--load", str(src), "--save", str(tmp_path / "d4"),
                            "--target-tensor-model-parallel-size", "3"], capture_output=True, text=True,

@@ -133,12 +133,18 @@ def reshard(src: str, dst: str, tp=None, pp=None, vp_layers=SOURCE, dp=None, zer
     src_dir = resolve_checkpoint(src)
     reader = PieceReader(src_dir)
     meta = reader.metadata
-    then = meta["layout"]
-    tp, pp = tp or then.get("tp", 1), pp or then.get("pp", 1)
-    dp, ep = dp or then.get("dp", 1), ep or then.get("ep", 1)
-    zero = meta.get("zero_stage", 0) if zero is None else zero
+    try:  # the fields read below, present and of the right kind
+        then, saved = meta["layout"], meta["config"]
+        source = {d: int(then.get(d, 1)) for d in ("tp", "pp", "dp", "ep")}
+        source_vp = saved.get("parallel", {}).get("num_layers_per_virtual_pipeline_stage")
+        dict(saved["model"]), dict(saved["train"]), int(meta.get("zero_stage", 0))
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        raise CheckpointError(f"{os.path.join(src_dir, 'metadata.json')}: unexpected content ({e!r}): the "
+                              f"checkpoint's metadata is corrupt.") from None
+    tp, pp, dp, ep = tp or source["tp"], pp or source["pp"], dp or source["dp"], ep or source["ep"]
+    zero = int(meta.get("zero_stage", 0)) if zero is None else zero
     if vp_layers == SOURCE:
-        vp_layers = meta["config"]["parallel"].get("num_layers_per_virtual_pipeline_stage") if pp == then.get("pp", 1) else None
+        vp_layers = source_vp if pp == source["pp"] else None
     config = _target_config(meta, tp, pp, vp_layers or None, dp, zero, ep)
     model = config.model
     layout = _layout(config, dp)

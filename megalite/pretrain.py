@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 from megalite.arguments import build_parser, config_from_args, explicit_args
 from megalite.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from megalite.checkpoint.format import resolve_checkpoint
+from megalite.checkpoint.format import complete_iterations, resolve_checkpoint
 from megalite.checkpoint.settings import adopt_checkpoint_model, checkpoint_config, describe_layout_change
 from megalite.config import ConfigError, validate
 from megalite.data import build_data_iterators
@@ -116,6 +116,11 @@ def setup(argv=None):
         raise ConfigError(f"--ckpt-step {args.ckpt_step} needs --load DIR (the checkpoint root to take it from).")
     args.fresh_start = bool(args.load and args.save and os.path.abspath(args.load) == os.path.abspath(args.save)
                             and args.ckpt_step is None and not os.path.exists(os.path.join(args.load, "latest")))
+    done = complete_iterations(args.load) if args.fresh_start and os.path.isdir(args.load) else []
+    if done:  # no 'latest', but complete iterations: a fresh start's saves would overwrite them
+        raise ConfigError(f"--load {args.load} --save {args.save}: there is no 'latest' file, but complete "
+                          f"iterations are ({', '.join(map(str, done))}); starting fresh would overwrite them. "
+                          f"Fix: --ckpt-step {done[-1]} to resume the newest, or --save to another directory.")
     load_dir = resolve_checkpoint(args.load, args.ckpt_step) if args.load and not args.fresh_start else None
     saved_config = checkpoint_config(load_dir) if load_dir else None
     saved = saved_config["model"] if saved_config else None
@@ -125,7 +130,7 @@ def setup(argv=None):
     config = config_from_args(args, tokenizer.vocab_size)
     if saved:  # the model is the checkpoint's; contradicting flags are refused
         given = explicit_args(argv)
-        adopt_checkpoint_model(config.model, saved, given, tokenizer.vocab_size, args.load)
+        adopt_checkpoint_model(config.model, saved, given, tokenizer.vocab_size, load_dir)
         batch = saved_config["train"].get("global_batch_size")
         if batch and not args.finetune and "global_batch_size" not in given:
             config.train.global_batch_size = batch  # a resumed run keeps its global batch under any DP

@@ -188,6 +188,20 @@ def test_load_a_chosen_iteration_resumes_exactly(tmp_path, capsys):
     assert "1, 3" in capsys.readouterr().err
 
 
+def test_no_latest_but_complete_iterations_is_not_a_fresh_start(tmp_path, capsys):
+    """--load D --save D with no 'latest' starts fresh (an elastic job's first start), unless D
+    holds complete iterations: then the fresh run's saves would overwrite them."""
+    from megalite.pretrain import main
+    argv = BASE + ["--train-iters", "2"]
+    run_world(_run, 1, argv + ["--save", str(tmp_path), "--save-interval", "1"])
+    os.remove(tmp_path / "latest")
+    before = (tmp_path / "iter_0000002" / "metadata.json").read_bytes()
+    assert main(argv + ["--load", str(tmp_path), "--save", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "no 'latest' file" in err and "(1, 2)" in err and "--ckpt-step 2" in err, err
+    assert (tmp_path / "iter_0000002" / "metadata.json").read_bytes() == before
+
+
 def test_rng_message_says_what_happened(tmp_path, capfd):
     from megalite.checkpoint.core import rng_note
     argv = BASE + ["--train-iters", "3"]

@@ -149,3 +149,15 @@ def test_a_run_trained_with_a_huggingface_tokenizer_exports_it(tmp_path, capsys)
     config = json.load(open(tmp_path / "out" / "config.json"))
     assert (config["bos_token_id"], config["eos_token_id"]) == (0, 1)
     assert transformers.AutoTokenizer.from_pretrained(tmp_path / "out").eos_token_id == 1
+
+
+def test_a_resharded_checkpoint_still_exports_its_tokenizer(imported, capsys):
+    """reshard_checkpoint carries the imported tokenizer files and ids on, as a training save does."""
+    from reshard_checkpoint import reshard  # tools/ is on the path (above)
+
+    reshard(str(imported / "ft"), str(imported / "resharded"), tp=2)
+    out = imported / "out_resharded"
+    assert convert_main(["--direction", "export", "--load", str(imported / "resharded"), "--hf-dir", str(out)]) == 0
+    assert "carries no tokenizer" not in capsys.readouterr().err
+    assert (out / "tokenizer.json").read_bytes() == (imported / "hf" / "tokenizer.json").read_bytes()
+    assert json.load(open(out / "config.json"))["eos_token_id"] == 1

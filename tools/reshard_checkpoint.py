@@ -43,6 +43,7 @@ from megalite.checkpoint.format import (FORMAT_VERSION, VOCAB_PARAMS, Checkpoint
                                         fsync_path, iteration_dir, resolve_checkpoint, write_json_atomic,
                                         write_rank_files)
 from megalite.checkpoint.serial import model_config_from  # noqa: E402
+from megalite.checkpoint.settings import CARRIED  # noqa: E402
 from megalite.config import Config, ConfigError, DataConfig, ParallelConfig, TrainConfig, validate  # noqa: E402
 from megalite.parallel.comm import OfflineGroup  # noqa: E402
 from megalite.parallel.grid import GridLayout  # noqa: E402
@@ -160,6 +161,9 @@ def reshard(src: str, dst: str, tp=None, pp=None, vp_layers=SOURCE, dp=None, zer
     os.makedirs(tmp)
     try:
         files = _write_ranks(reader, config, layout, tmp, zero, model, with_optim=not meta.get("weights_only"))
+        carried = os.path.join(src_dir, CARRIED)  # tokenizer and generation config of an HF import
+        if os.path.isdir(carried):
+            shutil.copytree(carried, os.path.join(tmp, CARRIED))
         new_meta = copy.deepcopy(meta)
         new_meta.update({"format_version": FORMAT_VERSION, "config": config.to_dict(),
                          "layout": dict(layout.__dict__), "zero_stage": zero, "files": files,

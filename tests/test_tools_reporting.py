@@ -193,6 +193,10 @@ def test_data_tools_missing_input(tmp_path, capsys):
         "preprocess_data.py:", str(tmp_path / "t.model"))
     _one_line_exit_2(capsys, lambda: train_tokenizer.main(["--input", missing, "--model-prefix", str(tmp_path / "t")]),
                      "train_tokenizer.py:", missing)
+    _one_line_exit_2(capsys, lambda: preprocess_data.main(["--input", str(tmp_path), "--output-prefix",
+                                                           str(tmp_path / "x"), "--tokenizer-type", "NullTokenizer",
+                                                           "--vocab-size", "9"]),
+                     "is a directory; --input takes one .jsonl or text file")
 
 
 def test_generate_missing_tokenizer(tmp_path, capsys):

@@ -63,6 +63,9 @@ def _iter_paragraphs(path: str) -> Iterator[str]:
 
 def iter_documents(path: str, json_key: str = "text") -> Iterator[str]:
     """Yield the documents of a ``.jsonl`` or plain-text corpus, in file order."""
+    if os.path.isdir(path):
+        raise FileNotFoundError(f"Input corpus {path!r} is a directory; --input takes one .jsonl or text file. "
+                                f"Fix: concatenate the files (cat DIR/*.jsonl > corpus.jsonl) and pass that.")
     if not os.path.isfile(path):
         raise FileNotFoundError(
             f"Input corpus {path!r} does not exist. Check --input, or build the default "

@@ -10,6 +10,20 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
 fi
 PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt)
-"${PIP[@]}" -r requirements-dev.txt 2>&1 | grep -v "^WARNING: Location" || true
-"${PIP[@]}" -e . 2>&1 | grep -v "^WARNING: Location" || true
-.venv/bin/python -c "import torch, triton, sentencepiece, safetensors, megalite; print('megalite env ready: torch', torch.__version__, '| triton', triton.__version__)"
+pip_install() {  # pip's output without the local-mirror warnings; a failed install stops here, loudly
+  local log rc=0
+  log="$(mktemp)"
+  "${PIP[@]}" "$@" > "$log" 2>&1 || rc=$?
+  grep -v "^WARNING: Location" "$log" || true
+  rm -f "$log"
+  if [ "$rc" -ne 0 ]; then
+    echo "setup_env: 'pip install $*' failed (exit $rc): the tests need every package it names (the" \
+         "references they compare megalite with among them). Fix: see pip's output above." >&2
+    exit "$rc"
+  fi
+}
+pip_install -r requirements-dev.txt
+pip_install -e .
+# Every package the tests rely on, references included: a missing one must stop here, not turn
+# into skipped tests (under CI=true a skip that is not the machine's fails the run anyway).
+.venv/bin/python -c "import torch, triton, sentencepiece, safetensors, numpy, tqdm, pytest, transformers, tokenizers, matplotlib, tensorboard, wandb, megalite; print('megalite env ready: torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__)"

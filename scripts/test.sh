@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup_env.sh
 export TRITON_INTERPRET=1 OMP_NUM_THREADS=1
-exec .venv/bin/python -m pytest -q tests "$@"
+exec .venv/bin/python -m pytest -q -rs tests "$@"  # -rs: every skip and its reason

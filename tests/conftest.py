@@ -9,6 +9,10 @@ import os
 
 import pytest
 
+from tests.skip_policy import disallowed, in_ci, skip_reason
+
+_SKIPS: list[tuple[str, str]] = []
+
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -29,3 +33,22 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
     for item in gpu_items:
         item.add_marker(skip)
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and not hasattr(report, "wasxfail"):
+        _SKIPS.append((report.nodeid, skip_reason(report)))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Under CI, a skip other than the machine's (no GPU, ...) fails the run: tests/skip_policy.py."""
+    bad = disallowed(_SKIPS) if in_ci() else []
+    if not bad:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    lines = [f"CI=true: {len(bad)} test(s) skipped for a reason that is not the machine's (a reference "
+             f"package missing?); install what they need (scripts/setup_env.sh):"]
+    lines += [f"  {node}: {reason}" for node, reason in bad]
+    for line in lines:
+        reporter.write_line(line) if reporter else print(line)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED

@@ -52,19 +52,36 @@ def global_params(chunks, tp_group=None) -> dict:
     return out
 
 
-def dropped(chunks) -> int:
-    """Assignments the capacity dropped in the last forward of this rank's MoE layers."""
-    return sum(int((~b.mlp.last_stats.kept).sum()) for c in chunks for b in c.layers.values()
-               if hasattr(b.mlp, "last_stats") and b.mlp.last_stats is not None)
+def count_drops(chunks) -> list:
+    """Hooks every MoE layer of ``chunks``; the returned list gets, per training forward (not the
+    recomputation inside backward), the assignments the capacity dropped. Sum it per step."""
+    from megalite.moe.layer import MoELayer
+
+    drops = []
+
+    def hook(module, args, out):
+        if torch._C._current_graph_task_id() == -1 and module.last_stats is not None:
+            drops.append(int((~module.last_stats.kept).sum()))
+
+    for c in chunks:
+        for m in c.modules():
+            if isinstance(m, MoELayer):
+                m.register_forward_hook(hook)
+    return drops
 
 
 def serial_run(config):
     model = GPTModel(config.model)
     model.init_weights(7)
     opt = build_optimizer(model, config.train)
-    results = [train_step(model, opt, global_batch(config.model, s), config.train, s, LossScaler(False))
-               for s in range(STEPS)]
-    return [r.loss for r in results], [r.moe for r in results], global_params([model])
+    hooked = count_drops([model]) if config.model.moe_expert_capacity_factor is not None else None
+    results, drops = [], []
+    for s in range(STEPS):
+        results.append(train_step(model, opt, global_batch(config.model, s), config.train, s, LossScaler(False)))
+        if hooked is not None:
+            drops.append(sum(hooked))
+            hooked.clear()
+    return [r.loss for r in results], [r.moe for r in results], global_params([model]), drops
 
 
 def _worker(rank, world, case):
@@ -79,6 +96,7 @@ def _worker(rank, world, case):
         opt = DistributedOptimizer(chunks, config.train, grid, stage=case["stage"], overlap=case.get("overlap", True),
                                    bucket_size=2000)
     dp, r = grid.layout.dp, grid.dp_rank
+    hooked = count_drops(chunks) if config.model.moe_expert_capacity_factor is not None else None
     losses, moe, drops = [], [], []
     for s in range(STEPS):
         micro = global_batch(config.model, s)
@@ -86,14 +104,18 @@ def _worker(rank, world, case):
         result = train_step(chunks, opt, mine, config.train, s, LossScaler(False), grid)
         losses.append(result.loss)
         moe.append(result.moe)
-        drops.append(dropped(chunks))
+        if hooked is not None:  # this rank's dropped assignments over the step's micro-batches
+            drops.append(sum(hooked))
+            hooked.clear()
     return losses, moe, global_params(chunks, grid.tp_group), drops, grid.describe()
 
 
 def check(results, serial, moe_keys=("moe_aux_loss", "moe_z_loss", "moe_load_min", "moe_load_max")):
-    ref_losses, ref_moe, ref_params = serial
+    ref_losses, ref_moe, ref_params = serial[:3]
+    assert len(ref_losses) == len(ref_moe) == STEPS
     seen = set()
     for losses, moe, params, _, _ in results:
+        assert len(losses) == len(moe) == STEPS, (len(losses), len(moe))
         for a, b in zip(losses, ref_losses):
             assert abs(a - b) / b < TOL, (losses, ref_losses)
         for got, want in zip(moe, ref_moe):
@@ -136,17 +158,17 @@ def test_moe_every_other_layer_with_shared_expert_tp2_ep2():
 
 @pytest.mark.parametrize("layout", [dict(tp=2, ep=4), dict(cp=2, ep=2), dict(ep=4)])
 def test_capacity_drops_equal_serial(layout):
-    """A capacity factor of 1.0 drops assignments; under TP (SP), CP and EP the same ones."""
+    """A capacity factor of 1.0 drops assignments; under TP (SP), CP and EP the same ones: every
+    rank routes its own tokens, so per step the ranks' drops add up to the serial run's."""
     moe = dict(moe_expert_capacity_factor=1.0)
-    serial_cfg = make_config(**moe)
-    serial = serial_run(serial_cfg)
-    model = GPTModel(serial_cfg.model)
-    model.init_weights(7)
-    model.train()
-    model(**{k: v for k, v in global_batch(serial_cfg.model, 0)[0].items() if k != "loss_mask"})
+    serial = serial_run(make_config(**moe))
+    serial_drops = serial[3]
+    assert len(serial_drops) == STEPS and all(d > 0 for d in serial_drops), serial_drops
     results = run_world(_worker, 4, {"layout": layout, "moe": moe, "stage": 1}, timeout=120)
     check(results, serial)
-    assert sum(r[3][0] for r in results) > 0  # some assignments were dropped
+    assert all(len(r[3]) == STEPS for r in results), [r[3] for r in results]
+    parallel_drops = [sum(r[3][s] for r in results) for s in range(STEPS)]
+    assert parallel_drops == serial_drops, (parallel_drops, serial_drops)
 
 
 def test_grid_table_shows_expert_groups():

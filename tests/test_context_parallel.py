@@ -190,10 +190,15 @@ def test_ring_attention_matches_full_attention(world):
     cases = ([case + ("torch",) for case in RING_CASES[world]]
              + [case + ("triton",) for case in TRITON_CASES[world]])
     worst = {}
-    for results in run_world(_ring_worker, world, cases):
+    ranks = run_world(_ring_worker, world, cases)
+    assert len(ranks) == world
+    for results in ranks:
+        assert len(results) == len(cases), (len(results), len(cases))
         for case, (errs, _, _) in zip(cases, results):
+            assert set(errs) == {"out", "dq", "dk", "dv"}, errs
             worst[case] = max(worst.get(case, 0.0), *errs.values())
     print(f"ring attention C={world}, largest relative error per case:", worst)
+    assert set(worst) == set(cases), "a case was not measured"
     assert all(v < TOL for v in worst.values()), worst
 
 
@@ -304,7 +309,11 @@ def _gpt_worker(rank, world, tp, variant, backends):
                                                        (4, 2, "gpt2", ["torch"])])
 def test_gpt_context_parallel_matches_serial(world, tp, variant, backends):
     """The default backend (auto: the torch math blocks on a CPU), and once the Triton kernels."""
-    for errs in run_world(_gpt_worker, world, tp, variant, backends):
+    ranks = run_world(_gpt_worker, world, tp, variant, backends)
+    assert len(ranks) == world
+    for errs in ranks:
+        assert {b for b, _ in errs} == set(backends), sorted(errs)  # every backend ran and was compared
+        assert all((b, "loss") in errs for b in backends)
         assert all(v < TOL for v in errs.values()), {k: v for k, v in errs.items() if v >= TOL}
 
 

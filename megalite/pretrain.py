@@ -31,6 +31,7 @@ from megalite.data.indexed_dataset import DatasetError
 from megalite.data.tokenizer import build_tokenizer
 from megalite.layers.transformer_engine import tp_comm_overlap
 from megalite.model.gpt import count_parameters
+from megalite.parallel import comm
 from megalite.parallel.comm import count_collectives
 from megalite.moe.settings import moe_summary
 from megalite.parallel.grid import build_grid, gpus_per_node_from_env
@@ -154,6 +155,7 @@ def setup(argv=None):
     set_tf32(not args.disable_tf32)
     timeout = timedelta(minutes=args.distributed_timeout_minutes)
     init_distributed(device, world_size, rank, timeout, fake=args.fake_process_group)
+    comm.expect_device(device if args.fake_process_group else None)  # the dry run's collective check
     grid = build_grid(config.parallel, world_size, rank, timeout=timeout, experts=bool(config.model.num_experts))
     return args, config, tokenizer, grid, device
 

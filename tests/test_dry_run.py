@@ -145,3 +145,76 @@ def test_gpu_only_kernels_and_libraries_give_way_to_torch_on_meta(monkeypatch, c
     assert ("torch layers and kernels stand in for --attention-backend triton, --fused-kernels, "
             "--moe-grouped-gemm, --transformer-impl transformer_engine, --fp8-format hybrid") in out
     assert swapped["memory_bytes"] == plain["memory_bytes"] and swapped["comm_bytes"] == plain["comm_bytes"]
+
+
+def test_oracle_catches_a_cpu_tensor_handed_to_a_collective(monkeypatch):
+    """The fake process group accepts a tensor on any device, and torch lets a 0-dim CPU tensor
+    meet a meta one: a CPU scalar all-reduced and added into the gradient norm would pass the
+    placement oracle, unless every tensor handed to a collective is checked (comm.expect_device)."""
+    from megalite.data_parallel import zero
+    from megalite.parallel import comm
+
+    original = zero.DistributedOptimizer.grad_norm
+
+    def with_a_cpu_scalar(self, loss_scale=1.0):
+        host = torch.zeros(())  # made without a device: on the CPU
+        comm.all_reduce(host, self.group)
+        return original(self, loss_scale) + host
+
+    monkeypatch.setattr(zero.DistributedOptimizer, "grad_norm", with_a_cpu_scalar)
+    with pytest.raises(RuntimeError, match="all_reduce handed a tensor on device cpu .*expected device meta"):
+        dry_run(monkeypatch, 16, 0, LAYOUTS["tp4-dp4-zero3"][0])
+
+
+def _cpu_tensors_meeting_meta(flags):
+    """The ops of a meta dry run that take a CPU tensor next to a meta one (torch allows it for
+    0-dim CPU tensors: a CPU scalar in device math, a host sync on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_leaves
+
+    seen = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            tensors = [t for t in tree_leaves((args, kwargs or {})) if isinstance(t, torch.Tensor)]
+            if any(t.device.type == "meta" for t in tensors) and any(t.device.type == "cpu" for t in tensors):
+                seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    return seen, Watch
+
+
+@pytest.mark.parametrize("layout", ["tp2-pp2-dp4-zero1-virtual", "llama-tp2-pp2-dp4-bf16"])
+def test_no_cpu_tensor_meets_a_meta_one_in_the_step(monkeypatch, layout):
+    from megalite import training
+
+    seen, Watch = _cpu_tensors_meeting_meta(LAYOUTS[layout][0])
+    step = training.train_step
+
+    def watched(*args, **kwargs):
+        with Watch():
+            return step(*args, **kwargs)
+
+    monkeypatch.setattr("megalite.pretrain.train_step", watched)
+    dry_run(monkeypatch, 16, 15, LAYOUTS[layout][0])
+    assert seen == [], sorted(set(seen))
+
+
+def test_the_cpu_tensor_watch_catches_a_cpu_scalar_in_device_math(monkeypatch):
+    """The watch above can fail: a CPU 0-dim tensor added into the gradient norm is seen."""
+    from megalite import training
+    from megalite.data_parallel import zero
+
+    original = zero.DistributedOptimizer.grad_norm
+    monkeypatch.setattr(zero.DistributedOptimizer, "grad_norm",
+                        lambda self, loss_scale=1.0: original(self, loss_scale) + torch.zeros(()))
+    seen, Watch = _cpu_tensors_meeting_meta([])
+    step = training.train_step
+
+    def watched(*args, **kwargs):
+        with Watch():
+            return step(*args, **kwargs)
+
+    monkeypatch.setattr("megalite.pretrain.train_step", watched)
+    dry_run(monkeypatch, 16, 0, LAYOUTS["tp4-dp4-zero3"][0])
+    assert "aten.add.Tensor" in seen, seen

@@ -61,9 +61,35 @@ def count_collectives():
 LAST_COLLECTIVE: tuple[str, object] | None = None
 
 
+# The dry run's device check: (id of the fake default group, this rank's device), or None.
+_EXPECTED_DEVICE: tuple[int, torch.device] | None = None
+
+
+def expect_device(device: torch.device | None) -> None:
+    """From now on, while the current default process group lives, every tensor handed to a
+    collective must be on ``device`` (None: no check). The fake process group of a dry run
+    accepts a tensor on any device, and torch lets a 0-dim CPU tensor meet a meta one, so
+    without this a CPU tensor handed to an all-reduce would pass the placement oracle."""
+    global _EXPECTED_DEVICE
+    _EXPECTED_DEVICE = None if device is None or not dist.is_initialized() else (
+        id(dist.group.WORLD), torch.device(device))
+
+
+def _check_device(kind: str, tensor: torch.Tensor, group) -> None:
+    world, device = _EXPECTED_DEVICE
+    if not dist.is_initialized() or id(dist.group.WORLD) != world or dist.get_backend() != "fake":
+        return  # another world than the (fake) one the check was set for
+    if tensor.device != device:
+        raise RuntimeError(f"{kind} handed a tensor on device {tensor.device} {tuple(tensor.shape)}, not on the "
+                           f"expected device {device} (this rank's): every tensor a collective meets must be "
+                           f"made on the device of the tensors it meets.")
+
+
 def _record(kind: str, tensor: torch.Tensor, full_numel: int | None = None, group=None) -> None:
     global LAST_COLLECTIVE
     LAST_COLLECTIVE = (kind, group)
+    if _EXPECTED_DEVICE is not None:
+        _check_device(kind, tensor, group)
     if _STATS is not None:
         entry = _STATS[kind]
         size = (full_numel if full_numel is not None else tensor.numel()) * tensor.element_size()

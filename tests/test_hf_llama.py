@@ -52,8 +52,11 @@ def assert_same_logits(hf_model, ckpt, vocab=1000):
     with torch.no_grad():
         want = hf_model(ids).logits
         got = load_serial_model(str(ckpt))(ids)
+    # max error relative to the logits' own scale; measured 2e-7 to 4e-7 (fp32 rounding of two
+    # orders of summation), so 1e-5 leaves ~25x headroom (it was 1e-4)
     rel = ((got - want).abs().max() / want.abs().max()).item()
-    assert rel < 1e-4, rel
+    print(f"logits vs transformers': max |err| / max |ref| = {rel:.1e}")
+    assert rel < 1e-5, rel
     return rel
 
 

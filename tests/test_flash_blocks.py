@@ -6,7 +6,9 @@ the causal-alignment rule) is tested here against two stand-ins of flash-attn's 
 with the 2.3-2.6 and the 2.7-2.8 signatures, whose numbers come from megalite's torch block
 functions with flash-attn's documented semantics ((b, s, h, d) layout, bottom-right causal
 alignment, delta computed inside the backward, results written into dq/dk/dv). The real
-flash-attn is tested by the ``gpu`` test at the end wherever it is installed.
+flash-attn is tested by the ``gpu`` test at the end wherever it is installed, and its real
+Python interface of each 2.5-2.8 release (custom ops from 2.7) over a fake of the compiled
+extension by tests/test_flash_attn_real_interface.py.
 """
 import functools
 import types
@@ -101,6 +103,25 @@ def test_non_square_causal_block_and_unknown_parameters_are_refused():
     api = types.SimpleNamespace(_flash_attn_forward=_flash_attn_forward)
     with pytest.raises(RuntimeError, match="parameter 'seqused_k'.*Fix: use --attention-backend triton"):
         flash_block_forward(*_inputs()[:3], causal=False, interface=api)
+
+
+def test_custom_op_block_functions_are_read_through_the_function_they_wrap():
+    """flash-attn 2.7+ wraps the block functions in torch.library.custom_op: the op's own
+    signature is (*args, **kwargs) and it has no __name__. The adapter reads the wrapped
+    function; an unknown parameter still gets the message (not an AttributeError), and a
+    signature it cannot read is refused with a message rather than called with nothing."""
+    @torch.library.custom_op("megalite_test::flash_fwd_unknown", mutates_args=())
+    def _flash_attn_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, softmax_scale: float,
+                            causal: bool, seqused_k: int) -> torch.Tensor:
+        raise AssertionError("not called")
+    api = types.SimpleNamespace(_flash_attn_forward=_flash_attn_forward)
+    with pytest.raises(RuntimeError, match="megalite_test::flash_fwd_unknown takes a parameter 'seqused_k'"):
+        flash_block_forward(*_inputs()[:3], causal=False, interface=api)
+
+    def opaque(*args, **kwargs):
+        raise AssertionError("not called")
+    with pytest.raises(RuntimeError, match=r"opaque declares \(\*args, \*\*kwargs\).*cannot read"):
+        flash_block_forward(*_inputs()[:3], causal=False, interface=types.SimpleNamespace(_flash_attn_forward=opaque))
 
 
 def _ring_worker(rank, world, which):

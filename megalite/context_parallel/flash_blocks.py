@@ -19,6 +19,9 @@ window_size_right`` and a 4-tuple result instead of 8). The adapter reads the in
 function's parameter names (``inspect.signature``) and fills every one it knows by name
 (no dropout, no window, no ALiBi, no softcap, not deterministic), and takes the LSE from the
 result by its length. A parameter it does not know raises with the version it found.
+Since 2.7 both functions are ``torch.library.custom_op`` objects (``CustomOpDef``), whose own
+``inspect.signature`` is ``(*args, **kwargs)`` and which have no ``__name__``: the adapter
+reads the wrapped Python function (``_init_fn``) instead, or else the op's schema.
 
 **Layouts.** megalite holds (b, heads, s, d); flash-attn takes (b, s, heads, d) with a unit
 last stride, so the adapter passes transposed *views* (no copy) and transposes the results
@@ -48,17 +51,47 @@ def _interface(module=None):
     return module if module is not None else importlib.import_module("flash_attn.flash_attn_interface")
 
 
+def _parameters(fn) -> list[tuple[str, bool]]:
+    """(name, required) of every parameter ``fn`` declares. A ``torch.library.custom_op``
+    (flash-attn 2.7+) shows ``(*args, **kwargs)`` itself: read the function it wraps
+    (``_init_fn``), or else its operator schema."""
+    inner = getattr(fn, "_init_fn", None)
+    if inner is not None:
+        fn = inner
+    else:
+        schema = getattr(getattr(fn, "_opoverload", None), "_schema", None)
+        if schema is not None:
+            return [(a.name, not a.has_default_value()) for a in schema.arguments]
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params):
+        raise RuntimeError(f"flash-attn {_version()}: {_name(fn)} declares {inspect.signature(fn)}, so "
+                           f"megalite's adapter cannot read its parameters. Fix: use --attention-backend "
+                           f"triton with context parallelism, or a flash-attn 2.x release from 2.0 to 2.8.")
+    return [(p.name, p.default is inspect.Parameter.empty) for p in params]
+
+
+def _name(fn) -> str:
+    """A function's name; a ``CustomOpDef`` has none, but its ``_qualname`` or ``_name``."""
+    return (getattr(fn, "__name__", None) or getattr(fn, "_qualname", None) or getattr(fn, "_name", None)
+            or repr(fn))
+
+
+def _version() -> str:
+    try:
+        return getattr(importlib.import_module("flash_attn"), "__version__", "?")
+    except Exception:  # noqa: BLE001 -- only for a message
+        return "?"
+
+
 def _call(fn, tensors: dict, scale: float, causal: bool):
     """Call ``fn`` with the named tensors and, by name, every other parameter it declares."""
     values = {**_DEFAULTS, **tensors, "softmax_scale": scale, "causal": causal}
     kwargs = {}
-    for name, param in inspect.signature(fn).parameters.items():
+    for name, required in _parameters(fn):
         if name in values:
             kwargs[name] = values[name]
-        elif param.default is inspect.Parameter.empty:
-            version = getattr(importlib.import_module("flash_attn"), "__version__", "?") \
-                if fn.__module__.startswith("flash_attn") else "?"
-            raise RuntimeError(f"flash-attn {version}: {fn.__name__} takes a parameter {name!r} megalite's "
+        elif required:
+            raise RuntimeError(f"flash-attn {_version()}: {_name(fn)} takes a parameter {name!r} megalite's "
                                f"adapter does not know. Fix: use --attention-backend triton with context "
                                f"parallelism, or a flash-attn 2.x release from 2.0 to 2.8.")
     return fn(**kwargs)

@@ -141,9 +141,12 @@ def test_mismatched_config_lists_the_fields(tmp_path, capsys):
 
 
 def test_sigterm_saves_and_exits_cleanly(tmp_path):
+    """SIGTERM mid-run saves the iteration reached and exits 0; that checkpoint resumes exactly:
+    the resumed iterations equal an uninterrupted run's (losses and gradient norms, bit for bit)."""
+    sched = ["--lr-decay-iters", "200"]  # the schedule must not follow --train-iters, which differs below
     log = tmp_path / "log.jsonl"
-    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *BASE, "--train-iters", "100000",
-                             "--save", str(tmp_path / "ckpt"), "--log-json", str(log)],
+    proc = subprocess.Popen([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *BASE, *sched,
+                             "--train-iters", "100000", "--save", str(tmp_path / "ckpt"), "--log-json", str(log)],
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.time() + 60
     while time.time() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 3):
@@ -154,6 +157,15 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
     assert b"SIGTERM: saved iteration" in out
     saved = int((tmp_path / "ckpt" / "latest").read_text())
     assert saved >= 3 and (tmp_path / "ckpt" / f"iter_{saved:07d}" / "metadata.json").exists()
+    argv = BASE + sched + ["--train-iters", str(saved + 2)]
+    full = run_world(_run, 1, argv)[0]
+    assert [r[0] for r in full] == list(range(1, saved + 3))
+    logged = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["iteration"] for r in logged][:saved] == list(range(1, saved + 1))
+    assert [r["loss"] for r in logged][:saved] == pytest.approx([r[1] for r in full[:saved]], rel=1e-6)
+    resumed = run_world(_run, 1, argv + ["--load", str(tmp_path / "ckpt")])[0]
+    assert [r[0] for r in resumed] == [saved + 1, saved + 2]
+    assert resumed == full[saved:]
 
 
 def test_zero3_checkpoint_resumes_exactly(tmp_path):

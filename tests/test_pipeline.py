@@ -237,16 +237,22 @@ def test_pretrain_pipeline_layouts_match_pp1_per_iteration(tmp_path):
                                      "--num-layers-per-virtual-pipeline-stage", "1"]),
         "TP=2 x PP=2": (4, ["--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", "2"]),
     }
+    assert len(serial) == 20
     worst = {}
     for name, (world, extra) in layouts.items():
         if name == "PP=4 interleaved V=2":
             extra = extra + ["--pipeline-trace", str(tmp_path / "trace")]
-        for rank_log in run_world(_pretrain_worker, world, extra):
+        logs = run_world(_pretrain_worker, world, extra)
+        assert len(logs) == world
+        for rank_log in logs:
+            assert len(rank_log) == len(serial), (name, len(rank_log))
             for got, ref in zip(rank_log, serial):
+                assert len(got) == len(ref) and got[0] is not None, (name, got)
                 for a, b in zip(got, ref):
                     if b is not None:
                         worst[name] = max(worst.get(name, 0.0), abs(a - b) / b)
     print("largest relative loss / grad-norm / valid-loss difference vs PP=1, 20 iterations:", worst)
+    assert set(worst) == set(layouts), "a layout was not compared"
     assert all(v < 1e-5 for v in worst.values()), worst
     assert len(list((tmp_path / "trace").glob("trace_rank*.json"))) == 4
 

@@ -71,6 +71,7 @@ def test_torchrun_data_parallel_matches_single_process(tmp_path, layout, flags):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert layout in proc.stdout
     parallel = [json.loads(line) for line in open(log)]
+    assert len(serial) == len(parallel) == 3, (len(serial), len(parallel))
     for s, p in zip(serial, parallel):
         assert abs(s["loss"] - p["loss"]) / s["loss"] < 1e-5
         assert abs(s["grad_norm"] - p["grad_norm"]) / s["grad_norm"] < 1e-5

@@ -299,15 +299,18 @@ def _pretrain_worker(rank, world, extra):
 def test_pretrain_tp_and_sp_match_tp1_per_iteration():
     from megalite.pretrain import pretrain
     serial = [(r["loss"], r["grad_norm"]) for r in pretrain(PRETRAIN)]
+    assert len(serial) == 20
     worst = {}
     for tp in (2, 4):
         for sp in (False, True):
             extra = ["--tensor-model-parallel-size", str(tp)] + (["--sequence-parallel"] if sp else [])
             for losses in run_world(_pretrain_worker, tp, extra):
+                assert len(losses) == len(serial), ((tp, sp), len(losses))
                 # loss and global grad norm (TP-replicated parameters counted once)
                 diff = max(abs(a - b) / b for pair, ref in zip(losses, serial) for a, b in zip(pair, ref))
                 worst[(tp, sp)] = max(worst.get((tp, sp), 0.0), diff)
     print("largest relative loss / grad-norm difference vs TP=1 over 20 iterations:", worst)
+    assert set(worst) == {(tp, sp) for tp in (2, 4) for sp in (False, True)}, "a layout was not compared"
     assert all(v < 1e-5 for v in worst.values()), worst
 
 

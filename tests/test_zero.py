@@ -85,7 +85,9 @@ def _zero_worker(rank, world, case):
 def compare(results, ref_losses, ref_params):
     worst = 0.0
     seen = set()
+    assert results and ref_losses
     for losses, params, _, _ in results:
+        assert len(losses) == len(ref_losses), (losses, ref_losses)
         for a, b in zip(losses, ref_losses):
             assert abs(a - b) / b < TOL, (losses, ref_losses)
         for name, p in params.items():
@@ -251,10 +253,15 @@ def test_pretrain_zero_layouts_match_single_process():
     layouts["DP=2 ZeRO-1 offload"] = (2, ["--use-distributed-optimizer", "--offload-optimizer"])
     layouts["TP=2 x PP=2 x DP=2 ZeRO-1"] = (8, ["--tensor-model-parallel-size", "2",
                                                "--pipeline-model-parallel-size", "2", "--zero-stage", "1"])
+    assert len(serial) == 20
     worst = {}
     for name, (world, extra) in layouts.items():
-        for log in run_world(_pretrain_worker, world, extra, timeout=300):
+        logs = run_world(_pretrain_worker, world, extra, timeout=300)
+        assert len(logs) == world
+        for log in logs:
+            assert len(log) == len(serial), (name, len(log))
             for got, ref in zip(log, serial):
                 worst[name] = max([worst.get(name, 0.0)] + [abs(a - b) / b for a, b in zip(got, ref)])
     print("largest relative loss / grad-norm difference vs 1 process, 20 iterations:", worst)
+    assert set(worst) == set(layouts), "a layout was not compared"
     assert all(v < 1e-5 for v in worst.values()), worst

@@ -12,7 +12,10 @@ pairs), the row bias added after the reduction; ``layer_norm_weight``/``layer_no
 created at the first forward under the autocast and updated at its exit after an all-reduce
 (MAX) of the amaxes over the amax group; the userbuffer switches of ``--tp-comm-overlap``
 (``initialize_ub`` before any layer that uses them; each switch holds only for its parallel
-mode under SP), recorded but not changing the communication, which stays the plain collective. Signatures take exactly TE's argument names (no
+mode under SP): the communication stays the plain collective, but every tensor a switched-on
+userbuffer would carry is checked against the buffers ``initialize_ub`` made (TE's buffer
+names ``{qkv,proj,fc1,fc2}_{fprop,dgrad,wgrad}``, each of the given ``shape`` and ``dtype``)
+and counted in ``UB["used"]``. Signatures take exactly TE's argument names (no
 ``**kwargs``), so a misspelled argument fails here as it would there.
 
 FP8 numbers are imitated, not reproduced: inputs and weights are rounded to a fixed-point grid
@@ -36,20 +39,47 @@ from torch import nn
 from megalite.parallel import comm
 
 _STATE = {"enabled": False, "recipe": None, "group": None, "modules": []}
-UB = {"initialized": None}  # initialize_ub's arguments while the userbuffers exist
+UB = {"initialized": None, "used": {}}  # initialize_ub's arguments while the userbuffers exist;
+# "used": {buffer name: how many tensors went through it} (checked against the buffer)
+
+# TE's userbuffers (module/base.py, initialize_ub): one per layer and pass, each of the
+# ``shape`` given (the full (s b, h) tokens of all TP ranks), in ``dtype`` (all-gathers in
+# FP8 under use_fp8).
+UB_NAMES = {f"{layer}_{p}" for layer in ("qkv", "proj", "fc1", "fc2") for p in ("fprop", "dgrad", "wgrad")}
 
 
 def initialize_ub(shape: list, tp_size: int, use_fp8: bool = False, quantization_modes=None,
-                  dtype: torch.dtype = torch.bfloat16, ub_cfgs=None, bootstrap_backend=None):
+                  dtype: torch.dtype = torch.bfloat16, ub_cfgs=None, bootstrap_backend=None,
+                  with_cublasmp: bool = False):
     if UB["initialized"] is not None:
         raise RuntimeError("UB communicators are already initialized.")
     assert dist.is_initialized() and dist.get_world_size() % tp_size == 0
     UB["initialized"] = dict(shape=list(shape), tp_size=tp_size, use_fp8=use_fp8, dtype=dtype,
                              bootstrap_backend=bootstrap_backend)
+    UB["used"] = {}
 
 
 def destroy_ub():
     UB["initialized"] = None
+
+
+def _through_ub(name: str, t: torch.Tensor) -> None:
+    """``t`` (the full, all-TP-ranks tensor a userbuffer all-gathers or reduce-scatters) goes
+    through buffer ``name``: it must be one TE made, and fit it exactly, as TE copies the
+    chunks of every rank into it (a tensor of another size, or dtype, is an error there)."""
+    ub = UB["initialized"]
+    assert ub is not None, f"userbuffer {name} used after destroy_ub() or before initialize_ub()"
+    assert name in UB_NAMES, f"no userbuffer {name!r}: initialize_ub makes only {sorted(UB_NAMES)}"
+    rows = math.prod(t.shape[:-1])
+    assert [rows, t.shape[-1]] == ub["shape"], (f"userbuffer {name}: a {[rows, t.shape[-1]]} tensor in a "
+                                                f"buffer of {ub['shape']}")
+    assert ub["use_fp8"] or t.dtype == ub["dtype"], f"userbuffer {name}: {t.dtype} in a {ub['dtype']} buffer"
+    UB["used"][name] = UB["used"].get(name, 0) + 1
+
+
+def _ub_grad(name: str, t: torch.Tensor) -> None:
+    if t.requires_grad:
+        t.register_hook(lambda g: _through_ub(name, g))
 
 
 # -- transformer_engine.common.recipe ----------------------------------------------------------
@@ -217,7 +247,14 @@ class Linear(_BaseModule):
     def _enter(self, x):
         if self.parallel_mode == "column":
             if self.sequence_parallel:
-                return comm.gather_from_sp(x, self.tp_group)
+                x = comm.gather_from_sp(x, self.tp_group)
+                if self.ub["ag_fprop"]:  # the input, all-gathered chunk by chunk in the GEMM
+                    _through_ub(f"{self.ub_name}_fprop", x)
+                if self.ub["bulk_dgrad"] or self.ub["rs_dgrad"]:  # its gradient, reduce-scattered
+                    _ub_grad(f"{self.ub_name}_dgrad", x)
+                if self.ub["bulk_wgrad"]:  # (bulk: the gathered input is kept for the wgrad GEMM)
+                    _ub_grad(f"{self.ub_name}_wgrad", x)
+                return x
             return comm.copy_to_tp(x, self.tp_group)
         return x
 
@@ -225,6 +262,10 @@ class Linear(_BaseModule):
         x, w = self._fp8_inputs(x, self.weight)
         if self.parallel_mode == "row":
             y = F.linear(x, w)
+            if self.ub["rs_fprop"]:  # the output, reduce-scattered in the GEMM
+                _through_ub(f"{self.ub_name}_fprop", y)
+            if self.ub["ag_dgrad"]:  # the output gradient, all-gathered in the dgrad GEMM
+                _ub_grad(f"{self.ub_name}_dgrad", y)
             if self.sequence_parallel:
                 y = comm.reduce_scatter_to_sp(y, self.tp_group)
             else:

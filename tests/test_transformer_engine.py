@@ -202,7 +202,10 @@ def test_reshard_and_serial_tools_read_te_checkpoints_without_te(standin, tmp_pa
 
 
 def test_fp8_autocast_signature_of_te_before_2_9(monkeypatch):
-    """TE 2.0-2.8 has only fp8_autocast(fp8_recipe=, fp8_group=); 2.9+ autocast(recipe=, amax_reduction_group=)."""
+    """TE 2.0-2.8 has only fp8_autocast(fp8_recipe=, fp8_group=); 2.9+ autocast(recipe=, amax_reduction_group=).
+    The stand-in runs both through one implementation, so this shows only that both paths train
+    alike; the names and keywords are checked against the real 2.8.0 and newest wheels in
+    tests/test_te_real_signatures.py."""
     from megalite.pretrain import pretrain
     te_standin.install(monkeypatch, version="2.8")
     old = [r["loss"] for r in pretrain(PRETRAIN + TE + FP8 + ["--train-iters", "4"])]
@@ -290,12 +293,42 @@ def test_tp_comm_overlap_sets_up_userbuffers_and_each_linear_overlap(standin):
     assert names == ["qkv", "proj", "fc1", "fc2"] and after is None  # freed again
 
 
-def test_tp_comm_overlap_trains_as_without_it(standin):
-    base = TE + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16", "--train-iters", "4",
-                 "--tp-comm-bootstrap-backend", "gloo"]
-    plain = run_world(_pretrain_worker, 2, base)[0]
-    overlapped = run_world(_pretrain_worker, 2, base + ["--tp-comm-overlap"])[0]
-    assert overlapped == plain
+def _overlap_train_worker(rank, world, extra):
+    return _pretrain_worker(rank, world, extra), dict(te_standin.UB["used"])
+
+
+OVERLAP_BASE = TE + ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16", "--train-iters", "4",
+                     "--tp-comm-bootstrap-backend", "gloo"]
+
+
+def test_tp_comm_overlap_trains_as_without_it_and_its_userbuffers_fit(standin):
+    """The stand-in keeps the plain collectives (the numbers cannot change), so what is tested is
+    that every tensor the switched-on userbuffers carry, forward and backward, fits the buffers
+    ``initialize_ub`` was given (TE's names, shape (s b / CP, h), dtype); and the losses."""
+    plain = run_world(_pretrain_worker, 2, OVERLAP_BASE)[0]
+    for log, used in run_world(_overlap_train_worker, 2, OVERLAP_BASE + ["--tp-comm-overlap"]):
+        assert log == plain
+        # column layers: input all-gather (fprop), bulk dgrad and wgrad; row layers: output
+        # reduce-scatter (fprop) and output-gradient all-gather (dgrad); as often each (every
+        # layer of every micro-batch, forward and backward)
+        names = {f"{n}_{p}" for n in ("qkv", "fc1") for p in ("fprop", "dgrad", "wgrad")}
+        names |= {f"{n}_{p}" for n in ("proj", "fc2") for p in ("fprop", "dgrad")}
+        assert set(used) == names and len(set(used.values())) == 1 and min(used.values()) > 0, used
+
+
+def _wrong_ub_worker(rank, world, extra, rows):
+    """The fault: userbuffers of ``rows(s b / CP)`` rows instead of what tp_comm_overlap asked for."""
+    import sys
+    base = sys.modules["transformer_engine.pytorch"].module.base
+    right = base.initialize_ub
+    base.initialize_ub = lambda shape, **kw: right([rows(shape[0]), shape[1]], **kw)
+    return _pretrain_worker(rank, world, extra)
+
+
+def test_tp_comm_overlap_userbuffer_check_catches_a_wrong_buffer_size(standin):
+    """Mutation: buffers for one micro-batch of one TP rank's tokens (s b / TP) fail the check."""
+    with pytest.raises(Exception, match=r"userbuffer qkv_fprop: a \[32, 32\] tensor in a buffer of \[16, 32"):
+        run_world(_wrong_ub_worker, 2, OVERLAP_BASE + ["--tp-comm-overlap"], lambda n: n // 2)
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -2,7 +2,7 @@
 TRITON_INTERPRET=1 (set in conftest.py): forward, dx and dw, and an expert MLP built from two
 grouped_linear calls against megalite.moe.experts.grouped_mlp (dx, dw1, dw2).
 
-Error measure as in test_kernels.py: max |a - ref| / max(1, max |ref|) against float64.
+Error measure as in test_kernels.py: max |a - ref| / max(0.1, max |ref|) against float64.
 Targets: fp32 1e-5, fp16 2e-3. The interpreter tiles are 32 x 32 x 32: K = 40 and Nout = 72
 give ragged column tiles and a ragged reduction, a group of 37 rows spans two row tiles.
 The last test (marked gpu) runs the compiled kernels in bf16 and fp16.
@@ -20,7 +20,7 @@ def err(a: torch.Tensor, ref: torch.Tensor) -> float:
     a, ref = a.double(), ref.double()
     if a.numel() == 0:
         return 0.0
-    return (a - ref).abs().max().item() / max(1.0, ref.abs().max().item())
+    return (a - ref).abs().max().item() / max(0.1, ref.abs().max().item())
 
 
 def inputs(counts, k, n_out, dtype=torch.float32, device="cpu", seed=0):

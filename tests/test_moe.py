@@ -21,7 +21,7 @@ ERRORS: dict[str, float] = {}
 def _err(name, got, want, tol=1e-5):
     got, want = got.detach().double(), want.detach().double()
     assert got.shape == want.shape, (name, got.shape, want.shape)
-    err = (got - want).abs().max().item() / max(1.0, want.abs().max().item())
+    err = (got - want).abs().max().item() / max(0.1, want.abs().max().item())  # relative, floor 0.1
     ERRORS[name] = max(ERRORS.get(name, 0.0), err)
     assert err <= tol, f"{name}: max error {err:.3g} > {tol}"
 

@@ -1,4 +1,4 @@
-"""A fine-tuned Hugging Face export keeps what the import brought (issue 29): the bos/eos/pad
+"""A fine-tuned Hugging Face export keeps what the import brought: the bos/eos/pad
 ids in config.json, the original generation_config.json, the tokenizer files, through a
 ``--finetune`` save and an ordinary resume; generate() stops at EOS. The export refuses a
 non-empty folder without --force, and the folder it was imported from always. Tiny random

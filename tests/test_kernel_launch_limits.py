@@ -1,4 +1,4 @@
-"""CUDA launch limits and int32 offsets of every kernel launcher, checked on the CPU (issue 23).
+"""CUDA launch limits and int32 offsets of every kernel launcher, checked on the CPU.
 
 A CUDA grid may have 2^31 - 1 programs on axis 0 but only 65,535 on axes 1 and 2; a launch past
 them fails on the GPU ('invalid argument'), which the interpreter never shows. Here every

@@ -1,4 +1,4 @@
-"""The autotuner's side of every tuned kernel, exercised on the CPU (issue 23).
+"""The autotuner's side of every tuned kernel, exercised on the CPU.
 
 With one config (the interpreter's) ``triton.autotune`` neither prunes, keys nor times, so
 none of that runs in the other kernel tests; on a GPU all of it runs on the first launch.

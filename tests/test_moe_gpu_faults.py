@@ -1,4 +1,4 @@
-"""MoE faults that only a GPU would show, caught on the CPU (issue 23).
+"""MoE faults that only a GPU would show, caught on the CPU.
 
 1. The fake process group moves no data: a collective's output buffer made with
    ``empty``/``empty_like`` keeps whatever memory held (on a GPU: garbage; on the CPU often

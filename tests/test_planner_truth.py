@@ -1,4 +1,4 @@
-"""The planner tells the truth about training (issue 29): its defaults are pretrain_gpt.py's
+"""The planner tells the truth about training: its defaults are pretrain_gpt.py's
 (one source, the parser), each recommendation is printed as the exact pretrain_gpt.py flags it
 assumed, a dry run of those flags measures the stated peak within 5%, --verify dry-runs those
 flags and no others, and the dry run's "fits" keeps the planner's headroom."""

@@ -170,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ckpt-step", type=int, default=None, help="with --load DIR: load iteration N instead of 'latest'")
     g.add_argument("--no-load-optim", action="store_true", help="load weights only; fresh optimizer")
     g.add_argument("--no-load-rng", action="store_true", help="do not restore the RNG states")
-    g.add_argument("--finetune", action="store_true", help="load weights, restart at iteration 0")
+    g.add_argument("--finetune", action="store_true", help="load the weights only (no optimizer state, no RNG state, as Megatron), restart at iteration 0")
     g.add_argument("--pipeline-trace", type=str, default=None,
                    help="directory: each rank writes its schedule trace of the last iteration")
     return p

@@ -236,7 +236,7 @@ def pretrain(argv=None) -> list[dict]:
     start_iteration, consumed = 0, 0
     if args.load and not args.fresh_start:
         meta = load_checkpoint(args.load, optimizer, scaler, config, grid, load_optimizer=not args.no_load_optim,
-                               load_rng=not args.no_load_rng, iteration=args.ckpt_step)
+                               load_rng=not args.no_load_rng, iteration=args.ckpt_step, finetune=args.finetune)
         start_iteration, consumed = meta["iteration"], meta["consumed_samples"]
         if args.finetune or meta.get("weights_only"):
             start_iteration, consumed = 0, 0

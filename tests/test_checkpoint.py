@@ -214,6 +214,19 @@ def test_no_latest_but_complete_iterations_is_not_a_fresh_start(tmp_path, capsys
     assert (tmp_path / "iter_0000002" / "metadata.json").read_bytes() == before
 
 
+def test_finetune_loads_the_weights_only(tmp_path, capfd):
+    """Megatron's --finetune: the weights, not the optimizer's moments nor the RNG streams, so it
+    trains exactly as --no-load-optim --no-load-rng does from the same checkpoint."""
+    argv = BASE + ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+    run_world(_run, 1, argv + ["--train-iters", "3", "--save", str(tmp_path / "a")])
+    capfd.readouterr()
+    tuned = run_world(_run, 1, argv + ["--train-iters", "3", "--load", str(tmp_path / "a"), "--finetune"])[0]
+    assert "RNG: reseeded (--finetune)" in capfd.readouterr().out
+    fresh = run_world(_run, 1, argv + ["--train-iters", "3", "--load", str(tmp_path / "a"), "--finetune",
+                                       "--no-load-optim", "--no-load-rng"])[0]
+    assert len(tuned) == 3 and tuned == fresh
+
+
 def test_rng_message_says_what_happened(tmp_path, capfd):
     from megalite.checkpoint.core import rng_note
     argv = BASE + ["--train-iters", "3"]

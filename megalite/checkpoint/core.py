@@ -189,8 +189,11 @@ def _local_values(reader: PieceReader, p, name: str, shape, kind: str, vocab_siz
 
 
 def load_checkpoint(root: str, optimizer, scaler, config, grid, load_optimizer: bool = True,
-                    load_rng: bool = True, iteration: int | None = None) -> dict:
-    """Fill the optimizer (and through it the model) from a checkpoint; return its metadata."""
+                    load_rng: bool = True, iteration: int | None = None, finetune: bool = False) -> dict:
+    """Fill the optimizer (and through it the model) from a checkpoint; return its metadata.
+    ``finetune`` (Megatron's ``--finetune``): the weights only, no optimizer state, no RNG."""
+    if finetune:
+        load_optimizer = load_rng = False
     c = _coords(grid)
     reader = PieceReader(resolve_checkpoint(root, iteration))  # root, root + iteration, or an iter_N directory
     meta = reader.metadata
@@ -224,7 +227,7 @@ def load_checkpoint(root: str, optimizer, scaler, config, grid, load_optimizer: 
     if rng:  # same layout: every rank continues its own random streams
         get_rng_tracker().load_state_dict(rng)
     meta["rng_restored"] = bool(rng)
-    meta["rng_note"] = rng_note(meta, c["layout"], load_rng, bool(rng))
+    meta["rng_note"] = rng_note(meta, c["layout"], load_rng, bool(rng), "--finetune" if finetune else "--no-load-rng")
     meta["directory"] = reader.directory
     return meta
 
@@ -235,12 +238,12 @@ def _layout_text(layout: dict) -> str:
                     + ([f"EP{layout['ep']}"] if layout.get("ep", 1) > 1 else []))
 
 
-def rng_note(meta: dict, current: dict, load_rng: bool, restored: bool) -> str:
+def rng_note(meta: dict, current: dict, load_rng: bool, restored: bool, not_loaded_by: str = "--no-load-rng") -> str:
     """What happened to the random streams at load, and why, for the log."""
     if restored:
         return "RNG: restored"
     if not load_rng:
-        return "RNG: reseeded (--no-load-rng)"
+        return f"RNG: reseeded ({not_loaded_by})"
     hf = (meta.get("source") or {}).get("format") == "huggingface"
     writer = ("reshard_checkpoint" if meta.get("resharded_from") else None if not meta.get("weights_only") else
               "tools/convert_hf.py (imported from Hugging Face, weights only)" if hf

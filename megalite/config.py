@@ -10,9 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-
-class ConfigError(ValueError):
-    """A setting (or a combination of settings) that cannot work."""
+from megalite.errors import ConfigError  # noqa: F401 - defined on the ground floor, used here and re-exported
 
 
 @dataclass

@@ -23,7 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from megalite.config import ConfigError
+from megalite.errors import ConfigError
 
 DEVICES = ("auto", "cuda", "cpu", "meta")
 

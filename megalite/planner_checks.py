@@ -3,8 +3,12 @@ the target cluster rather than this machine. Part of the planner (:mod:`megalite
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from megalite.config import Config, ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainConfig, validate
+
+if TYPE_CHECKING:  # the planner's dataclasses; the planner imports this module
+    from megalite.planner import Hardware, Layout
 
 
 def check_layout(m: ModelConfig, layout: Layout, global_batch: int, micro: int, hw: Hardware) -> str | None:

@@ -22,8 +22,8 @@ import torch
 
 from megalite import __version__
 from megalite.checkpoint.format import (FORMAT_VERSION, VOCAB_PARAMS, CheckpointError, PieceReader,
-                                        fsync_path, iteration_dir, resolve_checkpoint, write_json_atomic,
-                                        write_rank_files)
+                                        fsync_path, iteration_dir, resolve_checkpoint, same_layout,
+                                        write_json_atomic, write_rank_files)
 from megalite.config import ModelConfig
 from megalite.device import host_barrier
 from megalite.checkpoint.names import global_pieces
@@ -147,12 +147,6 @@ def _add_fp8_pieces(chunk, tensors: dict, pieces: list) -> None:
         tensors[key] = t.reshape(-1)
         pieces.append({"key": key, "name": name, "kind": "fp8", "tp_rank": 0, "tp_size": 1, "split": None,
                        "local_shape": list(t.shape), "range": [0, t.numel()]})
-
-
-def same_layout(saved: dict, current: dict) -> bool:
-    """Whether two layouts match (a checkpoint older than a grid field has that field's default)."""
-    defaults = {"ep": 1, "experts": False}
-    return all(saved.get(k, defaults.get(k)) == v for k, v in current.items())
 
 
 def _prune(root: str, keep_last: int) -> None:

@@ -90,6 +90,12 @@ def complete_iterations(root: str) -> list[int]:
     return sorted(found)
 
 
+def same_layout(saved: dict, current: dict) -> bool:
+    """Whether two layouts match (a checkpoint older than a grid field has that field's default)."""
+    defaults = {"ep": 1, "experts": False}
+    return all(saved.get(k, defaults.get(k)) == v for k, v in current.items())
+
+
 def is_iteration_dir(path: str) -> bool:
     """Whether ``path`` is one iteration's checkpoint (it holds the metadata file)."""
     return os.path.isfile(os.path.join(path, "metadata.json")) and not path.rstrip(os.sep).endswith(".tmp")

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 
+from megalite.checkpoint.format import same_layout
 from megalite.config import ConfigError, ModelConfig
 
 CARRIED = "huggingface"  # the folder in an iteration directory
@@ -144,7 +145,6 @@ def adopt_checkpoint_model(model: ModelConfig, saved: dict, given: set[str], tok
 
 def describe_layout_change(meta: dict, grid, t) -> str | None:
     """What changed since the checkpoint was written (layout, accumulation), when anything did."""
-    from megalite.checkpoint.core import same_layout
 
     then, now = meta["layout"], dict(grid.layout.__dict__)
     if same_layout(then, now):

@@ -122,7 +122,10 @@ def setup(argv=None):
         raise ConfigError(f"--load {args.load} --save {args.save}: there is no 'latest' file, but complete "
                           f"iterations are ({', '.join(map(str, done))}); starting fresh would overwrite them. "
                           f"Fix: --ckpt-step {done[-1]} to resume the newest, or --save to another directory.")
+    # The iteration directory, resolved once: the config read here and the weights loaded later
+    # come from the same iteration even if 'latest' moves in between.
     load_dir = resolve_checkpoint(args.load, args.ckpt_step) if args.load and not args.fresh_start else None
+    args.load_dir = load_dir
     saved_config = checkpoint_config(load_dir) if load_dir else None
     saved = saved_config["model"] if saved_config else None
     if saved and args.mock_data and args.vocab_size is None and args.tokenizer_type in (None, "NullTokenizer"):
@@ -235,8 +238,8 @@ def pretrain(argv=None) -> list[dict]:
     scaler = LossScaler(t.fp16, t.initial_loss_scale, t.loss_scale)
     start_iteration, consumed = 0, 0
     if args.load and not args.fresh_start:
-        meta = load_checkpoint(args.load, optimizer, scaler, config, grid, load_optimizer=not args.no_load_optim,
-                               load_rng=not args.no_load_rng, iteration=args.ckpt_step, finetune=args.finetune)
+        meta = load_checkpoint(args.load_dir, optimizer, scaler, config, grid, load_optimizer=not args.no_load_optim,
+                               load_rng=not args.no_load_rng, finetune=args.finetune)
         start_iteration, consumed = meta["iteration"], meta["consumed_samples"]
         if args.finetune or meta.get("weights_only"):
             start_iteration, consumed = 0, 0

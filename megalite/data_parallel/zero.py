@@ -185,7 +185,7 @@ class DistributedOptimizer:
         skipped step publishes the unchanged masters)."""
         grads = self._host_grads() if self.offload else [self.sync.shard_grad(b) for b in self.sync.buckets]
         grad_scale = 1.0 / clip_coeff if isinstance(clip_coeff, torch.Tensor) else (
-            None if clip_coeff == 1.0 else torch.tensor(1.0 / clip_coeff, device=self.state_device))
+            None if clip_coeff == 1.0 else torch.full((), 1.0 / clip_coeff, device=self.state_device))  # no H2D copy
         self.adamw.step(grads, lr, grad_scale, found_inf)
         self.param_groups[0]["lr"] = lr
         self.publish()

@@ -127,7 +127,7 @@ def resolve_steps(results: list[StepResult]) -> None:
         return
     parts = [r.pending() for r in todo]
     flat = [t for p in parts for t in p]
-    flat = [t.to(flat[0].device) for t in flat]  # one device (a no-op unless a result's differ)
+    flat = [t.to(flat[0].device) for t in flat] if flat else []  # one device (a no-op unless they differ)
     if not flat:
         values = []
     elif flat[0].device.type == "meta":

@@ -194,3 +194,11 @@ def test_dense_step_makes_no_device_sync_on_cuda():
         torch.cuda.set_sync_debug_mode(0)
     resolve_steps(results)
     assert all(math.isfinite(r.loss) and not r.skipped for r in results), [r.loss for r in results]
+
+
+def test_a_result_of_host_numbers_reads_nothing():
+    from megalite.step_values import StepResult
+    result = StepResult(1.5, 2.0, 0.1, 1.0, False)
+    with count_host_syncs() as calls:
+        resolve_steps([result])
+    assert calls == [] and (result.loss, result.grad_norm, result.skipped) == (1.5, 2.0, False)

@@ -204,3 +204,19 @@ def test_slurm_example_torchrun_per_node_runs_and_trains_like_one_process(tmp_pa
     (call,) = calls
     assert call["options"].get("cpus_per_task") == "2" and call["options"].get("no_kill") is True
     assert call["command"][0] == "torchrun" and "1:2" in call["command"]
+
+
+def test_slurm_example_finds_its_head_node_in_a_large_allocation(tmp_path):
+    """The head node comes from all of ``scontrol show hostnames`` without ``| head``: under
+    pipefail, head closing the pipe early ends scontrol with SIGPIPE, and with it the job (this
+    once failed CI, with two nodes, when the pipe closed before scontrol had written)."""
+    script = open(os.path.join(ROOT, "examples", "slurm", "torchrun_per_node.sbatch")).read()
+    for name in os.listdir(os.path.join(ROOT, "examples", "slurm")):
+        text = open(os.path.join(ROOT, "examples", "slurm", name)).read()
+        assert "| head" not in text.replace("no \"| head\"", ""), name
+    lines = [line for line in script.splitlines() if line.startswith(("HOSTS=", "HEAD="))]
+    assert len(lines) == 2, lines
+    env = dict(ENV, PATH=os.pathsep.join([STANDIN, ENV["PATH"]]), SLURM_JOB_NODELIST="gpu[00001-30000],cpu7")
+    run = subprocess.run(["bash", "-euo", "pipefail", "-c", "\n".join(lines + ['echo "$HEAD"'])], env=env,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 0 and run.stdout == "gpu00001\n", (run.returncode, run.stdout[-200:], run.stderr[-500:])

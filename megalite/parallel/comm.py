@@ -12,6 +12,7 @@ all-gather / reduce-scatter along it works on contiguous memory.
 | gather_from_sp  (seq)     | all-gather       | reduce-scatter   |
 | reduce_scatter_to_sp (seq)| reduce-scatter   | all-gather       |
 | scatter_to_sp   (seq)     | split            | all-gather       |
+| all_to_all_swap (a, b)    | all-to-all a->b  | all-to-all b->a  |
 
 Why conjugates: if ``y = f(x)`` replicates ``x`` onto every rank, each rank's ``dL/dy``
 is only its own contribution, so ``dL/dx`` is their sum (all-reduce). If ``y`` is the sum
@@ -200,6 +201,27 @@ def split_dim(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     return x.chunk(world, dim=dim)[group_rank(group)].contiguous()
 
 
+def all_to_all_dims(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -> torch.Tensor:
+    """Split ``x`` into ``world`` equal parts along ``scatter_dim``, send part j to rank j, and
+    concatenate what arrives along ``gather_dim`` in rank order (one ``all_to_all_single``).
+    Context parallelism's Ulysses step: sequence-sharded heads in, head-sharded sequence out."""
+    world = group_size(group)
+    if world == 1:
+        return x
+    n = x.shape[scatter_dim]
+    if n % world != 0:
+        raise ValueError(f"all-to-all over {world} ranks splits dim {scatter_dim} of size {n}: "
+                         f"size must be divisible by the group size")
+    # (..., n, ...) -> (world, ..., n / world, ...): part j first, contiguous for the collective.
+    send = x.unflatten(scatter_dim, (world, n // world)).movedim(scatter_dim, 0).contiguous()
+    with category("communication"):
+        received = torch.empty_like(send)
+    _record("all_to_all", send, group=group)
+    dist.all_to_all_single(received, send, group=group)
+    # received[j] came from rank j: put the rank index just before gather_dim and merge the two.
+    return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
+
+
 # -- autograd functions ---------------------------------------------------------------------------
 
 def _identity(x, group):
@@ -235,6 +257,30 @@ def _pair(x, group, forward_op, backward_op):
     if group_size(group) == 1:
         return x
     return _ConjugatePair.apply(x, group, forward_op, backward_op)
+
+
+class _AllToAllSwap(torch.autograd.Function):
+    """y = all_to_all_dims(x, a, b); dL/dx = all_to_all_dims(dL/dy, b, a): the all-to-all that
+    scatters a and gathers b is a permutation of the ranks' data, and its transpose (the
+    gradient) is the all-to-all the other way."""
+
+    @staticmethod
+    def forward(ctx, x, scatter_dim, gather_dim, group):
+        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
+        return all_to_all_dims(x, scatter_dim, gather_dim, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return all_to_all_dims(grad, gather_dim, scatter_dim, ctx.group), None, None, None
+
+
+def all_to_all_swap(x, scatter_dim: int, gather_dim: int, group):
+    """Autograd all-to-all: fwd scatters ``scatter_dim`` and gathers ``gather_dim``; bwd the
+    reverse. Dims are counted from the front (non-negative)."""
+    if group_size(group) == 1:
+        return x
+    return _AllToAllSwap.apply(x, scatter_dim, gather_dim, group)
 
 
 def copy_to_tp(x, group):

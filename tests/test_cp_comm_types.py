@@ -1,0 +1,99 @@
+"""The four context-parallel communication types (p2p ring, a2a Ulysses, allgather, a2a+p2p)
+against full attention on one process: outputs and dQ/dK/dV, C = 2 and 4, causal and not, MHA
+and GQA (with key/value heads that do and do not divide by the all-to-all size), head dims 64
+and 128, the Triton kernels under the interpreter once per type; and the bytes each type hands
+to its collectives, forward and backward, against the formulas of context_parallel.traffic."""
+import pytest
+import torch
+import torch.distributed as dist
+
+from megalite.config import ParallelConfig
+from megalite.context_parallel.attention import CP_COMM_TYPES, ContextParallelGroups, context_parallel_attention
+from megalite.context_parallel.data import context_parallel_slice
+from megalite.context_parallel.traffic import cp_attention_traffic
+from megalite.kernels.attention_reference import attention_reference
+from megalite.parallel import comm
+from megalite.parallel.grid import build_grid
+from megalite.testing import run_world
+
+TOL = 2e-6
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def _groups(rank, world, inner_size):
+    """The CP groups of a world that is one CP group, a2a+p2p split A = inner_size inner ranks
+    (consecutive) by B = world / A outer ranks (strided). Every rank creates every group."""
+    grid = build_grid(ParallelConfig(context_parallel_size=world), world, rank)
+    inner = outer = None
+    for lo in range(0, world, inner_size):
+        g = dist.new_group(list(range(lo, lo + inner_size))) if inner_size > 1 else None
+        inner = g if lo <= rank < lo + inner_size else inner
+    for i in range(inner_size):
+        ranks = list(range(i, world, inner_size))
+        g = dist.new_group(ranks) if len(ranks) > 1 else None
+        outer = g if rank in ranks else outer
+    return grid.cp_group, ContextParallelGroups(grid.cp_group, inner, outer)
+
+
+def _case(rank, world, groups, comm_type, causal, heads, kv_groups, seq, d, backend):
+    g = torch.Generator().manual_seed(seq * 7 + d + heads)
+    q = torch.randn(2, heads, seq, d, generator=g)
+    k, v = (torch.randn(2, kv_groups, seq, d, generator=g) for _ in range(2))
+    dout = torch.randn(2, heads, seq, d, generator=g)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    ref, _ = attention_reference(q64, k64, v64, causal=causal)
+    ref.backward(dout.double())
+
+    def mine(t):  # this rank's load-balanced slice of the sequence (dim 2)
+        return context_parallel_slice({"x": t.flatten(0, 1)}, rank, world, causal)["x"].view(
+            t.shape[0], t.shape[1], -1, t.shape[3])
+
+    ql, kl, vl = (mine(t).clone().requires_grad_() for t in (q, k, v))
+    with comm.count_collectives() as fwd:
+        out = context_parallel_attention(ql, kl, vl, groups, comm_type, causal=causal, backend=backend)
+    with comm.count_collectives() as bwd:
+        out.backward(mine(dout))
+    errs = {"out": rel(out, mine(ref.detach())), "dq": rel(ql.grad, mine(q64.grad)),
+            "dk": rel(kl.grad, mine(k64.grad)), "dv": rel(vl.grad, mine(v64.grad))}
+    counted = {"forward": {k: v["bytes"] for k, v in fwd.items()}, "backward": {k: v["bytes"] for k, v in bwd.items()}}
+    return errs, counted
+
+
+def _worker(rank, world, inner_size, cases):
+    _, hier = _groups(rank, world, inner_size)
+    plain = ContextParallelGroups(hier.group)
+    return [_case(rank, world, hier if case[0] == "a2a+p2p" else plain, *case) for case in cases]
+
+
+def _cases(world):
+    """(type, causal, heads, kv groups, seq, d, backend): every type causal and not, MHA and GQA,
+    d = 64 and 128, kv groups that do not divide by the all-to-all size, Triton once per type."""
+    out = []
+    for t in CP_COMM_TYPES:
+        out += [(t, True, 4, 4, 8 * world, 64, "torch"), (t, False, 4, 2, 4 * world, 128, "torch"),
+                (t, True, 4, 1, 4 * world, 64, "torch"), (t, True, 8, 2, 4 * world, 128, "torch")]
+        out.append((t, True, 4, 2, 4 * world, 16, "triton"))
+    return out
+
+
+@pytest.mark.parametrize("world,inner", [(2, 2), (4, 2)])
+def test_every_comm_type_matches_full_attention_and_its_traffic_formula(world, inner):
+    cases = _cases(world)
+    results = run_world(_worker, world, inner, cases, timeout=300)
+    assert len(results) == world
+    worst = {}
+    for rank_results in results:
+        assert len(rank_results) == len(cases)
+        for case, (errs, counted) in zip(cases, rank_results):
+            assert set(errs) == {"out", "dq", "dk", "dv"}
+            worst[case] = max(worst.get(case, 0.0), *errs.values())
+            comm_type, _, heads, kv_groups, seq, d, _ = case
+            theory = cp_attention_traffic(comm_type, batch=2, seq=seq, heads=heads, groups=kv_groups, head_dim=d,
+                                          cp=world, element_size=4, inner=inner)
+            assert counted == theory.handed, (case, counted, theory.handed)
+    print(f"C={world} (a2a+p2p as {inner} x {world // inner}), largest relative error per case:", worst)
+    assert set(worst) == set(cases)
+    assert all(v < TOL for v in worst.values()), {k: v for k, v in worst.items() if v >= TOL}

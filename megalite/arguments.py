@@ -79,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--cp-comm-type", choices=["p2p", "a2a", "allgather", "a2a+p2p"], default="p2p",
+                   help="context-parallel attention: p2p ring, a2a (Ulysses, heads/TP divisible by CP), "
+                        "allgather of K/V, or a2a+p2p (all-to-all inside, ring across)")
+    g.add_argument("--hierarchical-context-parallel-sizes", type=int, nargs=2, default=None,
+                   metavar=("A", "B"),
+                   help="with --cp-comm-type a2a+p2p: all-to-all over A consecutive CP ranks, ring "
+                        "over B; A*B = --context-parallel-size")
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--sequence-parallel", action="store_true")
     g.add_argument("--zero-stage", type=int, default=0, choices=[0, 1, 2, 3],
@@ -233,7 +240,7 @@ def config_from_args(args: argparse.Namespace, vocab_size: int) -> Config:
         moe_grouped_gemm=args.moe_grouped_gemm, transformer_impl=args.transformer_impl,
         fp8_format=args.fp8_format, fp8_amax_history_len=args.fp8_amax_history_len,
         fp8_amax_compute_algo=args.fp8_amax_compute_algo, tp_comm_overlap=args.tp_comm_overlap,
-        tp_comm_bootstrap_backend=args.tp_comm_bootstrap_backend,
+        tp_comm_bootstrap_backend=args.tp_comm_bootstrap_backend, cp_comm_type=args.cp_comm_type,
     )
     parallel = ParallelConfig(
         tensor_model_parallel_size=args.tensor_model_parallel_size,
@@ -241,6 +248,8 @@ def config_from_args(args: argparse.Namespace, vocab_size: int) -> Config:
         context_parallel_size=args.context_parallel_size,
         num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
         sequence_parallel=args.sequence_parallel,
+        hierarchical_context_parallel_sizes=(tuple(args.hierarchical_context_parallel_sizes)
+                                             if args.hierarchical_context_parallel_sizes else None),
         expert_model_parallel_size=args.expert_model_parallel_size,
         expert_tensor_parallel_size=args.expert_tensor_parallel_size,
     )

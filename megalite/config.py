@@ -43,6 +43,9 @@ class ModelConfig:
     recompute_granularity: str | None = None  # None, "full" or "selective"
     recompute_method: str = "uniform"  # full: "uniform" (groups of N layers) or "block" (first N)
     recompute_num_layers: int = 1
+    # context-parallel attention: p2p (ring), a2a (Ulysses), allgather, a2a+p2p (hierarchical);
+    # see megalite.context_parallel.attention. Changes no weight, so a resume may switch it.
+    cp_comm_type: str = "p2p"
     # Mixture of experts (megalite.moe; Megatron's --num-experts, --moe-* flags). None = dense.
     num_experts: int | None = None
     moe_router_topk: int = 2
@@ -97,6 +100,8 @@ class ParallelConfig:
     context_parallel_size: int = 1
     num_layers_per_virtual_pipeline_stage: int | None = None
     sequence_parallel: bool = False
+    # a2a+p2p: (A, B), all-to-all over A consecutive CP ranks, the ring over B of them; A*B = CP
+    hierarchical_context_parallel_sizes: tuple[int, int] | None = None
     expert_model_parallel_size: int = 1  # experts split over this many ranks of one stage
     expert_tensor_parallel_size: int = 1  # only 1: each expert whole on its rank (see megalite.moe)
 

@@ -295,11 +295,9 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
     if cp > 1:
         _divides("--seq-length", m.seq_length, "2 * --context-parallel-size", 2 * cp,
                  "the load-balanced causal split cuts each sequence into 2*CP equal chunks.")
-        if m.attention_dropout > 0:
-            raise ConfigError(f"--context-parallel-size {cp} with --attention-dropout "
-                              f"{m.attention_dropout}: ring attention has no attention dropout (its "
-                              f"blocks never hold the whole row of probabilities to drop from). "
-                              f"Fix: --attention-dropout 0.")
+    from megalite.context_parallel.checks import check_context_parallel
+
+    warnings += check_context_parallel(m, p, gpus_per_node)  # --cp-comm-type and its sizes
     if p.sequence_parallel:
         if tp == 1:
             raise ConfigError("--sequence-parallel needs --tensor-model-parallel-size > 1 (it "

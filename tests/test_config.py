@@ -107,10 +107,56 @@ def test_context_parallel_accepts_flash_where_it_runs(monkeypatch):
                  parallel={"context_parallel_size": 2}), 2)
 
 
-def test_context_parallel_refuses_attention_dropout():
-    check(cfg(model={"attention_dropout": 0.1}, parallel={"context_parallel_size": 2}), 2,
+@pytest.mark.parametrize("comm_type", ["p2p", "a2a", "allgather"])
+def test_context_parallel_refuses_attention_dropout(comm_type):
+    check(cfg(model={"attention_dropout": 0.1, "cp_comm_type": comm_type},
+              parallel={"context_parallel_size": 2}), 2,
           "--context-parallel-size 2 with --attention-dropout 0.1",
-          "ring attention has no attention dropout", "Fix: --attention-dropout 0.")
+          "context-parallel attention (every --cp-comm-type) has no attention dropout",
+          "Fix: --attention-dropout 0.")
+
+
+def cp_cfg(comm_type, cp, sizes=None, tp=1, heads=4):
+    return cfg(model={"cp_comm_type": comm_type, "attention_dropout": 0.0, "num_attention_heads": heads},
+               parallel={"context_parallel_size": cp, "tensor_model_parallel_size": tp,
+                         "hierarchical_context_parallel_sizes": sizes})
+
+
+CP_RULES = [  # --cp-comm-type and --hierarchical-context-parallel-sizes, one case per rule
+    (cp_cfg("ring", 2), 2, ["--cp-comm-type 'ring' is unknown", "p2p, a2a, allgather, a2a+p2p"]),
+    (cp_cfg("a2a", 4, tp=2), 8,
+     ["--cp-comm-type a2a with --num-attention-heads 4, --tensor-model-parallel-size 2 and "
+      "--context-parallel-size 4", "heads per TP rank (4/2 = 2) must be divisible by CP (4)",
+      "Fix: --cp-comm-type p2p or allgather, or a2a+p2p with an inner size dividing 2 "
+      "(--hierarchical-context-parallel-sizes 2 2)"]),
+    (cp_cfg("a2a+p2p", 4), 4, ["--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A B",
+                               "Fix: add the sizes, e.g. --hierarchical-context-parallel-sizes 4 1"]),
+    (cp_cfg("a2a+p2p", 4, (2, 3)), 4, ["--hierarchical-context-parallel-sizes 2 3: A*B = 6 must equal "
+                                       "--context-parallel-size (4)", "1 4, 2 2, 4 1"]),
+    (cp_cfg("a2a+p2p", 4, (4, 1), tp=2), 8,
+     ["--hierarchical-context-parallel-sizes 4 1 with --num-attention-heads 4 and "
+      "--tensor-model-parallel-size 2", "heads per TP rank (4/2 = 2) must be divisible by A",
+      "--hierarchical-context-parallel-sizes 2 2"]),
+    (cp_cfg("p2p", 4, (2, 2)), 4, ["--hierarchical-context-parallel-sizes 2 2 is given with "
+                                   "--cp-comm-type p2p", "Fix: add --cp-comm-type a2a+p2p, or drop the sizes"]),
+]
+
+
+@pytest.mark.parametrize("config,world,fragments", CP_RULES, ids=[f[0][:30] for _, _, f in CP_RULES])
+def test_context_parallel_comm_type_rule(config, world, fragments):
+    check(config, world, *fragments)
+
+
+def test_context_parallel_comm_types_accepted_and_node_warning():
+    """Each type passes where its rule holds; an all-to-all group across nodes only warns."""
+    assert validate(cp_cfg("a2a", 4), 4) == []
+    assert validate(cp_cfg("allgather", 4, tp=2), 8) == []
+    assert validate(cp_cfg("a2a+p2p", 4, (2, 2), tp=2), 8, gpus_per_node=4) == []
+    assert validate(cp_cfg("a2a", 1), 1) == []  # no CP: the type is never used
+    (w,) = validate(cp_cfg("a2a+p2p", 4, (2, 2), tp=2), 8, gpus_per_node=2)
+    assert "all-to-all group of 2 CP ranks x TP 2 = 4 consecutive ranks spans nodes (2 GPUs per node)" in w
+    (w,) = validate(cp_cfg("a2a", 4, tp=1), 4, gpus_per_node=2)
+    assert "Fix: use --cp-comm-type a2a+p2p with an inner size A where TP*A divides" in w
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -1,18 +1,21 @@
 """All-gather context parallelism: every rank gathers the whole sequence's keys and values.
 
-Forward: all-gather K and V over the CP group (rank-major, put in natural order), then each
-rank attends its own load-balanced query chunks (``context_parallel.data``) to the keys they
-may see. Query chunk a (of 2C, each c tokens) sees keys [0, a c) without a mask and keys
-[a c, (a+1) c) with the causal diagonal; the two partial results are merged exactly through
-their log-sum-exp, as in the ring. Non-causal: the local queries against all keys, one call.
+Forward: one all-gather of K and V together over the CP group (rank-major, put in natural
+order), then each rank attends its own load-balanced query chunks (``context_parallel.data``)
+to the keys they may see. Query chunk a (of 2C, each c tokens) sees keys [0, a c) without a
+mask and keys [a c, (a+1) c), its own chunk, with the causal diagonal; the two partial results
+are merged exactly through their log-sum-exp, as in the ring. The diagonal blocks need only
+this rank's own K/V, so they are computed while the all-gather is in flight (the overlap
+this type allows: with the fused QKV projection there is no separate Q projection to hide the
+gather behind). Non-causal: the local queries against all keys, one call after the gather.
 The block functions are the ring's (:func:`.ring_attention.block_ops`: Triton, flash-attn or
 torch), so every backend gives the same numbers.
 
 Backward: K and V are gathered again (only this rank's shards are kept between forward and
 backward, so the activation memory stays O(s/C); the full K/V exist only while one layer
-computes), each block's dK/dV land in a full-sequence fp32 buffer, and a reduce-scatter
-(the transpose of the all-gather) sums the C ranks' contributions and hands each rank its
-own shards, in the activations' dtype.
+computes), the diagonal blocks again run during the gather, every block's dK/dV land in a
+full-sequence fp32 buffer, and one reduce-scatter (the transpose of the all-gather) sums the C
+ranks' contributions and hands each rank its own shards, in the activations' dtype.
 
 Traffic per rank and layer, counted as bytes handed to the collectives (all-gather output,
 reduce-scatter input): forward 2 b G s d e (K and V), backward 2 b G s d e again plus 2 b G s d e
@@ -25,47 +28,78 @@ import torch
 from megalite.context_parallel.data import natural_to_rank_major, rank_major_to_natural
 from megalite.context_parallel.ring_attention import block_ops, local_chunk_ids
 from megalite.kernels.attention_reference import merge_attention
+from megalite.memory_tracker import category
 from megalite.parallel import comm
 
 
-def gather_sequence(x: torch.Tensor, group, causal: bool) -> torch.Tensor:
-    """(b, groups, s_local, d) shards -> (b, groups, s, d), natural order (one all-gather)."""
+class GatheredKV:
+    """An all-gather of this rank's K and V shards (b, groups, s_local, d), started at once;
+    :meth:`wait` gives the whole sequence's K and V (b, groups, s, d) in natural order."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, group, causal: bool):
+        self.size, self.causal = comm.group_size(group), causal
+        local = torch.stack([k, v]).permute(3, 0, 1, 2, 4).contiguous()  # (s_local, 2, b, g, d)
+        with category("communication"):
+            self.full = torch.empty((self.size * local.shape[0],) + tuple(local.shape[1:]), dtype=k.dtype,
+                                    device=k.device)
+        self.work = comm.all_gather_async(self.full, local, group)
+
+    def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
+        self.work.wait()
+        full = rank_major_to_natural(self.full, 0, self.size, self.causal)  # (s, 2, b, g, d)
+        k_full, v_full = full.permute(1, 2, 3, 0, 4).unbind(0)
+        return k_full, v_full
+
+
+def scatter_sequence_sum(dk: torch.Tensor, dv: torch.Tensor, group, causal: bool, dtype: torch.dtype):
+    """Full-sequence (b, groups, s, d) partial dK, dV of every rank -> this rank's shards of their
+    sums (one reduce-scatter of both, in ``dtype``)."""
     size = comm.group_size(group)
-    full = comm.all_gather_dim0(x.permute(2, 0, 1, 3).contiguous(), group)  # (C s_local, b, g, d)
-    return rank_major_to_natural(full, 0, size, causal).permute(1, 2, 0, 3)
+    both = torch.stack([dk, dv]).permute(3, 0, 1, 2, 4)  # (s, 2, b, g, d)
+    rank_major = natural_to_rank_major(both, 0, size, causal).to(dtype).contiguous()
+    mine = comm.reduce_scatter_dim0(rank_major, group)  # (s_local, 2, b, g, d)
+    dk_local, dv_local = mine.permute(1, 2, 3, 0, 4).unbind(0)
+    return dk_local, dv_local
 
 
-def scatter_sequence_sum(x: torch.Tensor, group, causal: bool, dtype: torch.dtype) -> torch.Tensor:
-    """(b, groups, s, d) per-rank partial sums -> this rank's shard of their sum (reduce-scatter)."""
-    size = comm.group_size(group)
-    rank_major = natural_to_rank_major(x.permute(2, 0, 1, 3), 0, size, causal).to(dtype)
-    return comm.reduce_scatter_dim0(rank_major.contiguous(), group).permute(1, 2, 0, 3)
+def _diagonal_blocks(rank: int, size: int, chunk: int, causal: bool):
+    """(local part, key start, key end) of the blocks on the causal diagonal: local keys only."""
+    if causal:
+        for part, a in enumerate(local_chunk_ids(rank, size, causal)):
+            yield part, a * chunk, (a + 1) * chunk
 
 
-def _blocks(rank: int, size: int, chunk: int, causal: bool):
-    """(local query part, key range start, key range end, causal diagonal?) of every block."""
+def _gathered_blocks(rank: int, size: int, chunk: int, causal: bool):
+    """(local part, key start, key end) of the unmasked blocks that need gathered keys."""
     if not causal:
-        yield 0, 0, None, False
+        yield 0, 0, None
         return
     for part, a in enumerate(local_chunk_ids(rank, size, causal)):
         if a > 0:
-            yield part, 0, a * chunk, False  # every earlier chunk: no mask
-        yield part, a * chunk, (a + 1) * chunk, True  # its own chunk: the diagonal
+            yield part, 0, a * chunk
 
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, scale, ops):
         size, rank = comm.group_size(group), comm.group_rank(group)
-        k_full, v_full = gather_sequence(k, group, causal), gather_sequence(v, group, causal)
+        gathered = GatheredKV(k, v, group, causal)
         acc_dtype = torch.promote_types(q.dtype, torch.float32)
-        q_parts = q.chunk(2 if causal else 1, dim=2)
+        n = 2 if causal else 1
+        q_parts, k_parts, v_parts = q.chunk(n, 2), k.chunk(n, 2), v.chunk(n, 2)
         chunk = q_parts[0].shape[2]
-        acc = [None] * len(q_parts)
-        for part, lo, hi, diag in _blocks(rank, size, chunk, causal):
-            o, lse = ops.forward(q_parts[part], k_full[:, :, lo:hi], v_full[:, :, lo:hi], causal=diag, scale=scale)
+        acc = [None] * n
+
+        def add(part, o, lse):
             o = o.to(acc_dtype)
             acc[part] = (o, lse) if acc[part] is None else merge_attention(*acc[part], o, lse)
+
+        for part, _, _ in _diagonal_blocks(rank, size, chunk, causal):  # while the gather runs
+            add(part, *ops.forward(q_parts[part], k_parts[part], v_parts[part], causal=True, scale=scale))
+        k_full, v_full = gathered.wait()
+        for part, lo, hi in _gathered_blocks(rank, size, chunk, causal):
+            add(part, *ops.forward(q_parts[part], k_full[:, :, lo:hi], v_full[:, :, lo:hi], causal=False,
+                                   scale=scale))
         b, heads, s, d = q.shape  # the output laid out (s, b, heads, d), as the ring's
         out = torch.empty((s, b, heads, d), dtype=q.dtype, device=q.device).permute(1, 2, 0, 3)
         out.copy_(torch.cat([a[0] for a in acc], dim=2))
@@ -79,26 +113,34 @@ class _AllGatherAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         group, causal, scale, ops = ctx.group, ctx.causal, ctx.scale, ctx.ops
         size, rank = comm.group_size(group), comm.group_rank(group)
-        k_full, v_full = gather_sequence(k, group, causal), gather_sequence(v, group, causal)
+        gathered = GatheredKV(k, v, group, causal)
         acc_dtype = torch.promote_types(q.dtype, torch.float32)
         dout = dout.contiguous()
         delta = ops.delta(out, dout)
         n = 2 if causal else 1
         q_parts, o_parts, do_parts = q.chunk(n, 2), out.chunk(n, 2), dout.chunk(n, 2)
+        k_parts, v_parts = k.chunk(n, 2), v.chunk(n, 2)
         lse_parts, delta_parts = lse.chunk(n, 2), delta.chunk(n, 2)
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
         dq_parts = dq.chunk(n, 2)
-        dk_full = torch.zeros(k_full.shape, dtype=acc_dtype, device=k.device)
-        dv_full = torch.zeros(v_full.shape, dtype=acc_dtype, device=v.device)
-        for part, lo, hi, diag in _blocks(rank, size, q_parts[0].shape[2], causal):
-            dq_p, dk_p, dv_p = ops.backward(
-                q_parts[part], k_full[:, :, lo:hi], v_full[:, :, lo:hi], o_parts[part], do_parts[part],
-                lse_parts[part], causal=diag, scale=scale, delta=delta_parts[part])
+        b, groups, s_local, d = k.shape
+        dk_full = torch.zeros((b, groups, size * s_local, d), dtype=acc_dtype, device=k.device)
+        dv_full = torch.zeros_like(dk_full)
+        chunk = q_parts[0].shape[2]
+
+        def block(part, k_blk, v_blk, lo, hi, diag):
+            dq_p, dk_p, dv_p = ops.backward(q_parts[part], k_blk, v_blk, o_parts[part], do_parts[part],
+                                            lse_parts[part], causal=diag, scale=scale, delta=delta_parts[part])
             dq_parts[part].add_(dq_p.to(acc_dtype))
             dk_full[:, :, lo:hi].add_(dk_p.to(acc_dtype))
             dv_full[:, :, lo:hi].add_(dv_p.to(acc_dtype))
-        dk = scatter_sequence_sum(dk_full, group, causal, k.dtype)
-        dv = scatter_sequence_sum(dv_full, group, causal, v.dtype)
+
+        for part, lo, hi in _diagonal_blocks(rank, size, chunk, causal):  # while the gather runs
+            block(part, k_parts[part], v_parts[part], lo, hi, True)
+        k_full, v_full = gathered.wait()
+        for part, lo, hi in _gathered_blocks(rank, size, chunk, causal):
+            block(part, k_full[:, :, lo:hi], v_full[:, :, lo:hi], lo, hi, False)
+        dk, dv = scatter_sequence_sum(dk_full, dv_full, group, causal, k.dtype)
         return dq.to(q.dtype), dk, dv, None, None, None, None
 
 

@@ -169,3 +169,28 @@ def test_expert_groups_in_megatron_order():
     assert layout.expert_coord(13) == (1, 1) and layout.edp == 2
     table = layout.describe(8)
     assert "experts: EP 4 x EDP 2 per stage" in table and table.splitlines()[-1].split()[-2:] == ["3", "1"]
+
+
+def test_hierarchical_context_parallel_groups_tp2_cp4_dp2():
+    """a2a+p2p with A x B = 2 x 2: inside each CP group (ranks in CP order) the inner groups are
+    runs of A consecutive CP ranks (the all-to-all), the outer ones take every A-th (the ring)."""
+    from megalite.parallel.grid import group_plan
+
+    parallel = ParallelConfig(tensor_model_parallel_size=2, context_parallel_size=4,
+                              hierarchical_context_parallel_sizes=(2, 2))
+    layout = GridLayout.from_config(parallel, 16)
+    assert (layout.tp, layout.cp, layout.dp, layout.cp_inner) == (2, 4, 2, 2)
+    assert layout.group_of("cp", 0) == [0, 2, 4, 6]
+    plan = dict(group_plan(layout))
+    assert plan["cp_inner"] == [[0, 2], [4, 6], [1, 3], [5, 7], [8, 10], [12, 14], [9, 11], [13, 15]]
+    assert plan["cp_outer"] == [[0, 4], [2, 6], [1, 5], [3, 7], [8, 12], [10, 14], [9, 13], [11, 15]]
+    for rank in range(16):  # inner: cp // A equal; outer: cp % A equal; same tp, dp
+        c = layout.coord(rank)
+        for kind, key in (("cp_inner", lambda d: d.cp // 2), ("cp_outer", lambda d: d.cp % 2)):
+            ranks = layout.group_of(kind, rank)
+            assert all((layout.coord(r).tp, layout.coord(r).dp, key(layout.coord(r)))
+                       == (c.tp, c.dp, key(c)) for r in ranks) and len(ranks) == 2
+    assert "CP 4 = 2 all-to-all x 2 ring" in layout.describe(8).splitlines()[0]
+    # No sizes (any other type): inner groups of one (no communicator), outer = the CP group.
+    plain = dict(group_plan(GridLayout(tp=2, cp=4, dp=2)))
+    assert plain["cp_inner"] == [] and plain["cp_outer"] == plain["cp"]

@@ -17,6 +17,12 @@ so an expert-parallel group is EP consecutive ranks (inside a node while EP <= G
 where its all-to-alls run), and the expert-data-parallel group (the ranks holding the same
 experts, which reduce their gradients) strides by EP.
 
+Hierarchical context parallelism (``--cp-comm-type a2a+p2p``, sizes A x B = CP) splits each CP
+group twice: ``cp_inner`` is A consecutive CP ranks (cp // A equal: the all-to-all group,
+T*A consecutive global ranks, inside a node when T*A divides the GPUs per node), ``cp_outer``
+the B ranks with equal cp % A (the ring). With A = 1 or A = CP one of them is the CP group
+itself and the other is groups of one: no new communicator.
+
 :class:`GridLayout` is pure arithmetic (no processes), so layouts of any size can be
 tested; :class:`ProcessGrid` creates the torch.distributed groups. Every rank must
 call ``new_group`` for every group, in the same order, even the groups it is not in:
@@ -46,9 +52,12 @@ GROUP_DIMS = {
 # ep: the ranks whose tokens meet in one expert all-to-all; edp: the ranks holding the same
 # experts (their gradients are summed). Created only for a model with experts.
 EXPERT_KINDS = ("ep", "edp")
+# Hierarchical context parallelism: the all-to-all (inner) and ring (outer) parts of a CP group.
+CP_HIERARCHY_KINDS = ("cp_inner", "cp_outer")
 # "stage" last: where its ranks equal another kind's group (one communicator), traffic is
 # named after the other kind.
-GROUP_ORDER = ("tp", "cp", "dp", "dp_cp", "pp", "mp", "tp_cp", "embedding") + EXPERT_KINDS + ("stage",)
+GROUP_ORDER = (("tp", "cp", "dp", "dp_cp", "pp", "mp", "tp_cp", "embedding") + EXPERT_KINDS
+               + CP_HIERARCHY_KINDS + ("stage",))
 
 
 @dataclass(frozen=True)
@@ -69,6 +78,7 @@ class GridLayout:
     pp: int = 1
     ep: int = 1  # expert-parallel size (a divisor of TP*CP*DP)
     experts: bool = False  # whether the model has experts (then the ep/edp groups exist)
+    cp_inner: int = 1  # a2a+p2p: the all-to-all size A (a divisor of CP); 1 otherwise
 
     @classmethod
     def from_config(cls, parallel: ParallelConfig, world_size: int, experts: bool = False) -> "GridLayout":
@@ -80,6 +90,9 @@ class GridLayout:
             pp=parallel.pipeline_model_parallel_size,
             ep=parallel.expert_model_parallel_size,
             experts=experts,
+            # the sizes are refused by validate() with any type but a2a+p2p
+            cp_inner=(parallel.hierarchical_context_parallel_sizes[0]
+                      if parallel.hierarchical_context_parallel_sizes else 1),
         )
 
     @property
@@ -115,6 +128,8 @@ class GridLayout:
             return self._embedding_groups()
         if kind in EXPERT_KINDS:
             return self._expert_groups(kind)
+        if kind in CP_HIERARCHY_KINDS:
+            return self._cp_hierarchy_groups(kind)
         varying = GROUP_DIMS[kind]
         fixed = [d for d in DIMS if d not in varying]
         result = []
@@ -149,6 +164,20 @@ class GridLayout:
                 result += [[base + j + ep * b for b in range(n // ep)] for j in range(ep)]
         return result
 
+    def _cp_hierarchy_groups(self, kind: str) -> list[list[int]]:
+        """Each CP group (ranks in CP-coordinate order) cut into runs of A (inner), or into
+        the A strided sets of its members with equal coordinate mod A (outer)."""
+        a = self.cp_inner
+        if a < 1 or self.cp % a != 0:
+            raise ValueError(f"inner context-parallel size {a} does not divide CP {self.cp}")
+        result = []
+        for ranks in self.groups("cp"):  # sorted by rank, i.e. by CP coordinate
+            if kind == "cp_inner":
+                result += [ranks[j:j + a] for j in range(0, self.cp, a)]
+            else:
+                result += [ranks[i::a] for i in range(a)]
+        return result
+
     def expert_coord(self, rank: int) -> tuple[int, int]:
         """(ep rank, edp rank) of a rank: its place in its EP group and in its EDP group."""
         i = rank % (self.tp * self.cp * self.dp)
@@ -176,9 +205,11 @@ class GridLayout:
         per_node = gpus_per_node or self.world_size
         experts = (f"; experts: EP {self.ep} x EDP {self.edp} per stage (order ep, edp)"
                    if self.experts else "")
+        hierarchy = (f"; CP {self.cp} = {self.cp_inner} all-to-all x {self.cp // self.cp_inner} ring"
+                     if 1 < self.cp_inner < self.cp else "")
         lines = [
             f"grid: world={self.world_size} = TP {self.tp} x CP {self.cp} x DP {self.dp} x PP {self.pp}"
-            f" ({per_node} per node, {-(-self.world_size // per_node)} node(s)){experts}",
+            f" ({per_node} per node, {-(-self.world_size // per_node)} node(s)){experts}{hierarchy}",
             f"{'rank':>5} {'node':>5} {'local':>6} {'tp':>3} {'cp':>3} {'dp':>3} {'pp':>3}"
             + (f" {'ep':>3} {'edp':>3}" if self.experts else ""),
         ]
@@ -269,6 +300,12 @@ class ProcessGrid:
     @property
     def is_last_stage(self) -> bool:
         return self.coord.pp == self.layout.pp - 1
+
+    @property
+    def cp_hierarchy(self) -> tuple:
+        """(inner, outer) groups of hierarchical context parallelism (None = one rank),
+        what ``megalite.context_parallel.attention.ContextParallelGroups`` takes after the CP group."""
+        return self.cp_inner_group, self.cp_outer_group
 
     def describe(self) -> str:
         return self.layout.describe(self.gpus_per_node)

@@ -97,3 +97,45 @@ def test_every_comm_type_matches_full_attention_and_its_traffic_formula(world, i
     print(f"C={world} (a2a+p2p as {inner} x {world // inner}), largest relative error per case:", worst)
     assert set(worst) == set(cases)
     assert all(v < TOL for v in worst.values()), {k: v for k, v in worst.items() if v >= TOL}
+
+
+def _overlap_worker(rank, world):
+    from megalite.context_parallel import allgather as ag
+    from megalite.context_parallel.ring_attention import BlockOps, block_ops
+
+    grid = build_grid(ParallelConfig(context_parallel_size=world), world, rank)
+    log = []
+    base = block_ops("torch", torch.zeros(1))
+
+    def forward(q, k, v, causal, scale):
+        log.append(("forward", causal))
+        return base.forward(q, k, v, causal=causal, scale=scale)
+
+    def backward(*args, causal, **kwargs):
+        log.append(("backward", causal))
+        return base.backward(*args, causal=causal, **kwargs)
+
+    ops = BlockOps("logged", forward, backward, base.delta)
+    wait = ag.GatheredKV.wait
+    ag.GatheredKV.wait = lambda self: (log.append(("gathered", None)), wait(self))[1]
+    try:
+        g = torch.Generator().manual_seed(3)
+        q, k, v = (torch.randn(1, 2, 8, 8, generator=g, requires_grad=True) for _ in range(3))
+        ag._AllGatherAttention.apply(q, k, v, grid.cp_group, True, None, ops).sum().backward()
+    finally:
+        ag.GatheredKV.wait = wait
+    return log
+
+
+def test_allgather_computes_the_diagonal_blocks_while_the_gather_is_in_flight():
+    """Forward and backward each start the all-gather, run the two diagonal blocks (local K/V
+    only) and only then wait for the gathered K/V for the blocks below the diagonal."""
+    for rank, log in enumerate(run_world(_overlap_worker, 2)):
+        prefix_blocks = 1 if rank == 0 else 2  # chunks 0, 3 (chunk 0 has no earlier keys); 1, 2
+        for phase in ("forward", "backward"):
+            start = log.index(("gathered", None)) if phase == "forward" else len(log) - log[::-1].index(
+                ("gathered", None)) - 1
+            done = [e for e in log[:start] if e[0] == phase]
+            after = [e for e in log[start + 1:] if e[0] == phase]
+            assert done == [(phase, True), (phase, True)], (rank, log)
+            assert after == [(phase, False)] * prefix_blocks, (rank, log)

@@ -46,7 +46,7 @@ from megalite.moe.block import MoEMLP
 from megalite.moe.settings import moe_layers
 from megalite.layers.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                              sequence_parallel_linear, vocab_parallel_cross_entropy)
-from megalite.context_parallel.ring_attention import ring_attention
+from megalite.context_parallel.attention import ContextParallelGroups, context_parallel_attention
 from megalite.parallel import comm
 from megalite.parallel.random import get_rng_tracker, init_full_tensor
 from megalite.parallel.sharding import mark_sequence_parallel
@@ -112,12 +112,18 @@ def _row(cfg: ModelConfig, in_features: int, out_features: int, *, bias: bool, n
 
 
 class SelfAttention(nn.Module):
-    """Causal self-attention, split over TP by key/value groups (with their query heads)."""
+    """Causal self-attention, split over TP by key/value groups (with their query heads).
 
-    def __init__(self, cfg: ModelConfig, tp_group=None, sequence_parallel: bool = False, cp_group=None):
+    Under context parallelism (``cp_group`` of 2+ ranks) the core attention is exchanged over
+    the CP group the way ``cfg.cp_comm_type`` says; ``cp_hierarchy`` = (inner, outer) are the
+    all-to-all and ring groups of the hierarchical type (``ProcessGrid.cp_hierarchy``)."""
+
+    def __init__(self, cfg: ModelConfig, tp_group=None, sequence_parallel: bool = False, cp_group=None,
+                 cp_hierarchy: tuple = (None, None)):
         super().__init__()
         self.cfg = cfg
         self.cp_group = cp_group if comm.group_size(cp_group) > 1 else None
+        self.cp_groups = ContextParallelGroups(self.cp_group, *cp_hierarchy)
         self.heads_per_group = cfg.num_attention_heads // cfg.num_query_groups
         qkv_out = cfg.num_query_groups * (self.heads_per_group + 2) * cfg.head_dim
         par = dict(tp_group=tp_group, sequence_parallel=sequence_parallel)
@@ -151,8 +157,9 @@ class SelfAttention(nn.Module):
 
     def core_attention(self, q, k, v, dropout_p: float) -> torch.Tensor:
         if self.cp_group is not None:
-            # This rank holds a shard of the sequence: attend over all of it round the CP ring.
-            return ring_attention(q, k, v, self.cp_group, causal=True, backend=self.cfg.attention_backend)
+            # This rank holds a shard of the sequence: attend over all of it (ring, all-to-all, ...).
+            return context_parallel_attention(q, k, v, self.cp_groups, self.cfg.cp_comm_type, causal=True,
+                                              backend=self.cfg.attention_backend)
         if self.te_core is not None:
             return self.te_core(q, k, v)  # transformer-engine's, dropout on the TP stream inside
         if dropout_p > 0:
@@ -195,9 +202,9 @@ class TransformerBlock(nn.Module):
     inside the branch's first linear, and the first registration names its parameters)."""
 
     def __init__(self, cfg: ModelConfig, tp_group=None, sequence_parallel: bool = False, cp_group=None,
-                 moe: bool = False, ep_group=None, token_group=None):
+                 moe: bool = False, ep_group=None, token_group=None, cp_hierarchy: tuple = (None, None)):
         super().__init__()
-        attn = SelfAttention(cfg, tp_group, sequence_parallel, cp_group)
+        attn = SelfAttention(cfg, tp_group, sequence_parallel, cp_group, cp_hierarchy)
         self.attn_norm = _norm_before(attn.qkv, cfg, sequence_parallel)
         self.attn = attn
         if moe:
@@ -229,9 +236,11 @@ class GPTModel(nn.Module):
     def __init__(self, cfg: ModelConfig, padded_vocab_size: int | None = None,
                  pre_process: bool = True, post_process: bool = True,
                  layer_range: range | None = None, tp_group=None, sequence_parallel: bool = False,
-                 cp_group=None, ep_group=None, token_group=None, amax_group=None):
+                 cp_group=None, ep_group=None, token_group=None, amax_group=None,
+                 cp_hierarchy: tuple = (None, None)):
         """``ep_group`` / ``token_group``: the expert-parallel group and the ranks holding one
         micro-batch together (TP x CP), for MoE layers (see megalite.moe.block).
+        ``cp_hierarchy``: (inner, outer) groups of ``--cp-comm-type a2a+p2p``.
         ``amax_group``: the ranks that reduce FP8 amaxes together (the pipeline stage)."""
         super().__init__()
         self.cfg = cfg
@@ -260,7 +269,8 @@ class GPTModel(nn.Module):
             self.embedding_dropout = ParallelDropout(cfg.hidden_dropout, sequence_parallel)
         moe = moe_layers(cfg)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, **par, cp_group=cp_group, moe=moe[i],
-                                                              ep_group=ep_group, token_group=token_group)
+                                                              ep_group=ep_group, token_group=token_group,
+                                                              cp_hierarchy=cp_hierarchy)
                                      for i in self.layer_range})
         if post_process:
             self.final_norm = _norm(cfg, sequence_parallel)

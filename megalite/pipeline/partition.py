@@ -44,6 +44,7 @@ def build_model_chunks(config: Config, grid, device=None) -> list[GPTModel]:
                 layer_range=chunk_layers(config.model.num_layers, P, V, grid.pp_rank, c),
                 tp_group=grid.tp_group, sequence_parallel=config.parallel.sequence_parallel,
                 cp_group=getattr(grid, "cp_group", None), ep_group=getattr(grid, "ep_group", None),
-                token_group=getattr(grid, "tp_cp_group", None), amax_group=getattr(grid, "stage_group", None))
+                token_group=getattr(grid, "tp_cp_group", None), amax_group=getattr(grid, "stage_group", None),
+                cp_hierarchy=getattr(grid, "cp_hierarchy", (None, None)))
         chunks.append(materialize(chunk, device if device is not None else torch.device("cpu")))
     return chunks

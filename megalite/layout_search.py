@@ -15,6 +15,7 @@ from megalite.config import ModelConfig
 from megalite.planner import (RECOMPUTE, Estimate, GiB, Hardware, Layout, Precision, check_layout, communication,
                               estimate, in_flight, model_state_bytes, precision, stage_parameters,
                               total_parameters)
+from megalite.planner_cp import cp_variants, describe_cp, explain_cp_type
 from megalite.planner_flags import grads_in_fp32
 
 
@@ -29,10 +30,12 @@ def expert_parallel_sizes(m: ModelConfig, stage_ranks: int) -> list[int]:
     return [e for e in _divisors(m.num_experts) if stage_ranks % e == 0]
 
 
-def candidate_layouts(m: ModelConfig, hw: Hardware, max_cp: int = 8) -> list[Layout]:
+def candidate_layouts(m: ModelConfig, hw: Hardware, max_cp: int = 8, cp_comm_type: str | None = None) -> list[Layout]:
     """TP in divisors of GPUs per node up to 8, CP powers of two up to ``max_cp``, PP dividing
     the layers, DP what remains; every ZeRO stage (only 0 when DP x CP = 1) and recomputation;
-    with experts, every EP dividing E and TP*CP*DP."""
+    with experts, every EP dividing E and TP*CP*DP; with CP, every CP type
+    (:func:`megalite.planner_cp.cp_variants`: p2p, a2a, allgather, a2a+p2p for each inner size),
+    or only ``cp_comm_type``."""
     world, out = hw.world_size, []
     for tp in (d for d in _divisors(hw.gpus_per_node) if d <= 8):
         for cp in (c for c in (1, 2, 4, 8, 16, 32) if c <= max_cp):
@@ -43,7 +46,8 @@ def candidate_layouts(m: ModelConfig, hw: Hardware, max_cp: int = 8) -> list[Lay
                 for zero in range(4 if dp * cp > 1 else 1):  # nothing to shard over one rank
                     for rc in RECOMPUTE:
                         for ep in expert_parallel_sizes(m, tp * cp * dp):
-                            out.append(Layout(tp, pp, dp, cp, zero, rc, ep))
+                            out += [Layout(tp, pp, dp, cp, zero, rc, ep, kind, inner)
+                                    for kind, inner in cp_variants(cp, cp_comm_type)]
     return out
 
 
@@ -67,7 +71,8 @@ def ladder_key(layout: Layout) -> tuple:
     ascending inside the TP rung, but once PP is needed TP as large as the node allows
     (Narayanan et al. 2021); then recomputation none before selective; then the ZeRO stage
     (ZeRO-1 keeps DDP's traffic; megalite's ZeRO-2 reduce-scatters every micro-batch); with
-    experts, last EP ascending (fewer experts per rank for an all-to-all per MoE layer)."""
+    experts, last EP ascending (fewer experts per rank for an all-to-all per MoE layer). The CP
+    type is not in the key: :func:`plan` orders the types of one layout by their step time."""
     inner = rung(dataclasses.replace(layout, cp=1))  # CP layouts climb the same ladder inside
     tp_order = -layout.tp if inner == 2 else layout.tp
     return (layout.recompute == "full", layout.cp, inner, layout.pp, tp_order,
@@ -85,29 +90,33 @@ class Plan:
     invalid: dict = field(default_factory=dict)  # Layout -> reason megalite refuses it
     choice: Estimate | None = None
     reasons: list[str] = field(default_factory=list)
+    cp_comm_type: str | None = None  # the CP type the user fixed (None: every type searched)
 
     def fitting(self) -> list[Estimate]:
         return [e for e in self.estimates if e.fits]
 
 
 def plan(m: ModelConfig, hw: Hardware, global_batch: int, micro: int, prec: Precision | None = None,
-         flash_attention: bool = True, max_cp: int = 8) -> Plan:
+         flash_attention: bool = True, max_cp: int = 8, cp_comm_type: str | None = None) -> Plan:
     """Every valid layout, estimated, in ladder order, and the recommendation. The defaults are
     training's: bf16 with gradients accumulated in fp32 (``pretrain_gpt.py``'s default under
     --bf16) and attention that never stores the s x s scores (what ``--attention-backend auto``
-    runs on a GPU, and what the meta dry run measures)."""
+    runs on a GPU, and what the meta dry run measures). The CP types of one layout follow each
+    other by estimated step time (communication, no overlap: their attention FLOPs are equal),
+    so the first that fits is the fastest that fits; ``cp_comm_type`` fixes the type."""
     prec = prec or precision("bf16", grads_in_fp32("bf16"))
     checked: dict[tuple, str | None] = {}
     estimates, invalid = [], {}
-    for layout in sorted(candidate_layouts(m, hw, max_cp), key=ladder_key):
-        key = (layout.tp, layout.pp, layout.cp, layout.zero, layout.ep)
+    for layout in sorted(candidate_layouts(m, hw, max_cp, cp_comm_type), key=ladder_key):
+        key = (layout.tp, layout.pp, layout.cp, layout.zero, layout.ep, layout.cp_comm_type, layout.cp_inner)
         if key not in checked:
             checked[key] = check_layout(m, layout, global_batch, micro, hw)
         if checked[key]:
             invalid[layout] = checked[key]
             continue
         estimates.append(estimate(m, layout, global_batch, micro, prec, hw, flash_attention))
-    result = Plan(m, hw, prec, global_batch, micro, estimates, invalid)
+    estimates.sort(key=lambda e: (ladder_key(e.layout), e.comm_seconds))  # stable: only CP types move
+    result = Plan(m, hw, prec, global_batch, micro, estimates, invalid, cp_comm_type=cp_comm_type)
     fitting = result.fitting()
     result.choice = fitting[0] if fitting else None
     result.reasons = explain(result)
@@ -133,12 +142,8 @@ def megalite_gaps(layout: Layout) -> list[str]:
     gaps = []
     if layout.recompute != "none" and "--recompute-granularity" not in flags:
         gaps.append(f"--recompute-granularity {layout.recompute} (planned in megalite, issue 9)")
-    if layout.cp > 1:
-        if "context_parallel_size" in getattr(megalite_config, "NOT_YET_SUPPORTED", {}):
-            gaps.append("--context-parallel-size (not yet supported in megalite, issue 7)")
-        else:
-            gaps.append("--context-parallel-size needs --attention-backend triton (ring attention merges "
-                        "partial results with the log-sum-exp)")
+    if layout.cp > 1 and "context_parallel_size" in getattr(megalite_config, "NOT_YET_SUPPORTED", {}):
+        gaps.append("--context-parallel-size (not yet supported in megalite, issue 7)")
     return gaps
 
 
@@ -231,7 +236,7 @@ def explain(p: Plan) -> list[str]:
         why.append(f"EP {lay.ep} holds {m.num_experts // lay.ep} of the {m.num_experts} experts of each MoE layer "
                    f"per GPU{shard}; tokens travel to them by all-to-all on {chosen.comm['ep']['link']}")
     if lay.cp > 1:
-        why.append(f"CP {lay.cp} splits the long sequence, dividing activations by {lay.cp}")
+        why.append(f"{describe_cp(lay)} splits the long sequence, dividing activations by {lay.cp}")
     if lay.recompute == "selective":
         why.append("selective recomputation recomputes the attention scores instead of storing them (a few % compute)")
     if lay.recompute == "full":
@@ -241,6 +246,7 @@ def explain(p: Plan) -> list[str]:
     comm = ", ".join(f"{k.upper()} {c['bytes'] / 1e9:.2f} GB on {c['link']} {c['seconds'] * 1e3:.0f} ms"
                      for k, c in chosen.comm.items())
     lines.append(f"Communication per step per GPU (no overlap): {comm or 'none'}.")
+    lines += explain_cp_type(p)
     comparable = [e for e in p.fitting() if RECOMPUTE.index(e.layout.recompute) <= RECOMPUTE.index(lay.recompute)]
     cheaper = min(comparable, key=lambda e: e.comm_seconds)
     if cheaper.comm_seconds < 0.5 * chosen.comm_seconds:

@@ -45,7 +45,8 @@ plus 24 split over TP (Q, K, V 2+2+2, attention output 2, GELU input and output 
 an FFN of 4h); the code computes the parts from the real FFN size, key/value groups and
 SwiGLU (which stores gate, up, silu(gate) and their product: 8 s b f instead of 4 s b f).
 The last stage adds fp32 logits for the loss, 4 s b V / t. With CP each rank holds s/CP
-tokens. ``flash_attention=True`` drops the scores term as selective recomputation does
+tokens (``--cp-comm-type allgather`` adds one layer's full-sequence K/V and fp32 dK/dV during
+backward: :mod:`megalite.planner_cp`). ``flash_attention=True`` drops the scores term as selective recomputation does
 (flash-style kernels never store the s x s probabilities). The attention output is kept once:
 megalite's Triton kernel writes it in the (s, b, heads, d) order proj reads (and flash-attn's
 (b, s, heads, d) output is a view there too); torch SDPA on a GPU returns (b, heads, s, d), so
@@ -68,7 +69,8 @@ weight and gradient bytes::
         under SP an all-gather + reduce-scatter pair in place of each, plus the backward's
         all-gathers of the QKV and FC1 inputs (kept as sequence shards): one all-reduce more
     PP: each micro-batch's activation forward and its gradient backward, b s h (/t under SP)
-    CP: K and V passed round the ring, (CP-1) times forward and twice that backward
+    CP: by --cp-comm-type (:mod:`megalite.planner_cp`): the ring's K/V (and backward's dK/dV),
+        Ulysses' all-to-alls, allgather's gathered K/V, or both levels of a2a+p2p
 
 A group runs on NVLink (~450 GB/s) when all its ranks are on one node and on InfiniBand
 (~50 GB/s) otherwise; rank order is megalite's grid, ``rank = tp + TP*(cp + CP*(dp + DP*pp))``.
@@ -91,6 +93,7 @@ from dataclasses import dataclass
 
 from megalite.config import ModelConfig
 from megalite.data_parallel.accounting import zero_theory_bytes
+from megalite import planner_cp
 from megalite.moe import planning as moe_planning
 from megalite.parallel.grid import GridLayout
 from megalite.planner_checks import check_layout  # noqa: F401  (megalite's validation of a layout)
@@ -149,6 +152,8 @@ class Layout:
     zero: int = 0
     recompute: str = "none"
     ep: int = 1  # expert-parallel size (MoE): experts split over EP ranks of a stage's TP*CP*DP
+    cp_comm_type: str = "p2p"  # --cp-comm-type (:mod:`megalite.planner_cp`); p2p without CP
+    cp_inner: int = 1  # a2a+p2p: the all-to-all size A of --hierarchical-context-parallel-sizes A B
 
     @property
     def edp(self) -> int:  # expert-data-parallel: ranks holding the same experts
@@ -160,7 +165,8 @@ class Layout:
 
     def describe(self) -> str:
         parts = [f"TP {self.tp}" + (" (SP)" if self.sp else "")] if self.tp > 1 else []
-        parts += [f"{k} {v}" for k, v in (("CP", self.cp), ("PP", self.pp)) if v > 1]
+        parts += [planner_cp.describe_cp(self)] if self.cp > 1 else []
+        parts += [f"PP {self.pp}"] if self.pp > 1 else []
         parts.append(f"DP {self.dp}")
         ep = f", EP {self.ep}" if self.ep > 1 else ""
         return " x ".join(parts) + f"{ep}, ZeRO-{self.zero}, recompute {self.recompute}"
@@ -283,6 +289,8 @@ def stage_activation_bytes(m: ModelConfig, layout: Layout, stage: int, micro: in
             full_delta = moe_planning.moe_layer_delta(m, **moe)
             recomputed += full_delta if all(moe_flags) else max(full_delta, 0.0)
         total += recomputed
+    # allgather CP: one layer's full-sequence K/V and fp32 dK/dV during backward (planner_cp)
+    total += planner_cp.transient_bytes(m, layout, micro, prec.act_bytes)
     if any(moe_flags):  # an MoE layer's dispatch buffers (forward) or expert weight gradients (backward)
         # while one micro-batch holds its layers up to the stage's last MoE layer
         upto = max(i for i, f in enumerate(moe_flags) if f) + 1
@@ -300,12 +308,14 @@ def pipeline_bubble(pp: int, num_micro: int) -> float:
 
 def group_spans_nodes(layout: Layout, kind: str, gpus_per_node: int) -> bool:
     """Whether any group of this kind ('tp', 'cp', 'dp_cp', 'pp', 'ep', 'edp') has ranks on two nodes."""
-    return _spans(layout.tp, layout.cp, layout.dp, layout.pp, kind, gpus_per_node, layout.ep)
+    inner = layout.cp_inner if kind in ("cp_inner", "cp_outer") else 1
+    return _spans(layout.tp, layout.cp, layout.dp, layout.pp, kind, gpus_per_node, layout.ep, inner)
 
 
 @functools.lru_cache(maxsize=4096)
-def _spans(tp: int, cp: int, dp: int, pp: int, kind: str, gpus_per_node: int, ep: int = 1) -> bool:
-    grid = GridLayout(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, experts=kind in ("ep", "edp"))  # megalite's rank order
+def _spans(tp: int, cp: int, dp: int, pp: int, kind: str, gpus_per_node: int, ep: int = 1, inner: int = 1) -> bool:
+    grid = GridLayout(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, experts=kind in ("ep", "edp"),
+                      cp_inner=inner)  # megalite's rank order
     return any(len({r // gpus_per_node for r in ranks}) > 1 for ranks in grid.groups(kind))
 
 
@@ -329,17 +339,12 @@ def communication(m: ModelConfig, layout: Layout, psi: int, micro: int, num_micr
                                        layout.recompute)
     edp = moe_planning.gradient_reduction_bytes(psi_e, layout.edp, layout.zero, M, prec.weight_bytes, prec.grad_bytes)
     pp = 2 * M * bsh / (t if layout.sp else 1) if layout.pp > 1 else 0.0
-    kv = bsh * 2 * m.num_query_groups / m.num_attention_heads / t
-    cp = M * layers * (3 + (layout.recompute == "full")) * (layout.cp - 1) * kv
-    result = {}
-    for kind, group, volume in (("dp", "dp_cp", dp), ("tp", "tp", tp), ("pp", "pp", pp), ("cp", "cp", cp),
-                                ("ep", "ep", ep), ("edp", "edp", edp)):
-        if volume <= 0:
-            continue
-        slow = group_spans_nodes(layout, group, hw.gpus_per_node)
-        gbps = hw.ib_gbps if slow else hw.nvlink_gbps
-        result[kind] = {"bytes": volume, "link": "InfiniBand" if slow else "NVLink",
-                        "seconds": volume / (gbps * 1e9)}
+    spans = functools.partial(group_spans_nodes, layout, gpus_per_node=hw.gpus_per_node)
+    result = {kind: planner_cp.link(volume, spans(group), hw)
+              for kind, group, volume in (("dp", "dp_cp", dp), ("tp", "tp", tp), ("pp", "pp", pp)) if volume > 0}
+    result.update(planner_cp.cp_communication(m, layout, micro, M, prec.act_bytes, hw, spans))
+    result.update({kind: planner_cp.link(volume, spans(group), hw)
+                   for kind, group, volume in (("ep", "ep", ep), ("edp", "edp", edp)) if volume > 0})
     return result
 
 

@@ -6,6 +6,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from megalite.config import Config, ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainConfig, validate
+from megalite.context_parallel.checks import check_context_parallel
 
 if TYPE_CHECKING:  # the planner's dataclasses; the planner imports this module
     from megalite.planner import Hardware, Layout
@@ -17,13 +18,24 @@ def check_layout(m: ModelConfig, layout: Layout, global_batch: int, micro: int, 
     The layout is judged for the target cluster, not this machine: the attention backend is
     set to torch (its local availability is not the question), and CP is folded into the
     world (CP ranks replaced by a world CP times smaller: the same DP) after checking the
-    two CP rules here (sequence in 2 CP chunks; under SP, s/CP divisible by TP)."""
+    two CP rules here (sequence in 2 CP chunks; under SP, s/CP divisible by TP) and megalite's
+    rules of the CP type (:func:`check_context_parallel`: a2a needs the heads per TP rank
+    divisible by CP, a2a+p2p by its inner size A), with the attention dropout the planned flags
+    set under CP (0)."""
     s, cp, tp = m.seq_length, layout.cp, layout.tp
     if cp > 1 and s % (2 * cp):
         return (f"--seq-length ({s}) must be divisible by 2 * --context-parallel-size ({2 * cp}): the "
                 f"load-balanced causal split cuts each sequence into 2*CP equal chunks.")
     if cp > 1 and layout.sp and (s // cp) % tp:
         return f"--seq-length / CP ({s // cp}) must be divisible by TP ({tp}) for sequence parallelism."
+    if cp > 1 and m.num_attention_heads % tp == 0:  # else validate() names the TP rule below
+        sizes = (layout.cp_inner, cp // layout.cp_inner) if layout.cp_comm_type == "a2a+p2p" else None
+        try:
+            check_context_parallel(dataclasses.replace(m, cp_comm_type=layout.cp_comm_type, attention_dropout=0.0),
+                                   ParallelConfig(tensor_model_parallel_size=tp, context_parallel_size=cp,
+                                                  hierarchical_context_parallel_sizes=sizes))
+        except ConfigError as e:
+            return str(e)
     ep = layout.ep
     if cp > 1 and ep > 1:  # the EP rule on the unfolded stage (TP*CP*DP ranks), then EP 1 for the rest
         if (tp * cp * layout.dp) % ep or (m.num_experts or 1) % ep:

@@ -10,8 +10,10 @@ micro batch, ZeRO stage, recomputation, sequence parallelism, the DDP bucket siz
 Beyond the parser's defaults the planner assumes, and prints in the flags:
 ``--sequence-parallel`` with TP > 1 (Megatron practice); ``--overlap-grad-reduce`` under ZeRO-2/3
 (without it megalite's ZeRO-2/3 stage every bucket's gradients until the end of the step, a full
-gradient more than the one bucket the planner counts); ``--attention-dropout 0`` under CP (ring
-attention has none); the precision flag (``--bf16`` by default).
+gradient more than the one bucket the planner counts); ``--attention-dropout 0`` under CP (no
+CP type has attention dropout); the CP type (``--cp-comm-type``, and for a2a+p2p
+``--hierarchical-context-parallel-sizes A B``) when CP > 1 and it is not the default p2p; the
+precision flag (``--bf16`` by default).
 """
 from __future__ import annotations
 
@@ -91,6 +93,11 @@ def pretrain_flags(m: ModelConfig, layout, global_batch: int, micro: int, precis
         flags.append("--overlap-grad-reduce")
     if layout.cp > 1 and m.attention_dropout > 0:
         flags.append("--attention-dropout=0")
+    kind = layout.cp_comm_type
+    if layout.cp > 1 and kind != d["cp_comm_type"]:
+        flags.append(f"--cp-comm-type={kind}")
+        if kind == "a2a+p2p":  # two values: A inner (all-to-all) ranks, B = CP/A outer (ring) ranks
+            flags += ["--hierarchical-context-parallel-sizes", str(layout.cp_inner), str(layout.cp // layout.cp_inner)]
     if precision != "fp32":
         flags.append(f"--{precision}")
     if accumulate is not None and grads_in_fp32(precision, accumulate) != grads_in_fp32(precision, None):

@@ -27,6 +27,7 @@ from megalite.config import ModelConfig  # noqa: E402
 from megalite.moe.settings import moe_layers, parse_layer_freq  # noqa: E402
 from megalite.layout_search import plan  # noqa: E402
 from megalite.planner import DEFAULT_HEADROOM, GiB, Hardware, precision, total_parameters  # noqa: E402
+from megalite.planner_cp import CP_COMM_TYPES, cp_type_name  # noqa: E402
 from megalite.planner_flags import grads_in_fp32, pretrain_flags, training_defaults  # noqa: E402
 
 
@@ -85,6 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "--attention-backend auto runs on a GPU, and what the dry run measures); "
                         "--no-flash-attention counts them (the math path)")
     g.add_argument("--max-context-parallel", type=int, default=8, help="largest CP considered")
+    g.add_argument("--cp-comm-type", choices=list(CP_COMM_TYPES), default=None,
+                   help="fix the context-parallel type (default: search p2p, a2a, allgather and a2a+p2p with "
+                        "every inner size, and pick the fastest that fits)")
     g.add_argument("--top", type=int, default=15, help="rows of the table of layouts that fit")
     g.add_argument("--json", default=None, help="write the whole plan (every candidate) as JSON")
     g.add_argument("--verify", type=int, default=0, metavar="K",
@@ -111,7 +115,10 @@ def model_from_args(a) -> ModelConfig:
 
 def table(estimates, usable: float) -> list[str]:
     experts = any(e.layout.ep > 1 for e in estimates)
-    head = (f"{'TP':>3} {'PP':>3} {'CP':>3} {'DP':>4} " + (f"{'EP':>3} " if experts else "")
+    kinds = any(e.layout.cp > 1 for e in estimates)  # a column for the CP type
+    kind = lambda lay: f"{cp_type_name(lay) if lay.cp > 1 else '-':>13} "  # noqa: E731
+    head = (f"{'TP':>3} {'PP':>3} {'CP':>3} " + (f"{'CP type':>13} " if kinds else "") + f"{'DP':>4} "
+            + (f"{'EP':>3} " if experts else "")
             + f"{'ZeRO':>4} {'recompute':>9} | {'total':>6} {'weights':>7} "
             f"{'grads':>6} {'m+Adam':>6} {'activ':>6} {'bufs':>5} | {'M':>4} {'bubble':>6} | comm ms/step "
             f"(N = NVLink, I = InfiniBand)")
@@ -119,7 +126,8 @@ def table(estimates, usable: float) -> list[str]:
     for e in estimates:
         lay, mem = e.layout, e.memory
         comm = " ".join(f"{k.upper()} {c['seconds'] * 1e3:.0f}{c['link'][0]}" for k, c in e.comm.items())
-        rows.append(f"{lay.tp:>3} {lay.pp:>3} {lay.cp:>3} {lay.dp:>4} " + (f"{lay.ep:>3} " if experts else "")
+        rows.append(f"{lay.tp:>3} {lay.pp:>3} {lay.cp:>3} " + (kind(lay) if kinds else "") + f"{lay.dp:>4} "
+                    + (f"{lay.ep:>3} " if experts else "")
                     + f"{lay.zero:>4} {lay.recompute:>9} | "
                     f"{mem['total'] / GiB:>6.1f} {mem['weights'] / GiB:>7.1f} {mem['gradients'] / GiB:>6.1f} "
                     f"{mem['master_and_optimizer'] / GiB:>6.1f} {mem['activations'] / GiB:>6.1f} "
@@ -174,7 +182,8 @@ def main(argv=None) -> int:
     m = model_from_args(a)
     hw = Hardware(a.gpu_memory_gb, a.gpus_per_node, a.nodes, a.nvlink_gbps, a.ib_gbps, a.headroom)
     prec = precision(a.precision, grads_in_fp32(a.precision, a.accumulate))
-    result = plan(m, hw, a.global_batch_size, a.micro_batch_size, prec, a.flash_attention, a.max_context_parallel)
+    result = plan(m, hw, a.global_batch_size, a.micro_batch_size, prec, a.flash_attention, a.max_context_parallel,
+                  a.cp_comm_type)
     experts = ""
     if m.num_experts:
         experts = (f", {sum(moe_layers(m))} MoE layers x {m.num_experts} experts (FFN {m.moe_ffn_hidden_size}, "

@@ -218,3 +218,31 @@ def test_the_cpu_tensor_watch_catches_a_cpu_scalar_in_device_math(monkeypatch):
     monkeypatch.setattr("megalite.pretrain.train_step", watched)
     dry_run(monkeypatch, 16, 0, LAYOUTS["tp4-dp4-zero3"][0])
     assert "aten.add.Tensor" in seen, seen
+
+
+# TP2 x CP4 x DP2 (16 ranks), 8 heads so a2a over 4 CP ranks gets whole heads of the 4 per TP rank.
+CP_TYPES = {"p2p": [], "a2a": [], "allgather": [],
+            "a2a+p2p": ["--hierarchical-context-parallel-sizes", "2", "2"]}
+CP_LAYOUT = ["--num-layers", "1", "--num-attention-heads", "8", "--seq-length", "32", "--global-batch-size", "4",
+             "--train-iters", "1", "--eval-interval", "1000", "--tensor-model-parallel-size", "2",
+             "--context-parallel-size", "4", "--sequence-parallel", "--attention-dropout", "0"]
+
+
+@pytest.mark.parametrize("comm_type", sorted(CP_TYPES))
+def test_meta_dry_run_each_cp_comm_type(monkeypatch, comm_type):
+    """Every --cp-comm-type runs alone on meta under the fake group (the all-to-alls too), on
+    the one role of a PP=1 layout at three TP/CP/DP positions, and hands the attention groups
+    exactly the bytes of context_parallel.traffic's formula (one layer, one micro-batch, fp32;
+    a2a+p2p's inner and outer groups are named apart)."""
+    from megalite.context_parallel.traffic import cp_attention_traffic
+
+    theory = cp_attention_traffic(comm_type, batch=2, seq=32, heads=4, groups=4, head_dim=8, cp=4,
+                                  element_size=4, inner=2)
+    expected = ({"cp": theory.total} if comm_type != "a2a+p2p" else
+                {"cp_inner": sum(v for p in theory.handed.values() for k, v in p.items() if k == "all_to_all"),
+                 "cp_outer": sum(v for p in theory.handed.values() for k, v in p.items() if k == "send")})
+    for rank in (0, 5, 15):  # (tp, cp, dp) = (0, 0, 0), (1, 2, 0), (1, 3, 1)
+        log = dry_run(monkeypatch, 16, rank, CP_LAYOUT + ["--cp-comm-type", comm_type] + CP_TYPES[comm_type])
+        assert [r["iteration"] for r in log] == [1] and log[-1]["loss"] is None
+        by_group = log[-1]["comm_bytes_by_group"]
+        assert {k: v for k, v in by_group.items() if k.startswith("cp")} == expected, (rank, by_group)

@@ -91,9 +91,9 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
+from megalite import planner_cp
 from megalite.config import ModelConfig
 from megalite.data_parallel.accounting import zero_theory_bytes
-from megalite import planner_cp
 from megalite.moe import planning as moe_planning
 from megalite.parallel.grid import GridLayout
 from megalite.planner_checks import check_layout  # noqa: F401  (megalite's validation of a layout)

@@ -1,6 +1,8 @@
 """Layout search: every candidate layout of a model on a machine, ranked the way the field's
 guides teach (data parallel first, then tensor parallel inside a node, then pipeline, then
-ZeRO, recomputation and context parallelism), with the reasons in words.
+ZeRO, recomputation and context parallelism), with the reasons in words. Each CP layout comes
+in every CP type (:mod:`megalite.planner_cp`), ordered by estimated step time: the first that
+fits is the fastest that fits.
 
 The arithmetic of one layout (memory per GPU, bubble, communication) is in
 :mod:`megalite.planner`; ``tools/plan_parallel.py`` is the command line.

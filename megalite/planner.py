@@ -80,10 +80,10 @@ Times assume no overlap with compute (an upper bound on what communication can c
 practitioners' ladder (see ``RUNGS`` and ``ladder_key`` there): DDP; ZeRO-1; ZeRO-2; TP inside a node (2, 4, 8, with
 sequence parallelism); PP across nodes (TP as large as the node allows); ZeRO-3; then CP
 for sequences whose activations fit no other way (CP 2 climbs the same ladder, then CP 4
-...). Within a step, recomputation none before selective; full recomputation (about a third
-more compute: the forward runs twice) only when nothing fits without it. The explanation
-names why each simpler step does not fit, and points at a fitting layout with much less
-communication when there is one.
+...; the CP types of one layout fastest first). Within a step, recomputation none before
+selective; full recomputation (about a third more compute: the forward runs twice) only when
+nothing fits without it. The explanation names why each simpler step does not fit, why the
+CP type, and points at a fitting layout with much less communication when there is one.
 """
 from __future__ import annotations
 

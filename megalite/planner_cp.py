@@ -74,7 +74,7 @@ def layer_traffic(m: ModelConfig, layout: Layout, micro: int, act_bytes: int) ->
     """One layer's CP attention traffic per rank and micro-batch (forward + backward)."""
     t = layout.tp
     return cp_attention_traffic(layout.cp_comm_type, batch=micro, seq=m.seq_length,
-                                heads=m.num_attention_heads // t, groups=max(m.num_query_groups // t, 1),
+                                heads=m.num_attention_heads // t, groups=m.num_query_groups // t,
                                 head_dim=m.head_dim, cp=layout.cp, element_size=act_bytes,
                                 inner=layout.cp_inner if layout.cp_comm_type == "a2a+p2p" else None)
 
@@ -128,7 +128,7 @@ def transient_bytes(m: ModelConfig, layout: Layout, micro: int, act_bytes: int) 
     their fp32 gradient buffers during one layer's backward, 2 b G s d (e + 4); 0 otherwise."""
     if layout.cp == 1 or layout.cp_comm_type != "allgather":
         return 0.0
-    groups = max(m.num_query_groups // layout.tp, 1)
+    groups = m.num_query_groups // layout.tp
     return 2 * micro * groups * m.seq_length * m.head_dim * (act_bytes + 4)
 
 

@@ -218,7 +218,8 @@ def main(argv=None) -> int:
         print(row)
     refused = {}  # one example per rule (the message with its numbers taken out)
     for layout, reason in result.invalid.items():
-        refused.setdefault(re.sub(r"\d+", "N", reason), (layout, reason.split(" Fix:")[0]))
+        rule = reason.split(" Fix:")[0]
+        refused.setdefault(re.sub(r"\d+", "N", rule), (layout, rule))
     if refused:
         print("\nrefused by megalite's validation (one example per rule):")
         for layout, reason in refused.values():

@@ -173,24 +173,38 @@ def test_expert_groups_in_megatron_order():
 
 def test_hierarchical_context_parallel_groups_tp2_cp4_dp2():
     """a2a+p2p with A x B = 2 x 2: inside each CP group (ranks in CP order) the inner groups are
-    runs of A consecutive CP ranks (the all-to-all), the outer ones take every A-th (the ring)."""
+    runs of A consecutive CP ranks (the all-to-all), the outer ones take every A-th (the ring).
+    A is no field of the layout (a checkpoint records the layout; A changes no shard)."""
     from megalite.parallel.grid import group_plan
 
-    parallel = ParallelConfig(tensor_model_parallel_size=2, context_parallel_size=4,
-                              hierarchical_context_parallel_sizes=(2, 2))
-    layout = GridLayout.from_config(parallel, 16)
-    assert (layout.tp, layout.cp, layout.dp, layout.cp_inner) == (2, 4, 2, 2)
+    layout = GridLayout.from_config(ParallelConfig(tensor_model_parallel_size=2, context_parallel_size=4,
+                                                   hierarchical_context_parallel_sizes=(2, 2)), 16)
+    assert layout.__dict__ == {"tp": 2, "cp": 4, "dp": 2, "pp": 1, "ep": 1, "experts": False}
     assert layout.group_of("cp", 0) == [0, 2, 4, 6]
-    plan = dict(group_plan(layout))
+    plan = dict(group_plan(layout, cp_inner=2))
     assert plan["cp_inner"] == [[0, 2], [4, 6], [1, 3], [5, 7], [8, 10], [12, 14], [9, 11], [13, 15]]
     assert plan["cp_outer"] == [[0, 4], [2, 6], [1, 5], [3, 7], [8, 12], [10, 14], [9, 13], [11, 15]]
     for rank in range(16):  # inner: cp // A equal; outer: cp % A equal; same tp, dp
         c = layout.coord(rank)
         for kind, key in (("cp_inner", lambda d: d.cp // 2), ("cp_outer", lambda d: d.cp % 2)):
-            ranks = layout.group_of(kind, rank)
+            ranks = layout.group_of(kind, rank, cp_inner=2)
             assert all((layout.coord(r).tp, layout.coord(r).dp, key(layout.coord(r)))
                        == (c.tp, c.dp, key(c)) for r in ranks) and len(ranks) == 2
-    assert "CP 4 = 2 all-to-all x 2 ring" in layout.describe(8).splitlines()[0]
-    # No sizes (any other type): inner groups of one (no communicator), outer = the CP group.
-    plain = dict(group_plan(GridLayout(tp=2, cp=4, dp=2)))
+    assert "CP 4 = 2 all-to-all x 2 ring" in layout.describe(8, cp_inner=2).splitlines()[0]
+    # A = 1 (every other type): inner groups of one (no communicator), outer = the CP group.
+    plain = dict(group_plan(layout))
     assert plain["cp_inner"] == [] and plain["cp_outer"] == plain["cp"]
+
+
+def _hierarchical_grid_worker(rank, world_size):
+    grid = build_grid(ParallelConfig(context_parallel_size=4, hierarchical_context_parallel_sizes=(2, 2)),
+                      world_size, rank)
+    sums = [comm.all_reduce(torch.tensor([float(rank)]), g).item() for g in grid.cp_hierarchy]
+    return grid.cp_inner_ranks, grid.cp_outer_ranks, sums
+
+
+def test_real_hierarchical_groups_cp4():
+    """build_grid takes A from the sizes, and the groups really connect those ranks."""
+    for rank, (inner, outer, sums) in enumerate(run_world(_hierarchical_grid_worker, 4)):
+        assert inner == [rank - rank % 2, rank - rank % 2 + 1] and outer == [rank % 2, rank % 2 + 2]
+        assert sums == [sum(inner), sum(outer)]

@@ -21,7 +21,10 @@ Hierarchical context parallelism (``--cp-comm-type a2a+p2p``, sizes A x B = CP) 
 group twice: ``cp_inner`` is A consecutive CP ranks (cp // A equal: the all-to-all group,
 T*A consecutive global ranks, inside a node when T*A divides the GPUs per node), ``cp_outer``
 the B ranks with equal cp % A (the ring). With A = 1 or A = CP one of them is the CP group
-itself and the other is groups of one: no new communicator.
+itself and the other is groups of one: no new communicator. A is not a field of
+:class:`GridLayout` (whose fields are the layout a checkpoint records): it changes which
+communicators exist, not any rank's coordinate, shard or random streams, so a run may change
+it on resume. The group functions take it as ``cp_inner``.
 
 :class:`GridLayout` is pure arithmetic (no processes), so layouts of any size can be
 tested; :class:`ProcessGrid` creates the torch.distributed groups. Every rank must
@@ -78,7 +81,6 @@ class GridLayout:
     pp: int = 1
     ep: int = 1  # expert-parallel size (a divisor of TP*CP*DP)
     experts: bool = False  # whether the model has experts (then the ep/edp groups exist)
-    cp_inner: int = 1  # a2a+p2p: the all-to-all size A (a divisor of CP); 1 otherwise
 
     @classmethod
     def from_config(cls, parallel: ParallelConfig, world_size: int, experts: bool = False) -> "GridLayout":
@@ -90,9 +92,6 @@ class GridLayout:
             pp=parallel.pipeline_model_parallel_size,
             ep=parallel.expert_model_parallel_size,
             experts=experts,
-            # the sizes are refused by validate() with any type but a2a+p2p
-            cp_inner=(parallel.hierarchical_context_parallel_sizes[0]
-                      if parallel.hierarchical_context_parallel_sizes else 1),
         )
 
     @property
@@ -121,15 +120,16 @@ class GridLayout:
         dp, pp = rest % self.dp, rest // self.dp
         return Coord(tp, cp, dp, pp)
 
-    def groups(self, kind: str) -> list[list[int]]:
+    def groups(self, kind: str, cp_inner: int = 1) -> list[list[int]]:
         """All groups of one kind, each a sorted rank list; together they partition the world
-        (except 'embedding', whose groups are the first and last pipeline stage)."""
+        (except 'embedding', whose groups are the first and last pipeline stage). ``cp_inner``:
+        the all-to-all size A of hierarchical context parallelism (cp_inner / cp_outer kinds)."""
         if kind == "embedding":
             return self._embedding_groups()
         if kind in EXPERT_KINDS:
             return self._expert_groups(kind)
         if kind in CP_HIERARCHY_KINDS:
-            return self._cp_hierarchy_groups(kind)
+            return self._cp_hierarchy_groups(kind, cp_inner)
         varying = GROUP_DIMS[kind]
         fixed = [d for d in DIMS if d not in varying]
         result = []
@@ -164,10 +164,9 @@ class GridLayout:
                 result += [[base + j + ep * b for b in range(n // ep)] for j in range(ep)]
         return result
 
-    def _cp_hierarchy_groups(self, kind: str) -> list[list[int]]:
+    def _cp_hierarchy_groups(self, kind: str, a: int) -> list[list[int]]:
         """Each CP group (ranks in CP-coordinate order) cut into runs of A (inner), or into
         the A strided sets of its members with equal coordinate mod A (outer)."""
-        a = self.cp_inner
         if a < 1 or self.cp % a != 0:
             raise ValueError(f"inner context-parallel size {a} does not divide CP {self.cp}")
         result = []
@@ -183,8 +182,8 @@ class GridLayout:
         i = rank % (self.tp * self.cp * self.dp)
         return i % self.ep, i // self.ep
 
-    def group_of(self, kind: str, rank: int) -> list[int]:
-        for ranks in self.groups(kind):
+    def group_of(self, kind: str, rank: int, cp_inner: int = 1) -> list[int]:
+        for ranks in self.groups(kind, cp_inner):
             if rank in ranks:
                 return ranks
         raise ValueError(f"rank {rank} is in no {kind} group")
@@ -200,13 +199,13 @@ class GridLayout:
             "cp_next": at(cp=(c.cp + 1) % self.cp),
         }
 
-    def describe(self, gpus_per_node: int | None = None) -> str:
+    def describe(self, gpus_per_node: int | None = None, cp_inner: int = 1) -> str:
         """A readable table: rank, node, local rank and the four coordinates."""
         per_node = gpus_per_node or self.world_size
         experts = (f"; experts: EP {self.ep} x EDP {self.edp} per stage (order ep, edp)"
                    if self.experts else "")
-        hierarchy = (f"; CP {self.cp} = {self.cp_inner} all-to-all x {self.cp // self.cp_inner} ring"
-                     if 1 < self.cp_inner < self.cp else "")
+        hierarchy = (f"; CP {self.cp} = {cp_inner} all-to-all x {self.cp // cp_inner} ring"
+                     if 1 < cp_inner < self.cp else "")
         lines = [
             f"grid: world={self.world_size} = TP {self.tp} x CP {self.cp} x DP {self.dp} x PP {self.pp}"
             f" ({per_node} per node, {-(-self.world_size // per_node)} node(s)){experts}{hierarchy}",
@@ -232,29 +231,32 @@ def gpus_per_node_from_env(world_size: int) -> int:
 class ProcessGrid:
     """A rank's view of the layout, with its torch.distributed process groups.
 
-    Attributes: ``layout``, ``rank``, ``coord``, and for each kind in GROUP_ORDER the
-    group object (``tp_group``, ``dp_group``, ...) and its ranks (``tp_ranks``, ...).
+    Attributes: ``layout``, ``rank``, ``coord``, ``cp_inner`` (A of hierarchical context
+    parallelism, 1 otherwise), and for each kind in GROUP_ORDER the group object
+    (``tp_group``, ``dp_group``, ...) and its ranks (``tp_ranks``, ...).
     """
 
     def __init__(self, layout: GridLayout, rank: int, gpus_per_node: int | None = None,
-                 backend: str | None = None, timeout=None):
+                 backend: str | None = None, timeout=None, cp_inner: int = 1):
         import torch.distributed as dist
 
         self.layout = layout
         self.rank = rank
         self.coord = layout.coord(rank)
         self.gpus_per_node = gpus_per_node or layout.world_size
+        self.cp_inner = cp_inner
         distributed = dist.is_available() and dist.is_initialized()
         if distributed and dist.get_world_size() != layout.world_size:
             raise ConfigError(f"the process group has {dist.get_world_size()} ranks but the grid "
                               f"{layout} needs {layout.world_size}.")
-        groups = create_groups(layout, rank, backend, timeout) if distributed else {}
+        groups = create_groups(layout, rank, backend, timeout, cp_inner) if distributed else {}
         for kind in GROUP_ORDER:
             if kind in EXPERT_KINDS and not layout.experts:
                 setattr(self, f"{kind}_group", None)
                 setattr(self, f"{kind}_ranks", [rank])
                 continue
-            ranks = layout.group_of(kind, rank) if kind != "embedding" else self._embedding_ranks(layout, rank)
+            ranks = (layout.group_of(kind, rank, cp_inner) if kind != "embedding"
+                     else self._embedding_ranks(layout, rank))
             setattr(self, f"{kind}_group", groups.get(kind))  # a group of one is None: nothing to send
             setattr(self, f"{kind}_ranks", ranks or [rank])
         # Host-side control values (stop flags) travel on gloo, never through a GPU stream.
@@ -308,19 +310,19 @@ class ProcessGrid:
         return self.cp_inner_group, self.cp_outer_group
 
     def describe(self) -> str:
-        return self.layout.describe(self.gpus_per_node)
+        return self.layout.describe(self.gpus_per_node, self.cp_inner)
 
 
 _GROUPS: dict = {}  # the current world's groups, for grids built more than once in one world
 
 
-def group_plan(layout: GridLayout) -> list[tuple[str, list[list[int]]]]:
+def group_plan(layout: GridLayout, cp_inner: int = 1) -> list[tuple[str, list[list[int]]]]:
     """For each kind in GROUP_ORDER, its groups of more than one rank (a group of one needs
     no communicator). The groups of one kind never overlap."""
-    return [(kind, [g for g in layout.groups(kind) if len(g) > 1]) for kind in GROUP_ORDER]
+    return [(kind, [g for g in layout.groups(kind, cp_inner) if len(g) > 1]) for kind in GROUP_ORDER]
 
 
-def create_groups(layout: GridLayout, rank: int, backend=None, timeout=None) -> dict:
+def create_groups(layout: GridLayout, rank: int, backend=None, timeout=None, cp_inner: int = 1) -> dict:
     """This rank's process group of every kind (None where it is in no group of 2+ ranks).
     Two kinds with the same groups share one communicator.
 
@@ -340,7 +342,7 @@ def create_groups(layout: GridLayout, rank: int, backend=None, timeout=None) -> 
     split = (dist.get_backend() == "nccl" and backend in (None, "nccl")
              and getattr(dist.group.WORLD, "bound_device_id", None) is not None and hasattr(dist, "split_group"))
     out = {}
-    for kind, partition in group_plan(layout):
+    for kind, partition in group_plan(layout, cp_inner):
         if not partition:
             out[kind] = None
             continue
@@ -377,7 +379,10 @@ def build_grid(parallel: ParallelConfig, world_size: int, rank: int,
                gpus_per_node: int | None = None, timeout=None, experts: bool = False) -> ProcessGrid:
     """Validate the layout against the world and the machine, then build the groups
     (``timeout``: a timedelta for every collective on them; torch's default otherwise;
-    ``experts``: the model has experts, so the ep/edp groups are made too)."""
+    ``experts``: the model has experts, so the ep/edp groups are made too; the inner size of
+    ``--hierarchical-context-parallel-sizes``, which validate() accepts only with a2a+p2p,
+    cuts the CP groups into cp_inner / cp_outer)."""
     gpus_per_node = gpus_per_node or gpus_per_node_from_env(world_size)
     layout = GridLayout.from_config(parallel, world_size, experts)
-    return ProcessGrid(layout, rank, gpus_per_node, timeout=timeout)
+    sizes = parallel.hierarchical_context_parallel_sizes
+    return ProcessGrid(layout, rank, gpus_per_node, timeout=timeout, cp_inner=sizes[0] if sizes else 1)

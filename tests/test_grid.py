@@ -194,6 +194,12 @@ def test_hierarchical_context_parallel_groups_tp2_cp4_dp2():
     # A = 1 (every other type): inner groups of one (no communicator), outer = the CP group.
     plain = dict(group_plan(layout))
     assert plain["cp_inner"] == [] and plain["cp_outer"] == plain["cp"]
+    # A on the layout itself (the planner's arithmetic): the same groups, and the record a
+    # checkpoint keeps (layout.__dict__) names A only when it is not 1.
+    on_layout = GridLayout(tp=2, cp=4, dp=2, cp_inner=2)
+    assert dict(group_plan(on_layout)) == plan and on_layout.describe(8) == layout.describe(8, cp_inner=2)
+    assert on_layout.__dict__["cp_inner"] == 2 and "cp_inner" not in GridLayout(tp=2, cp=4, dp=2).__dict__
+    assert GridLayout(cp=4, cp_inner=1) == GridLayout(cp=4) and GridLayout(cp=4, cp_inner=1).cp_inner == 1
 
 
 def _hierarchical_grid_worker(rank, world_size):

@@ -21,10 +21,11 @@ Hierarchical context parallelism (``--cp-comm-type a2a+p2p``, sizes A x B = CP) 
 group twice: ``cp_inner`` is A consecutive CP ranks (cp // A equal: the all-to-all group,
 T*A consecutive global ranks, inside a node when T*A divides the GPUs per node), ``cp_outer``
 the B ranks with equal cp % A (the ring). With A = 1 or A = CP one of them is the CP group
-itself and the other is groups of one: no new communicator. A is not a field of
-:class:`GridLayout` (whose fields are the layout a checkpoint records): it changes which
-communicators exist, not any rank's coordinate, shard or random streams, so a run may change
-it on resume. The group functions take it as ``cp_inner``.
+itself and the other is groups of one: no new communicator. A changes which communicators
+exist, not any rank's coordinate, shard or random streams, so a run may change it on resume:
+it is not part of the layout a checkpoint records (``layout.__dict__``). ``build_grid`` hands it
+to :class:`ProcessGrid` beside the layout; pure arithmetic (the planner) may put it on a
+:class:`GridLayout` as ``cp_inner``, which leaves ``__dict__`` at its default of 1.
 
 :class:`GridLayout` is pure arithmetic (no processes), so layouts of any size can be
 tested; :class:`ProcessGrid` creates the torch.distributed groups. Every rank must
@@ -81,6 +82,14 @@ class GridLayout:
     pp: int = 1
     ep: int = 1  # expert-parallel size (a divisor of TP*CP*DP)
     experts: bool = False  # whether the model has experts (then the ep/edp groups exist)
+    cp_inner: int = 1  # A of hierarchical CP, for the cp_inner / cp_outer groups (module docstring)
+
+    def __post_init__(self):
+        # A checkpoint records and compares ``layout.__dict__``; A is no part of the layout
+        # (it moves no shard): at its default it is read from the class, so every such record
+        # (and every one written before the field existed) stays as it was.
+        if self.cp_inner == 1:
+            object.__delattr__(self, "cp_inner")
 
     @classmethod
     def from_config(cls, parallel: ParallelConfig, world_size: int, experts: bool = False) -> "GridLayout":
@@ -120,16 +129,17 @@ class GridLayout:
         dp, pp = rest % self.dp, rest // self.dp
         return Coord(tp, cp, dp, pp)
 
-    def groups(self, kind: str, cp_inner: int = 1) -> list[list[int]]:
+    def groups(self, kind: str, cp_inner: int | None = None) -> list[list[int]]:
         """All groups of one kind, each a sorted rank list; together they partition the world
         (except 'embedding', whose groups are the first and last pipeline stage). ``cp_inner``:
-        the all-to-all size A of hierarchical context parallelism (cp_inner / cp_outer kinds)."""
+        the all-to-all size A of hierarchical context parallelism (cp_inner / cp_outer kinds;
+        default: the layout's own ``cp_inner``)."""
         if kind == "embedding":
             return self._embedding_groups()
         if kind in EXPERT_KINDS:
             return self._expert_groups(kind)
         if kind in CP_HIERARCHY_KINDS:
-            return self._cp_hierarchy_groups(kind, cp_inner)
+            return self._cp_hierarchy_groups(kind, cp_inner or self.cp_inner)
         varying = GROUP_DIMS[kind]
         fixed = [d for d in DIMS if d not in varying]
         result = []
@@ -182,7 +192,7 @@ class GridLayout:
         i = rank % (self.tp * self.cp * self.dp)
         return i % self.ep, i // self.ep
 
-    def group_of(self, kind: str, rank: int, cp_inner: int = 1) -> list[int]:
+    def group_of(self, kind: str, rank: int, cp_inner: int | None = None) -> list[int]:
         for ranks in self.groups(kind, cp_inner):
             if rank in ranks:
                 return ranks
@@ -199,8 +209,9 @@ class GridLayout:
             "cp_next": at(cp=(c.cp + 1) % self.cp),
         }
 
-    def describe(self, gpus_per_node: int | None = None, cp_inner: int = 1) -> str:
+    def describe(self, gpus_per_node: int | None = None, cp_inner: int | None = None) -> str:
         """A readable table: rank, node, local rank and the four coordinates."""
+        cp_inner = cp_inner or self.cp_inner
         per_node = gpus_per_node or self.world_size
         experts = (f"; experts: EP {self.ep} x EDP {self.edp} per stage (order ep, edp)"
                    if self.experts else "")
@@ -237,14 +248,14 @@ class ProcessGrid:
     """
 
     def __init__(self, layout: GridLayout, rank: int, gpus_per_node: int | None = None,
-                 backend: str | None = None, timeout=None, cp_inner: int = 1):
+                 backend: str | None = None, timeout=None, cp_inner: int | None = None):
         import torch.distributed as dist
 
         self.layout = layout
         self.rank = rank
         self.coord = layout.coord(rank)
         self.gpus_per_node = gpus_per_node or layout.world_size
-        self.cp_inner = cp_inner
+        self.cp_inner = cp_inner = cp_inner or layout.cp_inner
         distributed = dist.is_available() and dist.is_initialized()
         if distributed and dist.get_world_size() != layout.world_size:
             raise ConfigError(f"the process group has {dist.get_world_size()} ranks but the grid "
@@ -316,13 +327,13 @@ class ProcessGrid:
 _GROUPS: dict = {}  # the current world's groups, for grids built more than once in one world
 
 
-def group_plan(layout: GridLayout, cp_inner: int = 1) -> list[tuple[str, list[list[int]]]]:
+def group_plan(layout: GridLayout, cp_inner: int | None = None) -> list[tuple[str, list[list[int]]]]:
     """For each kind in GROUP_ORDER, its groups of more than one rank (a group of one needs
     no communicator). The groups of one kind never overlap."""
     return [(kind, [g for g in layout.groups(kind, cp_inner) if len(g) > 1]) for kind in GROUP_ORDER]
 
 
-def create_groups(layout: GridLayout, rank: int, backend=None, timeout=None, cp_inner: int = 1) -> dict:
+def create_groups(layout: GridLayout, rank: int, backend=None, timeout=None, cp_inner: int | None = None) -> dict:
     """This rank's process group of every kind (None where it is in no group of 2+ ranks).
     Two kinds with the same groups share one communicator.
 

@@ -174,32 +174,28 @@ def test_expert_groups_in_megatron_order():
 def test_hierarchical_context_parallel_groups_tp2_cp4_dp2():
     """a2a+p2p with A x B = 2 x 2: inside each CP group (ranks in CP order) the inner groups are
     runs of A consecutive CP ranks (the all-to-all), the outer ones take every A-th (the ring).
-    A is no field of the layout (a checkpoint records the layout; A changes no shard)."""
+    A is on the layout but not in the record a checkpoint keeps (A changes no shard)."""
     from megalite.parallel.grid import group_plan
 
     layout = GridLayout.from_config(ParallelConfig(tensor_model_parallel_size=2, context_parallel_size=4,
                                                    hierarchical_context_parallel_sizes=(2, 2)), 16)
-    assert layout.__dict__ == {"tp": 2, "cp": 4, "dp": 2, "pp": 1, "ep": 1, "experts": False}
+    assert layout.cp_inner == 2
+    assert layout.record() == {"tp": 2, "cp": 4, "dp": 2, "pp": 1, "ep": 1, "experts": False}
     assert layout.group_of("cp", 0) == [0, 2, 4, 6]
-    plan = dict(group_plan(layout, cp_inner=2))
+    plan = dict(group_plan(layout))
     assert plan["cp_inner"] == [[0, 2], [4, 6], [1, 3], [5, 7], [8, 10], [12, 14], [9, 11], [13, 15]]
     assert plan["cp_outer"] == [[0, 4], [2, 6], [1, 5], [3, 7], [8, 12], [10, 14], [9, 13], [11, 15]]
     for rank in range(16):  # inner: cp // A equal; outer: cp % A equal; same tp, dp
         c = layout.coord(rank)
         for kind, key in (("cp_inner", lambda d: d.cp // 2), ("cp_outer", lambda d: d.cp % 2)):
-            ranks = layout.group_of(kind, rank, cp_inner=2)
+            ranks = layout.group_of(kind, rank)
             assert all((layout.coord(r).tp, layout.coord(r).dp, key(layout.coord(r)))
                        == (c.tp, c.dp, key(c)) for r in ranks) and len(ranks) == 2
-    assert "CP 4 = 2 all-to-all x 2 ring" in layout.describe(8, cp_inner=2).splitlines()[0]
+    assert "CP 4 = 2 all-to-all x 2 ring" in layout.describe(8).splitlines()[0]
     # A = 1 (every other type): inner groups of one (no communicator), outer = the CP group.
-    plain = dict(group_plan(layout))
+    plain = dict(group_plan(GridLayout(tp=2, cp=4, dp=2)))
     assert plain["cp_inner"] == [] and plain["cp_outer"] == plain["cp"]
-    # A on the layout itself (the planner's arithmetic): the same groups, and the record a
-    # checkpoint keeps (layout.__dict__) names A only when it is not 1.
-    on_layout = GridLayout(tp=2, cp=4, dp=2, cp_inner=2)
-    assert dict(group_plan(on_layout)) == plan and on_layout.describe(8) == layout.describe(8, cp_inner=2)
-    assert on_layout.__dict__["cp_inner"] == 2 and "cp_inner" not in GridLayout(tp=2, cp=4, dp=2).__dict__
-    assert GridLayout(cp=4, cp_inner=1) == GridLayout(cp=4) and GridLayout(cp=4, cp_inner=1).cp_inner == 1
+    assert GridLayout(tp=2, cp=4, dp=2).record() == layout.record()
 
 
 def _hierarchical_grid_worker(rank, world_size):

@@ -204,7 +204,7 @@ def main(argv=None) -> int:
                 for k, v in sorted(result["expert_comm_wire_bytes"].items())))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"world_size": args.world_size, "layout": dict(layout.__dict__), "roles": results}, f, indent=1)
+            json.dump({"world_size": args.world_size, "layout": layout.record(), "roles": results}, f, indent=1)
         print(f"wrote {args.json}")
     fits = all(r["fits"] for r in results)
     print(f"fits within {allowance}: {'yes' if fits else 'no'}")

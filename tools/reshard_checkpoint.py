@@ -166,7 +166,7 @@ def reshard(src: str, dst: str, tp=None, pp=None, vp_layers=SOURCE, dp=None, zer
             shutil.copytree(carried, os.path.join(tmp, CARRIED))
         new_meta = copy.deepcopy(meta)
         new_meta.update({"format_version": FORMAT_VERSION, "config": config.to_dict(),
-                         "layout": dict(layout.__dict__), "zero_stage": zero, "files": files,
+                         "layout": layout.record(), "zero_stage": zero, "files": files,
                          "resharded_from": os.path.abspath(src_dir)})
         write_json_atomic(os.path.join(tmp, "metadata.json"), new_meta)
         fsync_path(tmp)

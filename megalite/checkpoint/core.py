@@ -51,7 +51,7 @@ def _coords(grid):
                     layout=dict(tp=1, cp=1, dp=1, pp=1))
     return dict(rank=grid.rank, tp_rank=grid.tp_rank, tp_size=grid.layout.tp, dp_rank=grid.dp_rank,
                 cp_rank=grid.cp_rank, edp_rank=grid.edp_rank, world=grid.layout.world_size,
-                layout=dict(grid.layout.__dict__))
+                layout=grid.layout.record())
 
 
 def _param_ranges(optimizer):

@@ -146,7 +146,7 @@ def adopt_checkpoint_model(model: ModelConfig, saved: dict, given: set[str], tok
 def describe_layout_change(meta: dict, grid, t) -> str | None:
     """What changed since the checkpoint was written (layout, accumulation), when anything did."""
 
-    then, now = meta["layout"], dict(grid.layout.__dict__)
+    then, now = meta["layout"], grid.layout.record()
     if same_layout(then, now):
         return None
     saved = meta["config"]["train"]

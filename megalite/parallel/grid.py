@@ -23,9 +23,7 @@ T*A consecutive global ranks, inside a node when T*A divides the GPUs per node),
 the B ranks with equal cp % A (the ring). With A = 1 or A = CP one of them is the CP group
 itself and the other is groups of one: no new communicator. A changes which communicators
 exist, not any rank's coordinate, shard or random streams, so a run may change it on resume:
-it is not part of the layout a checkpoint records (``layout.__dict__``). ``build_grid`` hands it
-to :class:`ProcessGrid` beside the layout; pure arithmetic (the planner) may put it on a
-:class:`GridLayout` as ``cp_inner``, which leaves ``__dict__`` at its default of 1.
+it is not part of the layout a checkpoint records (:meth:`GridLayout.record`).
 
 :class:`GridLayout` is pure arithmetic (no processes), so layouts of any size can be
 tested; :class:`ProcessGrid` creates the torch.distributed groups. Every rank must
@@ -34,6 +32,7 @@ call ``new_group`` for every group, in the same order, even the groups it is not
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 from dataclasses import dataclass
@@ -84,16 +83,18 @@ class GridLayout:
     experts: bool = False  # whether the model has experts (then the ep/edp groups exist)
     cp_inner: int = 1  # A of hierarchical CP, for the cp_inner / cp_outer groups (module docstring)
 
-    def __post_init__(self):
-        # A checkpoint records and compares ``layout.__dict__``; A is no part of the layout
-        # (it moves no shard): at its default it is read from the class, so every such record
-        # (and every one written before the field existed) stays as it was.
-        if self.cp_inner == 1:
-            object.__delattr__(self, "cp_inner")
+    def record(self) -> dict:
+        """The layout as a checkpoint records and compares it: every field that decides a
+        rank's coordinate, shards or random streams; not ``cp_inner``, which only decides
+        which communicators exist (so a run may change its CP communication on resume)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "cp_inner"}
 
     @classmethod
     def from_config(cls, parallel: ParallelConfig, world_size: int, experts: bool = False) -> "GridLayout":
+        """The layout of a validated config (the inner size of hierarchical CP from
+        ``--hierarchical-context-parallel-sizes``, which validate() accepts only with a2a+p2p)."""
         validate_layout(parallel, world_size)
+        sizes = parallel.hierarchical_context_parallel_sizes
         return cls(
             tp=parallel.tensor_model_parallel_size,
             cp=parallel.context_parallel_size,
@@ -101,6 +102,7 @@ class GridLayout:
             pp=parallel.pipeline_model_parallel_size,
             ep=parallel.expert_model_parallel_size,
             experts=experts,
+            cp_inner=sizes[0] if sizes else 1,
         )
 
     @property
@@ -129,17 +131,15 @@ class GridLayout:
         dp, pp = rest % self.dp, rest // self.dp
         return Coord(tp, cp, dp, pp)
 
-    def groups(self, kind: str, cp_inner: int | None = None) -> list[list[int]]:
+    def groups(self, kind: str) -> list[list[int]]:
         """All groups of one kind, each a sorted rank list; together they partition the world
-        (except 'embedding', whose groups are the first and last pipeline stage). ``cp_inner``:
-        the all-to-all size A of hierarchical context parallelism (cp_inner / cp_outer kinds;
-        default: the layout's own ``cp_inner``)."""
+        (except 'embedding', whose groups are the first and last pipeline stage)."""
         if kind == "embedding":
             return self._embedding_groups()
         if kind in EXPERT_KINDS:
             return self._expert_groups(kind)
         if kind in CP_HIERARCHY_KINDS:
-            return self._cp_hierarchy_groups(kind, cp_inner or self.cp_inner)
+            return self._cp_hierarchy_groups(kind, self.cp_inner)
         varying = GROUP_DIMS[kind]
         fixed = [d for d in DIMS if d not in varying]
         result = []
@@ -192,8 +192,8 @@ class GridLayout:
         i = rank % (self.tp * self.cp * self.dp)
         return i % self.ep, i // self.ep
 
-    def group_of(self, kind: str, rank: int, cp_inner: int | None = None) -> list[int]:
-        for ranks in self.groups(kind, cp_inner):
+    def group_of(self, kind: str, rank: int) -> list[int]:
+        for ranks in self.groups(kind):
             if rank in ranks:
                 return ranks
         raise ValueError(f"rank {rank} is in no {kind} group")
@@ -209,9 +209,9 @@ class GridLayout:
             "cp_next": at(cp=(c.cp + 1) % self.cp),
         }
 
-    def describe(self, gpus_per_node: int | None = None, cp_inner: int | None = None) -> str:
+    def describe(self, gpus_per_node: int | None = None) -> str:
         """A readable table: rank, node, local rank and the four coordinates."""
-        cp_inner = cp_inner or self.cp_inner
+        cp_inner = self.cp_inner
         per_node = gpus_per_node or self.world_size
         experts = (f"; experts: EP {self.ep} x EDP {self.edp} per stage (order ep, edp)"
                    if self.experts else "")
@@ -242,32 +242,29 @@ def gpus_per_node_from_env(world_size: int) -> int:
 class ProcessGrid:
     """A rank's view of the layout, with its torch.distributed process groups.
 
-    Attributes: ``layout``, ``rank``, ``coord``, ``cp_inner`` (A of hierarchical context
-    parallelism, 1 otherwise), and for each kind in GROUP_ORDER the group object
-    (``tp_group``, ``dp_group``, ...) and its ranks (``tp_ranks``, ...).
+    Attributes: ``layout``, ``rank``, ``coord``, and for each kind in GROUP_ORDER the group
+    object (``tp_group``, ``dp_group``, ...) and its ranks (``tp_ranks``, ...).
     """
 
     def __init__(self, layout: GridLayout, rank: int, gpus_per_node: int | None = None,
-                 backend: str | None = None, timeout=None, cp_inner: int | None = None):
+                 backend: str | None = None, timeout=None):
         import torch.distributed as dist
 
         self.layout = layout
         self.rank = rank
         self.coord = layout.coord(rank)
         self.gpus_per_node = gpus_per_node or layout.world_size
-        self.cp_inner = cp_inner = cp_inner or layout.cp_inner
         distributed = dist.is_available() and dist.is_initialized()
         if distributed and dist.get_world_size() != layout.world_size:
             raise ConfigError(f"the process group has {dist.get_world_size()} ranks but the grid "
                               f"{layout} needs {layout.world_size}.")
-        groups = create_groups(layout, rank, backend, timeout, cp_inner) if distributed else {}
+        groups = create_groups(layout, rank, backend, timeout) if distributed else {}
         for kind in GROUP_ORDER:
             if kind in EXPERT_KINDS and not layout.experts:
                 setattr(self, f"{kind}_group", None)
                 setattr(self, f"{kind}_ranks", [rank])
                 continue
-            ranks = (layout.group_of(kind, rank, cp_inner) if kind != "embedding"
-                     else self._embedding_ranks(layout, rank))
+            ranks = layout.group_of(kind, rank) if kind != "embedding" else self._embedding_ranks(layout, rank)
             setattr(self, f"{kind}_group", groups.get(kind))  # a group of one is None: nothing to send
             setattr(self, f"{kind}_ranks", ranks or [rank])
         # Host-side control values (stop flags) travel on gloo, never through a GPU stream.
@@ -321,19 +318,19 @@ class ProcessGrid:
         return self.cp_inner_group, self.cp_outer_group
 
     def describe(self) -> str:
-        return self.layout.describe(self.gpus_per_node, self.cp_inner)
+        return self.layout.describe(self.gpus_per_node)
 
 
 _GROUPS: dict = {}  # the current world's groups, for grids built more than once in one world
 
 
-def group_plan(layout: GridLayout, cp_inner: int | None = None) -> list[tuple[str, list[list[int]]]]:
+def group_plan(layout: GridLayout) -> list[tuple[str, list[list[int]]]]:
     """For each kind in GROUP_ORDER, its groups of more than one rank (a group of one needs
     no communicator). The groups of one kind never overlap."""
-    return [(kind, [g for g in layout.groups(kind, cp_inner) if len(g) > 1]) for kind in GROUP_ORDER]
+    return [(kind, [g for g in layout.groups(kind) if len(g) > 1]) for kind in GROUP_ORDER]
 
 
-def create_groups(layout: GridLayout, rank: int, backend=None, timeout=None, cp_inner: int | None = None) -> dict:
+def create_groups(layout: GridLayout, rank: int, backend=None, timeout=None) -> dict:
     """This rank's process group of every kind (None where it is in no group of 2+ ranks).
     Two kinds with the same groups share one communicator.
 
@@ -353,7 +350,7 @@ def create_groups(layout: GridLayout, rank: int, backend=None, timeout=None, cp_
     split = (dist.get_backend() == "nccl" and backend in (None, "nccl")
              and getattr(dist.group.WORLD, "bound_device_id", None) is not None and hasattr(dist, "split_group"))
     out = {}
-    for kind, partition in group_plan(layout, cp_inner):
+    for kind, partition in group_plan(layout):
         if not partition:
             out[kind] = None
             continue
@@ -390,10 +387,7 @@ def build_grid(parallel: ParallelConfig, world_size: int, rank: int,
                gpus_per_node: int | None = None, timeout=None, experts: bool = False) -> ProcessGrid:
     """Validate the layout against the world and the machine, then build the groups
     (``timeout``: a timedelta for every collective on them; torch's default otherwise;
-    ``experts``: the model has experts, so the ep/edp groups are made too; the inner size of
-    ``--hierarchical-context-parallel-sizes``, which validate() accepts only with a2a+p2p,
-    cuts the CP groups into cp_inner / cp_outer)."""
+    ``experts``: the model has experts, so the ep/edp groups are made too)."""
     gpus_per_node = gpus_per_node or gpus_per_node_from_env(world_size)
     layout = GridLayout.from_config(parallel, world_size, experts)
-    sizes = parallel.hierarchical_context_parallel_sizes
-    return ProcessGrid(layout, rank, gpus_per_node, timeout=timeout, cp_inner=sizes[0] if sizes else 1)
+    return ProcessGrid(layout, rank, gpus_per_node, timeout=timeout)

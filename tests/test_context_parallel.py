@@ -207,7 +207,8 @@ def test_ring_attention_backend_choice_and_errors():
     from megalite.layers.attention import BackendUnavailable
     cpu, meta = torch.empty(1, 2, 4, 8), torch.empty(1, 2, 4, 8, device="meta")
     assert resolve_ring_backend("auto", cpu) == resolve_ring_backend("auto", meta) == "torch"
-    assert block_ops("auto", meta).forward is attention_block_forward
+    assert block_ops("auto", cpu).forward is attention_block_forward
+    assert block_ops("auto", meta).name == block_ops("triton", meta).name == "meta"  # no scores on meta
     assert resolve_ring_backend("triton", cpu) == "triton"  # the interpreter (conftest)
     with pytest.raises(BackendUnavailable, match=r"on flash-attn cannot run: flash-attn is not installed.*"
                                                  r"Fix: install it on a GPU machine"):

@@ -28,7 +28,8 @@ Block functions (``backend``), the same numbers up to rounding:
 - ``triton``: the Triton flash-attention kernels (``flash_attention_forward`` /
   ``flash_attention_backward``; the GPU default). On a CPU only under ``TRITON_INTERPRET=1``.
 - ``torch``: the math path of ``megalite.kernels.attention_reference`` (one block's scores
-  materialized, float32 for 16-bit inputs); runs on any device, ``meta`` included.
+  materialized, float32 for 16-bit inputs); runs on any device. On ``meta`` (the dry run)
+  every backend is replaced by shape-only stand-ins with the Triton kernels' memory.
 - ``flash``: flash-attn's block forward (with its LSE) and backward (from the global output
   and LSE), through the adapter of :mod:`megalite.context_parallel.flash_blocks`; a CUDA GPU
   with flash-attn installed, fp16/bf16.
@@ -84,9 +85,29 @@ def resolve_ring_backend(backend: str, q: torch.Tensor) -> str:
     return backend
 
 
+def _meta_forward(q, k, v, causal: bool = True, scale: float | None = None):
+    return torch.empty_like(q), torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+
+
+def _meta_backward(q, k, v, out, dout, lse, causal: bool = True, scale: float | None = None, delta=None):
+    return tuple(torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
+
+
+def _meta_delta(out, dout):
+    return torch.empty(out.shape[:-1], dtype=torch.float32, device=out.device)
+
+
+# On meta tensors (the dry run) nothing is computed: these give the outputs the Triton kernels
+# give on a GPU (out like q, fp32 lse and delta, fp32 block gradients), and, as those kernels,
+# never materialize a block's (s_q x s_k) scores, so the dry run measures a GPU's memory.
+META_OPS = BlockOps("meta", _meta_forward, _meta_backward, _meta_delta)
+
+
 def block_ops(backend: str, q: torch.Tensor) -> BlockOps:
-    """The block functions for ``backend`` on q's device; Triton or flash-attn is imported only
-    when chosen."""
+    """The block functions for ``backend`` on q's device (``META_OPS`` on meta); Triton or
+    flash-attn is imported only when chosen."""
+    if q.device.type == "meta":
+        return META_OPS
     name = resolve_ring_backend(backend, q)
     if name == "flash":
         from megalite.context_parallel.flash_blocks import flash_block_backward, flash_block_forward

@@ -110,23 +110,29 @@ def theory_at_scale(cps):
 SEVEN_B_LAYER = ["--num-layers", "1", "--hidden-size", "4096", "--num-attention-heads", "32", "--seq-length", "32768",
                  "--ffn-hidden-size", "11008", "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type",
                  "rope", "--disable-bias-linear", "--vocab-size", "32000", "--micro-batch-size", "1", "--bf16",
-                 "--mock-data", "--hidden-dropout", "0", "--attention-dropout", "0", "--use-flash-attn"]
+                 "--mock-data", "--hidden-dropout", "0", "--attention-dropout", "0"]
 
 
 def dry_run_memory(cp):
-    from dry_run import run_role
+    from dry_run import measure_layout
 
-    print(f"\n3. dry-run memory, one 7B layer at 32k tokens, CP={cp} (meta device, fake process group, rank 0): GiB")
-    print(f"{'type':>10} {'A x B':>6} {'peak':>7} {'activations':>11} {'communication':>13}")
+    from megalite.arguments import build_parser, config_from_args
+    from megalite.parallel.grid import GridLayout
+
+    print(f"\n3. dry-run memory, one 7B layer at 32k tokens, CP={cp} (meta device, fake process group, rank 0), "
+          f"beside the planner: GiB")
+    print(f"{'type':>10} {'A x B':>6} {'peak':>7} {'planned':>7} {'activations':>11} {'communication':>13}")
     for t in CP_COMM_TYPES:
-        extra = ["--cp-comm-type", t] + (["--hierarchical-context-parallel-sizes", "2", str(cp // 2)]
-                                         if t == "a2a+p2p" else [])
-        record = run_role(SEVEN_B_LAYER + ["--context-parallel-size", str(cp), "--global-batch-size", "1"] + extra,
-                          cp, 0, cp, "meta")
-        mem = record["memory"]
-        at_peak = mem["peak_by_category"]
-        print(f"{t:>10} {('2x' + str(cp // 2)) if t == 'a2a+p2p' else '':>6} {mem['peak'] / 2 ** 30:>7.2f} "
-              f"{at_peak.get('activations', 0) / 2 ** 30:>11.2f} {at_peak.get('communication', 0) / 2 ** 30:>13.2f}")
+        sizes = ["--hierarchical-context-parallel-sizes", "2", str(cp // 2)] if t == "a2a+p2p" else []
+        flags = SEVEN_B_LAYER + ["--context-parallel-size", str(cp), "--global-batch-size", "1",
+                                 "--cp-comm-type", t] + sizes
+        config = config_from_args(build_parser().parse_args(flags), 32000)
+        layout = GridLayout.from_config(config.parallel, cp)
+        (result,) = list(measure_layout(flags, config, layout, cp))
+        at_peak = result["categories"]
+        print(f"{t:>10} {('2x' + str(cp // 2)) if sizes else '':>6} {result['measured_bytes'] / 2 ** 30:>7.2f} "
+              f"{result['planned_bytes'] / 2 ** 30:>7.2f} {at_peak.get('activations', 0) / 2 ** 30:>11.2f} "
+              f"{at_peak.get('communication', 0) / 2 ** 30:>13.2f}")
 
 
 def main():

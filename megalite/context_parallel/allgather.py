@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from megalite.context_parallel.data import natural_to_rank_major, rank_major_to_natural
+from megalite.context_parallel.data import rank_major_to_natural
 from megalite.context_parallel.ring_attention import block_ops, local_chunk_ids
 from megalite.kernels.attention_reference import merge_attention
 from megalite.memory_tracker import category
@@ -47,16 +47,27 @@ class GatheredKV:
     def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
         self.work.wait()
         full = rank_major_to_natural(self.full, 0, self.size, self.causal)  # (s, 2, b, g, d)
+        self.full = None  # the rank-major copy goes as soon as the natural one exists
         k_full, v_full = full.permute(1, 2, 3, 0, 4).unbind(0)
         return k_full, v_full
 
 
-def scatter_sequence_sum(dk: torch.Tensor, dv: torch.Tensor, group, causal: bool, dtype: torch.dtype):
-    """Full-sequence (b, groups, s, d) partial dK, dV of every rank -> this rank's shards of their
-    sums (one reduce-scatter of both, in ``dtype``)."""
+def rank_major_chunks(size: int, causal: bool) -> list[int]:
+    """The natural chunk ids in rank-major order: rank 0's, then rank 1's, ..."""
+    return [c for r in range(size) for c in ((r, 2 * size - 1 - r) if causal else (r,))]
+
+
+def scatter_sequence_sum(both: torch.Tensor, group, causal: bool, dtype: torch.dtype):
+    """Every rank's full-sequence partial dK and dV, ``both`` (s, 2, b, groups, d) in natural order
+    -> this rank's shards of their sums (one reduce-scatter of both, in ``dtype``). The rank-major
+    send buffer is filled chunk by chunk, cast on the way: no further full-sequence copy."""
     size = comm.group_size(group)
-    both = torch.stack([dk, dv]).permute(3, 0, 1, 2, 4)  # (s, 2, b, g, d)
-    rank_major = natural_to_rank_major(both, 0, size, causal).to(dtype).contiguous()
+    with category("communication"):
+        rank_major = torch.empty(both.shape, dtype=dtype, device=both.device)
+    ids = rank_major_chunks(size, causal)
+    natural = both.chunk(len(ids), 0)
+    for dst, chunk_id in zip(rank_major.chunk(len(ids), 0), ids):
+        dst.copy_(natural[chunk_id])
     mine = comm.reduce_scatter_dim0(rank_major, group)  # (s_local, 2, b, g, d)
     dk_local, dv_local = mine.permute(1, 2, 3, 0, 4).unbind(0)
     return dk_local, dv_local
@@ -124,8 +135,9 @@ class _AllGatherAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
         dq_parts = dq.chunk(n, 2)
         b, groups, s_local, d = k.shape
-        dk_full = torch.zeros((b, groups, size * s_local, d), dtype=acc_dtype, device=k.device)
-        dv_full = torch.zeros_like(dk_full)
+        # dK and dV of the whole sequence in fp32, laid out (s, 2, b, g, d) as the reduce-scatter sends.
+        both = torch.zeros((size * s_local, 2, b, groups, d), dtype=acc_dtype, device=k.device)
+        dk_full, dv_full = both.permute(1, 2, 3, 0, 4).unbind(0)
         chunk = q_parts[0].shape[2]
 
         def block(part, k_blk, v_blk, lo, hi, diag):
@@ -140,7 +152,8 @@ class _AllGatherAttention(torch.autograd.Function):
         k_full, v_full = gathered.wait()
         for part, lo, hi in _gathered_blocks(rank, size, chunk, causal):
             block(part, k_full[:, :, lo:hi], v_full[:, :, lo:hi], lo, hi, False)
-        dk, dv = scatter_sequence_sum(dk_full, dv_full, group, causal, k.dtype)
+        del k_full, v_full, dk_full, dv_full  # the gathered K/V are not needed for the reduce-scatter
+        dk, dv = scatter_sequence_sum(both, group, causal, k.dtype)
         return dq.to(q.dtype), dk, dv, None, None, None, None
 
 

@@ -10,6 +10,7 @@ the results between the test functions:
 - CP=4 (4 ranks), Llama-style (RoPE, GQA with 2 key/value groups, RMSNorm, SwiGLU): all four
   types, a2a+p2p as 2x2; a2a over 4 ranks replicates the 2 groups to lcm(2, 4) = 4. And the GPT
   (loss and every gradient) under all four.
+- Also at 4 ranks: PP2 x CP2 under allgather with ZeRO-2, and CP2 x DP2 under a2a with MoE (EP2).
 - 8 ranks: TP2 x CP4 (a2a+p2p 2x2) x DP1 and TP2 x CP2 (a2a) x DP2, both with sequence
   parallelism.
 """
@@ -173,10 +174,31 @@ CP4_RUNS = {"p2p": cp_flags(4, "p2p"), "a2a": cp_flags(4, "a2a"), "allgather": c
 CP4_TYPES = ["p2p", "a2a", "allgather", "a2a+p2p"]
 
 
+# In the same 4-rank world: the other types beside pipeline, ZeRO and experts. name: (model flags
+# of the serial reference, parallel flags).
+MOE = ("--num-experts", "4", "--moe-router-topk", "2")
+COMBINED_RUNS = {
+    "PP2 x CP2 (allgather), ZeRO-2 over DP x CP": (("--num-layers", "2"), ["--pipeline-model-parallel-size", "2",
+                                                   "--zero-stage", "2"] + cp_flags(2, "allgather")),
+    "CP2 (a2a) x DP2, MoE with EP2": (MOE, ["--expert-model-parallel-size", "2"] + cp_flags(2, "a2a")),
+}
+
+
 @pytest.fixture(scope="module")
 def cp4_world():
     runs = [(name, BASE + LLAMA + flags + ["--train-iters", ITERS]) for name, flags in CP4_RUNS.items()]
+    runs += [(name, BASE + list(model) + flags + ["--train-iters", ITERS])
+             for name, (model, flags) in COMBINED_RUNS.items()]
     return run_world(_world_worker, 4, runs, (CP4_TYPES, (2, 2)), timeout=300)
+
+
+@pytest.mark.parametrize("name", COMBINED_RUNS)
+def test_pretrain_cp_types_with_pipeline_zero_and_experts_match_single_process(cp4_world, name):
+    serial, worst = serial_log(COMBINED_RUNS[name][0]), 0.0
+    for out in cp4_world:
+        worst = max(worst, worst_rel([r[1:] for r in out[name]], serial))
+        assert worst < TOL, (name, worst)
+    print(f"{name}: largest relative loss / grad-norm difference vs 1 process:", worst)
 
 
 @pytest.mark.parametrize("name", CP4_RUNS)

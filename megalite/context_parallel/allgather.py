@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from megalite.context_parallel.data import rank_major_to_natural
-from megalite.context_parallel.ring_attention import block_ops, local_chunk_ids
+from megalite.context_parallel.ring_attention import assemble_output, block_ops, local_chunk_ids
 from megalite.kernels.attention_reference import merge_attention
 from megalite.memory_tracker import category
 from megalite.parallel import comm
@@ -111,10 +111,7 @@ class _AllGatherAttention(torch.autograd.Function):
         for part, lo, hi in _gathered_blocks(rank, size, chunk, causal):
             add(part, *ops.forward(q_parts[part], k_full[:, :, lo:hi], v_full[:, :, lo:hi], causal=False,
                                    scale=scale))
-        b, heads, s, d = q.shape  # the output laid out (s, b, heads, d), as the ring's
-        out = torch.empty((s, b, heads, d), dtype=q.dtype, device=q.device).permute(1, 2, 0, 3)
-        out.copy_(torch.cat([a[0] for a in acc], dim=2))
-        lse = torch.cat([a[1] for a in acc], dim=2)
+        out, lse = assemble_output(q, acc)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.causal, ctx.scale, ctx.ops = group, causal, scale, ops
         return out

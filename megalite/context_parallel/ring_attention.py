@@ -169,6 +169,19 @@ def _pairs(rank, src, size, causal):
             yield qi, qa, ki, ka, causal and ka == qa
 
 
+def assemble_output(q: torch.Tensor, acc: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """The merged (out, lse) of each local query chunk, in order -> one output like q, laid out
+    (s, b, heads, d): the order proj reads (as the Triton kernel writes it), so the model's
+    permute + reshape is a view and the output is kept once; and the lse of all chunks."""
+    b, heads, s, d = q.shape
+    out = torch.empty((s, b, heads, d), dtype=q.dtype, device=q.device).permute(1, 2, 0, 3)
+    start = 0
+    for part, _ in acc:
+        out[:, :, start: start + part.shape[2]].copy_(part)
+        start += part.shape[2]
+    return out, torch.cat([a[1] for a in acc], dim=2)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, causal, scale, exchange, ops):
@@ -191,15 +204,7 @@ class _RingAttention(torch.autograd.Function):
             exchange.events.append(("computed", time.perf_counter()))
             if pending is not None:
                 k_cur, v_cur = exchange.finish(pending)
-        # The output laid out (s, b, heads, d), the order proj reads (as the Triton kernel writes
-        # it): the model's permute + reshape is then a view, and the output is kept once.
-        b, heads, s, d = q.shape
-        out = torch.empty((s, b, heads, d), dtype=q.dtype, device=q.device).permute(1, 2, 0, 3)
-        start = 0
-        for part, _ in acc:
-            out[:, :, start: start + part.shape[2]].copy_(part)
-            start += part.shape[2]
-        lse = torch.cat([a[1] for a in acc], dim=2)
+        out, lse = assemble_output(q, acc)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.scale, ctx.exchange, ctx.ops = causal, scale, exchange, ops
         return out

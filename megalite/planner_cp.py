@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from megalite.context_parallel.attention import CP_COMM_TYPES
+from megalite.context_parallel.checks import CP_COMM_TYPES
 from megalite.context_parallel.traffic import CPTraffic, cp_attention_traffic
 
 if TYPE_CHECKING:  # the planner's dataclasses; the planner imports this module

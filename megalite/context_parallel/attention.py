@@ -22,10 +22,9 @@ from typing import NamedTuple
 import torch
 
 from megalite.context_parallel.allgather import allgather_attention
+from megalite.context_parallel.checks import CP_COMM_TYPES  # noqa: F401 - re-exported
 from megalite.context_parallel.ring_attention import ring_attention
 from megalite.context_parallel.ulysses import ulysses_attention
-
-CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
 
 
 class ContextParallelGroups(NamedTuple):

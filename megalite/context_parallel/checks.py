@@ -14,8 +14,10 @@ Why the rules (C = CP ranks, H = heads, T = TP, so each rank computes H/T heads)
 """
 from __future__ import annotations
 
-from megalite.context_parallel.attention import CP_COMM_TYPES
 from megalite.errors import ConfigError
+
+# Megatron's --cp-comm-type names (megalite.context_parallel.attention says what each does).
+CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
 
 
 def _divisors(n: int) -> list[int]:

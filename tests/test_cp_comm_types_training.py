@@ -5,8 +5,9 @@ Worlds are expensive on two cores, so each world runs many checks in sequence (p
 the process group up; the grid's groups are reused by rank list) and module fixtures share
 the results between the test functions:
 
-- CP=2 (2 ranks): a2a, allgather, a2a+p2p as 2x1 and 1x2, a2a with selective recompute, a
-  checkpoint saved under p2p resumed under a2a, and the GPT (GQA + RoPE) under a2a and allgather.
+- CP=2 (2 ranks): a2a, allgather, a2a+p2p as 2x1 and 1x2, a2a with selective recompute,
+  allgather with full recompute, a checkpoint saved under p2p resumed under a2a, and the GPT
+  (GQA + RoPE) under a2a and allgather.
 - CP=4 (4 ranks), Llama-style (RoPE, GQA with 2 key/value groups, RMSNorm, SwiGLU): all four
   types, a2a+p2p as 2x2; a2a over 4 ranks replicates the 2 groups to lcm(2, 4) = 4. And the GPT
   (loss and every gradient) under all four.
@@ -126,6 +127,7 @@ CP2_RUNS = {
     "a2a+p2p 2x1": cp_flags(2, "a2a+p2p", (2, 1)),
     "a2a+p2p 1x2": cp_flags(2, "a2a+p2p", (1, 2)),
     "a2a, selective recompute": cp_flags(2, "a2a") + ["--recompute-granularity", "selective"],
+    "allgather, full recompute": cp_flags(2, "allgather") + ["--recompute-granularity", "full"],
 }
 
 

@@ -6,6 +6,14 @@ Causal with offsets: query i sits at absolute position ``i + q_offset``, key j a
 ``j + k_offset``, and j is visible iff ``j + k_offset <= i + q_offset``. A query that sees no
 key has ``lse_i = -inf`` and ``o_i = 0``.
 
+Packed documents (``doc_start``, ``doc_end``): several documents share the sequence and a
+query sees only keys of its own document. ``doc_start`` (b, s_q) gives, for each query row, the
+absolute position where its document begins; key j is visible to query i iff
+``doc_start[i] <= j + k_offset`` (and, always causal, ``j + k_offset <= i + q_offset``).
+``doc_end`` (b, s_k) gives, for each key, the absolute position where its document ends
+(exclusive): no query at or past it sees the key. It carries no extra information (documents
+are contiguous) and only tells the kernels which query tiles to skip; the reference ignores it.
+
 Grouped-query attention: q has ``heads`` heads and k, v have ``groups`` heads; query head h
 reads key/value head ``h // (heads / groups)`` (consecutive query heads share a group).
 
@@ -33,20 +41,41 @@ from megalite.kernels._utils import check_backward_shapes
 
 
 def causal_visible(s_q: int, s_k: int, q_offset: int, k_offset: int,
-                   device=None) -> torch.Tensor:
-    """Boolean (s_q, s_k) mask: ``visible[i, j] = j + k_offset <= i + q_offset``."""
+                   device=None, doc_start: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean mask ``visible[i, j] = j + k_offset <= i + q_offset``, (s_q, s_k); with
+    ``doc_start`` (b, s_q) also ``doc_start[i] <= j + k_offset``, (b, 1, s_q, s_k)."""
     i = torch.arange(s_q, device=device).unsqueeze(1) + q_offset
     j = torch.arange(s_k, device=device).unsqueeze(0) + k_offset
-    return j <= i
+    visible = j <= i
+    if doc_start is not None:
+        visible = (visible & (j >= doc_start.to(device=device).unsqueeze(-1))).unsqueeze(1)
+    return visible
+
+
+def check_documents(what: str, causal: bool, q: torch.Tensor, k: torch.Tensor, doc_start, doc_end) -> None:
+    """Documents go with causal attention; doc_start is (b, s_q), doc_end (b, s_k)."""
+    if doc_start is None and doc_end is None:
+        return
+    if not causal:
+        raise ValueError(f"{what}: packed documents (doc_start/doc_end) need causal attention.")
+    b, s_q, s_k = q.shape[0], q.shape[2], k.shape[2]
+    if doc_start is None or tuple(doc_start.shape) != (b, s_q):
+        raise ValueError(f"{what}: doc_start must be (b, s_q) = {(b, s_q)}, got "
+                         f"{None if doc_start is None else tuple(doc_start.shape)}.")
+    if doc_end is not None and tuple(doc_end.shape) != (b, s_k):
+        raise ValueError(f"{what}: doc_end must be (b, s_k) = {(b, s_k)}, got {tuple(doc_end.shape)}.")
 
 
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                        q_offset: int = 0, k_offset: int = 0, scale: float | None = None):
+                        q_offset: int = 0, k_offset: int = 0, scale: float | None = None,
+                        doc_start: torch.Tensor | None = None, doc_end: torch.Tensor | None = None):
     """(out, lse) in plain torch, computed in the inputs' dtype (pass float64 for a reference).
 
     q: (b, heads, s_q, d); k, v: (b, groups, s_k, d). Returns out (b, heads, s_q, d) and
-    lse (b, heads, s_q) with the natural log. Differentiable with autograd.
+    lse (b, heads, s_q) with the natural log. Differentiable with autograd. ``doc_start`` /
+    ``doc_end``: packed documents (module docstring), causal only.
     """
+    check_documents("attention_reference", causal, q, k, doc_start, doc_end)
     heads, groups = q.shape[1], k.shape[1]
     if heads % groups != 0:
         raise ValueError(f"query heads ({heads}) must be a multiple of key/value heads ({groups}).")
@@ -58,7 +87,7 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
     if not causal:
         lse = torch.logsumexp(scores, dim=-1)
         return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), v), lse
-    visible = causal_visible(q.shape[2], k.shape[2], q_offset, k_offset, q.device)
+    visible = causal_visible(q.shape[2], k.shape[2], q_offset, k_offset, q.device, doc_start)
     scores = scores.masked_fill(~visible, float("-inf"))
     # Rows with no visible key: take the log-sum-exp of zeros instead (finite, no NaN in the
     # backward), then report -inf; their probabilities are exp(-inf) = 0 either way.
@@ -126,13 +155,15 @@ def without_autocast(fn):
 @torch.no_grad()
 @without_autocast
 def attention_block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
-                            q_offset: int = 0, k_offset: int = 0, scale: float | None = None):
+                            q_offset: int = 0, k_offset: int = 0, scale: float | None = None,
+                            doc_start: torch.Tensor | None = None, doc_end: torch.Tensor | None = None):
     """(out, lse) of one block, as ``flash_attention_forward``: out in q's dtype, lse
     (b, heads, s_q) in float32 (float64 for float64 inputs); no autograd."""
     _check_block_inputs("attention_block_forward", q, k, v)
     acc = _compute_dtype(q.dtype)
     out, lse = attention_reference(q.to(acc), k.to(acc), v.to(acc), causal=causal,
-                                   q_offset=q_offset, k_offset=k_offset, scale=scale)
+                                   q_offset=q_offset, k_offset=k_offset, scale=scale,
+                                   doc_start=doc_start, doc_end=doc_end)
     return out.to(q.dtype), lse
 
 
@@ -146,12 +177,14 @@ def attention_block_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor
 @without_autocast
 def attention_block_backward(q, k, v, out, dout, lse, causal: bool = True, q_offset: int = 0,
                              k_offset: int = 0, scale: float | None = None, *, delta=None,
-                             dlse=None):
+                             dlse=None, doc_start: torch.Tensor | None = None,
+                             doc_end: torch.Tensor | None = None):
     """(dq, dk, dv) of one (q, k/v) block from the global ``lse`` and ``out``/``dout`` (or their
     ``delta``), as ``flash_attention_backward``: in the inputs' dtypes, dk and dv summed over
     each group's query heads. A gradient on lse enters as ``delta - dlse``."""
     _check_block_inputs("attention_block_backward", q, k, v)
     check_backward_shapes("attention_block_backward", q, out, dout, lse, delta)
+    check_documents("attention_block_backward", causal, q, k, doc_start, doc_end)
     acc = _compute_dtype(q.dtype)
     b, heads, s_q, d = q.shape
     groups, s_k = k.shape[1], k.shape[2]
@@ -171,7 +204,9 @@ def attention_block_backward(q, k, v, out, dout, lse, causal: bool = True, q_off
     lse_g = lse_g.masked_fill(lse_g == float("-inf"), float("inf"))
     p = torch.exp(torch.matmul(q_g, k_g.transpose(-1, -2)) * scale - lse_g)
     if causal:
-        visible = causal_visible(s_q, s_k, q_offset, k_offset, q.device)
+        visible = causal_visible(s_q, s_k, q_offset, k_offset, q.device, doc_start)
+        if doc_start is not None:  # (b, 1, s_q, s_k) -> (b, 1, 1, s_q, s_k) against the grouped heads
+            visible = visible.unsqueeze(1)
         p = p.masked_fill(~visible, 0.0)
     dv = torch.matmul(p.transpose(-1, -2), do_g).sum(dim=2)
     ds = p * (torch.matmul(do_g, v_g.transpose(-1, -2)) - delta_g)

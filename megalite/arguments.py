@@ -137,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--split", type=str, default="969,30,1", help="train,valid,test by documents "
                    "(of each dataset of a blend)")
     g.add_argument("--mock-data", action="store_true")
+    g.add_argument("--reset-position-ids", action="store_true",
+                   help="position ids restart at 0 after each end-of-document (EOD) token")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="attention stops at document boundaries (EOD tokens) inside a sequence")
+    g.add_argument("--eod-mask-loss", action="store_true",
+                   help="no loss where the input token is the EOD token")
     g.add_argument("--tokenizer-type", type=str, default=None,
                    choices=["SentencePieceTokenizer", "GPTSentencePieceTokenizer",
                             "HuggingFaceTokenizer", "NullTokenizer"])
@@ -214,7 +220,9 @@ def check_logging_args(args: argparse.Namespace) -> None:
                                   f"--wandb-project NAME, or drop --{flag.replace('_', '-')}.")
 
 
-def config_from_args(args: argparse.Namespace, vocab_size: int) -> Config:
+def config_from_args(args: argparse.Namespace, vocab_size: int, eod_token: int | None = None) -> Config:
+    """``eod_token``: the tokenizer's end-of-document id (None: it has none), which the
+    packed-document flags need."""
     check_logging_args(args)
     model = ModelConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size,
@@ -268,5 +276,8 @@ def config_from_args(args: argparse.Namespace, vocab_size: int) -> Config:
         accumulate_allreduce_grads_in_fp32=args.accumulate_allreduce_grads_in_fp32, log_interval=args.log_interval, eval_interval=args.eval_interval, eval_iters=args.eval_iters,
     )
     data = DataConfig(data_path=args.data_path, mock_data=args.mock_data, split=args.split,
-                      tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model)
+                      tokenizer_type=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
+                      reset_position_ids=getattr(args, "reset_position_ids", False),
+                      reset_attention_mask=getattr(args, "reset_attention_mask", False),
+                      eod_mask_loss=getattr(args, "eod_mask_loss", False), eod_token=eod_token)
     return Config(model=model, parallel=parallel, train=train, data=data)

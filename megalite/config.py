@@ -157,6 +157,12 @@ class DataConfig:
     split: str = "969,30,1"
     tokenizer_type: str | None = None
     tokenizer_model: str | None = None
+    # Packed documents (Megatron's flags; megalite/data/packing.py): positions restart after
+    # each EOD token, attention stops at documents, no loss where the input is EOD.
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    eod_mask_loss: bool = False
+    eod_token: int | None = None  # the tokenizer's end-of-document id (None: it has none)
 
 
 @dataclass
@@ -374,6 +380,15 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
     if not d.mock_data and not d.data_path:
         raise ConfigError("no training data: pass --data-path PREFIX (a .bin/.idx pair written "
                           "by tools/preprocess_data.py) or --mock-data.")
+    packing = [f"--{name.replace('_', '-')}" for name in
+               ("reset_position_ids", "reset_attention_mask", "eod_mask_loss") if getattr(d, name)]
+    if packing and d.eod_token is None:
+        flags = " ".join(packing)
+        raise ConfigError(
+            f"{flags} needs an end-of-document (EOD) token to find where documents end, but the "
+            f"tokenizer ({d.tokenizer_type}{' ' + d.tokenizer_model if d.tokenizer_model else ''}) has none. Fix: use a "
+            f"tokenizer that names one (eos_token in tokenizer_config.json of a Hugging Face "
+            f"folder) and preprocess with --append-eod, or drop {flags}.")
     if d.data_path and not d.mock_data:
         from megalite.data.blended import parse_data_path
         try:

@@ -131,7 +131,7 @@ def setup(argv=None):
     if saved and args.mock_data and args.vocab_size is None and args.tokenizer_type in (None, "NullTokenizer"):
         args.vocab_size = saved["vocab_size"]  # mock data over the checkpoint's vocabulary
     tokenizer = _tokenizer_for(args)
-    config = config_from_args(args, tokenizer.vocab_size)
+    config = config_from_args(args, tokenizer.vocab_size, eod_token=tokenizer.eod)
     if saved:  # the model is the checkpoint's; contradicting flags are refused
         given = explicit_args(argv)
         adopt_checkpoint_model(config.model, saved, given, tokenizer.vocab_size, load_dir)
@@ -266,7 +266,9 @@ def pretrain(argv=None) -> list[dict]:
         micro_batch_size=t.micro_batch_size, dp_rank=grid.dp_rank, dp_size=dp,
         train_samples=t.train_iters * global_batch,
         valid_samples=num_evals * t.eval_iters * global_batch,
-        test_samples=t.eval_iters * global_batch, consumed_train_samples=consumed)
+        test_samples=t.eval_iters * global_batch, consumed_train_samples=consumed,
+        eod_token=tokenizer.eod, reset_position_ids=config.data.reset_position_ids,
+        reset_attention_mask=config.data.reset_attention_mask, eod_mask_loss=config.data.eod_mask_loss)
     for line in describe_data(getattr(train_iter, "dataset", None)):
         say(line)
     if valid_iter is not None:  # continue validation where the interrupted run was

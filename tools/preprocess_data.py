@@ -11,6 +11,11 @@ Megatron.
 
 The input is JSONL (one object per line, text under --json-keys) or plain text
 (documents separated by blank lines).  Train with --data-path PREFIX.
+
+Supervised fine-tuning data: --json-format sft reads JSONL lines {"prompt", "response"}
+or {"messages": [{"role", "content"}, ...]} (chosen per line; messages are rendered with
+the Hugging Face folder's chat template) and also writes PREFIX_loss_mask.bin/.idx, 1 on
+the response tokens: only those are trained on (see megalite/data/sft.py).
 """
 import argparse
 import os
@@ -37,6 +42,9 @@ def main(argv=None) -> None:
     parser.add_argument("--append-eod", action="store_true",
                         help="append the end-of-document id after every document")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    parser.add_argument("--json-format", choices=["text", "sft"], default="text",
+                        help="text: one document under --json-keys per line; sft: prompt/response "
+                             "or messages per line, with a loss mask (EOD always appended)")
     args = parser.parse_args(argv)
     if len(args.json_keys) != 1:
         parser.error(f"--json-keys got {args.json_keys}; megalite writes one dataset per "
@@ -46,7 +54,11 @@ def main(argv=None) -> None:
         print(f"tokenizing {args.input} with {tokenizer}, {args.workers} worker(s)")
         summary = preprocess(args.input, args.output_prefix, tokenizer,
                              json_key=args.json_keys[0], append_eod=args.append_eod,
-                             workers=args.workers, progress_stream=sys.stderr)
+                             workers=args.workers, progress_stream=sys.stderr,
+                             json_format=args.json_format)
+    except ValueError as e:  # bad input (a line, the template, the tokenizer): one message
+        print(f"preprocess_data.py: {e}", file=sys.stderr)
+        sys.exit(2)
     except OSError as e:  # one line naming the file, no traceback
         print(f"preprocess_data.py: cannot read {e.filename}: {e.strerror}" if e.filename
               else f"preprocess_data.py: {e}", file=sys.stderr)

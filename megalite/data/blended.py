@@ -194,12 +194,14 @@ def _cached_blend_index(indexed, weights, split, split_name, seq_length, size, s
 
 
 def build_blended_datasets(indexed: list, weights: list[float], *, split: str, seq_length: int,
-                           seed: int, num_samples: list[int]) -> list:
+                           seed: int, num_samples: list[int], loss_masks: list | None = None) -> list:
     """[train, valid, test] :class:`BlendedDataset` (``None`` for an empty split).
 
     ``indexed`` are the opened :class:`~megalite.data.indexed_dataset.IndexedDataset`
-    of the blend and ``weights`` their normalized weights (:func:`parse_data_path`).
+    of the blend and ``weights`` their normalized weights (:func:`parse_data_path`);
+    ``loss_masks`` their SFT loss masks (``None`` entries: no mask).
     """
+    loss_masks = loss_masks or [None] * len(indexed)
     ranges = [split_documents(len(ds), split) for ds in indexed]
     names = [ds.prefix for ds in indexed]
     result = []
@@ -223,7 +225,8 @@ def build_blended_datasets(indexed: list, weights: list[float], *, split: str, s
         datasets = []
         for j, d in enumerate(members):
             wanted = max(math.ceil(w[j] * size * (1 + BLEND_MARGIN)), int(counts[j]), 1)
-            datasets.append(GPTDataset(indexed[d], ranges[d][k], seq_length, wanted, seed))
+            datasets.append(GPTDataset(indexed[d], ranges[d][k], seq_length, wanted, seed,
+                                       loss_mask_dataset=loss_masks[d]))
         result.append(BlendedDataset(datasets, w, [names[d] for d in members], index,
                                      path, status))
     return result

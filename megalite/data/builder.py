@@ -5,8 +5,18 @@ torch tensors, with ``b = micro_batch_size`` and ``s = seq_length``:
 
 * ``tokens``       (b, s) int64:   sample[:, :-1], the model inputs;
 * ``labels``       (b, s) int64:   sample[:, 1:], the next token of each input;
-* ``loss_mask``    (b, s) float32: all ones (every position is trained on);
-* ``position_ids`` (b, s) int64:   0 .. s-1 in every row.
+* ``loss_mask``    (b, s) float32: 1 where the label is trained on: all ones,
+  except 0 where the input is the EOD token (``--eod-mask-loss``) and, for SFT
+  data (a ``PREFIX_loss_mask`` beside the dataset), 0 where the label is a
+  prompt token;
+* ``position_ids`` (b, s) int64:   0 .. s-1 in every row, or restarting at 0
+  after each EOD token (``--reset-position-ids``);
+* with ``--reset-attention-mask`` only: ``doc_start`` and ``doc_end`` (b, s)
+  int32, where the document of each token starts and ends (exclusive) in the
+  row.
+
+See :mod:`megalite.data.packing` for the EOD rule.  All of it is computed here,
+on the host; the training step never derives it from token values.
 
 The train iterator is finite: it reads samples ``consumed_train_samples ..
 train_samples`` in :class:`~megalite.data.sampler.PretrainingSampler` order
@@ -18,27 +28,40 @@ when its split has no documents or is asked for 0 samples.
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 
 from megalite.data.blended import build_blended_datasets, parse_data_path
 from megalite.data.gpt_dataset import GPTDataset, MockGPTDataset, split_documents
 from megalite.data.indexed_dataset import DatasetError, IndexedDataset
+from megalite.data.packing import Packing, batch_fields, check_packing
 from megalite.data.sampler import PretrainingSampler
+from megalite.data.sft import loss_mask_prefix
 
 SPLIT_NAMES = ("train", "valid", "test")
 
 
-def collate(samples: list[np.ndarray]) -> dict[str, torch.Tensor]:
-    """Stack samples of ``s + 1`` tokens into a micro-batch dict (see module doc)."""
-    batch = torch.from_numpy(np.stack(samples).astype(np.int64, copy=False))
-    b, s = batch.shape[0], batch.shape[1] - 1
-    return {
-        "tokens": batch[:, :-1].contiguous(),
-        "labels": batch[:, 1:].contiguous(),
-        "loss_mask": torch.ones(b, s, dtype=torch.float32),
-        "position_ids": torch.arange(s, dtype=torch.int64).repeat(b, 1),
-    }
+def collate(samples: list, packing: Packing = Packing()) -> dict[str, torch.Tensor]:
+    """Stack samples of ``s + 1`` tokens into a micro-batch dict (see module doc).
+
+    A sample is a token array, or a dict with ``tokens`` and ``token_mask`` (SFT: 1 on
+    the tokens to predict); a token array alone predicts every token.
+    """
+    has_mask = any(isinstance(sample, dict) for sample in samples)
+    rows = [sample["tokens"] if isinstance(sample, dict) else sample for sample in samples]
+    batch = np.stack(rows).astype(np.int64, copy=False)
+    label_mask = None
+    if has_mask:
+        label_mask = np.stack([sample["token_mask"][1:] if isinstance(sample, dict)
+                               else np.ones(len(sample) - 1, np.uint8) for sample in samples])
+    tokens = np.ascontiguousarray(batch[:, :-1])
+    fields = batch_fields(tokens, label_mask, packing)
+    out = {"tokens": torch.from_numpy(tokens),
+           "labels": torch.from_numpy(np.ascontiguousarray(batch[:, 1:]))}
+    out.update({key: torch.from_numpy(np.ascontiguousarray(value)) for key, value in fields.items()})
+    return out
 
 
 class MicroBatchIterator:
@@ -48,9 +71,11 @@ class MicroBatchIterator:
     over from the sampler's first micro-batch.
     """
 
-    def __init__(self, dataset, sampler: PretrainingSampler, cyclic: bool):
+    def __init__(self, dataset, sampler: PretrainingSampler, cyclic: bool,
+                 packing: Packing = Packing()):
         if cyclic and len(sampler) == 0:
             raise ValueError("a cyclic iterator needs at least one micro-batch")
+        self.packing = packing
         self.dataset = dataset
         self.sampler = sampler
         self.cyclic = cyclic
@@ -67,7 +92,7 @@ class MicroBatchIterator:
                 raise
             self._indices = iter(self.sampler)
             indices = next(self._indices)
-        return collate([self.dataset[i] for i in indices])
+        return collate([self.dataset[i] for i in indices], self.packing)
 
 
 def check_dataset_vocab(dataset: IndexedDataset, vocab_size: int) -> None:
@@ -81,16 +106,31 @@ def check_dataset_vocab(dataset: IndexedDataset, vocab_size: int) -> None:
         )
 
 
-def _check_vocab(dataset: IndexedDataset, vocab_size: int, eod_token: int | None) -> None:
+def _check_vocab(dataset: IndexedDataset, vocab_size: int, eod_token: int | None,
+                 packing: Packing = Packing()) -> None:
     check_dataset_vocab(dataset, vocab_size)
     if eod_token is not None and not 0 <= eod_token < vocab_size:
         raise ValueError(f"eod_token={eod_token} must lie in [0, {vocab_size}) "
                          f"(vocab_size={vocab_size}).")
+    if packing.any and dataset.num_tokens and not np.any(dataset.tokens == packing.eod_token):
+        flags = " ".join(packing.flags())
+        raise DatasetError(
+            f"{flags}: dataset {dataset.prefix} holds no end-of-document token (id "
+            f"{packing.eod_token}), so it has no document boundaries to use. Fix: re-run "
+            f"tools/preprocess_data.py with --append-eod (and this tokenizer), or drop {flags}.")
+
+
+def open_loss_mask(prefix: str) -> IndexedDataset | None:
+    """``PREFIX_loss_mask`` (written by SFT preprocessing) when it exists beside ``PREFIX``."""
+    mask_prefix = loss_mask_prefix(prefix)
+    if os.path.isfile(mask_prefix + ".idx") or os.path.isfile(mask_prefix + ".bin"):
+        return IndexedDataset(mask_prefix)
+    return None
 
 
 def build_datasets(*, data_prefix: str | list[str] | None, mock: bool, split: str,
                    vocab_size: int, seq_length: int, seed: int, num_samples: list[int],
-                   eod_token: int | None = None) -> list:
+                   eod_token: int | None = None, packing: Packing = Packing()) -> list:
     """The [train, valid, test] datasets (``None`` for an empty split).
 
     ``mock=True`` takes precedence over ``data_prefix``; mock splits use seeds
@@ -99,10 +139,14 @@ def build_datasets(*, data_prefix: str | list[str] | None, mock: bool, split: st
     ``seed`` (their documents differ already).  ``data_prefix`` is one prefix
     or the ``--data-path`` values of a blend (``["0.7", "A", "0.3", "B"]``; see
     :mod:`megalite.data.blended`); a single prefix behaves as it always has.
+    With a packed-document flag on, mock samples hold documents closed by
+    ``packing.eod_token`` (see :class:`MockGPTDataset`).  A ``PREFIX_loss_mask``
+    beside a prefix (SFT data) is cut into the same windows as its tokens.
     """
+    mock_eod = packing.eod_token if packing.any else None
     if mock:
-        return [MockGPTDataset(vocab_size, seq_length, n, 3 * seed + k) if n > 0 else None
-                for k, n in enumerate(num_samples)]
+        return [MockGPTDataset(vocab_size, seq_length, n, 3 * seed + k, eod_token=mock_eod)
+                if n > 0 else None for k, n in enumerate(num_samples)]
     if not data_prefix:
         raise ValueError("No training data: pass --data-path PREFIX (made by "
                          "tools/preprocess_data.py) or --mock-data.")
@@ -110,13 +154,15 @@ def build_datasets(*, data_prefix: str | list[str] | None, mock: bool, split: st
     if len(prefixes) > 1:
         blend = [IndexedDataset(prefix) for prefix in prefixes]
         for indexed in blend:
-            _check_vocab(indexed, vocab_size, eod_token)
+            _check_vocab(indexed, vocab_size, eod_token, packing)
         return build_blended_datasets(blend, weights, split=split, seq_length=seq_length,
-                                      seed=seed, num_samples=num_samples)
+                                      seed=seed, num_samples=num_samples,
+                                      loss_masks=[open_loss_mask(p) for p in prefixes])
     indexed = IndexedDataset(prefixes[0])
-    _check_vocab(indexed, vocab_size, eod_token)
+    _check_vocab(indexed, vocab_size, eod_token, packing)
+    mask = open_loss_mask(prefixes[0])
     ranges = split_documents(len(indexed), split)
-    return [GPTDataset(indexed, doc_range, seq_length, n, seed)
+    return [GPTDataset(indexed, doc_range, seq_length, n, seed, loss_mask_dataset=mask)
             if n > 0 and len(doc_range) > 0 else None
             for doc_range, n in zip(ranges, num_samples)]
 
@@ -126,8 +172,14 @@ def build_data_iterators(*, data_prefix: str | list[str] | None, mock: bool, spl
                          dp_rank: int,
                          dp_size: int, train_samples: int, valid_samples: int,
                          test_samples: int, consumed_train_samples: int = 0,
-                         eod_token: int | None = None):
-    """Return ``(train_iter, valid_iter, test_iter)``; see the module docstring."""
+                         eod_token: int | None = None, reset_position_ids: bool = False,
+                         reset_attention_mask: bool = False, eod_mask_loss: bool = False):
+    """Return ``(train_iter, valid_iter, test_iter)``; see the module docstring.
+
+    The three flags are Megatron's packed-document options; they need ``eod_token``.
+    """
+    packing = Packing(reset_position_ids, reset_attention_mask, eod_mask_loss, eod_token)
+    check_packing(packing, "the tokenizer")
     num_samples = [train_samples, valid_samples, test_samples]
     step = micro_batch_size * dp_size
     for name, n in zip(SPLIT_NAMES, num_samples):
@@ -141,7 +193,7 @@ def build_data_iterators(*, data_prefix: str | list[str] | None, mock: bool, spl
             )
     datasets = build_datasets(data_prefix=data_prefix, mock=mock, split=split,
                               vocab_size=vocab_size, seq_length=seq_length, seed=seed,
-                              num_samples=num_samples, eod_token=eod_token)
+                              num_samples=num_samples, eod_token=eod_token, packing=packing)
     iterators = []
     for k, (dataset, n) in enumerate(zip(datasets, num_samples)):
         if dataset is None:
@@ -149,5 +201,5 @@ def build_data_iterators(*, data_prefix: str | list[str] | None, mock: bool, spl
             continue
         consumed = consumed_train_samples if k == 0 else 0
         sampler = PretrainingSampler(n, consumed, micro_batch_size, dp_rank, dp_size)
-        iterators.append(MicroBatchIterator(dataset, sampler, cyclic=k > 0))
+        iterators.append(MicroBatchIterator(dataset, sampler, cyclic=k > 0, packing=packing))
     return tuple(iterators)

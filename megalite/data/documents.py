@@ -61,8 +61,8 @@ def _iter_paragraphs(path: str) -> Iterator[str]:
         yield "\n".join(block)
 
 
-def iter_documents(path: str, json_key: str = "text") -> Iterator[str]:
-    """Yield the documents of a ``.jsonl`` or plain-text corpus, in file order."""
+def check_input(path: str) -> None:
+    """The corpus is one readable file (else FileNotFoundError naming the fix)."""
     if os.path.isdir(path):
         raise FileNotFoundError(f"Input corpus {path!r} is a directory; --input takes one .jsonl or text file. "
                                 f"Fix: concatenate the files (cat DIR/*.jsonl > corpus.jsonl) and pass that.")
@@ -71,6 +71,11 @@ def iter_documents(path: str, json_key: str = "text") -> Iterator[str]:
             f"Input corpus {path!r} does not exist. Check --input, or build the default "
             f"corpus with: python tools/build_default_corpus.py --output {path}"
         )
+
+
+def iter_documents(path: str, json_key: str = "text") -> Iterator[str]:
+    """Yield the documents of a ``.jsonl`` or plain-text corpus, in file order."""
+    check_input(path)
     if is_jsonl(path):
         return _iter_jsonl(path, json_key)
     return _iter_paragraphs(path)

@@ -17,6 +17,12 @@ The stream is never materialised: ``stream_starts`` holds the stream offset
 where each document of the order begins, and a window is located with
 ``np.searchsorted``.  Everything is a function of the seed, so two datasets
 built with the same arguments return identical samples.
+
+Supervised fine-tuning data carries a second indexed dataset of the same
+document sizes, ``PREFIX_loss_mask`` (uint8, 1 on the tokens to be predicted;
+see :mod:`megalite.data.sft`).  When it is given, the same window is cut from it
+and a sample is ``{"tokens": ..., "token_mask": ...}`` (both ``L + 1`` long);
+otherwise a sample is the token array alone.
 """
 from __future__ import annotations
 
@@ -25,7 +31,7 @@ import re
 
 import numpy as np
 
-from megalite.data.indexed_dataset import IndexedDataset
+from megalite.data.indexed_dataset import DatasetError, IndexedDataset
 
 
 def parse_split(split: str) -> list[float]:
@@ -83,7 +89,8 @@ class GPTDataset:
     """
 
     def __init__(self, indexed_dataset: IndexedDataset, doc_range: range, seq_length: int,
-                 num_samples: int, seed: int, shuffle: bool = True):
+                 num_samples: int, seed: int, shuffle: bool = True,
+                 loss_mask_dataset: IndexedDataset | None = None):
         if seq_length < 1 or num_samples < 1:
             raise ValueError(f"seq_length={seq_length} and num_samples={num_samples} must "
                              f"both be >= 1.")
@@ -95,7 +102,14 @@ class GPTDataset:
         if doc_range.step != 1 or doc_range.start < 0 or doc_range.stop > len(indexed_dataset):
             raise ValueError(f"doc_range {doc_range} must be a contiguous range inside the "
                              f"dataset's {len(indexed_dataset)} documents.")
+        if loss_mask_dataset is not None and not np.array_equal(loss_mask_dataset.sizes,
+                                                                indexed_dataset.sizes):
+            raise DatasetError(
+                f"{loss_mask_dataset.prefix} (a loss mask) does not have the document sizes of "
+                f"{indexed_dataset.prefix}: they were not written together. Re-create both with "
+                f"tools/preprocess_data.py --json-format sft.")
         self.indexed_dataset = indexed_dataset
+        self.loss_mask_dataset = loss_mask_dataset
         self.seq_length = seq_length
         self.num_samples = num_samples
         self.seed = seed = check_seed(seed)
@@ -123,8 +137,10 @@ class GPTDataset:
     def __len__(self) -> int:
         return self.num_samples
 
-    def window(self, j: int) -> np.ndarray:
-        """Stream tokens ``[j*L, j*L + L + 1)`` (window ``j``, before sample shuffling)."""
+    def window(self, j: int, source: IndexedDataset | None = None) -> np.ndarray:
+        """Stream tokens ``[j*L, j*L + L + 1)`` (window ``j``, before sample shuffling),
+        cut from ``source`` (default: the tokens; or the loss mask, same sizes)."""
+        source = self.indexed_dataset if source is None else source
         start = j * self.seq_length
         stop = start + self.seq_length + 1
         first = int(np.searchsorted(self.stream_starts, start, side="right")) - 1
@@ -135,13 +151,16 @@ class GPTDataset:
             lo = max(start - doc_start, 0)
             hi = min(stop - doc_start, int(self.stream_starts[k + 1]) - doc_start)
             if hi > lo:
-                pieces.append(self.indexed_dataset.get(int(self.doc_order[k]), lo, hi - lo))
+                pieces.append(source.get(int(self.doc_order[k]), lo, hi - lo))
         return np.concatenate(pieces).astype(np.int64)
 
     def __getitem__(self, i: int) -> np.ndarray:
         if not 0 <= i < self.num_samples:
             raise IndexError(f"sample index {i} is out of range for {self.num_samples} samples")
-        return self.window(int(self.sample_order[i]))
+        j = int(self.sample_order[i])
+        if self.loss_mask_dataset is None:
+            return self.window(j)
+        return {"tokens": self.window(j), "token_mask": self.window(j, self.loss_mask_dataset)}
 
 
 class MockGPTDataset:
@@ -150,9 +169,18 @@ class MockGPTDataset:
     Sample ``i`` is ``seq_length + 1`` ids drawn uniformly from
     ``[0, vocab_size)`` by ``np.random.default_rng([seed, i])``, so it depends
     only on ``(seed, i)`` and not on which samples were read before.
+
+    With ``eod_token`` (given when a packed-document flag is on) the sample
+    holds documents instead: its ids are drawn from the vocabulary without
+    ``eod_token``, then document lengths are drawn uniformly from
+    ``[1, max(1, seq_length // 2)]`` by ``np.random.default_rng([seed, i, 1])``
+    and an EOD closes each document (so about four documents per sample, a
+    document of length 1 is two EODs in a row, and the first and last
+    documents run over the sample's edges).
     """
 
-    def __init__(self, vocab_size: int, seq_length: int, num_samples: int, seed: int):
+    def __init__(self, vocab_size: int, seq_length: int, num_samples: int, seed: int,
+                 eod_token: int | None = None):
         if vocab_size < 1 or seq_length < 1 or num_samples < 1:
             raise ValueError(f"MockGPTDataset needs vocab_size={vocab_size}, seq_length="
                              f"{seq_length} and num_samples={num_samples} all >= 1.")
@@ -160,6 +188,10 @@ class MockGPTDataset:
         self.seq_length = seq_length
         self.num_samples = num_samples
         self.seed = check_seed(seed)
+        if eod_token is not None and (vocab_size < 2 or not 0 <= eod_token < vocab_size):
+            raise ValueError(f"MockGPTDataset: eod_token={eod_token} must lie in [0, {vocab_size}) "
+                             f"with vocab_size >= 2 (other ids are needed for the documents).")
+        self.eod_token = eod_token
 
     def __len__(self) -> int:
         return self.num_samples
@@ -168,4 +200,13 @@ class MockGPTDataset:
         if not 0 <= i < self.num_samples:
             raise IndexError(f"sample index {i} is out of range for {self.num_samples} samples")
         rng = np.random.default_rng([self.seed, i])
-        return rng.integers(0, self.vocab_size, size=self.seq_length + 1, dtype=np.int64)
+        n = self.seq_length + 1
+        if self.eod_token is None:
+            return rng.integers(0, self.vocab_size, size=n, dtype=np.int64)
+        ids = rng.integers(0, self.vocab_size - 1, size=n, dtype=np.int64)
+        ids[ids >= self.eod_token] += 1  # every id but the EOD
+        lengths = np.random.default_rng([self.seed, i, 1]).integers(
+            1, max(1, self.seq_length // 2) + 1, size=n)
+        ends = np.cumsum(lengths) - 1
+        ids[ends[ends < n]] = self.eod_token
+        return ids

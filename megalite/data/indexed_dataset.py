@@ -7,7 +7,8 @@ else int32).  ``PREFIX.idx`` describes where each document lies (little-endian):
     offset  size         field
     0       8            magic  b"MGLTIDX\\0"
     8       8  uint64    format version (currently 1)
-    16      8  uint64    dtype code (1 = uint16, 2 = int32)
+    16      8  uint64    dtype code (1 = uint16, 2 = int32, 3 = uint8: per-token
+                         loss masks, ``PREFIX_loss_mask``)
     24      8  uint64    number of documents  n
     32      8  uint64    number of tokens     t
     40      4n int32     sizes[n]: tokens in each document
@@ -30,7 +31,7 @@ import numpy as np
 MAGIC = b"MGLTIDX\x00"
 VERSION = 1
 HEADER = struct.Struct("<8sQQQQ")  # magic, version, dtype code, num docs, num tokens
-DTYPE_CODES = {1: np.dtype(np.uint16), 2: np.dtype(np.int32)}
+DTYPE_CODES = {1: np.dtype(np.uint16), 2: np.dtype(np.int32), 3: np.dtype(np.uint8)}
 FIX_HINT = "Re-create the dataset with tools/preprocess_data.py."
 
 
@@ -55,7 +56,7 @@ def _dtype_code(dtype) -> int:
         if known == dtype:
             return code
     raise ValueError(f"dtype {dtype} is not supported; use numpy.uint16 or numpy.int32 "
-                     f"(best_dtype(vocab_size) picks one).")
+                     f"(best_dtype(vocab_size) picks one), or numpy.uint8 for masks.")
 
 
 def _index_layout(num_docs: int) -> tuple[int, int, int]:

@@ -114,6 +114,24 @@ def _id_list(value, path: str, key: str) -> list[int]:
     return list(values)
 
 
+def _chat_template(folder: str, tok_config: dict, tok_config_path: str) -> str | None:
+    """The default chat template: ``chat_template.jinja`` of the folder (newer
+    transformers save it there), else ``chat_template`` of ``tokenizer_config.json``
+    (a string, or a list of named templates of which "default" is taken)."""
+    path = os.path.join(folder, "chat_template.jinja")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    template = tok_config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise ValueError(f"{tok_config_path}: chat_template must be a string or a list of "
+                         f"{{\"name\", \"template\"}} with a \"default\" one.")
+    return template
+
+
 class HuggingFaceTokenizer:
     """A local Hugging Face ``tokenizer.json`` behind the megalite tokenizer interface.
 
@@ -224,6 +242,20 @@ class HuggingFaceTokenizer:
                 full = self._tok.encode("a", add_special_tokens=True).ids
                 add_bos = (bos is not None and full[:1] == [bos] and plain[:1] != [bos])
         self.add_bos = bool(add_bos) and self.bos is not None
+        # For SFT preprocessing: the chat template and the special-token strings it may use.
+        self.chat_template = _chat_template(folder, tok_config, tok_config_path)
+        self.special_tokens = {}
+        for key in ("bos_token", "eos_token", "unk_token", "pad_token"):
+            token = tok_config.get(key)
+            token = token.get("content") if isinstance(token, dict) else token
+            if isinstance(token, str):
+                self.special_tokens[key] = token
+
+    def encode_with_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
+        """The ids of ``text`` (no BOS, no post-processor, as ``apply_chat_template``
+        tokenizes a rendered chat) and each token's character span in ``text``."""
+        encoding = self._tok.encode(text, add_special_tokens=False)
+        return list(encoding.ids), [tuple(span) for span in encoding.offsets]
 
     @property
     def config(self) -> dict:

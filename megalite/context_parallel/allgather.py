@@ -17,6 +17,13 @@ computes), the diagonal blocks again run during the gather, every block's dK/dV 
 full-sequence fp32 buffer, and one reduce-scatter (the transpose of the all-gather) sums the C
 ranks' contributions and hands each rank its own shards, in the activations' dtype.
 
+Packed documents (whole (b, s) arrays, absolute positions): every block runs causal with its
+absolute offsets (query chunk a at ``a c``, the gathered keys [0, a c) at 0, the diagonal at
+``a c``) and the document slices, so a key is seen only within its document. The gathered range
+is not narrowed to the query chunk's earliest document start: that start is known only on the
+device (narrowing would be a host sync per layer); the Triton kernels skip the key tiles before
+it instead, and the torch blocks mask them.
+
 Traffic per rank and layer, counted as bytes handed to the collectives (all-gather output,
 reduce-scatter input): forward 2 b G s d e (K and V), backward 2 b G s d e again plus 2 b G s d e
 reduced; (C-1)/C of each crosses the wire. See ``context_parallel.traffic``.
@@ -26,7 +33,9 @@ from __future__ import annotations
 import torch
 
 from megalite.context_parallel.data import rank_major_to_natural
-from megalite.context_parallel.ring_attention import assemble_output, block_ops, local_chunk_ids
+from megalite.context_parallel.ring_attention import (assemble_output, block_ops, check_documents_length,
+                                                      local_chunk_ids)
+from megalite.layers.documents import Documents
 from megalite.kernels.attention_reference import merge_attention
 from megalite.memory_tracker import category
 from megalite.parallel import comm
@@ -92,34 +101,37 @@ def _gathered_blocks(rank: int, size: int, chunk: int, causal: bool):
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, ops):
+    def forward(ctx, q, k, v, group, causal, scale, ops, documents=None):
         size, rank = comm.group_size(group), comm.group_rank(group)
-        gathered = GatheredKV(k, v, group, causal)
         acc_dtype = torch.promote_types(q.dtype, torch.float32)
         n = 2 if causal else 1
         q_parts, k_parts, v_parts = q.chunk(n, 2), k.chunk(n, 2), v.chunk(n, 2)
         chunk = q_parts[0].shape[2]
+        check_documents_length(documents, chunk, n * size, causal)
+        gathered = GatheredKV(k, v, group, causal)
         acc = [None] * n
 
         def add(part, o, lse):
             o = o.to(acc_dtype)
             acc[part] = (o, lse) if acc[part] is None else merge_attention(*acc[part], o, lse)
 
-        for part, _, _ in _diagonal_blocks(rank, size, chunk, causal):  # while the gather runs
-            add(part, *ops.forward(q_parts[part], k_parts[part], v_parts[part], causal=True, scale=scale))
+        for part, lo, hi in _diagonal_blocks(rank, size, chunk, causal):  # while the gather runs
+            add(part, *ops.forward(q_parts[part], k_parts[part], v_parts[part], scale=scale,
+                                   **_kwargs(documents, True, lo, hi, lo, chunk)))
         k_full, v_full = gathered.wait()
         for part, lo, hi in _gathered_blocks(rank, size, chunk, causal):
-            add(part, *ops.forward(q_parts[part], k_full[:, :, lo:hi], v_full[:, :, lo:hi], causal=False,
-                                   scale=scale))
+            add(part, *ops.forward(q_parts[part], k_full[:, :, lo:hi], v_full[:, :, lo:hi], scale=scale,
+                                   **_kwargs(documents, False, lo, hi, local_chunk_ids(rank, size, causal)[part] * chunk,
+                                             chunk)))
         out, lse = assemble_output(q, acc)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.scale, ctx.ops = group, causal, scale, ops
+        ctx.group, ctx.causal, ctx.scale, ctx.ops, ctx.documents = group, causal, scale, ops, documents
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, causal, scale, ops = ctx.group, ctx.causal, ctx.scale, ctx.ops
+        group, causal, scale, ops, documents = ctx.group, ctx.causal, ctx.scale, ctx.ops, ctx.documents
         size, rank = comm.group_size(group), comm.group_rank(group)
         gathered = GatheredKV(k, v, group, causal)
         acc_dtype = torch.promote_types(q.dtype, torch.float32)
@@ -138,8 +150,10 @@ class _AllGatherAttention(torch.autograd.Function):
         chunk = q_parts[0].shape[2]
 
         def block(part, k_blk, v_blk, lo, hi, diag):
+            q_start = local_chunk_ids(rank, size, causal)[part] * chunk
             dq_p, dk_p, dv_p = ops.backward(q_parts[part], k_blk, v_blk, o_parts[part], do_parts[part],
-                                            lse_parts[part], causal=diag, scale=scale, delta=delta_parts[part])
+                                            lse_parts[part], scale=scale, delta=delta_parts[part],
+                                            **_kwargs(documents, diag, lo, hi, q_start, chunk))
             dq_parts[part].add_(dq_p.to(acc_dtype))
             dk_full[:, :, lo:hi].add_(dk_p.to(acc_dtype))
             dv_full[:, :, lo:hi].add_(dv_p.to(acc_dtype))
@@ -151,11 +165,20 @@ class _AllGatherAttention(torch.autograd.Function):
             block(part, k_full[:, :, lo:hi], v_full[:, :, lo:hi], lo, hi, False)
         del k_full, v_full, dk_full, dv_full  # the gathered K/V are not needed for the reduce-scatter
         dk, dv = scatter_sequence_sum(both, group, causal, k.dtype)
-        return dq.to(q.dtype), dk, dv, None, None, None, None
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None
+
+
+def _kwargs(documents: Documents | None, diag: bool, lo: int, hi: int, q_start: int, chunk: int) -> dict:
+    """A block's keyword arguments: keys [lo, hi) against the query chunk starting at ``q_start``
+    (``chunk`` tokens); with documents, causal at those absolute offsets (see the module docstring)."""
+    if documents is None:
+        return {"causal": diag}
+    return documents.block(q_start, chunk, lo, hi - lo)
 
 
 def allgather_attention(q, k, v, group, causal: bool = True, scale: float | None = None,
-                        backend: str = "auto") -> torch.Tensor:
+                        backend: str = "auto", documents: Documents | None = None) -> torch.Tensor:
     """Exact attention of this rank's queries over the whole sequence, K/V all-gathered.
-    Shapes and layout as :func:`.ring_attention.ring_attention`."""
-    return _AllGatherAttention.apply(q, k, v, group, causal, scale, block_ops(backend, q))
+    Shapes and layout as :func:`.ring_attention.ring_attention`; ``documents`` as there."""
+    return _AllGatherAttention.apply(q, k, v, group, causal, scale, block_ops(backend, q, documents is not None),
+                                     documents)

@@ -14,6 +14,10 @@ whole sequence, and all give the same numbers up to rounding:
   simplest to combine with any mask; holds the full K/V while a layer computes.
 - ``a2a+p2p``: hierarchical, all-to-all inside an inner group of A ranks (inside a node), the
   ring across the outer group of B = C/A (``--hierarchical-context-parallel-sizes A B``).
+
+Packed documents (``documents``): the whole sequence's ``doc_start`` / ``doc_end`` (b, s) in
+absolute positions, on every rank (``context_parallel_slice`` leaves them whole); each way
+hands them to its blocks with absolute offsets (see each module's docstring).
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from megalite.context_parallel.allgather import allgather_attention
 from megalite.context_parallel.checks import CP_COMM_TYPES  # noqa: F401 - re-exported
 from megalite.context_parallel.ring_attention import ring_attention
 from megalite.context_parallel.ulysses import ulysses_attention
+from megalite.layers.documents import Documents
 
 
 class ContextParallelGroups(NamedTuple):
@@ -38,19 +43,22 @@ class ContextParallelGroups(NamedTuple):
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                groups: ContextParallelGroups, comm_type: str = "p2p", *,
-                               causal: bool = True, backend: str = "auto") -> torch.Tensor:
+                               causal: bool = True, backend: str = "auto",
+                               documents: Documents | None = None) -> torch.Tensor:
     """Attention of this rank's queries (b, heads, s_local, d) over the whole sequence's keys and
-    values (b, groups, s_local, d each), by ``comm_type`` (see the module docstring)."""
+    values (b, groups, s_local, d each), by ``comm_type`` (see the module docstring);
+    ``documents``: packed documents of the whole sequence, or None."""
     if comm_type == "p2p":
-        return ring_attention(q, k, v, groups.group, causal=causal, backend=backend)
+        return ring_attention(q, k, v, groups.group, causal=causal, backend=backend, documents=documents)
     if comm_type == "a2a":
-        return ulysses_attention(q, k, v, groups.group, None, causal=causal, backend=backend)
+        return ulysses_attention(q, k, v, groups.group, None, causal=causal, backend=backend, documents=documents)
     if comm_type == "allgather":
-        return allgather_attention(q, k, v, groups.group, causal=causal, backend=backend)
+        return allgather_attention(q, k, v, groups.group, causal=causal, backend=backend, documents=documents)
     if comm_type == "a2a+p2p":
         if groups.inner is None and groups.outer is None:
             raise ValueError("a2a+p2p context parallelism needs the inner and outer groups "
                              "(--hierarchical-context-parallel-sizes)")
-        return ulysses_attention(q, k, v, groups.inner, groups.outer, causal=causal, backend=backend)
+        return ulysses_attention(q, k, v, groups.inner, groups.outer, causal=causal, backend=backend,
+                                 documents=documents)
     raise ValueError(f"context-parallel communication type {comm_type!r} is unknown; use one of "
                      f"{', '.join(CP_COMM_TYPES)}")

@@ -17,12 +17,21 @@ from __future__ import annotations
 import torch
 
 
+# Packed documents' boundaries (see megalite.layers.documents): every rank keeps them whole, in
+# absolute positions, so it knows where the document of every key of the sequence starts and ends.
+WHOLE_SEQUENCE_KEYS = ("doc_start", "doc_end")
+
+
 def context_parallel_slice(batch: dict, cp_rank: int, cp_size: int, causal: bool = True) -> dict:
-    """Slice every (b, s) tensor of a micro-batch along the sequence for this CP rank."""
+    """Slice every (b, s) tensor of a micro-batch along the sequence for this CP rank; the
+    documents' ``doc_start`` / ``doc_end`` stay whole (tiny int32 arrays, absolute positions)."""
     if cp_size == 1:
         return batch
     out = {}
     for key, t in batch.items():
+        if key in WHOLE_SEQUENCE_KEYS:
+            out[key] = t
+            continue
         chunks = t.chunk(2 * cp_size if causal else cp_size, dim=1)
         if causal:
             out[key] = torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim=1)

@@ -35,6 +35,20 @@ Block functions (``backend``), the same numbers up to rounding:
   with flash-attn installed, fp16/bf16.
 - ``auto``: triton on a CUDA tensor when the kernels can run there, else torch (flash only
   when asked for: which of the two is faster under the ring is not measured yet).
+
+Packed documents (``documents``, whole (b, s) arrays in absolute positions, see
+:mod:`megalite.layers.documents`): every visible pair (query chunk a, key chunk a' <= a) runs
+causal with its absolute offsets ``a c`` and ``a' c`` (c = s / 2C) and the document slices of
+its chunks, so a key is seen only by the queries of its own document. No pair is skipped on
+the host: which pairs some document spans is known only on the device (a host decision would
+be a sync per layer), so every pair runs and the Triton kernels skip the tiles no document
+spans (the torch blocks compute them and mask them to zero; a row that sees no key of a block
+has lse = -inf and merges as nothing). The K/V exchange is the same either way. Load balance:
+with documents the work of a rank is the sum, over its (query chunk, key chunk) pairs, of the
+visible (query, key) pairs inside documents; the 2C-chunk split balances the causal triangle,
+and with documents much shorter than a chunk each chunk holds about the same number of
+document triangles, so the ranks stay nearly equal (measured in tests/test_packed_attention.py).
+flash-attn blocks refuse documents.
 """
 from __future__ import annotations
 
@@ -49,6 +63,7 @@ from megalite.kernels.attention_reference import (attention_block_backward, atte
                                                   attention_block_forward, merge_attention)
 from megalite.layers.attention import TRITON_MAX_HEAD_DIM, BackendUnavailable, require_flash
 from megalite.layers.backends import triton_missing
+from megalite.layers.documents import Documents
 from megalite.memory_tracker import category
 from megalite.parallel import comm
 
@@ -60,8 +75,8 @@ TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 class BlockOps(NamedTuple):
     """The per-block functions of one backend, with the Triton kernels' signatures."""
     name: str
-    forward: Callable  # (q, k, v, causal=, scale=) -> (out like q, lse float32 or float64)
-    backward: Callable  # (q, k, v, out, dout, lse, causal=, scale=, delta=) -> (dq, dk, dv)
+    forward: Callable  # (q, k, v, causal=, scale=, q_offset=, k_offset=, doc_start=, doc_end=) -> (out, lse)
+    backward: Callable  # (q, k, v, out, dout, lse, causal=, scale=, delta=, offsets and docs) -> (dq, dk, dv)
     delta: Callable  # (out, dout) -> rowsum(dout * out), float32 or float64
 
 
@@ -85,11 +100,12 @@ def resolve_ring_backend(backend: str, q: torch.Tensor) -> str:
     return backend
 
 
-def _meta_forward(q, k, v, causal: bool = True, scale: float | None = None):
+def _meta_forward(q, k, v, causal: bool = True, scale: float | None = None, **documents):
     return torch.empty_like(q), torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
 
 
-def _meta_backward(q, k, v, out, dout, lse, causal: bool = True, scale: float | None = None, delta=None):
+def _meta_backward(q, k, v, out, dout, lse, causal: bool = True, scale: float | None = None, delta=None,
+                   **documents):
     return tuple(torch.empty(t.shape, dtype=torch.float32, device=t.device) for t in (q, k, v))
 
 
@@ -103,11 +119,16 @@ def _meta_delta(out, dout):
 META_OPS = BlockOps("meta", _meta_forward, _meta_backward, _meta_delta)
 
 
-def block_ops(backend: str, q: torch.Tensor) -> BlockOps:
+def block_ops(backend: str, q: torch.Tensor, documents: bool = False) -> BlockOps:
     """The block functions for ``backend`` on q's device (``META_OPS`` on meta); Triton or
-    flash-attn is imported only when chosen."""
+    flash-attn is imported only when chosen. ``documents``: the blocks take packed documents
+    (flash-attn's blocks refuse them)."""
     if q.device.type == "meta":
         return META_OPS
+    if documents and backend == "flash":
+        raise BackendUnavailable("context-parallel attention on flash-attn blocks does not take packed "
+                                 "documents (--reset-attention-mask). Fix: --attention-backend triton "
+                                 "(or auto, or torch).")
     name = resolve_ring_backend(backend, q)
     if name == "flash":
         from megalite.context_parallel.flash_blocks import flash_block_backward, flash_block_forward
@@ -159,6 +180,28 @@ def local_chunk_ids(rank: int, size: int, causal: bool) -> list[int]:
     return [rank, 2 * size - 1 - rank] if causal else [rank]
 
 
+def block_kwargs(documents: Documents | None, causal: bool, q_chunk: int, k_chunk: int, chunk: int,
+                 k_chunks: int = 1) -> dict:
+    """The keyword arguments of one block call: queries of chunk ``q_chunk`` against the
+    ``k_chunks`` key chunks from ``k_chunk`` on (each ``chunk`` tokens). Without documents, just
+    ``causal`` (the diagonal); with them, causal with the absolute offsets and the document slices."""
+    if documents is None:
+        return {"causal": causal}
+    return documents.block(q_chunk * chunk, chunk, k_chunk * chunk, k_chunks * chunk)
+
+
+def check_documents_length(documents: Documents | None, chunk: int, chunks: int, causal: bool) -> None:
+    """Documents span the whole sequence (``chunks`` chunks of ``chunk``), and need causal attention."""
+    if documents is None:
+        return
+    if not causal:
+        raise ValueError("packed documents need causal attention.")
+    if documents.start.shape[1] != chunk * chunks:
+        raise ValueError(f"packed documents cover {documents.start.shape[1]} positions, the sequence has "
+                         f"{chunk * chunks} ({chunks} chunks of {chunk}): pass the whole sequence's "
+                         f"doc_start/doc_end, unsliced.")
+
+
 def _pairs(rank, src, size, causal):
     """(local q index, q chunk id, local k index, k chunk id, causal kernel?) of visible pairs."""
     q_ids, k_ids = local_chunk_ids(rank, size, causal), local_chunk_ids(src, size, causal)
@@ -184,11 +227,13 @@ def assemble_output(q: torch.Tensor, acc: list) -> tuple[torch.Tensor, torch.Ten
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, exchange, ops):
+    def forward(ctx, q, k, v, group, causal, scale, exchange, ops, documents=None):
         size, rank = exchange.size, exchange.rank
         acc_dtype = torch.promote_types(q.dtype, torch.float32)  # partials merged in float32
         n = 2 if causal else 1
         q_parts = q.chunk(n, dim=2)
+        chunk = q_parts[0].shape[2]
+        check_documents_length(documents, chunk, n * size, causal)
         acc = [None] * n
         k_cur, v_cur = k, v
         for i in range(size):
@@ -198,7 +243,8 @@ class _RingAttention(torch.autograd.Function):
             k_parts, v_parts = k_cur.chunk(n, dim=2), v_cur.chunk(n, dim=2)
             for qi, qa, ki, ka, diag in _pairs(rank, src, size, causal):
                 exchange.work.append((qa, ka, diag))  # the load-balance count of the tests
-                o, lse = ops.forward(q_parts[qi], k_parts[ki], v_parts[ki], causal=diag, scale=scale)
+                o, lse = ops.forward(q_parts[qi], k_parts[ki], v_parts[ki], scale=scale,
+                                     **block_kwargs(documents, diag, qa, ka, chunk))
                 o = o.to(acc_dtype)
                 acc[qi] = (o, lse) if acc[qi] is None else merge_attention(acc[qi][0], acc[qi][1], o, lse)
             exchange.events.append(("computed", time.perf_counter()))
@@ -206,15 +252,16 @@ class _RingAttention(torch.autograd.Function):
                 k_cur, v_cur = exchange.finish(pending)
         out, lse = assemble_output(q, acc)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale, ctx.exchange, ctx.ops = causal, scale, exchange, ops
+        ctx.causal, ctx.scale, ctx.exchange, ctx.ops, ctx.documents = causal, scale, exchange, ops, documents
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        exchange, causal, scale, ops = ctx.exchange, ctx.causal, ctx.scale, ctx.ops
+        exchange, causal, scale, ops, documents = ctx.exchange, ctx.causal, ctx.scale, ctx.ops, ctx.documents
         size, rank = exchange.size, exchange.rank
         n = 2 if causal else 1
+        chunk = q.shape[2] // n
         acc_dtype = torch.promote_types(q.dtype, torch.float32)
         dout = dout.contiguous()
         delta = ops.delta(out, dout)
@@ -237,7 +284,7 @@ class _RingAttention(torch.autograd.Function):
             for qi, qa, ki, ka, diag in _pairs(rank, src, size, causal):
                 dq_p, dk_p, dv_p = ops.backward(
                     q_parts[qi], k_parts[ki], v_parts[ki], o_parts[qi], do_parts[qi], lse_parts[qi],
-                    causal=diag, scale=scale, delta=delta_parts[qi])
+                    scale=scale, delta=delta_parts[qi], **block_kwargs(documents, diag, qa, ka, chunk))
                 dq_parts[qi].add_(dq_p.to(acc_dtype))
                 dk_parts[ki].add_(dk_p.to(acc_dtype))
                 dv_parts[ki].add_(dv_p.to(acc_dtype))
@@ -253,16 +300,18 @@ class _RingAttention(torch.autograd.Function):
             if pending is not None:
                 k_cur, v_cur = exchange.finish(pending)
         dk_acc, dv_acc = exchange.finish(travelling)
-        return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype), None, None, None, None, None
+        return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype), None, None, None, None, None, None
 
 
 def ring_attention(q, k, v, group, causal: bool = True, scale: float | None = None,
-                   exchange: RingExchange | None = None, backend: str = "auto") -> torch.Tensor:
+                   exchange: RingExchange | None = None, backend: str = "auto",
+                   documents: Documents | None = None) -> torch.Tensor:
     """Exact attention of this rank's queries over the whole sequence's keys and values.
 
     q: (b, heads, s_local, d); k, v: (b, groups, s_local, d), in the layout of
-    :func:`megalite.context_parallel.data.context_parallel_slice`. ``backend``: auto, triton
-    or torch (the block functions, see the module docstring); flash raises. No dropout."""
-    ops = block_ops(backend, q)
+    :func:`megalite.context_parallel.data.context_parallel_slice`. ``backend``: auto, triton,
+    flash or torch (the block functions, see the module docstring). ``documents``: packed
+    documents of the whole sequence (b, s), absolute positions, causal only. No dropout."""
+    ops = block_ops(backend, q, documents is not None)
     exchange = exchange or RingExchange(group)
-    return _RingAttention.apply(q, k, v, group, causal, scale, exchange, ops)
+    return _RingAttention.apply(q, k, v, group, causal, scale, exchange, ops, documents)

@@ -22,6 +22,11 @@ NVLink), the ring (:mod:`.ring_attention`) over the outer group of B = C/A ranks
 group whose outer index is j holds chunks [A j, A (j+1)) and their mirror images of the 2C
 chunking: in natural order these are chunks j and 2B-1-j of a 2B chunking, exactly the
 load-balanced layout a ring of B ranks expects.
+
+Packed documents (whole (b, s) arrays, absolute positions): after the all-to-all the
+sequence is whole and in natural order, so the plain attention call takes the full arrays;
+under a2a+p2p the ring over the outer group does (its chunk j of the 2B chunking starts at the
+absolute position j s / 2B, the offsets the ring computes from its own rank and size).
 """
 from __future__ import annotations
 
@@ -32,6 +37,7 @@ import torch
 from megalite.context_parallel.data import natural_to_rank_major, rank_major_to_natural
 from megalite.context_parallel.ring_attention import ring_attention
 from megalite.layers.attention import attention
+from megalite.layers.documents import Documents
 from megalite.parallel import comm
 
 
@@ -53,7 +59,7 @@ def heads_to_sequence(x: torch.Tensor, group, causal: bool = True) -> torch.Tens
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inner, outer=None, *,
-                      causal: bool = True, backend: str = "auto") -> torch.Tensor:
+                      causal: bool = True, backend: str = "auto", documents: Documents | None = None) -> torch.Tensor:
     """Exact attention of this rank's queries over the whole sequence: all-to-all over
     ``inner``, then the ring over ``outer`` (None or one rank: plain attention), then back.
     q: (b, heads, s_local, d); k, v: (b, groups, s_local, d), heads divisible by the inner
@@ -68,7 +74,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inner, 
         k, v = k.repeat_interleave(wanted // groups, dim=1), v.repeat_interleave(wanted // groups, dim=1)
     q, k, v = (sequence_to_heads(t, inner, causal) for t in (q, k, v))
     if comm.group_size(outer) > 1:
-        out = ring_attention(q, k, v, outer, causal=causal, backend=backend)
+        out = ring_attention(q, k, v, outer, causal=causal, backend=backend, documents=documents)
     else:
-        out = attention(q, k, v, causal=causal, backend=backend)
+        out = attention(q, k, v, causal=causal, backend=backend, documents=documents)
     return heads_to_sequence(out, inner, causal)

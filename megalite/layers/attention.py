@@ -15,6 +15,12 @@ Backends (``--attention-backend``), all giving the same numbers up to rounding:
 
 Causal masks are aligned top-left: query i sees keys j <= i (as SDPA's ``is_causal``).
 flash-attn is imported only when the flash backend runs (or auto picks it).
+
+Packed documents (``documents``, :class:`megalite.layers.documents.Documents`): query i sees key
+j iff ``doc_start[i] <= j <= i``. torch: SDPA with that boolean (b, 1, s, s) mask; triton: the
+kernels' ``doc_start`` / ``doc_end`` (tiles outside every document are skipped); meta: shapes
+only. flash: refused (flash-attn's varlen API is the way, but it cannot be tested without a
+GPU here), and ``auto`` never picks flash for documents.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite.layers.backends import flash_missing, triton_missing
+from megalite.layers.documents import Documents, visible_mask
 
 BACKENDS = ("auto", "triton", "flash", "torch")
 TRITON_MAX_HEAD_DIM = 256  # megalite.kernels._utils.MAX_HEAD_DIM (not imported here: no triton import)
@@ -79,12 +86,20 @@ def require_flash(q: torch.Tensor, what: str) -> None:
                                  f"train with --bf16/--fp16, or use the triton or torch backend.")
 
 
-def resolve_backend(backend: str, q: torch.Tensor, dropout_p: float = 0.0) -> str:
+def refuse_flash_documents(what: str) -> None:
+    raise BackendUnavailable(f"{what} does not take packed documents (--reset-attention-mask) in "
+                             f"megalite: flash-attn's varlen API would, but it is not wired in (it cannot "
+                             f"be tested without a GPU). Fix: --attention-backend triton (or auto, "
+                             f"or torch).")
+
+
+def resolve_backend(backend: str, q: torch.Tensor, dropout_p: float = 0.0, documents: bool = False) -> str:
     """The backend that runs this call: ``auto`` becomes flash, triton or torch (see module
-    docstring); the others are returned as asked after checking they can run here."""
+    docstring); the others are returned as asked after checking they can run here.
+    ``documents``: the call has packed documents (flash refuses them, auto skips it)."""
     device = q.device.type
     if backend == "auto":
-        if flash_missing(device) is None and q.dtype in (torch.float16, torch.bfloat16):
+        if not documents and flash_missing(device) is None and q.dtype in (torch.float16, torch.bfloat16):
             return "flash"
         if device == "cuda" and dropout_p == 0 and triton_missing(device) is None \
                 and q.shape[-1] <= TRITON_MAX_HEAD_DIM:
@@ -98,6 +113,8 @@ def resolve_backend(backend: str, q: torch.Tensor, dropout_p: float = 0.0) -> st
             raise BackendUnavailable(f"attention backend 'triton' has no dropout, got dropout_p="
                                      f"{dropout_p}. Fix: dropout 0, or the torch or flash backend.")
     elif backend == "flash":
+        if documents:
+            refuse_flash_documents("attention backend 'flash'")
         require_flash(q, "attention backend 'flash'")
     elif backend != "torch":
         raise BackendUnavailable(f"attention backend {backend!r} is unknown; use one of "
@@ -131,14 +148,23 @@ class _MetaFlashAttention(torch.autograd.Function):
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-              dropout_p: float = 0.0, backend: str = "torch") -> torch.Tensor:
-    """Output (b, heads, s_q, d) from q (b, heads, s_q, d), k, v (b, groups, s_k, d)."""
+              dropout_p: float = 0.0, backend: str = "torch", documents: Documents | None = None) -> torch.Tensor:
+    """Output (b, heads, s_q, d) from q (b, heads, s_q, d), k, v (b, groups, s_k, d).
+    ``documents``: packed documents over the whole sequence (s_q = s_k = s), causal only."""
+    if documents is not None and (not causal or q.shape[2] != k.shape[2]):
+        raise ValueError(f"packed documents need causal self-attention over the whole sequence, got "
+                         f"causal={causal}, s_q {q.shape[2]}, s_k {k.shape[2]}.")
     if q.device.type == "meta":
         return _MetaFlashAttention.apply(q, k, v)
-    backend = resolve_backend(backend, q, dropout_p)
+    if documents is None:
+        backend = resolve_backend(backend, q, dropout_p)
+    else:
+        backend = resolve_backend(backend, q, dropout_p, documents=True)
     if backend == "triton":
         from megalite.kernels.flash_attention import flash_attention
 
+        if documents is not None:
+            return flash_attention(q, k, v, causal=True, doc_start=documents.start, doc_end=documents.end)
         return flash_attention(q, k, v, causal=causal)
     if backend == "flash":
         if causal and q.shape[2] != k.shape[2]:
@@ -151,5 +177,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
                               dropout_p=dropout_p, causal=causal)
         return out.transpose(1, 2)
     groups, heads = k.shape[1], q.shape[1]
+    if documents is not None:  # the causal and document mask in one (SDPA takes one or the other)
+        mask = visible_mask(documents, q.shape[2], k.shape[2])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                              enable_gqa=groups != heads)
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=dropout_p,
                                           enable_gqa=groups != heads)

@@ -291,3 +291,19 @@ def autotune(configs, key, prune, nbytes: Callable | None = None, limit: int | N
     if INTERPRET and "do_bench" in params:
         extra["do_bench"] = interpreter_bench
     return triton.autotune(configs=configs, key=key, prune_configs_by={"early_config_prune": prune}, **extra)
+
+
+def document_starts(doc_start: torch.Tensor | None, offset: int, like: torch.Tensor) -> torch.Tensor:
+    """Packed documents as the attention kernels read them: absolute positions moved into this
+    call's numbering (``doc_start - k_offset``: each query's first key index; ``doc_end -
+    q_offset``: each key's first query index that no longer sees it), int32, contiguous.
+    Without documents a 1-element stand-in (the kernels never read it then; empty: no launch)."""
+    if doc_start is None:
+        return torch.empty(1, dtype=torch.int32, device=like.device)
+    return (doc_start.to(device=like.device, dtype=torch.int32) - int(offset)).contiguous()
+
+
+def tile_counter(like: torch.Tensor, count: torch.Tensor | None) -> torch.Tensor:
+    """The int32 counter a COUNT kernel adds one to per key (or query) tile it computes; without
+    counting an untouched 1-element stand-in."""
+    return count if count is not None else torch.empty(1, dtype=torch.int32, device=like.device)

@@ -54,26 +54,29 @@ import triton.language as tl
 
 from megalite.kernels import _utils
 from megalite.kernels._utils import (INTERPRET, INTERPRET_TILES, autotune, block_d, check_attention_inputs,
+                                     document_starts, tile_counter,
                                      config_width, explicit_config, fixed_limit, launch_tiles,
                                      on_input_device, seq_key, seq_strided, shared_memory_pruner, split_grid,
                                      tile_config, unit_last_stride)
-from megalite.kernels.attention_reference import attention_reference, merge_attention  # noqa: F401
+from megalite.kernels.attention_reference import attention_reference, check_documents, merge_attention  # noqa: F401
 from megalite.kernels.flash_attention_bwd import flash_attention_backward
 
 LOG2E = 1.4426950408889634
-TUNING_KEY = ("HEAD_DIM", "CAUSAL", "SQ_KEY", "SK_KEY")  # + the tensors' dtypes, added by triton.autotune
+TUNING_KEY = ("HEAD_DIM", "CAUSAL", "DOCS", "SQ_KEY", "SK_KEY")  # + the tensors' dtypes, added by triton.autotune
 
 
 @triton.jit(do_not_specialize=["n_bh"])  # b * heads: no variant per value class
-def _fwd_kernel(Q, K, V, O, LSE, stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
+def _fwd_kernel(Q, K, V, O, LSE, DS, TILES, stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
                 stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os, s_q, s_k, delta, qk_scale,
                 heads, groups, n_bh, SQ_KEY, SK_KEY,
                 HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, MASK_N: tl.constexpr,
-                UPCAST: tl.constexpr, PREC: tl.constexpr, GRID_Y: tl.constexpr):
+                BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr, COUNT: tl.constexpr,
+                MASK_N: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, GRID_Y: tl.constexpr):
     # Reductions call tl.reduce with the combine functions tl.sum / tl.max use: the same code
     # when compiled, and it skips a jit-wrapper call that costs milliseconds in the interpreter.
     # SQ_KEY, SK_KEY (the lengths rounded to powers of two) only key the autotuner.
+    # DS (DOCS): per query row, the first key index (this call's key numbering) of its
+    # document; TILES (COUNT, tests and benchmarks): one count per key tile computed.
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1) + tl.program_id(2) * GRID_Y  # (batch, head): axes 1 and 2 (split_grid)
     if bh >= n_bh:
@@ -101,7 +104,13 @@ def _fwd_kernel(Q, K, V, O, LSE, stride_qb, stride_qh, stride_qs, stride_kb, str
     hi = s_k
     if CAUSAL:  # the tile's last row, start_m + BLOCK_M - 1, sees keys j <= it + delta
         hi = tl.maximum(tl.minimum(s_k, start_m + BLOCK_M + delta), 0)
-    for start_n in range(0, hi, BLOCK_N):
+    lo = 0
+    if DOCS:  # rows' document starts never decrease: the tile's first row starts earliest
+        doc_row = tl.load(DS + b * s_q + offs_m, mask=offs_m < s_q, other=0)
+        lo = tl.maximum(tl.load(DS + b * s_q + start_m), 0) // BLOCK_N * BLOCK_N
+    for start_n in range(lo, hi, BLOCK_N):
+        if COUNT:
+            tl.atomic_add(TILES, 1)
         offs_n = start_n + offs_n0
         kv_mask = (offs_n[:, None] < s_k) & d_ok
         row0 = tl.cast(start_n, tl.int64)
@@ -115,6 +124,8 @@ def _fwd_kernel(Q, K, V, O, LSE, stride_qb, stride_qh, stride_qs, stride_kb, str
             visible = offs_n[None, :] < s_k
             if CAUSAL:
                 visible = visible & (offs_n[None, :] <= offs_m[:, None] + delta)
+            if DOCS:
+                visible = visible & (offs_n[None, :] >= doc_row[:, None])
             s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.reduce(s, 1, tl.standard._elementwise_max))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
@@ -196,14 +207,21 @@ def _build_fwd(head_dim: int, dtype: torch.dtype, limit: int | None):
 def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                             q_offset: int = 0, k_offset: int = 0, scale: float | None = None,
                             block_m: int | None = None, block_n: int | None = None,
-                            num_warps: int | None = None, num_stages: int | None = None):
+                            num_warps: int | None = None, num_stages: int | None = None,
+                            doc_start: torch.Tensor | None = None, doc_end: torch.Tensor | None = None,
+                            tile_count: torch.Tensor | None = None):
     """(out, lse): out (b, heads, s_q, d) in q's dtype, laid out (s_q, b, heads, d) in memory (module
     docstring), lse (b, heads, s_q) float32
     natural log; no autograd. q, k, v of any strides with a unit last stride are read in place
     (e.g. permuted views of a fused qkv); others are copied. Tiles: autotuned on a GPU (see
     ``fwd_configs``), or the ones given (``block_m``/``block_n``/``num_warps``/``num_stages``;
-    what is not given comes from the first config)."""
+    what is not given comes from the first config). Packed documents: ``doc_start`` (b, s_q),
+    absolute positions (``attention_reference``): key tiles wholly before a query tile's first
+    document are skipped, so the work is the documents' causal squares, not the sequence's;
+    ``doc_end`` is the backward's hint and unused here. ``tile_count``: an int32 tensor that
+    gets one added per key tile computed (tests, benchmarks)."""
     check_attention_inputs(q, k, v)
+    check_documents("flash_attention_forward", causal, q, k, doc_start, doc_end)
     q, k, v = unit_last_stride(q), seq_strided(k), seq_strided(v)  # q's offsets are int64
     b, heads, s_q, d = q.shape
     groups, s_k = k.shape[1], k.shape[2]
@@ -217,9 +235,11 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         return out, lse.fill_(float("-inf"))
     grid = lambda meta: split_grid("flash_attention_forward", triton.cdiv(s_q, meta["BLOCK_M"]), b * heads)  # noqa
     launch_tiles(_fwd, None if config else _tuned_fwd(d, q.dtype), config, grid,
-                 q, k, v, out, lse, *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], s_q, s_k,
+                 q, k, v, out, lse, document_starts(doc_start, k_offset, q), tile_counter(q, tile_count),
+                 *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], s_q, s_k,
                  int(q_offset) - int(k_offset), scale * LOG2E, heads, groups, b * heads, seq_key(s_q), seq_key(s_k),
-                 HEAD_DIM=d, BLOCK_D=block_d(d), CAUSAL=bool(causal), UPCAST=INTERPRET,
+                 HEAD_DIM=d, BLOCK_D=block_d(d), CAUSAL=bool(causal), DOCS=doc_start is not None,
+                 COUNT=tile_count is not None, UPCAST=INTERPRET,
                  PREC="ieee" if q.dtype == torch.float32 else "tf32", GRID_Y=_utils.MAX_GRID_Y)
     return out, lse
 
@@ -230,11 +250,13 @@ class _FlashAttention(torch.autograd.Function):
     partial attentions can be merged with ``merge_attention`` under autograd."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, q_offset, k_offset, scale):
-        out, lse = flash_attention_forward(q, k, v, causal, q_offset, k_offset, scale)
+    def forward(ctx, q, k, v, causal, q_offset, k_offset, scale, doc_start, doc_end):
+        out, lse = flash_attention_forward(q, k, v, causal, q_offset, k_offset, scale,
+                                           doc_start=doc_start, doc_end=doc_end)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.set_materialize_grads(False)  # an unused lse brings no gradient, not zeros
         ctx.args = (causal, q_offset, k_offset, scale)
+        ctx.documents = dict(doc_start=doc_start, doc_end=doc_end)
         return out, lse
 
     @staticmethod
@@ -242,13 +264,15 @@ class _FlashAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None:
             dout = torch.zeros_like(out)
-        dq, dk, dv = flash_attention_backward(q, k, v, out, dout, lse, *ctx.args, dlse=dlse)
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv = flash_attention_backward(q, k, v, out, dout, lse, *ctx.args, dlse=dlse, **ctx.documents)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                     q_offset: int = 0, k_offset: int = 0, softmax_scale: float | None = None,
-                    return_lse: bool = False):
-    """softmax(scale q k^T + mask) v with autograd; ``(out, lse)`` when ``return_lse``."""
-    out, lse = _FlashAttention.apply(q, k, v, causal, q_offset, k_offset, softmax_scale)
+                    return_lse: bool = False, doc_start: torch.Tensor | None = None,
+                    doc_end: torch.Tensor | None = None):
+    """softmax(scale q k^T + mask) v with autograd; ``(out, lse)`` when ``return_lse``.
+    ``doc_start`` / ``doc_end``: packed documents (``flash_attention_forward``)."""
+    out, lse = _FlashAttention.apply(q, k, v, causal, q_offset, k_offset, softmax_scale, doc_start, doc_end)
     return (out, lse) if return_lse else out

@@ -40,12 +40,14 @@ import triton.language as tl
 
 from megalite.kernels import _utils
 from megalite.kernels._utils import (INTERPRET, INTERPRET_TILES, autotune, block_d, check_attention_inputs,
-                                     check_backward_shapes, config_width, explicit_config, fixed_limit,
+                                     check_backward_shapes, config_width, document_starts, explicit_config,
+                                     fixed_limit, tile_counter,
                                      launch_tiles, on_input_device, seq_key, seq_strided, shared_memory_pruner,
                                      split_grid, tile_config, unit_last_stride)
+from megalite.kernels.attention_reference import check_documents
 
 LOG2E = 1.4426950408889634
-TUNING_KEY = ("HEAD_DIM", "CAUSAL", "SQ_KEY", "SK_KEY")  # + the tensors' dtypes, added by triton.autotune
+TUNING_KEY = ("HEAD_DIM", "CAUSAL", "DOCS", "SQ_KEY", "SK_KEY")  # + the tensors' dtypes, added by triton.autotune
 
 
 @triton.jit(do_not_specialize=["n_bh"])  # b * heads: no variant per value class
@@ -69,14 +71,16 @@ def _delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_os, stride_db, stri
 
 
 @triton.jit(do_not_specialize=["n_bg"])  # b * groups: no variant per value class
-def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, stride_qb, stride_qh, stride_qs, stride_kb, stride_kh,
-                 stride_ks, stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os, stride_lb,
+def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DS, DE, TILES, DK, DV, stride_qb, stride_qh, stride_qs, stride_kb,
+                 stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os, stride_lb,
                  stride_lh, stride_eb, stride_eh, s_q, s_k, delta_pos, qk_scale, scale, heads, groups, n_bg,
                  SQ_KEY, SK_KEY, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-                 GRID_Y: tl.constexpr):
+                 BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr, COUNT: tl.constexpr,
+                 UPCAST: tl.constexpr, PREC: tl.constexpr, GRID_Y: tl.constexpr):
     # One program: BLOCK_N keys of group g of batch b, over the query blocks of the group's
     # heads. stride_o*: dout's; stride_l*, stride_e*: lse's and delta's (sequence stride 1).
+    # DOCS: DS per query row its document's first key index, DE per key its document's end
+    # as a query index (no query from there on sees it). TILES (COUNT): one per query tile.
     start_n = tl.program_id(0) * BLOCK_N
     bg = tl.program_id(1) + tl.program_id(2) * GRID_Y  # (batch, group): axes 1 and 2 (split_grid)
     if bg >= n_bg:
@@ -104,13 +108,19 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, stride_qb, stride_qh, stride_q
     lo = 0
     if CAUSAL:  # query i sees key start_n iff i >= start_n - delta_pos
         lo = tl.maximum(start_n - delta_pos, 0) // BLOCK_M * BLOCK_M
+    hi = s_q
+    if DOCS:  # keys' document ends never decrease: the tile's last key's document ends last
+        last = tl.minimum(start_n + BLOCK_N, s_k) - 1
+        hi = tl.maximum(tl.minimum(tl.load(DE + b * s_k + last), s_q), 0)
     for hq in range(0, per_group):
         h = g * per_group + hq
         q_base = Q + b * stride_qb + h * stride_qh
         do_base = DO + b * stride_ob + h * stride_oh
         lse_base = LSE + b * stride_lb + h * stride_lh
         dlt_base = DELTA + b * stride_eb + h * stride_eh
-        for start_m in range(lo, s_q, BLOCK_M):
+        for start_m in range(lo, hi, BLOCK_M):
+            if COUNT:
+                tl.atomic_add(TILES, 1)
             offs_m = start_m + offs_m0
             q_mask = (offs_m[:, None] < s_q) & d_ok
             row0 = tl.cast(start_m, tl.int64)
@@ -125,6 +135,9 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, stride_qb, stride_qh, stride_q
             visible = (offs_m[None, :] < s_q) & (offs_n[:, None] < s_k)
             if CAUSAL:
                 visible = visible & (offs_n[:, None] <= offs_m[None, :] + delta_pos)
+            if DOCS:
+                doc_row = tl.load(DS + b * s_q + offs_m, mask=offs_m < s_q, other=0)
+                visible = visible & (offs_n[:, None] >= doc_row[None, :])
             s_t = tl.dot(k, tl.trans(q), input_precision=PREC) * qk_scale  # (BLOCK_N, BLOCK_M)
             p_t = tl.where(visible, tl.exp2(s_t - lse2[None, :]), 0.0)
             dv += tl.dot(p_t.to(do.dtype), do, input_precision=PREC)
@@ -138,12 +151,13 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DK, DV, stride_qb, stride_qh, stride_q
 
 
 @triton.jit(do_not_specialize=["n_bh"])  # b * heads: no variant per value class
-def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, stride_qb, stride_qh, stride_qs, stride_kb, stride_kh,
-               stride_ks, stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os, stride_lb,
+def _dq_kernel(Q, K, V, DO, LSE, DELTA, DS, DE, TILES, DQ, stride_qb, stride_qh, stride_qs, stride_kb,
+               stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os, stride_lb,
                stride_lh, stride_eb, stride_eh, s_q, s_k, delta_pos, qk_scale, scale, heads, groups, n_bh,
                SQ_KEY, SK_KEY, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr,
-               GRID_Y: tl.constexpr):
+               BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr, COUNT: tl.constexpr,
+               UPCAST: tl.constexpr, PREC: tl.constexpr, GRID_Y: tl.constexpr):
+    # DS, DE, TILES as in the dk/dv kernel (DE unused here): the forward's key-tile bounds.
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1) + tl.program_id(2) * GRID_Y  # (batch, head): axes 1 and 2 (split_grid)
     if bh >= n_bh:
@@ -176,7 +190,13 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, stride_qb, stride_qh, stride_qs, str
     hi = s_k
     if CAUSAL:
         hi = tl.maximum(tl.minimum(s_k, start_m + BLOCK_M + delta_pos), 0)
-    for start_n in range(0, hi, BLOCK_N):
+    lo = 0
+    if DOCS:  # as in the forward: from the tile's first row's document start
+        doc_row = tl.load(DS + b * s_q + offs_m, mask=offs_m < s_q, other=0)
+        lo = tl.maximum(tl.load(DS + b * s_q + start_m), 0) // BLOCK_N * BLOCK_N
+    for start_n in range(lo, hi, BLOCK_N):
+        if COUNT:
+            tl.atomic_add(TILES, 1)
         offs_n = start_n + offs_n0
         kv_mask = (offs_n[:, None] < s_k) & d_ok
         row0 = tl.cast(start_n, tl.int64)
@@ -188,6 +208,8 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DQ, stride_qb, stride_qh, stride_qs, str
         visible = (offs_n[None, :] < s_k) & (offs_m[:, None] < s_q)
         if CAUSAL:
             visible = visible & (offs_n[None, :] <= offs_m[:, None] + delta_pos)
+        if DOCS:
+            visible = visible & (offs_n[None, :] >= doc_row[:, None])
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale
         p = tl.where(visible, tl.exp2(s - lse2[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PREC)
@@ -341,7 +363,8 @@ def flash_attention_backward(q, k, v, out, dout, lse, causal: bool = True, q_off
                              k_offset: int = 0, scale: float | None = None, *, delta=None,
                              dlse=None, block_m: int | None = None, block_n: int | None = None,
                              num_warps: int | None = None, num_stages: int | None = None,
-                             grad_dtype: torch.dtype | None = None):
+                             grad_dtype: torch.dtype | None = None, doc_start: torch.Tensor | None = None,
+                             doc_end: torch.Tensor | None = None, tile_count: torch.Tensor | None = None):
     """(dq, dk, dv) for one (q, k/v) pair given the global ``lse`` (b, heads, s_q) and either
     the global ``out``/``dout`` or their precomputed ``delta`` (see module docstring).
     Gradients come back contiguous in the inputs' dtypes, or in ``grad_dtype`` (ring attention
@@ -349,9 +372,14 @@ def flash_attention_backward(q, k, v, out, dout, lse, causal: bool = True, q_off
     add C roundings; the kernels accumulate in fp32 either way); dk, dv summed over each group's
     query heads. q, k, v, out, dout (and lse, delta) of any strides with a unit last stride are
     read in place. Tiles: autotuned on a GPU per kernel (``dkdv_configs``, ``dq_configs``), or
-    the ones given, for both kernels (what is not given comes from each kernel's first config)."""
+    the ones given, for both kernels (what is not given comes from each kernel's first config).
+    Packed documents: ``doc_start`` (b, s_q) and ``doc_end`` (b, s_k), absolute positions
+    (``attention_reference``); the dq kernel skips key tiles before a query tile's first
+    document, the dk/dv kernel query tiles past its last key's document end (without
+    ``doc_end`` it only masks). ``tile_count``: one added per tile pair computed, both kernels."""
     check_attention_inputs(q, k, v)
     check_backward_shapes("flash_attention_backward", q, out, dout, lse, delta)
+    check_documents("flash_attention_backward", causal, q, k, doc_start, doc_end)
     q, k, v, dout = seq_strided(q), seq_strided(k), seq_strided(v), seq_strided(dout)
     b, heads, s_q, d = q.shape
     groups, s_k = k.shape[1], k.shape[2]
@@ -367,11 +395,15 @@ def flash_attention_backward(q, k, v, out, dout, lse, causal: bool = True, q_off
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     explicit = bool(block_m or block_n or num_warps or num_stages)
-    tensors = (q, k, v, dout, lse, delta)
+    if doc_start is not None and doc_end is None:  # no skip hint: every query from the diagonal on
+        doc_end = torch.full((b, s_k), s_q + int(q_offset), dtype=torch.int32, device=q.device)
+    tensors = (q, k, v, dout, lse, delta, document_starts(doc_start, k_offset, q),
+               document_starts(doc_end, q_offset, q), tile_counter(q, tile_count))
     args = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *lse_strides,
             *delta_strides, s_q, s_k, int(q_offset) - int(k_offset), scale * LOG2E, scale, heads, groups)
     keys = (seq_key(s_q), seq_key(s_k))
-    consts = dict(HEAD_DIM=d, BLOCK_D=block_d(d), CAUSAL=bool(causal), UPCAST=INTERPRET,
+    consts = dict(HEAD_DIM=d, BLOCK_D=block_d(d), CAUSAL=bool(causal), DOCS=doc_start is not None,
+                  COUNT=tile_count is not None, UPCAST=INTERPRET,
                   PREC="ieee" if q.dtype == torch.float32 else "tf32", GRID_Y=_utils.MAX_GRID_Y)
     tiles = (block_m, block_n, num_warps, num_stages)
     config = explicit_config(dkdv_configs(d, q.dtype), *tiles) if explicit else None

@@ -113,8 +113,8 @@ def test_interpreter_runs_one_small_config():
 def test_autotune_keys_and_length_rounding():
     """Tuned per (head dim, causal, lengths rounded to powers of two) (+ the tensors' dtypes,
     which triton.autotune adds itself); one autotuner per (head dim, dtype)."""
-    assert fa._tuned_fwd(64, torch.float32).keys == ["HEAD_DIM", "CAUSAL", "SQ_KEY", "SK_KEY"]
-    assert fb._tuned("dkdv", 64, torch.float32).keys == ["HEAD_DIM", "CAUSAL", "SQ_KEY", "SK_KEY"]
+    assert fa._tuned_fwd(64, torch.float32).keys == ["HEAD_DIM", "CAUSAL", "DOCS", "SQ_KEY", "SK_KEY"]
+    assert fb._tuned("dkdv", 64, torch.float32).keys == ["HEAD_DIM", "CAUSAL", "DOCS", "SQ_KEY", "SK_KEY"]
     assert fb._tuned("delta", 64, torch.float32).keys == ["HEAD_DIM", "SQ_KEY"]
     assert fa._tuned_fwd(64, torch.float32) is fa._tuned_fwd(64, torch.float32)
     assert [_utils.seq_key(n) for n in (1, 16, 17, 1000, 1024, 1025)] == [16, 16, 32, 1024, 1024, 2048]
@@ -166,7 +166,7 @@ def test_permuted_views_are_read_in_place(monkeypatch):
     dq, dk, dv = fb.flash_attention_backward(q, k, v, out, dout, lse, True)
     fwd = launches.args("_fwd_kernel")
     assert fwd[0] is q and fwd[1] is k and fwd[2] is v
-    assert fwd[5:14] == (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])
+    assert fwd[7:16] == (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3])  # after O, LSE, DS, TILES
     for name in ("_dkdv_kernel", "_dq_kernel"):
         args = launches.args(name)
         assert args[0] is q and args[1] is k and args[2] is v and args[3] is dout and args[4] is lse

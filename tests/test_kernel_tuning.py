@@ -211,7 +211,8 @@ def test_autotuning_several_configs_end_to_end_in_the_interpreter(monkeypatch, g
     q2, k2, v2, _ = attention_case(s_q=70, s_k=70)
     fa.flash_attention_forward(q2, k2, v2, causal=True)
     keys = sorted(fwd.cache)
-    assert len(keys) == 2 and keys[0][:4] == (HEAD_DIM, True, 64, 64) and keys[1][:4] == (HEAD_DIM, True, 128, 128)
+    assert len(keys) == 2 and keys[0][:5] == (HEAD_DIM, True, False, 64, 64) \
+        and keys[1][:5] == (HEAD_DIM, True, False, 128, 128)  # (head dim, causal, documents, s_q, s_k)
     assert "torch.float16" in keys[0]
 
 

@@ -244,6 +244,21 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     return out, lse
 
 
+def forward_tiles(doc_start: torch.Tensor | None, s: int, block_m: int, block_n: int) -> int:
+    """Key tiles the causal forward computes for one (batch row, head) of a self-attention over
+    ``s`` tokens (q_offset = k_offset = 0), by the kernel's own loop bounds: query tile m runs
+    from the key tile holding its first row's document start to its diagonal. Without
+    documents sum_m (m + 1); with documents about sum_d T_d (T_d + 1) / 2 over the documents'
+    tiles. For benchmarks and the planner, on the host (``doc_start``: one row, any device)."""
+    starts = None if doc_start is None else doc_start.reshape(-1).tolist()
+    total = 0
+    for start_m in range(0, s, block_m):
+        hi = min(s, start_m + block_m)
+        lo = 0 if starts is None else starts[start_m] // block_n * block_n
+        total += -(-(hi - lo) // block_n)
+    return total
+
+
 class _FlashAttention(torch.autograd.Function):
     """Saves (q, k, v, out, lse); the backward recomputes the probabilities block by block.
     A gradient reaching lse enters as ``delta_i - dlse_i`` (d lse_i / d s_ij = p_ij), so

@@ -8,7 +8,7 @@ import torch
 from megalite.kernels._utils import INTERPRET_TILES
 from megalite.kernels.attention_reference import (attention_block_backward, attention_block_forward,
                                                   attention_reference)
-from megalite.kernels.flash_attention import flash_attention, flash_attention_forward
+from megalite.kernels.flash_attention import flash_attention, flash_attention_forward, forward_tiles
 from megalite.kernels.flash_attention_bwd import flash_attention_backward
 
 TILE = INTERPRET_TILES[0]  # the interpreter's one config: 32 x 32 tiles
@@ -99,11 +99,14 @@ def test_tiles_computed_are_the_documents_causal_tiles():
     print("tiles (forward, backward):", counts, "documents' causal tiles per head:", per_row)
     assert counts["documents"] == (expected, 2 * expected)  # backward: dq's key tiles + dk/dv's query tiles
     assert counts["plain"] == (heads * b * 10, 2 * heads * b * 10)
-    # Off tile edges: never more than one extra key tile per query tile over the exact count.
+    # Off tile edges too, the kernel computes exactly the tiles forward_tiles predicts (which the
+    # benchmark and the planner use for sequences too long for the interpreter).
     doc_start, doc_end = documents([[20, 50, 58], [1, 127]])
     forward = torch.zeros(1, dtype=torch.int32)
     flash_attention_forward(q, k, v, doc_start=doc_start, doc_end=doc_end, tile_count=forward)
-    assert forward.item() < counts["plain"][0]
+    predicted = heads * sum(forward_tiles(doc_start[r], s, TILE, TILE) for r in range(b))
+    assert forward.item() == predicted < counts["plain"][0]
+    assert heads * forward_tiles(None, s, TILE, TILE) * b == counts["plain"][0]
 
 
 def test_ring_style_blocks_at_offsets_match_the_reference():

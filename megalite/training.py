@@ -6,6 +6,14 @@ mean over its tokens, and its backward is scaled by 1/M, so the accumulated grad
 the gradient of the mean over micro-batches. Gradients are then averaged over the
 data-parallel group (all-reduce sum / DP), giving the gradient of the global-batch mean
 (micro-batches hold equally many tokens, so this is the token mean as well).
+
+A micro-batch's loss is over its trained tokens (``loss_mask``: 0 on EOD tokens with
+--eod-mask-loss, on prompts in SFT). Under context parallelism each of the C ranks holds part of
+the micro-batch's tokens, and the C ranks' losses are averaged (with the gradients, over DP x CP):
+rank r's loss is ``sum_r(loss * mask) / (N / C)``, N the micro-batch's trained tokens over the
+whole sequence, so the average over the C ranks is ``sum(loss * mask) / N``, the serial loss,
+also when the ranks hold different numbers of trained tokens. N is counted on each rank from the
+whole micro-batch before it is sliced (every CP rank holds it): no communication, no host sync.
 """
 from __future__ import annotations
 
@@ -16,6 +24,7 @@ import torch
 
 from megalite.config import TrainConfig
 from megalite.device import host_value
+from megalite.layers.documents import batch_documents
 from megalite.parallel import comm
 from megalite.moe.stats import start_step as start_moe_step
 from megalite.moe.stats import step_stats as moe_step_stats
@@ -99,11 +108,20 @@ def stage_forward(chunk, input_tensor, batch, t: TrainConfig):
     received activation; the loss chunk returns per-token losses."""
     with autocast_context(t, model_device(chunk).type):
         return chunk(batch["tokens"] if chunk.pre_process else None, batch["position_ids"],
-                     labels=batch["labels"] if chunk.post_process else None, hidden=input_tensor)
+                     labels=batch["labels"] if chunk.post_process else None, hidden=input_tensor,
+                     documents=batch_documents(batch))
+
+
+# The batch key of a micro-batch's loss denominator under context parallelism (module docstring).
+LOSS_TOKENS = "loss_tokens_per_cp_rank"
 
 
 def stage_loss(losses, batch) -> torch.Tensor:
-    return masked_mean(losses.float(), batch["loss_mask"])
+    """The micro-batch's loss: the mean over its trained tokens; under CP this rank's share of
+    it, ``sum(loss * mask) / (N / C)`` (see the module docstring)."""
+    if LOSS_TOKENS not in batch:
+        return masked_mean(losses.float(), batch["loss_mask"])
+    return (losses.float() * batch["loss_mask"].float()).sum() / batch[LOSS_TOKENS]
 
 
 def activation_shape(chunk, micro_batch_size: int) -> tuple[int, int, int]:
@@ -115,12 +133,16 @@ def activation_shape(chunk, micro_batch_size: int) -> tuple[int, int, int]:
 
 
 def context_parallel_batches(micro_batches, grid):
-    """Each CP rank keeps its load-balanced part of every sequence (see context_parallel.data)."""
+    """Each CP rank keeps its load-balanced part of every sequence (see context_parallel.data),
+    and the micro-batch's trained tokens per CP rank, N / C, counted over the whole sequence
+    before slicing (the loss denominator, see the module docstring; a device scalar)."""
     if grid is None or grid.layout.cp == 1:
         return micro_batches
     from megalite.context_parallel.data import context_parallel_slice
 
-    return [context_parallel_slice(b, grid.cp_rank, grid.layout.cp) for b in micro_batches]
+    cp = grid.layout.cp
+    return [{**context_parallel_slice(b, grid.cp_rank, cp),
+             LOSS_TOKENS: b["loss_mask"].float().sum().clamp_min(1.0) / cp} for b in micro_batches]
 
 
 def forward_backward(model, micro_batches, t: TrainConfig, loss_scale: float = 1.0, grid=None,

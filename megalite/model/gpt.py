@@ -29,6 +29,7 @@ scaled by 1/sqrt(2 * layers), biases 0, norms 1), drawn per parameter from
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -36,7 +37,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
-from megalite.layers.attention import attention
+from megalite.layers.attention import BackendUnavailable, attention
+from megalite.layers.documents import Documents
 from megalite.layers.kv_cache import cached_attention
 from megalite.layers.fp8 import fp8_autocast
 from megalite.layers.norms import build_norm
@@ -134,7 +136,7 @@ class SelfAttention(nn.Module):
         self.te_core = te_layers.te_attention_core(cfg, tp_group, self.cp_group)  # None: megalite's attention
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                cache=None) -> torch.Tensor:
+                cache=None, documents: Documents | None = None) -> torch.Tensor:
         d, hpg = self.cfg.head_dim, self.heads_per_group
         qkv = self.qkv(x)  # (s, b, local groups * (hpg + 2) * d): whole groups of this rank
         s, b = qkv.shape[:2]
@@ -150,23 +152,29 @@ class SelfAttention(nn.Module):
         if cache is not None:  # generation: these positions attend over every position so far
             out = cached_attention(q, *cache.extend(k, v))
         elif self.cfg.recompute_granularity == "selective" and self.training and torch.is_grad_enabled():
-            out = checkpointed(self.core_attention, q, k, v, dropout_p)  # s^2 memory, few FLOPs
+            out = checkpointed(self.core_attention, q, k, v, dropout_p, documents)  # s^2 memory, few FLOPs
         else:
-            out = self.core_attention(q, k, v, dropout_p)
+            out = self.core_attention(q, k, v, dropout_p, documents)
         return self.proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
 
-    def core_attention(self, q, k, v, dropout_p: float) -> torch.Tensor:
+    def core_attention(self, q, k, v, dropout_p: float, documents: Documents | None = None) -> torch.Tensor:
+        """``documents``: packed documents of the whole sequence (a token sees its own only)."""
         if self.cp_group is not None:
             # This rank holds a shard of the sequence: attend over all of it (ring, all-to-all, ...).
             return context_parallel_attention(q, k, v, self.cp_groups, self.cfg.cp_comm_type, causal=True,
-                                              backend=self.cfg.attention_backend)
+                                              backend=self.cfg.attention_backend, documents=documents)
         if self.te_core is not None:
+            if documents is not None:
+                raise BackendUnavailable("transformer-engine's core attention is not given packed documents "
+                                         "(--reset-attention-mask). Fix: --attention-backend triton or torch "
+                                         "(megalite's attention beside TE's linears).")
             return self.te_core(q, k, v)  # transformer-engine's, dropout on the TP stream inside
         if dropout_p > 0:
             # Attention probabilities belong to this rank's heads: a TP-split tensor.
             with get_rng_tracker().fork():
-                return attention(q, k, v, causal=True, dropout_p=dropout_p, backend=self.cfg.attention_backend)
-        return attention(q, k, v, causal=True, backend=self.cfg.attention_backend)
+                return attention(q, k, v, causal=True, dropout_p=dropout_p, backend=self.cfg.attention_backend,
+                                 documents=documents)
+        return attention(q, k, v, causal=True, backend=self.cfg.attention_backend, documents=documents)
 
 
 class MLP(nn.Module):
@@ -218,8 +226,8 @@ class TransformerBlock(nn.Module):
             self.mlp = mlp
         self.dropout = ParallelDropout(cfg.hidden_dropout, sequence_parallel)
 
-    def forward(self, x: torch.Tensor, rope=None, cache=None) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), rope, cache))
+    def forward(self, x: torch.Tensor, rope=None, cache=None, documents: Documents | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), rope, cache, documents))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
@@ -230,7 +238,8 @@ class GPTModel(nn.Module):
     ``post_process``: this module applies the final norm, output layer and loss (last stage).
     ``forward`` takes (b, s) tokens/positions/labels and returns per-token losses (b, s)
     when labels are given, else logits (b, s, vocab) over the real (unpadded) vocabulary;
-    a middle stage returns its hidden states (s, b, h).
+    a middle stage returns its hidden states (s, b, h). ``documents``: packed documents (every
+    token attends within its own; see megalite.layers.documents), whole-sequence arrays.
     """
 
     def __init__(self, cfg: ModelConfig, padded_vocab_size: int | None = None,
@@ -297,7 +306,8 @@ class GPTModel(nn.Module):
         return F.linear(comm.copy_to_tp(x, self.tp_group), self.word_embeddings.weight)
 
     def forward(self, tokens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, hidden: torch.Tensor | None = None, kv_cache=None):
+                labels: torch.Tensor | None = None, hidden: torch.Tensor | None = None, kv_cache=None,
+                documents: Documents | None = None):
         """``kv_cache`` (generation, :class:`megalite.layers.kv_cache.KVCache`): ``tokens`` are the
         next positions after the cached ones; their keys and values join the cache."""
         ref = tokens if tokens is not None else labels
@@ -313,8 +323,11 @@ class GPTModel(nn.Module):
                 x = layer(x, rope, kv_cache.layer(name))
             kv_cache.advance(position_ids.shape[1])
         else:
+            layers = list(self.layers.values())
+            if documents is not None:
+                layers = [functools.partial(layer, documents=documents) for layer in layers]
             with fp8_autocast(self.cfg, self.amax_group, self):  # a no-op without --fp8-format
-                x = run_layers(list(self.layers.values()), x, rope, self.cfg.recompute_granularity,
+                x = run_layers(layers, x, rope, self.cfg.recompute_granularity,
                                self.cfg.recompute_method, self.cfg.recompute_num_layers, self.training)
         if not self.post_process:
             return x

@@ -202,3 +202,12 @@ def test_load_balance_with_documents_is_the_sum_of_document_overlaps():
     assert spread["2 documents of s/2"] == 1.0
     # Documents that straddle the chunks: the ranks differ by the overlaps their chunks happen to see.
     assert 1.0 < spread["4 documents of s/4, shifted by s/8"] < 1.5
+
+
+def test_config_check_refuses_flash_with_documents():
+    from megalite.config import ConfigError, ModelConfig
+    from megalite.layers.documents import check_documents_attention
+    check_documents_attention(ModelConfig(attention_backend="flash"), reset_attention_mask=False)
+    check_documents_attention(ModelConfig(attention_backend="triton"), reset_attention_mask=True)
+    with pytest.raises(ConfigError, match="--reset-attention-mask with --attention-backend flash.*Fix"):
+        check_documents_attention(ModelConfig(attention_backend="flash"), reset_attention_mask=True)

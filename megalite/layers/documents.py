@@ -76,3 +76,19 @@ def visible_mask(documents: Documents, s_q: int, s_k: int, q_offset: int = 0, k_
     j = torch.arange(s_k, device=device).unsqueeze(0) + k_offset
     first = documents.start[:, q_offset: q_offset + s_q].unsqueeze(-1)  # (b, s_q, 1)
     return ((j <= i) & (j >= first)).unsqueeze(1)
+
+
+def check_documents_attention(model_config, reset_attention_mask: bool) -> None:
+    """Validation hook for megalite.config.validate: raise ConfigError when the chosen attention
+    cannot take packed documents (``--reset-attention-mask``). flash-attn cannot (its varlen
+    API is not wired in: it is untestable without a GPU); triton, torch and auto can
+    (auto never picks flash for documents); transformer-engine's core attention is given no
+    document mask, so with documents megalite's attention runs beside TE's linears."""
+    if not reset_attention_mask:
+        return
+    from megalite.config import ConfigError
+
+    if model_config.attention_backend == "flash":
+        raise ConfigError("--reset-attention-mask with --attention-backend flash: megalite does not hand packed "
+                          "documents to flash-attn (its varlen API is not wired in). Fix: --attention-backend "
+                          "triton (or auto, or torch).")

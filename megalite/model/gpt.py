@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
-from megalite.layers.attention import BackendUnavailable, attention
+from megalite.layers.attention import attention
 from megalite.layers.documents import Documents
 from megalite.layers.kv_cache import cached_attention
 from megalite.layers.fp8 import fp8_autocast
@@ -163,11 +163,7 @@ class SelfAttention(nn.Module):
             # This rank holds a shard of the sequence: attend over all of it (ring, all-to-all, ...).
             return context_parallel_attention(q, k, v, self.cp_groups, self.cfg.cp_comm_type, causal=True,
                                               backend=self.cfg.attention_backend, documents=documents)
-        if self.te_core is not None:
-            if documents is not None:
-                raise BackendUnavailable("transformer-engine's core attention is not given packed documents "
-                                         "(--reset-attention-mask). Fix: --attention-backend triton or torch "
-                                         "(megalite's attention beside TE's linears).")
+        if self.te_core is not None and documents is None:  # TE's core is given no document mask: megalite's runs
             return self.te_core(q, k, v)  # transformer-engine's, dropout on the TP stream inside
         if dropout_p > 0:
             # Attention probabilities belong to this rank's heads: a TP-split tensor.

@@ -59,6 +59,14 @@ def test_each_flag_alone_and_none():
     assert loss["loss_mask"][0].tolist() == [1, 0, 1, 1, 0, 1]  # 0 exactly where the input is EOD
 
 
+def test_sft_samples_carry_the_mask_of_their_labels():
+    """A sample with a token mask (SFT) trains on the labels whose mask is 1; in a blend with
+    plain data a sample without one trains on every label."""
+    sft = {"tokens": np.array([1, 2, 3, 4, E, 5]), "token_mask": np.array([0, 0, 1, 1, 1, 0], np.uint8)}
+    batch = collate([sft, np.array([1, 2, E, 3, 4, 5])], Packing(eod_mask_loss=True, eod_token=E))
+    assert batch["loss_mask"].tolist() == [[0, 1, 1, 1, 0], [1, 1, 0, 1, 1]]
+
+
 def _indexed(tmp_path, docs, name="docs"):
     prefix = str(tmp_path / name)
     with IndexedDatasetBuilder(prefix, np.uint16) as builder:

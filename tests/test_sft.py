@@ -85,6 +85,11 @@ def test_chat_template_renders_as_transformers_and_masks_the_assistant_turns(fol
                       "<|im_end|>\n<|im_start|>assistant\n<|im_start|>user\nAnd 3+3?<|im_end|>\n"
                       "<|im_start|>assistant\n")
     assert mask.dtype == np.uint8
+    # transformers' {% generation %} marker renders as its body
+    marked = CHATML.replace("{{ m['content'] }}", "{% if m['role'] == 'assistant' %}{% generation %}"
+                            "{{ m['content'] }}{% endgeneration %}{% else %}{{ m['content'] }}{% endif %}")
+    tok.chat_template = marked
+    assert SFTEncoder(tok).encode(1, {"messages": CHAT})[0].tolist() == ids.tolist()
 
 
 def test_preprocess_writes_ids_and_loss_mask(folder, tmp_path):
@@ -103,6 +108,11 @@ def test_preprocess_writes_ids_and_loss_mask(folder, tmp_path):
     chat_ids, chat_mask = SFTEncoder(tok).encode(2, {"messages": CHAT})
     assert ds[1].tolist() == chat_ids.tolist() and mask[1].tolist() == chat_mask.tolist()
     assert summary["response_tokens"] == int(mask.tokens.sum()) and summary["eod_inside"] == 0
+    # two worker processes (each rebuilding tokenizer and template) write the same bytes
+    preprocess(str(path), str(tmp_path / "sft2"), tok, json_format="sft", workers=2)
+    for suffix in ("", "_loss_mask"):
+        for ext in (".bin", ".idx"):
+            assert (tmp_path / f"sft{suffix}{ext}").read_bytes() == (tmp_path / f"sft2{suffix}{ext}").read_bytes()
 
     plain = build_tokenizer("HuggingFaceTokenizer", save_folder(tmp_path / "plain", template=None))
     ids, m = SFTEncoder(plain).encode(1, {"messages": CHAT[1:3] + [{"role": "user", "content": "ok"}]})

@@ -8,6 +8,10 @@ Modules:
 * ``documents``:         read documents from ``.jsonl`` or ``.txt`` files;
 * ``indexed_dataset``:   the memory-mapped ``.bin``/``.idx`` token format;
 * ``preprocess``:        tokenize a corpus into an indexed dataset;
+* ``sft``:               supervised fine-tuning JSONL (prompt/response, chat
+  template) to ids plus a per-token loss mask;
+* ``packing``:           packed documents: reset position ids, document bounds,
+  EOD loss mask (Megatron's --reset-* / --eod-mask-loss);
 * ``gpt_dataset``:       ``split_documents``, ``GPTDataset``, ``MockGPTDataset``;
 * ``blended``:           ``BlendedDataset``: ``--data-path 0.7 A 0.3 B`` blends;
 * ``sampler``:           ``PretrainingSampler`` (data-parallel micro-batches);

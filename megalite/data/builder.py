@@ -112,12 +112,21 @@ def _check_vocab(dataset: IndexedDataset, vocab_size: int, eod_token: int | None
     if eod_token is not None and not 0 <= eod_token < vocab_size:
         raise ValueError(f"eod_token={eod_token} must lie in [0, {vocab_size}) "
                          f"(vocab_size={vocab_size}).")
-    if packing.any and dataset.num_tokens and not np.any(dataset.tokens == packing.eod_token):
+    if packing.any and dataset.num_tokens and not _holds(dataset, packing.eod_token):
         flags = " ".join(packing.flags())
         raise DatasetError(
             f"{flags}: dataset {dataset.prefix} holds no end-of-document token (id "
             f"{packing.eod_token}), so it has no document boundaries to use. Fix: re-run "
             f"tools/preprocess_data.py with --append-eod (and this tokenizer), or drop {flags}.")
+
+
+def _holds(dataset: IndexedDataset, token: int, chunk: int = 1 << 24) -> bool:
+    """Whether ``token`` occurs in the dataset: the documents' last tokens first (EOD with
+    --append-eod), then the whole stream in chunks (no token-sized temporary)."""
+    if len(dataset) and np.any(dataset.tokens[np.asarray(dataset.offsets[1:]) - 1] == token):
+        return True
+    return any(np.any(dataset.tokens[k:k + chunk] == token)
+               for k in range(0, dataset.num_tokens, chunk))
 
 
 def open_loss_mask(prefix: str) -> IndexedDataset | None:

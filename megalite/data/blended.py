@@ -252,4 +252,7 @@ def describe_data(dataset) -> list[str]:
                      f"{indexed.num_tokens:,} tokens ({len(ds.doc_range):,} documents, "
                      f"{ds.tokens_per_epoch:,} tokens in train); {samples:,} samples = "
                      f"{epochs:.3f} epochs")
+        if ds.loss_mask_dataset is not None:
+            lines.append(f"    loss mask {ds.loss_mask_dataset.prefix}: only its tokens marked 1 "
+                         f"(SFT responses) are trained on")
     return lines

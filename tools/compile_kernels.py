@@ -85,19 +85,24 @@ def attention_jobs(dtype: str):
     sizes = dict(s_q="i32", s_k="i32", delta="i32", delta_pos="i32", qk_scale="fp32", scale="fp32",
                  heads="i32", groups="i32", n_bh="i32", n_bg="i32", SQ_KEY=a, SK_KEY=a)
     tensors = {name: p for name in ("Q", "K", "V", "O", "DO", "DK", "DV", "DQ")}
-    types = dict(**tensors, LSE="*fp32:16", DELTA="*fp32:16", **strides, **sizes)
+    documents = dict(DS="*i32:16", DE="*i32:16", TILES="*i32:16")  # packed documents; tile counter
+    types = dict(**tensors, LSE="*fp32:16", DELTA="*fp32:16", **documents, **strides, **sizes)
     for d in ATTENTION_HEAD_DIMS:
         width = fa.block_d(d)
-        tile = dict(HEAD_DIM=d, BLOCK_D=width, CAUSAL=True, UPCAST=False, PREC=prec, GRID_Y=fa._utils.MAX_GRID_Y)
+        tile = dict(HEAD_DIM=d, BLOCK_D=width, CAUSAL=True, COUNT=False, UPCAST=False, PREC=prec,
+                    GRID_Y=fa._utils.MAX_GRID_Y)
         kinds = (("fwd", fa._fwd_kernel, fa.fwd_configs, fa.fwd_shared_bytes, dict(MASK_N=True)),
                  ("dk/dv", fb._dkdv_kernel, fb.dkdv_configs, fb.dkdv_shared_bytes, {}),
                  ("dq", fb._dq_kernel, fb.dq_configs, fb.dq_shared_bytes, {}))
         for kind, fn, configs, nbytes, extra in kinds:
-            for c in configs(d, tdtype, interpret=False):
+            for i, c in enumerate(configs(d, tdtype, interpret=False)):
                 kw = c.kwargs
                 name = f"attention {kind} d{d} {kw['BLOCK_M']}x{kw['BLOCK_N']} w{c.num_warps} s{c.num_stages}"
-                yield (name, fn, types, dict(**tile, **kw, **extra), c.num_warps, c.num_stages,
-                       nbytes(c, width, size))
+                # Every config as the plain causal kernel; the first also with packed documents
+                # (two more loads and a compare per tile: the same tiles must still fit).
+                for docs in (False, True) if i == 0 else (False,):
+                    yield (name + (" documents" if docs else ""), fn, types, dict(**tile, **kw, **extra, DOCS=docs),
+                           c.num_warps, c.num_stages, nbytes(c, width, size))
         for c in fb.delta_configs(d, tdtype, interpret=False):
             yield (f"attention delta d{d} {c.kwargs['BLOCK_M']} rows w{c.num_warps}", fb._delta_kernel, types,
                    dict(HEAD_DIM=d, BLOCK_D=width, GRID_Y=fa._utils.MAX_GRID_Y, **c.kwargs), c.num_warps, c.num_stages,

@@ -211,3 +211,37 @@ def test_config_check_refuses_flash_with_documents():
     check_documents_attention(ModelConfig(attention_backend="triton"), reset_attention_mask=True)
     with pytest.raises(ConfigError, match="--reset-attention-mask with --attention-backend flash.*Fix"):
         check_documents_attention(ModelConfig(attention_backend="flash"), reset_attention_mask=True)
+
+
+def kernel_tiles(docs: Documents | None, cp: int, s: int, block: int) -> list[int]:
+    """Per CP rank, the key tiles the Triton forward computes over its ring blocks (the kernel's
+    own tile counter), with the block calls the ring makes (offsets and document slices)."""
+    from megalite.context_parallel.ring_attention import _pairs, block_kwargs
+    from megalite.kernels.flash_attention import flash_attention_forward
+    c = s // (2 * cp)
+    q, k, v, _ = _inputs(1, 1, s, 16)
+    tiles = []
+    for rank in range(cp):
+        count = torch.zeros(1, dtype=torch.int32)
+        for src in range(cp):
+            for _, qa, _, ka, diag in _pairs(rank, src, cp, True):
+                flash_attention_forward(q[:, :, qa * c: (qa + 1) * c], k[:, :, ka * c: (ka + 1) * c],
+                                        v[:, :, ka * c: (ka + 1) * c], block_m=block, block_n=block,
+                                        tile_count=count, **block_kwargs(docs, diag, qa, ka, c))
+        tiles.append(int(count.sum()))
+    return tiles
+
+
+def test_kernel_tiles_per_rank_with_documents():
+    """The work the Triton kernels do per ring rank (s = 128, C = 2, tiles of 16): without
+    documents, and with 4 documents of s/4 (the ranks equal, and only the documents' tiles)."""
+    if not triton_takes_documents():
+        pytest.skip("the Triton kernels take no documents here")
+    s, cp = 128, 2
+    plain = kernel_tiles(None, cp, s, 16)
+    packed = kernel_tiles(documents_from_lengths([[s // 4] * 4] * 2), cp, s, 16)  # two rows alike
+    shifted = kernel_tiles(documents_from_lengths([[s // 8, s // 4, s // 4, s // 4, s // 8]] * 2), cp, s, 16)
+    print(f"Triton forward key tiles per rank, C={cp}, s={s}, tiles of 16: no documents {plain}, "
+          f"4 documents of s/4 {packed}, shifted by s/8 {shifted}")
+    assert plain[0] == plain[1] and packed[0] == packed[1]
+    assert sum(packed) < sum(plain) / 2  # the pairs no document spans cost no tiles

@@ -25,9 +25,9 @@ import torch
 from megalite.config import TrainConfig
 from megalite.device import host_value
 from megalite.layers.documents import batch_documents
-from megalite.parallel import comm
 from megalite.moe.stats import start_step as start_moe_step
 from megalite.moe.stats import step_stats as moe_step_stats
+from megalite.parallel import comm
 from megalite.parallel.sharding import is_expert, is_tensor_parallel
 from megalite.step_values import LossScaler, StepResult
 from megalite.timers import Clock, StepTimers

@@ -216,8 +216,9 @@ def test_config_check_refuses_flash_with_documents():
 def kernel_tiles(docs: Documents | None, cp: int, s: int, block: int) -> list[int]:
     """Per CP rank, the key tiles the Triton forward computes over its ring blocks (the kernel's
     own tile counter), with the block calls the ring makes (offsets and document slices)."""
-    from megalite.context_parallel.ring_attention import _pairs, block_kwargs
     from megalite.kernels.flash_attention import flash_attention_forward
+
+    from megalite.context_parallel.ring_attention import _pairs, block_kwargs
     c = s // (2 * cp)
     q, k, v, _ = _inputs(1, 1, s, 16)
     tiles = []

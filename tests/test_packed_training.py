@@ -24,9 +24,9 @@ from megalite.testing import run_world
 
 TOL = 1e-5
 LENGTHS = [[6, 1, 9, 8], [13, 11]]  # two packed rows of 24 tokens
-GPT2 = dict()
-LLAMA = dict(position_embedding_type="rope", num_query_groups=2, normalization="RMSNorm", swiglu=True,
-             add_bias_linear=False, untie_embeddings_and_output_weights=True)
+GPT2 = {}
+LLAMA = {"position_embedding_type": "rope", "num_query_groups": 2, "normalization": "RMSNorm", "swiglu": True,
+         "add_bias_linear": False, "untie_embeddings_and_output_weights": True}
 
 
 def _model(extra: dict) -> GPTModel:
@@ -155,7 +155,7 @@ def test_meta_dry_run_with_packed_documents(monkeypatch, comm_type):
              "--train-iters", "1", "--log-interval", "1", "--tensor-model-parallel-size", "2", "--sequence-parallel",
              "--pipeline-model-parallel-size", "2", "--context-parallel-size", "2", "--cp-comm-type", comm_type,
              "--attention-dropout", "0", *LLAMA_FLAGS, *PACKED]
-    import megalite.model.gpt as gpt
+    from megalite.model import gpt
     seen = []
 
     def recording(q, k, v, *args, documents=None, **kwargs):  # the documents reach every layer, on meta

@@ -120,9 +120,9 @@ class _AllGatherAttention(torch.autograd.Function):
                                    **_kwargs(documents, True, lo, hi, lo, chunk)))
         k_full, v_full = gathered.wait()
         for part, lo, hi in _gathered_blocks(rank, size, chunk, causal):
+            q_start = local_chunk_ids(rank, size, causal)[part] * chunk
             add(part, *ops.forward(q_parts[part], k_full[:, :, lo:hi], v_full[:, :, lo:hi], scale=scale,
-                                   **_kwargs(documents, False, lo, hi, local_chunk_ids(rank, size, causal)[part] * chunk,
-                                             chunk)))
+                                   **_kwargs(documents, False, lo, hi, q_start, chunk)))
         out, lse = assemble_output(q, acc)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.causal, ctx.scale, ctx.ops, ctx.documents = group, causal, scale, ops, documents

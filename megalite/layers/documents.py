@@ -32,9 +32,9 @@ class Documents(NamedTuple):
         """The keyword arguments of a block function (the Triton kernels' and the torch
         reference's ``doc_start`` / ``doc_end``) for queries [q_offset, q_offset + s_q) against
         keys [k_offset, k_offset + s_k): causal with those absolute offsets."""
-        return dict(causal=True, q_offset=q_offset, k_offset=k_offset,
-                    doc_start=self.start[:, q_offset: q_offset + s_q],
-                    doc_end=self.end[:, k_offset: k_offset + s_k])
+        return {"causal": True, "q_offset": q_offset, "k_offset": k_offset,
+                "doc_start": self.start[:, q_offset: q_offset + s_q],
+                "doc_end": self.end[:, k_offset: k_offset + s_k]}
 
 
 def batch_documents(batch: dict) -> Documents | None:
@@ -57,8 +57,8 @@ def documents_from_lengths(lengths: list[list[int]], device=None) -> Documents:
             pos += n
         starts.append(s)
         ends.append(e)
-    as_tensor = lambda x: torch.tensor(x, dtype=torch.int32, device=device)  # noqa: E731
-    return Documents(as_tensor(starts), as_tensor(ends))
+    return Documents(torch.tensor(starts, dtype=torch.int32, device=device),
+                     torch.tensor(ends, dtype=torch.int32, device=device))
 
 
 def reset_positions(documents: Documents) -> torch.Tensor:

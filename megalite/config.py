@@ -263,6 +263,9 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
                           f"({m.max_position_embeddings}): learned positions exist only up to "
                           f"that length. Fix: raise --max-position-embeddings or shorten "
                           f"--seq-length.")
+    from megalite.layers.documents import check_documents_attention
+
+    check_documents_attention(m, d.reset_attention_mask)  # before "not installed": the fix differs
     from megalite.layers.attention import check_attention_backend
 
     check_attention_backend(m)  # raises ConfigError naming what is missing and how to install it

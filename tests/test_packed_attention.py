@@ -246,3 +246,13 @@ def test_kernel_tiles_per_rank_with_documents():
           f"4 documents of s/4 {packed}, shifted by s/8 {shifted}")
     assert plain[0] == plain[1] and packed[0] == packed[1]
     assert sum(packed) < sum(plain) / 2  # the pairs no document spans cost no tiles
+
+
+def test_validate_refuses_flash_with_documents_before_any_work():
+    """From the command line: validate() (before groups or a model) names the flag pair and the fix."""
+    from megalite.arguments import build_parser, config_from_args
+    from megalite.config import ConfigError, validate
+    argv = ["--mock-data", "--vocab-size", "300", "--attention-backend", "flash", "--reset-attention-mask"]
+    config = config_from_args(build_parser().parse_args(argv), 300, eod_token=0)
+    with pytest.raises(ConfigError, match="--reset-attention-mask with --attention-backend flash.*Fix: --attention-backend triton"):
+        validate(config)

@@ -66,9 +66,24 @@ PEAK_TFLOPS: dict[str, float] = {
 _unknown_reported: set[str] = set()
 
 
-def flops_per_token(cfg: ModelConfig) -> float:
-    """6 x the parameters a token meets (MoE: its top-k experts only) + attention's 12 L h s."""
-    return 6.0 * count_active_parameters(cfg) + 12.0 * cfg.num_layers * cfg.hidden_size * cfg.seq_length
+def flops_per_token(cfg: ModelConfig, attended: float | None = None) -> float:
+    """6 x the parameters a token meets (MoE: its top-k experts only) + attention's 12 L h s.
+    ``attended``: with packed documents a query attends only its own document, so s becomes
+    the mean over tokens of their document's length (sum_d L_d^2 / s: :func:`attended_length`);
+    the MFU then counts only the attention work done."""
+    length = cfg.seq_length if attended is None else attended
+    return 6.0 * count_active_parameters(cfg) + 12.0 * cfg.num_layers * cfg.hidden_size * length
+
+
+def attended_length(micro_batches: list[dict]) -> float | None:
+    """The mean over the tokens of host micro-batches of their document's length (the batch's
+    ``doc_end - doc_start``; sum_i L_doc(i) = sum_d L_d^2), or None without documents. On the
+    host tensors the data pipeline made, before they go to the device: no GPU sync. A rank sees
+    its own data-parallel share, so the step's figure is estimated from it."""
+    spans = [b["doc_end"].long() - b["doc_start"].long() for b in micro_batches if "doc_start" in b]
+    if not spans:
+        return None
+    return float(sum(int(x.sum()) for x in spans)) / sum(x.numel() for x in spans)
 
 
 def detect_peak_tflops(report_unknown: bool = True, stream=None,
@@ -145,6 +160,7 @@ class Monitor:
                  stream=None, device: torch.device | None = None, wandb_project: str | None = None,
                  wandb_exp_name: str | None = None, wandb_save_dir: str | None = None,
                  config: dict | None = None):
+        self.cfg = cfg
         self.flops_per_step = flops_per_token(cfg) * tokens_per_step
         self.world_size, self.tokens_per_step, self.train_iters = world_size, tokens_per_step, train_iters
         if peak_tflops is None:
@@ -173,8 +189,11 @@ class Monitor:
             self.wandb_run = wandb.init(project=wandb_project, name=wandb_exp_name, dir=wandb_save_dir,
                                         config=config)
 
-    def metrics(self, elapsed_s: float) -> dict:
-        tflops = self.flops_per_step / elapsed_s / self.world_size / 1e12
+    def metrics(self, elapsed_s: float, attended: float | None = None) -> dict:
+        """Throughput of a step that took ``elapsed_s``; ``attended``: its mean attended length
+        with packed documents (:func:`attended_length`), else the whole sequence."""
+        flops = self.flops_per_step if attended is None else flops_per_token(self.cfg, attended) * self.tokens_per_step
+        tflops = flops / elapsed_s / self.world_size / 1e12
         out = {"tokens_per_sec": self.tokens_per_step / elapsed_s, "tflops_per_gpu": tflops}
         if self.peak:
             out["mfu"] = tflops / self.peak

@@ -45,7 +45,7 @@ from megalite.launch import detect_launch
 from megalite.faults import (CollectiveTimeout, HangWatchdog, TrainingDiverged,
                              hang_report, looks_like_timeout, report_failure)
 from megalite.memory_tracker import training_tracker
-from megalite.monitor import Monitor, memory_line
+from megalite.monitor import Monitor, attended_length, memory_line
 from megalite.preflight import check_datasets, check_output_paths, check_save_location
 from megalite.profiling import Profiler
 from megalite.step_log import PendingStep, StepLog
@@ -299,7 +299,9 @@ def pretrain(argv=None) -> list[dict]:
         if faults["HANG_AT_ITERATION"] == iteration + 1 and grid.rank == int(os.environ["MEGALITE_TEST_HANG_RANK"]):
             time.sleep(float(os.environ.get("MEGALITE_TEST_HANG_SECONDS", "30")))
         step_start = time.perf_counter()
-        micro_batches = [to_device(next(train_iter), device) for _ in range(num_micro)]
+        host_batches = [next(train_iter) for _ in range(num_micro)]
+        attended = attended_length(host_batches)  # packed documents: the attention work done (MFU)
+        micro_batches = [to_device(b, device) for b in host_batches]
         if faults["NAN_AT_ITERATION"] == iteration + 1:
             micro_batches[0] = {**micro_batches[0], "loss_mask": micro_batches[0]["loss_mask"] * float("nan")}
         trace = step_trace(args, iteration, t, device)
@@ -315,7 +317,7 @@ def pretrain(argv=None) -> list[dict]:
         print_line = (iteration + 1) % t.log_interval == 0 or iteration == start_iteration
         memory, memory_stats = memory_line(optimizer, reset_peak=print_line, device=device)
         steps.add(PendingStep(iteration + 1, result, step_start, traffic, memory, memory_stats,
-                              tracker.summary() if tracker is not None else None))
+                              tracker.summary() if tracker is not None else None, attended))
         evaluate_now = valid_iter is not None and (iteration + 1) % t.eval_interval == 0
         stop = term is not None and term.agreed(grid)
         save_now = bool(args.save and ((args.save_interval and (iteration + 1) % args.save_interval == 0) or stop))

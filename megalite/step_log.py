@@ -31,6 +31,7 @@ class PendingStep:
     memory: str                    # the memory column of the log line
     memory_stats: dict
     tracked: dict | None = None    # the memory tracker's summary (--track-memory)
+    attended: float | None = None  # packed documents: mean attended length (monitor.attended_length)
 
 
 class StepLog:
@@ -61,7 +62,7 @@ class StepLog:
             self.skipped_total += int(r.skipped)
             record = {"iteration": s.iteration, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
                       "loss_scale": r.loss_scale, "skipped": r.skipped, "skipped_total": self.skipped_total,
-                      "elapsed_ms": elapsed * 1e3, **self.monitor.metrics(elapsed), "times_ms": r.times_ms,
+                      "elapsed_ms": elapsed * 1e3, **self.monitor.metrics(elapsed, s.attended), "times_ms": r.times_ms,
                       "comm_bytes": {k: v["bytes"] for k, v in s.traffic.items()}, "memory_bytes": s.memory_stats,
                       "comm_bytes_by_group": bytes_by_group(self.grid, s.traffic), **(r.moe or {})}
             if s.tracked is not None:

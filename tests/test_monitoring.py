@@ -8,7 +8,7 @@ import torch
 
 from megalite.config import ModelConfig
 from megalite import monitor as monitor_module
-from megalite.monitor import Monitor, detect_peak_tflops, flops_per_token, memory_line
+from megalite.monitor import Monitor, attended_length, detect_peak_tflops, flops_per_token, memory_line
 from megalite.pretrain import main, pretrain
 from megalite.testing import run_world
 
@@ -206,3 +206,19 @@ def test_rank_stuck_before_a_collective_gives_a_clear_error_on_every_other_rank(
         assert "rank(s) [2] did not arrive" in err, err
         assert elapsed < 20, elapsed  # within twice the timeout of the hang (plus start-up)
     print(results[0][1].strip(), f"(after {results[0][2]:.1f} s)")
+
+
+def test_packed_documents_count_only_the_attention_work_done():
+    """With documents a token attends its own document: the attention term 12 L h s of the
+    FLOPs per token takes the mean document length over tokens (sum_d L_d^2 / s) instead of s."""
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=8, vocab_size=100)
+    start = torch.tensor([[0, 0, 0, 0, 4, 4, 4, 4], [0, 0, 2, 2, 2, 2, 2, 2]], dtype=torch.int32)
+    end = torch.tensor([[4, 4, 4, 4, 8, 8, 8, 8], [2, 2, 8, 8, 8, 8, 8, 8]], dtype=torch.int32)
+    # row 0: two documents of 4 (4^2 + 4^2 = 32); row 1: 2 and 6 (4 + 36 = 40); per token (32 + 40) / 16
+    assert attended_length([{"doc_start": start, "doc_end": end}]) == 72 / 16
+    assert attended_length([{"tokens": start}]) is None
+    whole, packed = flops_per_token(cfg), flops_per_token(cfg, 4.5)
+    assert whole - packed == 12.0 * 2 * 64 * (8 - 4.5)
+    monitor = Monitor(cfg, world_size=1, tokens_per_step=16, train_iters=1, peak_tflops=1.0, enabled=False)
+    assert monitor.metrics(1.0)["tflops_per_gpu"] == whole * 16 / 1e12
+    assert monitor.metrics(1.0, 4.5)["tflops_per_gpu"] == packed * 16 / 1e12

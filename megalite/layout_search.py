@@ -99,13 +99,15 @@ class Plan:
 
 
 def plan(m: ModelConfig, hw: Hardware, global_batch: int, micro: int, prec: Precision | None = None,
-         flash_attention: bool = True, max_cp: int = 8, cp_comm_type: str | None = None) -> Plan:
+         flash_attention: bool = True, max_cp: int = 8, cp_comm_type: str | None = None,
+         documents: bool = False) -> Plan:
     """Every valid layout, estimated, in ladder order, and the recommendation. The defaults are
     training's: bf16 with gradients accumulated in fp32 (``pretrain_gpt.py``'s default under
     --bf16) and attention that never stores the s x s scores (what ``--attention-backend auto``
     runs on a GPU, and what the meta dry run measures). The CP types of one layout follow each
     other by estimated step time (communication, no overlap: their attention FLOPs are equal),
-    so the first that fits is the fastest that fits; ``cp_comm_type`` fixes the type."""
+    so the first that fits is the fastest that fits; ``cp_comm_type`` fixes the type. ``documents``:
+    the batch carries --reset-attention-mask's arrays (the "data" memory entry counts them)."""
     prec = prec or precision("bf16", grads_in_fp32("bf16"))
     checked: dict[tuple, str | None] = {}
     estimates, invalid = [], {}
@@ -116,7 +118,7 @@ def plan(m: ModelConfig, hw: Hardware, global_batch: int, micro: int, prec: Prec
         if checked[key]:
             invalid[layout] = checked[key]
             continue
-        estimates.append(estimate(m, layout, global_batch, micro, prec, hw, flash_attention))
+        estimates.append(estimate(m, layout, global_batch, micro, prec, hw, flash_attention, documents))
     estimates.sort(key=lambda e: (ladder_key(e.layout), e.comm_seconds))  # stable: only CP types move
     result = Plan(m, hw, prec, global_batch, micro, estimates, invalid, cp_comm_type=cp_comm_type)
     fitting = result.fitting()
@@ -133,7 +135,8 @@ def _breakdown(e: Estimate) -> str:
     mem = e.memory
     return (f"weights {_gib(mem['weights'])} + gradients {_gib(mem['gradients'])} + master/Adam "
             f"{_gib(mem['master_and_optimizer'])} + activations {_gib(mem['activations'])}"
-            + (f" + buffers (ZeRO-3 gathered layers, gradient staging) {_gib(mem['buffers'])}" if mem["buffers"] else ""))
+            + (f" + buffers (ZeRO-3 gathered layers, gradient staging) {_gib(mem['buffers'])}" if mem["buffers"] else "")
+            + f" + data (the step's micro-batches) {mem.get('data', 0) / 2**20:.1f} MiB")
 
 
 def megalite_gaps(layout: Layout) -> list[str]:

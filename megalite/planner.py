@@ -52,6 +52,9 @@ megalite's Triton kernel writes it in the (s, b, heads, d) order proj reads (and
 (b, s, heads, d) output is a view there too); torch SDPA on a GPU returns (b, heads, s, d), so
 proj keeps a second copy, B s b h / t more per layer, which is not counted here.
 
+**Data**: the step's M micro-batches, all on the device from its start, 28 bytes a token (36 with
+``--reset-attention-mask``), plus CP's sliced copies (:mod:`megalite.planner_documents`).
+
 Micro-batches in flight: 1 without PP (gradient accumulation finishes each backward
 before the next forward); under 1F1B stage p holds min(P - p, M), so the first stage P.
 Pipeline bubble: (P - 1) / (M + P - 1) with M = global batch / (micro batch x DP).
@@ -91,7 +94,7 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from megalite import planner_cp
+from megalite import planner_cp, planner_documents
 from megalite.config import ModelConfig
 from megalite.data_parallel.accounting import zero_theory_bytes
 from megalite.moe import planning as moe_planning
@@ -356,7 +359,7 @@ class Estimate:
     num_micro: int
     stage: int  # the pipeline stage with the most memory
     psi: int  # parameters on that stage's ranks
-    memory: dict  # weights, gradients, master_and_optimizer, activations, buffers, total (bytes)
+    memory: dict  # weights, gradients, master_and_optimizer, activations, buffers, data, total (bytes)
     bubble: float
     comm: dict
     fits: bool
@@ -371,8 +374,10 @@ class Estimate:
 
 
 def stage_memory(m: ModelConfig, layout: Layout, stage: int, micro: int, num_micro: int, prec: Precision,
-                 flash_attention: bool = False) -> tuple[int, dict]:
-    """(parameters, memory by kind in bytes) of one rank of pipeline stage ``stage``."""
+                 flash_attention: bool = False, documents: bool = False) -> tuple[int, dict]:
+    """(parameters, memory by kind in bytes) of one rank of pipeline stage ``stage``; "data" is
+    the step's micro-batches on the device (``documents``: with --reset-attention-mask's arrays;
+    :func:`megalite.planner_documents.batch_bytes`)."""
     psi = stage_parameters(m, layout.tp, layout.pp, stage, layout.ep)
     mem = model_state_bytes(psi, layout.dp * layout.cp, layout.zero, prec)
     psi_e = stage_expert_parameters(m, layout.tp, layout.pp, stage, layout.ep)
@@ -391,17 +396,19 @@ def stage_memory(m: ModelConfig, layout: Layout, stage: int, micro: int, num_mic
         if psi_e:  # expert and dense parameters never share a bucket
             bucket = moe_planning.largest_gradient_bucket(m, layout.tp, layout.ep, layout.pp, stage, DEFAULT_BUCKET)
         mem["buffers"] += prec.grad_bytes * bucket
-    mem["total"] += mem["activations"] + mem["buffers"]
+    mem["data"] = planner_documents.batch_bytes(m.seq_length, micro, num_micro, layout.cp, documents)
+    mem["total"] += mem["activations"] + mem["buffers"] + mem["data"]
     return psi, mem
 
 
 def estimate(m: ModelConfig, layout: Layout, global_batch: int, micro: int, prec: Precision, hw: Hardware,
-             flash_attention: bool = False) -> Estimate:
-    """Memory of the fullest pipeline stage, the bubble and the communication of one layout."""
+             flash_attention: bool = False, documents: bool = False) -> Estimate:
+    """Memory of the fullest pipeline stage, the bubble and the communication of one layout
+    (``documents``: the batch carries --reset-attention-mask's arrays)."""
     num_micro = global_batch // (micro * layout.dp)
     best = None
     for stage in range(layout.pp):
-        psi, mem = stage_memory(m, layout, stage, micro, num_micro, prec, flash_attention)
+        psi, mem = stage_memory(m, layout, stage, micro, num_micro, prec, flash_attention, documents)
         if best is None or mem["total"] > best[2]["total"]:
             best = (stage, psi, mem)
     stage, psi, mem = best

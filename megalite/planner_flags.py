@@ -13,7 +13,9 @@ Beyond the parser's defaults the planner assumes, and prints in the flags:
 gradient more than the one bucket the planner counts); ``--attention-dropout 0`` under CP (no
 CP type has attention dropout); the CP type (``--cp-comm-type``, and for a2a+p2p
 ``--hierarchical-context-parallel-sizes A B``) when CP > 1 and it is not the default p2p; the
-precision flag (``--bf16`` by default).
+precision flag (``--bf16`` by default); Megatron's packed-document flags ``--reset-position-ids``
+and ``--reset-attention-mask`` when the planner was asked with them (the batch then carries the
+documents' arrays, which the estimate counts: :mod:`megalite.planner_documents`).
 """
 from __future__ import annotations
 
@@ -74,7 +76,8 @@ def _model_flags(m: ModelConfig) -> list[str]:
 
 
 def pretrain_flags(m: ModelConfig, layout, global_batch: int, micro: int, precision: str = "bf16",
-                   accumulate: bool | None = None) -> list[str]:
+                   accumulate: bool | None = None, reset_position_ids: bool = False,
+                   reset_attention_mask: bool = False) -> list[str]:
     """The ``pretrain_gpt.py`` flags of a planned layout (``megalite.planner.Layout``): the model,
     the batch, the layout and every assumption the planner made (module docstring); flags left
     at the parser's defaults are left out. Data flags are the user's (``--mock-data`` for a try)."""
@@ -102,5 +105,7 @@ def pretrain_flags(m: ModelConfig, layout, global_batch: int, micro: int, precis
         flags.append(f"--{precision}")
     if accumulate is not None and grads_in_fp32(precision, accumulate) != grads_in_fp32(precision, None):
         flags.append("--accumulate-allreduce-grads-in-fp32" if accumulate else "--no-accumulate-allreduce-grads-in-fp32")
+    flags += [f for f, on in (("--reset-position-ids", reset_position_ids),
+                              ("--reset-attention-mask", reset_attention_mask)) if on]
     return flags
 

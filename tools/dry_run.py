@@ -22,6 +22,9 @@ gradients) groups with the planner's (when EP equals TP the two kinds share one 
 and their bytes are reported under 'tp'). With ``--device cuda`` (one GPU) the roles run for
 real on it and ``torch.cuda.max_memory_allocated`` is reported beside the tracker's peak.
 All other flags are pretrain_gpt.py's; --train-iters and logging flags are set here.
+With ``--reset-attention-mask`` a line states the attention work of the run's batch (the mock
+data packs about four documents per sample): the mean attended length against s and the model
+FLOPs per token both ways (:mod:`megalite.planner_documents`).
 """
 from __future__ import annotations
 
@@ -43,6 +46,7 @@ from megalite.device import meta_stand_ins  # noqa: E402
 from megalite.parallel.grid import GridLayout  # noqa: E402
 from megalite.moe.planning import wire_from_handed  # noqa: E402
 from megalite.planner import DEFAULT_HEADROOM, Hardware, Layout, communication, precision, stage_memory  # noqa: E402
+from megalite.planner_documents import dry_run_line  # noqa: E402
 
 GiB = 2**30
 
@@ -57,6 +61,35 @@ def roles(layout: GridLayout) -> list[dict]:
         out.append({"role": f"stage {stage}" + (f" ({', '.join(w for w in what if w)})" if any(what) else ""),
                     "stage": stage, "ranks": sorted(set(ranks))})
     return out
+
+
+def mock_eod(vocab_size: int) -> int:
+    """The end-of-document id of the dry run's mock data: its NullTokenizer's, as pretrain builds it."""
+    from megalite.data.tokenizer import build_tokenizer
+
+    return build_tokenizer("NullTokenizer", vocab_size=vocab_size).eod
+
+
+def host_batches(config, layout: GridLayout) -> list[dict]:
+    """The first step's micro-batches of data-parallel rank 0, as pretrain reads them (host tensors)."""
+    from megalite.data.builder import build_data_iterators
+
+    m, t, d = config.model, config.train, config.data
+    num_micro = t.global_batch_size // (t.micro_batch_size * layout.dp)
+    train, _, _ = build_data_iterators(
+        data_prefix=None, mock=True, split=d.split, vocab_size=m.vocab_size, seq_length=m.seq_length, seed=t.seed,
+        micro_batch_size=t.micro_batch_size, dp_rank=0, dp_size=layout.dp, train_samples=t.global_batch_size,
+        valid_samples=0, test_samples=0, eod_token=d.eod_token, reset_position_ids=d.reset_position_ids,
+        reset_attention_mask=d.reset_attention_mask, eod_mask_loss=d.eod_mask_loss)
+    return [next(train) for _ in range(num_micro)]
+
+
+def documents_line(config, layout: GridLayout) -> str | None:
+    """With --reset-attention-mask: the attention work of the dry run's batch
+    (:func:`megalite.planner_documents.dry_run_line`), else None."""
+    if not config.data.reset_attention_mask:
+        return None
+    return dry_run_line(config.model, host_batches(config, layout))
 
 
 def run_role(flags: list[str], world: int, rank: int, gpus_per_node: int, device: str) -> dict:
@@ -101,7 +134,8 @@ def _plan_inputs(config, layout: GridLayout):
 def planned(config, layout: GridLayout, stage: int) -> dict:
     """The planner's memory for one rank of ``stage`` (megalite.planner.stage_memory)."""
     m, plan_layout, micro, num_micro, prec = _plan_inputs(config, layout)
-    return stage_memory(m, plan_layout, stage, micro, num_micro, prec, flash_attention=True)[1]
+    return stage_memory(m, plan_layout, stage, micro, num_micro, prec, flash_attention=True,
+                        documents=config.data.reset_attention_mask)[1]
 
 
 def planned_comm(config, layout: GridLayout, stage: int, gpus_per_node: int) -> dict:
@@ -162,7 +196,7 @@ def main(argv=None) -> int:
         print("dry_run: --vocab-size is required (the run uses mock data)", file=sys.stderr)
         return 2
     flags = flags + ([] if pre.mock_data else ["--mock-data"])
-    config = config_from_args(build_parser().parse_args(flags), pre.vocab_size)
+    config = config_from_args(build_parser().parse_args(flags), pre.vocab_size, eod_token=mock_eod(pre.vocab_size))
     swapped = meta_stand_ins(config.model) if args.device == "meta" else []
     if swapped:
         print(f"dry run on meta: megalite's torch layers and kernels stand in for {', '.join(swapped)} "
@@ -183,6 +217,9 @@ def main(argv=None) -> int:
           f"{args.device}")
     header = (f"{'role':<34} {'ranks':<12} {'weights':>8} {'grads':>8} {'optim':>8} {'activ.':>8} {'comm':>8} "
               f"{'peak':>8} {'planned':>8} {'diff':>7}  fits   (GiB)")
+    documents = documents_line(config, layout)
+    if documents:
+        print(documents)
     print(f"fits: the peak within {allowance}")
     print(header)
     results = []

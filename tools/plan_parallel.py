@@ -28,6 +28,7 @@ from megalite.moe.settings import moe_layers, parse_layer_freq  # noqa: E402
 from megalite.layout_search import plan  # noqa: E402
 from megalite.planner import DEFAULT_HEADROOM, GiB, Hardware, precision, total_parameters  # noqa: E402
 from megalite.planner_cp import CP_COMM_TYPES, cp_type_name  # noqa: E402
+from megalite.planner_documents import plan_lines as document_lines  # noqa: E402
 from megalite.planner_flags import grads_in_fp32, pretrain_flags, training_defaults  # noqa: E402
 
 
@@ -63,6 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("batch")
     g.add_argument("--global-batch-size", type=int, required=True)
     g.add_argument("--micro-batch-size", type=int, default=d["micro_batch_size"], help="pretrain_gpt.py's default")
+    g = p.add_argument_group("packed documents (Megatron's flags; printed in the recommended flags)")
+    g.add_argument("--reset-position-ids", action="store_true", help="positions restart in each document")
+    g.add_argument("--reset-attention-mask", action="store_true",
+                   help="attention within each document only: the report adds the model FLOPs with "
+                        "documents of --document-length tokens and the attention FLOPs saved")
+    g.add_argument("--document-length", type=int, default=None, metavar="N",
+                   help="the typical document length in tokens (with --reset-attention-mask; default: the "
+                        "whole sequence); taken as equal documents of N: attention 12 L h N per token")
     g = p.add_argument_group("hardware")
     g.add_argument("--gpu-memory-gb", type=float, required=True, help="per GPU, as on the spec sheet (GiB)")
     g.add_argument("--gpus-per-node", type=int, default=8)
@@ -138,7 +147,8 @@ def table(estimates, usable: float) -> list[str]:
 
 def layout_flags(a, m, e) -> list[str]:
     """The exact pretrain_gpt.py flags of a planned layout (what the estimate assumed)."""
-    return pretrain_flags(m, e.layout, a.global_batch_size, a.micro_batch_size, a.precision, a.accumulate)
+    return pretrain_flags(m, e.layout, a.global_batch_size, a.micro_batch_size, a.precision, a.accumulate,
+                          a.reset_position_ids, a.reset_attention_mask)
 
 
 def dry_run_command(a, flags: list[str], world: int) -> str:
@@ -161,7 +171,8 @@ def verify(a, m, estimates) -> list[dict]:
     for e in estimates:
         lay = e.layout
         flags = layout_flags(a, m, e)
-        config = config_from_args(pretrain_parser().parse_args(flags + ["--mock-data"]), m.vocab_size)
+        config = config_from_args(pretrain_parser().parse_args(flags + ["--mock-data"]), m.vocab_size,
+                                  eod_token=dry_run.mock_eod(m.vocab_size))
         world = lay.tp * lay.pp * lay.cp * lay.dp
         validate(config, world, a.gpus_per_node)
         grid = GridLayout.from_config(config.parallel, world, experts=bool(m.num_experts))
@@ -178,12 +189,18 @@ def verify(a, m, estimates) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    a = build_parser().parse_args(argv)
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    if a.document_length is not None and not a.reset_attention_mask:
+        parser.error("--document-length N needs --reset-attention-mask (without it every token attends "
+                     "the whole sequence)")
+    if a.document_length is not None and not 1 <= a.document_length <= a.seq_length:
+        parser.error(f"--document-length ({a.document_length}) must be between 1 and --seq-length ({a.seq_length})")
     m = model_from_args(a)
     hw = Hardware(a.gpu_memory_gb, a.gpus_per_node, a.nodes, a.nvlink_gbps, a.ib_gbps, a.headroom)
     prec = precision(a.precision, grads_in_fp32(a.precision, a.accumulate))
     result = plan(m, hw, a.global_batch_size, a.micro_batch_size, prec, a.flash_attention, a.max_context_parallel,
-                  a.cp_comm_type)
+                  a.cp_comm_type, documents=a.reset_attention_mask)
     experts = ""
     if m.num_experts:
         experts = (f", {sum(moe_layers(m))} MoE layers x {m.num_experts} experts (FFN {m.moe_ffn_hidden_size}, "
@@ -202,6 +219,8 @@ def main(argv=None) -> int:
         for reason in sorted(set(result.invalid.values()))[:8]:
             print(f"  - {reason}", file=sys.stderr)
         return 2
+    if a.reset_attention_mask:
+        print("\n".join(document_lines(m, a.document_length or m.seq_length, a.global_batch_size * m.seq_length)))
     print()
     for line in result.reasons:
         print(line)
@@ -231,6 +250,7 @@ def main(argv=None) -> int:
             json.dump({"model": vars(m), "hardware": vars(hw), "precision": vars(prec),
                        "global_batch_size": a.global_batch_size, "micro_batch_size": a.micro_batch_size,
                        "model_parameters": total_parameters(m),
+                       "document_length": (a.document_length or m.seq_length) if a.reset_attention_mask else None,
                        "recommendation": ({**result.choice.to_dict(), "pretrain_flags": layout_flags(a, m, result.choice)}
                                           if result.choice else None),
                        "reasons": result.reasons, "candidates": [e.to_dict() for e in result.estimates],

@@ -96,26 +96,28 @@ def document_flops(m: ModelConfig, attended: float) -> DocumentFlops:
     return DocumentFlops(m.seq_length, float(attended), whole, docs, per_length * m.seq_length, per_length * attended)
 
 
-def _flops(x: float) -> str:
-    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6)):
+def format_flops(x: float) -> str:
+    """FLOPs with three significant digits and a unit: 46.0 GFLOP, 1.27 PFLOP, 535 kFLOP."""
+    for unit, scale in (("PFLOP", 1e15), ("TFLOP", 1e12), ("GFLOP", 1e9), ("MFLOP", 1e6), ("kFLOP", 1e3)):
         if x >= scale:
-            return f"{x / scale:#.3g} {unit}"
-    return f"{x:.3g} FLOP"
+            v = x / scale
+            return f"{v:.{2 if v < 10 else 1 if v < 100 else 0}f} {unit}"
+    return f"{x:.0f} FLOP"
 
 
 def plan_lines(m: ModelConfig, document_length: int, tokens_per_step: int) -> list[str]:
     """The planner's report with packed documents of ``document_length`` tokens (equal documents:
     ``N_bar = N``): model FLOPs per token and per step both ways, and the attention FLOPs saved."""
-    f = document_flops(m, document_length)
+    f, flops = document_flops(m, document_length), format_flops
     L, h, s, n = m.num_layers, m.hidden_size, m.seq_length, document_length
     return [
         (f"Packed documents (--reset-attention-mask, documents of {n} tokens in sequences of {s}): attention "
          f"over each document only, taken as equal documents of {n}: 12 L h N = 12 x {L} x {h} x {n} per token "
          f"instead of 12 L h s = 12 x {L} x {h} x {s}."),
-        (f"  model FLOPs per token (6 N + 12 L h length): whole sequence {_flops(f.whole)}, with documents "
-         f"{_flops(f.documents)}; per step of {tokens_per_step:,} tokens: {_flops(f.whole * tokens_per_step)} "
-         f"against {_flops(f.documents * tokens_per_step)}."),
-        (f"  attention FLOPs saved: {_flops(f.saved)} per token, {_flops(f.saved * tokens_per_step)} per step: "
+        (f"  model FLOPs per token (6 N + 12 L h length): whole sequence {flops(f.whole)}, with documents "
+         f"{flops(f.documents)}; per step of {tokens_per_step:,} tokens: {flops(f.whole * tokens_per_step)} "
+         f"against {flops(f.documents * tokens_per_step)}."),
+        (f"  attention FLOPs saved: {flops(f.saved)} per token, {flops(f.saved * tokens_per_step)} per step: "
          f"{f.saved_fraction:.1%} of the attention FLOPs (1 - N/s), {f.saved_of_total:.1%} of the model FLOPs."),
     ]
 
@@ -131,5 +133,5 @@ def dry_run_line(m: ModelConfig, host_batches: list[dict]) -> str | None:
                  for b in host_batches)
     rows = sum(b["doc_start"].shape[0] for b in host_batches)
     return (f"packed documents: this batch's mean attended length {attended:.1f} of s = {m.seq_length} tokens "
-            f"({starts / rows:.1f} documents per sample); model FLOPs per token {_flops(f.documents)} with "
-            f"documents against {_flops(f.whole)} over the whole sequence (attention {f.saved_fraction:.1%} less)")
+            f"({starts / rows:.1f} documents per sample); model FLOPs per token {format_flops(f.documents)} with "
+            f"documents against {format_flops(f.whole)} over the whole sequence (attention {f.saved_fraction:.1%} less)")

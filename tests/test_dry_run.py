@@ -246,3 +246,35 @@ def test_meta_dry_run_each_cp_comm_type(monkeypatch, comm_type):
         assert [r["iteration"] for r in log] == [1] and log[-1]["loss"] is None
         by_group = log[-1]["comm_bytes_by_group"]
         assert {k: v for k, v in by_group.items() if k.startswith("cp")} == expected, (rank, by_group)
+
+
+# Packed documents: what the dry run's --track-memory peak holds of the batch's doc_start/doc_end.
+DOCUMENTS_MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+                   "--vocab-size", "500", "--micro-batch-size", "2", "--global-batch-size", "8", "--bf16",
+                   "--mock-data"]
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_dry_run_peak_with_documents_and_the_planned_data_entry(cp):
+    """--reset-attention-mask adds the (b, s) int32 doc_start and doc_end to every micro-batch:
+    M b s 8 bytes on the device (the planner's "data" entry grows by exactly that). The tracker
+    counts a storage made before the step (pretrain moves the batch to the device before it enters
+    the tracker) only once the step makes a view of it. Under CP ring attention slices the arrays
+    for each block, so the peak grows by exactly M b s 8; on one CP rank on meta the attention is
+    shapes only and never views them, so the peak does not move (nor, for the same reason, does it
+    count loss_mask: megalite.planner_documents' docstring). Here M = 4 (8 / (2 x DP 1))."""
+    from megalite.arguments import build_parser, config_from_args
+    from megalite.parallel.grid import GridLayout
+    from tools import dry_run as tool
+
+    extra = ["--context-parallel-size", str(cp), "--attention-dropout", "0"] if cp > 1 else []
+    peaks, planned = [], []
+    for documents in ([], ["--reset-position-ids", "--reset-attention-mask"]):
+        flags = DOCUMENTS_MODEL + extra + documents
+        config = config_from_args(build_parser().parse_args(flags), 500, eod_token=tool.mock_eod(500))
+        (role,) = tool.measure_layout(flags, config, GridLayout.from_config(config.parallel, cp), 8)
+        peaks.append(role["measured_bytes"])
+        planned.append(role["planned_categories"]["data"])
+    doc_arrays = 4 * 2 * 64 * (4 + 4)  # M b s (doc_start + doc_end)
+    assert planned[1] - planned[0] == doc_arrays
+    assert peaks[1] - peaks[0] == (doc_arrays if cp > 1 else 0), peaks

@@ -12,7 +12,7 @@ gradients, optimizer state); a new storage takes the category active where it wa
 ``activations`` by default, ``communication`` inside the collectives of
 :mod:`megalite.parallel.comm` and the pipeline exchange, ``gradients`` in the gradient buckets,
 ``parameters`` for ZeRO-3's gathered weights, ``optimizer state`` in the optimizer step
-(see :func:`category`). Allocator caching, fragmentation and the CUDA context are not storages;
+(see :func:`category`); the step's micro-batches on the device are registered as ``data``. Allocator caching, fragmentation and the CUDA context are not storages;
 on a GPU compare with ``torch.cuda.max_memory_allocated``.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-CATEGORIES = ("parameters", "gradients", "optimizer state", "activations", "communication")
+CATEGORIES = ("parameters", "gradients", "optimizer state", "activations", "communication", "data")
 _current = ["activations"]  # the category of storages made now (a stack; module state, one thread)
 _active: list["MemoryTracker"] = []
 

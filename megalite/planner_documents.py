@@ -27,12 +27,8 @@ tokens of every key but the documents' arrays, which stay whole and are not copi
 (N/C) per micro-batch. So ``data = M b s (28 + 8 [documents]) + [C > 1] M (28 b s / C + 4)``.
 It is small: 7B with s = 4096, b = 1, M = 32 holds 3.7 MB.
 
-What ``--track-memory`` (the dry run) sees of it: a storage made before the step is counted the
-first time the step makes a view of it, so the batch appears through its views: ``tokens.t()``,
-``position_ids.t()`` (first stage) and ``labels.t()`` (last stage) without CP (24 bytes a token,
-loss_mask is never viewed), every key's chunks under CP, and the documents' arrays only where
-ring attention slices them per block (under CP; on meta the single-rank attention is shapes only).
-The planner counts what the device holds; the tracker undercounts it by those missing bytes.
+The dry run (``--track-memory``) counts the same bytes: pretrain registers the step's device
+batches with the tracker as ``data``, and the CP slices are made inside the step.
 """
 from __future__ import annotations
 

@@ -304,6 +304,8 @@ def pretrain(argv=None) -> list[dict]:
         micro_batches = [to_device(b, device) for b in host_batches]
         if faults["NAN_AT_ITERATION"] == iteration + 1:
             micro_batches[0] = {**micro_batches[0], "loss_mask": micro_batches[0]["loss_mask"] * float("nan")}
+        if tracker is not None:  # the step's batches live on the device through the step
+            tracker.register([t for b in micro_batches for t in b.values()], "data")
         trace = step_trace(args, iteration, t, device)
         try:
             with count_collectives() as traffic, tracker or contextlib.nullcontext():

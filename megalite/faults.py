@@ -5,11 +5,16 @@ did arrive. :func:`hang_report` then names the operation and the group this rank
 (from the last collective it started) and finds the ranks that did not arrive: every
 surviving rank marks itself alive in the job's rendezvous store and, after a short grace
 period, reads which ranks of the group never did.
+
+Expected failures (a configuration error, missing or corrupt input, a bad checkpoint,
+divergence) end with one ``megalite:`` line and an exit code (:func:`report_failure`), also
+under torchrun: one rank prints it and records it as the message of torchrun's root cause.
 """
 from __future__ import annotations
 
 import math
 import os
+import signal
 import sys
 import threading
 import time
@@ -18,10 +23,6 @@ import torch.distributed as dist
 
 from megalite.parallel import comm
 from megalite.parallel.grid import GROUP_ORDER
-
-
-class MegaliteError(RuntimeError):
-    """The one message of an expected failure, as torchrun's error file records it."""
 
 
 class CollectiveTimeout(RuntimeError):
@@ -130,20 +131,47 @@ def check_finite(result, iteration: int, fp16: bool) -> None:
             f"use --clip-grad.")
 
 
-def report_failure(kind: str, error: BaseException, code: int, printer: bool) -> int:
-    """``megalite: <kind>: <message>`` on stderr (when ``printer``), and the same message in
-    torchrun's per-rank error file (TORCHELASTIC_ERROR_FILE), which torchrun's failure summary
-    shows instead of "error_file: <N/A>". Returns ``code`` for the process to exit with."""
-    message = f"megalite: {kind}: {error}"
-    if printer:
-        print(message, file=sys.stderr, flush=True)
-    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
-        from torch.distributed.elastic.multiprocessing.errors import get_error_handler
+# How long a rank that does not print waits, under torchrun, to be stopped by the agent after
+# rank 0's failure; a rank still running then saw the error first and reports it itself.
+QUIET_RANK_WAIT_S = 20.0
 
-        try:
-            raise MegaliteError(message) from None  # the message alone, no chained traceback
-        except MegaliteError as recorded:  # record_exception reads the current traceback
-            get_error_handler().record_exception(recorded)
+
+def write_error_file(path: str, message: str) -> None:
+    """torchrun's per-rank error file holding ``message`` alone: the agent's failure summary
+    shows an entry's ``py_callstack`` when there is one, else its ``message``; with none
+    written, no traceback lines appear there. The timestamp orders the failures (the earliest
+    is the summary's root cause)."""
+    import json
+
+    data = {"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass  # the message was printed; the summary then says <N/A>
+
+
+def report_failure(kind: str, error: BaseException, code: int, printer: bool,
+                   wait_s: float | None = None) -> int:
+    """One ``megalite: <kind>: <message>`` line for an expected failure; returns ``code``.
+
+    The printing rank (rank 0 for the errors every rank meets alike) prints it on stderr and,
+    under torchrun, writes it into its error file (``TORCHELASTIC_ERROR_FILE``), so torchrun's
+    failure summary shows the message as the root cause, without a traceback. Another rank
+    prints nothing: without torchrun it returns at once; under torchrun it waits (up to
+    ``wait_s``) for the agent, which stops the remaining ranks (SIGTERM) once rank 0 has
+    failed, so the summary lists it as a signalled rank without another copy of the message.
+    A rank still running after the wait met an error rank 0 did not: it reports it itself."""
+    message = f"megalite: {kind}: {error}"
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not printer:
+        if not error_file:
+            return code
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the agent's stop ends the process at once
+        time.sleep(QUIET_RANK_WAIT_S if wait_s is None else wait_s)
+    print(message, file=sys.stderr, flush=True)
+    if error_file:
+        write_error_file(error_file, message)
     return code
 
 

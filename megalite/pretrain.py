@@ -390,11 +390,11 @@ def pretrain(argv=None) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    """Run, and turn every expected failure into ONE ``megalite:`` message and an exit code:
-    printed by rank 0 (every rank hits the same configuration or input error; the others exit
-    quietly with the same code), and recorded in torchrun's error file on every rank, so
-    torchrun's failure summary names the cause. A timeout is reported by each waiting rank
-    (each names who it waited for)."""
+    """Run, and turn every expected failure into ONE ``megalite:`` message and an exit code
+    (:func:`megalite.faults.report_failure`): printed by rank 0, as every rank meets the same
+    configuration, input or checkpoint error, and under torchrun recorded as the root cause of
+    its failure summary; the other ranks add nothing. A timeout is reported by each waiting
+    rank (each names who it waited for). Any other exception propagates with its traceback."""
     argv_list = sys.argv[1:] if argv is None else argv
     printer = int(os.environ.get("RANK", "0")) == 0 or "--fake-process-group" in argv_list
     try:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from megalite.layers.backends import flash_missing, triton_missing
 from megalite.layers.documents import Documents, visible_mask
+from megalite.errors import ConfigError
 
 BACKENDS = ("auto", "triton", "flash", "torch")
 TRITON_MAX_HEAD_DIM = 256  # megalite.kernels._utils.MAX_HEAD_DIM (not imported here: no triton import)
@@ -42,8 +43,6 @@ def check_attention_backend(model_config) -> None:
     """Validation hook called by megalite.config.validate: raise ConfigError when the chosen
     backend is unknown or unavailable, or cannot run this model (the message names the fix).
     Also checks ``--fused-kernels`` (Triton norms and cross-entropy) can run here."""
-    from megalite.config import ConfigError
-
     name = model_config.attention_backend
     if name not in BACKENDS:
         raise ConfigError(f"--attention-backend {name!r} is unknown. Fix: use one of "

@@ -22,6 +22,8 @@ from typing import NamedTuple
 
 import torch
 
+from megalite.errors import ConfigError
+
 
 class Documents(NamedTuple):
     """The packed documents of a micro-batch: ``start`` and ``end``, (b, s) int32, absolute."""
@@ -86,8 +88,6 @@ def check_documents_attention(model_config, reset_attention_mask: bool) -> None:
     document mask, so with documents megalite's attention runs beside TE's linears."""
     if not reset_attention_mask:
         return
-    from megalite.config import ConfigError
-
     if model_config.attention_backend == "flash":
         raise ConfigError("--reset-attention-mask with --attention-backend flash: megalite does not hand packed "
                           "documents to flash-attn (its varlen API is not wired in). Fix: --attention-backend "

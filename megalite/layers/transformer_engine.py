@@ -47,6 +47,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from megalite.errors import ConfigError
 from megalite.layers.backends import te_missing
 from megalite.parallel.comm import group_rank, group_size
 from megalite.parallel.random import get_rng_tracker
@@ -65,8 +66,6 @@ def uses_te(cfg) -> bool:
 def check_transformer_impl(m, tp: int = 1) -> None:
     """Raise ConfigError for a setting that cannot run here (called by config.validate with the
     tensor-parallel size ``tp``: FP8 needs the per-rank weight sizes aligned)."""
-    from megalite.config import ConfigError
-
     if m.transformer_impl not in TRANSFORMER_IMPLS:
         raise ConfigError(f"--transformer-impl {m.transformer_impl!r} is unknown. Fix: local or transformer_engine.")
     if m.fp8_format is not None:
@@ -87,13 +86,11 @@ def check_transformer_impl(m, tp: int = 1) -> None:
         raise ConfigError(f"--transformer-impl transformer_engine cannot run: {why}. Fix: install it on a "
                           f"GPU machine, or use --transformer-impl local (megalite's own layers).")
     if m.fp8_format is not None:
-        _check_fp8_shapes(m, tp, ConfigError)
+        _check_fp8_shapes(m, tp)
 
 
 def check_tp_comm_overlap(m, tp: int, sequence_parallel: bool, half_precision: bool) -> None:
     """Raise ConfigError where ``--tp-comm-overlap`` cannot run (called by config.validate)."""
-    from megalite.config import ConfigError
-
     if not m.tp_comm_overlap:
         return
     rules = [
@@ -138,7 +135,7 @@ def _overlap(cfg, ub_name: str | None, column: bool) -> dict:
     return dict(ub_overlap_rs=True, ub_overlap_ag=True, ub_name=ub_name)  # output reduce-scatter; dgrad all-gather
 
 
-def _check_fp8_shapes(m, tp: int, ConfigError) -> None:
+def _check_fp8_shapes(m, tp: int) -> None:
     if m.recompute_granularity == "full":
         raise ConfigError("--recompute-granularity full with --fp8-format: a recomputed FP8 layer must reuse "
                           "the forward's scaling factors (transformer-engine's own checkpoint function), which "

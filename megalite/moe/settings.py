@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 
-from megalite.config import ConfigError
+from megalite.errors import ConfigError
 
 
 def parse_layer_freq(value) -> int | list:

@@ -355,7 +355,7 @@ def pretrain(argv=None) -> list[dict]:
             os.kill(os.getpid(), signal.SIGKILL)
         if save_now:
             path = save_checkpoint(args.save, iteration + 1, optimizer, scaler, config, grid,
-                                   (iteration + 1) * global_batch, args.keep_last)
+                                   (iteration + 1) * global_batch, args.keep_last, tokenizer)
             say(f"saved checkpoint {os.path.abspath(path)}")
             if watchdog is not None:
                 watchdog.beat()  # a long save is progress too
@@ -380,7 +380,7 @@ def pretrain(argv=None) -> list[dict]:
     finished = log_lines and log_lines[-1]["iteration"] == t.train_iters
     if args.save and finished and not (args.save_interval and t.train_iters % args.save_interval == 0):
         path = save_checkpoint(args.save, t.train_iters, optimizer, scaler, config, grid,
-                               t.train_iters * global_batch, args.keep_last)
+                               t.train_iters * global_batch, args.keep_last, tokenizer)
         say(f"saved checkpoint {os.path.abspath(path)}")
     if term is not None:
         term.restore()

@@ -1,9 +1,15 @@
 #!/usr/bin/env python
 """Generate text from any megalite checkpoint (whatever layout saved it), with a KV cache.
 
-    python tools/generate.py --load CKPT --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR \\
-        --prompt "def fibonacci(n):" --max-new-tokens 64 [--greedy | --temperature 0.8 --top-p 0.9 --seed 1]
+    python tools/generate.py --load CKPT --prompt "def fibonacci(n):" --max-new-tokens 64 \\
+        [--greedy | --temperature 0.8 --top-p 0.9 --seed 1]
+    python tools/generate.py --load CKPT --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR --prompt "..."
     python tools/generate.py --load CKPT --prompt-ids 5,17,42 --greedy --json
+
+``--prompt`` uses the tokenizer the checkpoint records (pretrain copies the files of the one it
+trained with into the checkpoint's ``tokenizer/`` folder, with their SHA-256, checked here; a
+Hugging Face import's carried ``huggingface/tokenizer.json`` otherwise);
+``--tokenizer-type/--tokenizer-model`` give another one instead.
 
 Greedy by default; ``--temperature/--top-k/--top-p`` sample (``--seed`` reproduces). Stops at
 an end-of-sequence id (the tokenizer's, else the checkpoint's Hugging Face config's) or
@@ -19,7 +25,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megalite.checkpoint import CheckpointError, PieceReader, load_serial_model  # noqa: E402
+from megalite.checkpoint.format import checkpoint_tokenizer  # noqa: E402
 from megalite.checkpoint.serial import _checkpoint_dir  # noqa: E402
+from megalite.checkpoint.settings import CARRIED  # noqa: E402
 from megalite.generation import Sampling, generate  # noqa: E402
 
 
@@ -27,10 +35,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load", required=True, help="megalite checkpoint directory (--save root or an iter_* dir)")
     p.add_argument("--tokenizer-type", default=None,
-                   choices=["SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer"])
+                   choices=["SentencePieceTokenizer", "GPTSentencePieceTokenizer", "HuggingFaceTokenizer"],
+                   help="default: the tokenizer the checkpoint records")
     p.add_argument("--tokenizer-model", default=None, help="sentencepiece .model, or a folder with tokenizer.json")
     prompt = p.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="text (needs a tokenizer)")
+    prompt.add_argument("--prompt", help="text (tokenized by the checkpoint's tokenizer, or the one given)")
     prompt.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 5,17,42")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--greedy", action="store_true", help="argmax decoding (the default unless sampling flags are set)")
@@ -42,6 +51,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.add_argument("--json", action="store_true", help='print {"ids": [...], "text": "..."}')
     return p
+
+
+def recorded_tokenizer(directory: str, meta: dict):
+    """The tokenizer a checkpoint carries, its files checked against their SHA-256, or None
+    with the reason. Raises CheckpointError for a missing or altered file."""
+    from megalite.data.tokenizer import build_tokenizer
+
+    record = checkpoint_tokenizer(directory, meta)
+    if record is None:
+        carried = os.path.join(directory, CARRIED)
+        if os.path.isfile(os.path.join(carried, "tokenizer.json")):  # a Hugging Face import's tokenizer
+            return build_tokenizer("HuggingFaceTokenizer", carried), None
+        return None, "the checkpoint records no tokenizer"
+    if record["path"] is None:
+        return None, (f"the checkpoint was trained with {record['type']} (token ids, not text: mock data) and "
+                      f"carries no tokenizer")
+    try:
+        tokenizer = build_tokenizer(record["type"], record["path"],
+                                    add_bos=record.get("add_bos") if record["type"] == "HuggingFaceTokenizer" else None)
+    except (OSError, ValueError, RuntimeError, ImportError) as e:
+        raise CheckpointError(f"the checkpoint's tokenizer {record['path']} cannot be loaded ({e}).") from None
+    if tokenizer.vocab_size != record.get("vocab_size") or tokenizer.eod != record.get("eod"):
+        raise CheckpointError(f"the checkpoint's tokenizer {record['path']} has {tokenizer.vocab_size} ids and "
+                              f"end-of-document id {tokenizer.eod}, but the checkpoint recorded "
+                              f"{record.get('vocab_size')} and {record.get('eod')}: it is not the one it trained with.")
+    return tokenizer, None
 
 
 def main(argv=None) -> int:
@@ -60,15 +95,19 @@ def main(argv=None) -> int:
                   file=sys.stderr)
             return 2
     try:
-        meta = PieceReader(_checkpoint_dir(a.load)).metadata
+        directory = _checkpoint_dir(a.load)
+        meta = PieceReader(directory).metadata
+        why = None
+        if a.prompt is not None and tokenizer is None:
+            tokenizer, why = recorded_tokenizer(directory, meta)
         model = load_serial_model(a.load, getattr(torch, a.dtype)).to(a.device)
     except CheckpointError as e:
         print(f"generate: {e}", file=sys.stderr)
         return 2
     if a.prompt is not None:
         if tokenizer is None:
-            print("generate: --prompt needs --tokenizer-type and --tokenizer-model (or give --prompt-ids)",
-                  file=sys.stderr)
+            print(f"generate: --prompt needs a tokenizer, but {why}. Fix: give --tokenizer-type and "
+                  f"--tokenizer-model, or --prompt-ids", file=sys.stderr)
             return 2
         ids = list(tokenizer.tokenize(a.prompt))
         bos = getattr(tokenizer, "bos", None)

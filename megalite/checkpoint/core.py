@@ -3,7 +3,9 @@
 Save, atomically: every rank writes its files into ``iter_N.tmp``; after a barrier rank 0
 writes ``metadata.json``, fsyncs, renames the directory to ``iter_N``, then rewrites the
 ``latest`` pointer (write + rename) and deletes checkpoints beyond ``keep_last``. A crash at
-any point leaves ``latest`` on the previous complete checkpoint.
+any point leaves ``latest`` on the previous complete checkpoint. Given the run's tokenizer,
+rank 0 also copies its files into ``iter_N.tmp/tokenizer`` and records it in metadata.json
+(:func:`megalite.checkpoint.format.write_tokenizer`), so the checkpoint generates text alone.
 
 Load (``--load DIR``: its 'latest'; ``--load DIR --ckpt-step N`` or ``--load DIR/iter_N``:
 that iteration, see :func:`megalite.checkpoint.format.resolve_checkpoint`): every rank fills
@@ -23,7 +25,7 @@ import torch
 from megalite import __version__
 from megalite.checkpoint.format import (FORMAT_VERSION, VOCAB_PARAMS, CheckpointError, PieceReader,
                                         fsync_path, iteration_dir, resolve_checkpoint, same_layout,
-                                        write_json_atomic, write_rank_files)
+                                        write_json_atomic, write_rank_files, write_tokenizer)
 from megalite.config import ModelConfig
 from megalite.device import host_barrier
 from megalite.checkpoint.names import global_pieces
@@ -87,8 +89,9 @@ def _split_of(p):
 
 
 def save_checkpoint(root: str, iteration: int, optimizer, scaler, config, grid, consumed_samples: int,
-                    keep_last: int | None = None) -> str:
-    """Write iteration ``iteration``'s checkpoint under ``root``; returns its directory."""
+                    keep_last: int | None = None, tokenizer=None) -> str:
+    """Write iteration ``iteration``'s checkpoint under ``root``; returns its directory.
+    ``tokenizer``: the run's, recorded with its files (none given: no tokenizer record)."""
     c = _coords(grid)
     final = iteration_dir(root, iteration)
     tmp = final + ".tmp"
@@ -118,12 +121,13 @@ def save_checkpoint(root: str, iteration: int, optimizer, scaler, config, grid, 
     _barrier(grid)
     if c["rank"] == 0:
         files = sorted(f for f in os.listdir(tmp) if f.endswith(".safetensors"))
+        recorded = {"tokenizer": write_tokenizer(tmp, tokenizer)} if tokenizer is not None else {}
         write_json_atomic(os.path.join(tmp, "metadata.json"), {
             "format_version": FORMAT_VERSION, "megalite_version": __version__, "iteration": iteration,
             "consumed_samples": consumed_samples, "config": config.to_dict(), "layout": c["layout"],
             "zero_stage": optimizer.stage, "optimizer_step": optimizer.step_count,
             "loss_scaler": scaler.state_dict() if scaler is not None else None, "files": files,
-            "weights_only": False, "source": carry_forward(config, tmp)})
+            "weights_only": False, "source": carry_forward(config, tmp), **recorded})
         fsync_path(tmp)
         shutil.rmtree(final, ignore_errors=True)
         os.rename(tmp, final)

@@ -5,7 +5,12 @@ A checkpoint of iteration N is the directory ``iter_000000N`` holding
 - ``metadata.json`` (rank 0): format version, iteration, consumed samples, the config, the
   layout it was written under, optimizer step and loss-scaler state;
 - ``rankXXXXX.safetensors`` (each rank that owns something): its *pieces* and its RNG state;
-- ``rankXXXXX.json``: what each piece is, and the file's SHA-256, checked at load.
+- ``rankXXXXX.json``: what each piece is, and the file's SHA-256, checked at load;
+- ``tokenizer/`` (rank 0): copies of the files of the tokenizer the run trained with (a
+  sentencepiece ``.model``, or a Hugging Face folder's tokenizer files), described by
+  metadata.json's ``tokenizer`` record: ``type``, ``vocab_size``, ``eod``, ``bos``,
+  ``add_bos``, ``model`` (the path to build it from, relative to the iteration directory, or
+  null for a ``NullTokenizer``, which has no files) and ``files`` (relative path -> SHA-256).
 
 A piece is a flat range of one tensor of one parameter, in global terms:
 ``{key, name, kind, tp_rank, tp_size, split, local_shape, range}``. ``name`` is the global
@@ -26,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from collections import defaultdict
 
 import torch
@@ -37,6 +43,10 @@ from megalite.parallel.sharding import TPSplit, unshard_tensors
 FORMAT_VERSION = 1
 VOCAB_PARAMS = ("word_embeddings.weight", "output_layer.weight")
 REQUIRED = ("format_version", "iteration", "config", "layout", "files")  # metadata.json's keys every reader needs
+
+
+TOKENIZER_DIR = "tokenizer"  # the folder in an iteration directory
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer")
 
 
 class CheckpointError(RuntimeError):
@@ -247,3 +257,65 @@ class PieceReader:
         if vocab_size is not None and name in VOCAB_PARAMS:
             full = full[:vocab_size]
         return full
+
+
+def _tokenizer_sources(tokenizer, kind: str) -> tuple[dict[str, str], str | None]:
+    """(name in tokenizer/ -> source file, the name the tokenizer is built from) for ``tokenizer``."""
+    if kind in SENTENCEPIECE_TYPES:
+        name = os.path.basename(tokenizer.model_path)
+        return {name: tokenizer.model_path}, name
+    if kind == "HuggingFaceTokenizer":
+        from megalite.checkpoint.settings import TOKENIZER_FILES
+
+        path = tokenizer.path
+        folder = path if os.path.isdir(path) else os.path.dirname(path) or "."
+        sources = {n: os.path.join(folder, n) for n in TOKENIZER_FILES if os.path.isfile(os.path.join(folder, n))}
+        if os.path.isdir(path):
+            return sources, ""
+        sources[os.path.basename(path)] = path  # a tokenizer.json given by its own (any) name
+        return sources, os.path.basename(path)
+    return {}, None
+
+
+def write_tokenizer(directory: str, tokenizer) -> dict:
+    """Copy ``tokenizer``'s files into ``directory``/tokenizer (rank 0, into the unfinished
+    iteration directory) and return metadata.json's ``tokenizer`` record (see the module
+    docstring). A ``NullTokenizer`` (mock data) is recorded with no model and no files."""
+    kind = getattr(tokenizer, "tokenizer_type", type(tokenizer).__name__)
+    record = {"type": kind, "vocab_size": int(tokenizer.vocab_size), "eod": tokenizer.eod,
+              "bos": getattr(tokenizer, "bos", None), "add_bos": bool(getattr(tokenizer, "add_bos", False)),
+              "model": None, "files": {}}
+    sources, model = _tokenizer_sources(tokenizer, kind)
+    if not sources:
+        return record
+    os.makedirs(os.path.join(directory, TOKENIZER_DIR), exist_ok=True)
+    for name, source in sorted(sources.items()):
+        target = os.path.join(directory, TOKENIZER_DIR, name)
+        shutil.copyfile(source, target)
+        record["files"][f"{TOKENIZER_DIR}/{name}"] = sha256_file(target)
+    record["model"] = f"{TOKENIZER_DIR}/{model}" if model else TOKENIZER_DIR
+    return record
+
+
+def checkpoint_tokenizer(directory: str, metadata: dict) -> dict | None:
+    """The ``tokenizer`` record of a checkpoint, its files verified against their SHA-256,
+    with ``path`` added (the absolute path to build it from; None for a NullTokenizer). None
+    when the checkpoint records no tokenizer. A missing or altered file: CheckpointError."""
+    record = metadata.get("tokenizer")
+    if record is None:
+        return None
+    if not isinstance(record, dict) or "type" not in record or not isinstance(record.get("files", {}), dict):
+        raise CheckpointError(f"{os.path.join(directory, 'metadata.json')}: the tokenizer record is corrupt.")
+    for name, expected in sorted(record.get("files", {}).items()):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path} is missing: the checkpoint records it as a file of its tokenizer "
+                                  f"({record['type']}). Fix: copy the iteration directory whole, or give "
+                                  f"--tokenizer-type and --tokenizer-model.")
+        actual = sha256_file(path)
+        if actual != expected:
+            raise CheckpointError(f"{path}: checksum mismatch (expected {expected[:16]}..., found {actual[:16]}...): "
+                                  f"the checkpoint's tokenizer file was altered or is corrupt. Fix: restore it, or "
+                                  f"give --tokenizer-type and --tokenizer-model.")
+    model = record.get("model")
+    return {**record, "path": os.path.join(directory, model) if model else None}

@@ -161,14 +161,18 @@ def report_failure(kind: str, error: BaseException, code: int, printer: bool,
     prints nothing: without torchrun it returns at once; under torchrun it waits (up to
     ``wait_s``) for the agent, which stops the remaining ranks (SIGTERM) once rank 0 has
     failed, so the summary lists it as a signalled rank without another copy of the message.
-    A rank still running after the wait met an error rank 0 did not: it reports it itself."""
+    A rank still running after the wait met an error rank 0 did not (or rank 0 is on another
+    node, whose agent does not stop this one): it reports it itself. The other local ranks
+    wait twice as long as local rank 0, so on such a node local rank 0 reports and the agent
+    stops the rest."""
     message = f"megalite: {kind}: {error}"
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not printer:
         if not error_file:
             return code
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the agent's stop ends the process at once
-        time.sleep(QUIET_RANK_WAIT_S if wait_s is None else wait_s)
+        wait_s = QUIET_RANK_WAIT_S if wait_s is None else wait_s
+        time.sleep(wait_s if os.environ.get("LOCAL_RANK", "0") == "0" else 2 * wait_s)
     print(message, file=sys.stderr, flush=True)
     if error_file:
         write_error_file(error_file, message)

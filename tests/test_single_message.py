@@ -93,6 +93,7 @@ def test_a_rank_that_does_not_print_waits_for_the_agent_then_reports(tmp_path, m
 
     error_file = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.setenv("LOCAL_RANK", "1")  # waits twice as long as local rank 0
     assert report_failure("input error", ValueError("only here"), 2, printer=False, wait_s=0.01) == 2
     assert capsys.readouterr().err == "megalite: input error: only here\n"
     import json

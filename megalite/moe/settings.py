@@ -43,18 +43,10 @@ def moe_layers(cfg) -> list[bool]:
 
 
 def moe_summary(cfg, layout) -> str:
-    """One line for the start of a run: experts, routing, where they live."""
-    from megalite.model.gpt import count_active_parameters, count_parameters
+    """:func:`megalite.model.summary.moe_summary` (it counts parameters on the model)."""
+    from megalite.model.summary import moe_summary as summary
 
-    n = sum(moe_layers(cfg))
-    drop = (f"capacity factor {cfg.moe_expert_capacity_factor:g}" if cfg.moe_expert_capacity_factor
-            else "dropless")
-    shared = (f", shared expert {cfg.moe_shared_expert_intermediate_size}"
-              if cfg.moe_shared_expert_intermediate_size else "")
-    return (f"experts: {n} MoE layer(s) x {cfg.num_experts} experts (FFN {cfg.moe_ffn_hidden_size}{shared}), "
-            f"top-{cfg.moe_router_topk}, {drop}, aux coeff {cfg.moe_aux_loss_coeff:g}; EP {layout.ep}: "
-            f"{cfg.num_experts // layout.ep} experts per rank; {count_active_parameters(cfg) / 1e6:.2f}M of "
-            f"{count_parameters(cfg) / 1e6:.2f}M parameters active per token")
+    return summary(cfg, layout)
 
 
 def validate_moe(m, p, t, world_size: int) -> None:

@@ -1,7 +1,10 @@
-"""Settings as plain dataclasses, and one function that holds every rule.
+"""Settings as plain dataclasses, and one function that applies every rule.
 
 ``validate(config, world_size, gpus_per_node)`` is called before any process group
-or model is built. Each violated rule raises :class:`ConfigError` whose message
+or model is built. It checks the rules between settings itself and calls down into the
+checks each part owns for its own options (attention backends, packed documents,
+transformer-engine, context parallelism, MoE), which import nothing from here. Each
+violated rule raises :class:`ConfigError` (:mod:`megalite.errors`) whose message
 names the values involved, the rule, and a fix. Rules that only cost performance
 (a tensor-parallel group that spans nodes) are returned as warnings instead.
 """

@@ -105,10 +105,16 @@ def set_tf32(enabled: bool) -> None:
     torch.backends.cudnn.allow_tf32 = enabled
 
 
+def _flag_error(message: str):
+    raise ConfigError(f"{message}. (python pretrain_gpt.py --help lists the flags.)")
+
+
 def setup(argv=None):
     """Parse and validate (before any group or model), then, in this order: the device
     (``LOCAL_RANK`` -> ``set_device``), the default process group, the grid's groups."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    parser.error = _flag_error  # one configuration-error line (rank 0's), not a usage text per rank
+    args = parser.parse_args(argv)
     if args.device in ("auto", "cuda"):
         cuda_allocator_environment()  # before any torch.cuda call: the allocator reads it once
     world_size, rank = _world_from_env(args)

@@ -101,3 +101,14 @@ def test_a_rank_that_does_not_print_waits_for_the_agent_then_reports(tmp_path, m
     monkeypatch.delenv("TORCHELASTIC_ERROR_FILE")
     assert report_failure("input error", ValueError("x"), 2, printer=False) == 2  # no torchrun: quiet at once
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--num-layers", "x"], "argument --num-layers: invalid int value: 'x'"),
+    (["--no-such-flag", "3"], "unrecognized arguments: --no-such-flag 3"),
+])
+def test_a_bad_flag_is_one_line(flags, message, capsys):
+    assert main(["--mock-data", *flags]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.splitlines() == [
+        f"megalite: configuration error: {message}. (python pretrain_gpt.py --help lists the flags.)"]

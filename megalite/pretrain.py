@@ -402,7 +402,9 @@ def main(argv=None) -> int:
     its failure summary; the other ranks add nothing. A timeout is reported by each waiting
     rank (each names who it waited for). Any other exception propagates with its traceback."""
     argv_list = sys.argv[1:] if argv is None else argv
-    printer = int(os.environ.get("RANK", "0")) == 0 or "--fake-process-group" in argv_list
+    slurm_rank = os.environ.get("SLURM_PROCID", "0") if int(os.environ.get("SLURM_NTASKS", "1") or 1) > 1 else "0"
+    rank = os.environ.get("RANK", slurm_rank)  # torchrun's, else SLURM's tasks without torchrun
+    printer = (int(rank) if rank.isdigit() else 0) == 0 or "--fake-process-group" in argv_list
     try:
         pretrain(argv)
     except ConfigError as e:

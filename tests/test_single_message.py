@@ -112,3 +112,14 @@ def test_a_bad_flag_is_one_line(flags, message, capsys):
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.splitlines() == [
         f"megalite: configuration error: {message}. (python pretrain_gpt.py --help lists the flags.)"]
+
+
+def test_slurm_tasks_without_torchrun_print_once(monkeypatch, capsys):
+    """srun without torchrun: SLURM_PROCID names the printing task before megalite sets RANK."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    for task, lines in (("1", 0), ("0", 1)):
+        monkeypatch.setenv("SLURM_PROCID", task)
+        assert main(["--mock-data", "--num-layers", "x"]) == 2
+        assert len(capsys.readouterr().err.splitlines()) == lines

@@ -101,3 +101,32 @@ def test_mock_data_records_that_there_is_no_tokenizer(tmp_path, capsys):
     code, out, err = _generate(capsys, "--load", str(save), "--prompt", "hello")
     assert code == 2 and len(err.splitlines()) == 1, err
     assert "trained with NullTokenizer" in err and "--prompt-ids" in err
+
+
+def test_a_hugging_face_tokenizer_folder_is_recorded_with_its_files(tmp_path):
+    """The folder's tokenizer files are copied and rebuilt as trained (BOS choice included)."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from megalite.checkpoint.format import write_tokenizer
+
+    raw = tokenizers.Tokenizer(tokenizers.models.BPE())
+    raw.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = tokenizers.decoders.ByteLevel()
+    raw.train_from_iterator(["def f(x): return x + 1", "print('hello world')"] * 20, tokenizers.trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    raw.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>",
+                                                              "add_bos_token": True}))
+    (folder / "unrelated.bin").write_bytes(b"not a tokenizer file")
+    for add_bos in (None, False):
+        trained = build_tokenizer("HuggingFaceTokenizer", str(folder), add_bos=add_bos)
+        directory = tmp_path / f"iter_{add_bos}"
+        directory.mkdir()
+        record = write_tokenizer(str(directory), trained)
+        assert record["model"] == "tokenizer" and sorted(record["files"]) == [
+            "tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json"]
+        assert record["add_bos"] is trained.add_bos is (add_bos is None)
+        rebuilt, why = generate_tool.recorded_tokenizer(str(directory), {"tokenizer": record})
+        assert why is None and rebuilt.tokenize("def f(x):") == trained.tokenize("def f(x):")

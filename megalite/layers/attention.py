@@ -27,9 +27,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megalite.errors import ConfigError
 from megalite.layers.backends import flash_missing, triton_missing
 from megalite.layers.documents import Documents, visible_mask
-from megalite.errors import ConfigError
 
 BACKENDS = ("auto", "triton", "flash", "torch")
 TRITON_MAX_HEAD_DIM = 256  # megalite.kernels._utils.MAX_HEAD_DIM (not imported here: no triton import)

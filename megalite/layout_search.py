@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from megalite import config as megalite_config
 from megalite.config import ModelConfig
 from megalite.planner import (RECOMPUTE, Estimate, GiB, Hardware, Layout, Precision, check_layout, communication,
                               estimate, in_flight, model_state_bytes, precision, stage_parameters,
@@ -139,19 +138,6 @@ def _breakdown(e: Estimate) -> str:
             + f" + data (the step's micro-batches) {mem.get('data', 0) / 2**20:.1f} MiB")
 
 
-def megalite_gaps(layout: Layout) -> list[str]:
-    """What megalite itself cannot run yet for this layout (read from its flags and config)."""
-    from megalite.arguments import build_parser
-
-    flags = {s for a in build_parser()._actions for s in a.option_strings}
-    gaps = []
-    if layout.recompute != "none" and "--recompute-granularity" not in flags:
-        gaps.append(f"--recompute-granularity {layout.recompute} (planned in megalite, issue 9)")
-    if layout.cp > 1 and "context_parallel_size" in getattr(megalite_config, "NOT_YET_SUPPORTED", {}):
-        gaps.append("--context-parallel-size (not yet supported in megalite, issue 7)")
-    return gaps
-
-
 def _step(layout: Layout) -> tuple:
     """The step of the ladder a layout belongs to, as a user would name it: DDP, ZeRO-1 and
     ZeRO-2 apart; then TP t; PP p (any TP); ZeRO-3 with TP t; CP c."""
@@ -258,7 +244,4 @@ def explain(p: Plan) -> list[str]:
         lines.append(f"Less communication among the layouts that fit: {cheaper.layout.describe()} "
                      f"({cheaper.comm_seconds * 1e3:.0f} ms against {chosen.comm_seconds * 1e3:.0f} ms per step, "
                      f"{_gib(cheaper.memory['total'])} per GPU, bubble {cheaper.bubble:.1%}): worth measuring.")
-    gaps = megalite_gaps(lay)
-    if gaps:
-        lines.append("megalite today: " + "; ".join(gaps) + ".")
     return lines

@@ -33,7 +33,7 @@ from megalite.layers.transformer_engine import tp_comm_overlap
 from megalite.model.gpt import count_parameters
 from megalite.parallel import comm
 from megalite.parallel.comm import count_collectives
-from megalite.moe.settings import moe_summary
+from megalite.model.summary import moe_summary
 from megalite.parallel.grid import build_grid, gpus_per_node_from_env
 from megalite.parallel.random import model_parallel_seed
 from megalite.pipeline.partition import build_model_chunks, virtual_stages

@@ -1,4 +1,4 @@
-"""Flash attention's GPU tile configurations, strided inputs and shared-memory pruning (issue 14).
+"""Flash attention's GPU tile configurations, strided inputs and shared-memory pruning.
 
 Under the CPU interpreter (TRITON_INTERPRET=1, conftest.py):
 (a) every tile of every GPU autotune config (forward, dk/dv, dq for 16-bit and fp32, tile

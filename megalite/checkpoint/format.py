@@ -46,6 +46,10 @@ REQUIRED = ("format_version", "iteration", "config", "layout", "files")  # metad
 
 
 TOKENIZER_DIR = "tokenizer"  # the folder in an iteration directory
+# A Hugging Face tokenizer folder's files (copied into a checkpoint, and carried by HF exports).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "spiece.model",
+                   "chat_template.jinja", "chat_template.json")
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer")
 
 
@@ -265,7 +269,6 @@ def _tokenizer_sources(tokenizer, kind: str) -> tuple[dict[str, str], str | None
         name = os.path.basename(tokenizer.model_path)
         return {name: tokenizer.model_path}, name
     if kind == "HuggingFaceTokenizer":
-        from megalite.checkpoint.settings import TOKENIZER_FILES
 
         path = tokenizer.path
         folder = path if os.path.isdir(path) else os.path.dirname(path) or "."

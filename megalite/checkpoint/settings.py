@@ -22,14 +22,11 @@ from __future__ import annotations
 import json
 import os
 
-from megalite.checkpoint.format import same_layout
+from megalite.checkpoint.format import TOKENIZER_FILES, same_layout  # noqa: F401 - re-exported
 from megalite.config import ConfigError, ModelConfig
 
 CARRIED = "huggingface"  # the folder in an iteration directory
 GENERATION_CONFIG = "generation_config.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "spiece.model",
-                   "chat_template.jinja", "chat_template.json")
 _RECORD = "_checkpoint_record"  # attribute of the run's ModelConfig (not a field: never in config.json)
 
 # Model field -> (the flag that sets it, the argparse destinations of that flag).

@@ -42,13 +42,6 @@ def moe_layers(cfg) -> list[bool]:
     return [i % freq == 0 for i in range(cfg.num_layers)]
 
 
-def moe_summary(cfg, layout) -> str:
-    """:func:`megalite.model.summary.moe_summary` (it counts parameters on the model)."""
-    from megalite.model.summary import moe_summary as summary
-
-    return summary(cfg, layout)
-
-
 def validate_moe(m, p, t, world_size: int) -> None:
     ep, etp = p.expert_model_parallel_size, p.expert_tensor_parallel_size
     tp, pp = p.tensor_model_parallel_size, p.pipeline_model_parallel_size

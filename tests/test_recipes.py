@@ -1,0 +1,219 @@
+"""The launch recipes in examples/recipes/ hold: for every recipe and GPU count, the training flags
+the script launches parse with pretrain_gpt.py's parser and pass megalite's validation for that
+world; the layout is tools/plan_parallel.py's recommendation for the model, batch and H100 80GB
+nodes of 8 GPUs; a GPU count without a layout is refused with exit code 2 (and where the recipe
+says the model does not fit, the planner finds no layout either); and a meta dry run
+(tools/dry_run.py, one rank per pipeline stage) fits every role within the planner's allowance
+(80 GiB less its headroom) with the measured peak within 5% of the planner's estimate, the bound
+tests/test_planner_truth.py and tests/test_moe_planning.py hold the planner to.
+
+The flags come from the scripts themselves (ACTION=print and ACTION=print-dry-run), so what is
+tested is what a launch runs. One GPU count per recipe (the cheapest to dry-run) is in the
+default run; the others, and the slowest planner searches, are marked slow.
+
+Cost: a meta dry run takes time in proportion to the micro-batches of a step, M = global batch /
+(micro batch x DP). Every recipe has PP 1, so one micro-batch's activations are in flight
+whatever M is; a layout whose step has more than 2 micro-batches is dry-run with the global batch
+cut to 2 micro-batches per DP rank (the planner is given the same batch, so the comparison is like
+for like; the peak differs from the full batch's only by the step's token arrays, megabytes).
+docs/recipes.md lists the full-batch numbers.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import subprocess
+
+import pytest
+
+from megalite.arguments import build_parser
+from megalite.arguments import config_from_args
+from megalite.config import validate
+from megalite.parallel.grid import GridLayout
+from megalite.planner import DEFAULT_HEADROOM, GiB
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPES_DIR = os.path.join(ROOT, "examples", "recipes")
+GPU_MEMORY_GB = 80
+GPUS_PER_NODE = 8
+MAX_MICRO_BATCHES = 2  # per step and DP rank, in the dry runs here (see the module's docstring)
+
+# recipe: (GPU counts with a layout, the one dry-run in the default run, counts the model does
+# not fit, counts refused for another reason)
+RECIPES = {
+    "gpt3-1.3b": ([8, 64, 512], 512, [], []),
+    "gpt3-13b": ([8, 64, 512], 512, [], []),
+    "llama3-8b": ([8, 64, 512], 512, [], []),
+    "llama3-70b": ([64, 512], 512, [8], []),
+    "mixtral-8x7b": ([64, 512], 512, [8], []),
+    "llama3-8b-sft": ([8, 64], 64, [], [512]),
+}
+SIZES = [(r, g) for r, (sizes, _, _, _) in RECIPES.items() for g in sizes]
+# The planner's search over expert-parallel sizes takes 10-30 s a call here.
+SLOW_PLANS = {("mixtral-8x7b", 8), ("mixtral-8x7b", 64), ("mixtral-8x7b", 512)}
+LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+               "num_layers_per_virtual_pipeline_stage", "sequence_parallel", "zero_stage", "overlap_grad_reduce",
+               "recompute_granularity", "expert_model_parallel_size", "micro_batch_size", "global_batch_size",
+               "accumulate_allreduce_grads_in_fp32")
+
+
+def run_recipe(recipe: str, gpus: int, action: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "ACTION": action, "GPUS": str(gpus), "MEGALITE_HOME": ROOT}
+    for key in ("SLURM_JOB_ID", "SLURM_NNODES", "SLURM_SUBMIT_DIR", "NNODES"):
+        env.pop(key, None)
+    return subprocess.run(["bash", os.path.join(RECIPES_DIR, f"{recipe}.sh")], env=env, capture_output=True,
+                          text=True, timeout=60)
+
+
+def recipe_flags(recipe: str, gpus: int, action: str) -> list[str]:
+    done = run_recipe(recipe, gpus, action)
+    assert done.returncode == 0, (recipe, gpus, done.stderr)
+    return shlex.split(done.stdout)
+
+
+def dry_run_flags(recipe: str, gpus: int) -> tuple[list[str], list[str]]:
+    """tools/dry_run.py's own arguments (world, GPUs per node, memory) and the pretrain_gpt.py flags."""
+    argv = recipe_flags(recipe, gpus, "print-dry-run")
+    own = argv[:6]
+    assert own == ["--world-size", str(gpus), "--gpus-per-node", str(GPUS_PER_NODE), "--gpu-memory-gb",
+                   str(GPU_MEMORY_GB)], own
+    return own, argv[6:]
+
+
+def parse(flags: list[str]):
+    return build_parser().parse_args(flags)
+
+
+def config_of(flags: list[str], vocab_size: int):
+    from tools.dry_run import mock_eod
+
+    return config_from_args(parse(flags), vocab_size, eod_token=mock_eod(vocab_size))
+
+
+def test_every_recipe_script_is_covered():
+    scripts = sorted(f[:-3] for f in os.listdir(RECIPES_DIR) if f.endswith(".sh") and f != "launch.sh")
+    assert scripts == sorted(RECIPES)
+
+
+@pytest.mark.parametrize("recipe,gpus", SIZES)
+def test_training_flags_parse_and_validate(recipe, gpus):
+    """The flags a launch hands pretrain_gpt.py parse, and the configuration passes validate() for
+    the recipe's world; the dry run's flags are the same run less its data and checkpoint flags."""
+    train = recipe_flags(recipe, gpus, "print")
+    _, dry = dry_run_flags(recipe, gpus)
+    args = parse(train)
+    assert args.data_path and args.tokenizer_type == "HuggingFaceTokenizer" and args.save
+    vocab = parse(dry).vocab_size
+    config = config_of(train, vocab)
+    validate(config, gpus, GPUS_PER_NODE)
+    layout = GridLayout.from_config(config.parallel, gpus, experts=bool(config.model.num_experts))
+    assert layout.world_size == gpus and layout.pp == 1  # the micro-batch cut below relies on PP 1
+    train_args, dry_args = vars(args), vars(parse(dry))
+    differ = {k for k in train_args if train_args[k] != dry_args[k]}
+    assert differ <= {"data_path", "split", "tokenizer_type", "tokenizer_model", "save", "load", "save_interval",
+                      "keep_last", "eval_interval", "eval_iters", "log_interval", "log_json", "finetune",
+                      "vocab_size"}, differ
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_other_gpu_counts_are_refused(recipe):
+    sizes, _, no_fit, other = RECIPES[recipe]
+    for gpus in [16, *no_fit, *other]:
+        done = run_recipe(recipe, gpus, "print")
+        assert done.returncode == 2 and done.stdout == "", (recipe, gpus)
+        assert f"{recipe}: no layout for GPUS={gpus}" in done.stderr and "tools/plan_parallel.py" in done.stderr
+        if gpus in no_fit:
+            assert "cannot hold" in done.stderr
+
+
+def planner_argv(flags: list[str], gpus: int) -> list[str]:
+    """The planner's flags among the recipe's (the same names), and the hardware."""
+    from tools import plan_parallel
+
+    known = set(plan_parallel.build_parser()._option_string_actions)
+    argv, keep = [], False
+    for token in flags:
+        if token.startswith("--"):
+            keep = token in known
+        if keep:
+            argv.append(token)
+    return argv + ["--gpu-memory-gb", str(GPU_MEMORY_GB), "--gpus-per-node", str(GPUS_PER_NODE),
+                   "--nodes", str(gpus // GPUS_PER_NODE)]
+
+
+def recommendation(argv: list[str], tmp_path, capsys) -> dict | None:
+    from tools import plan_parallel
+
+    out = tmp_path / "plan.json"
+    assert plan_parallel.main(argv + ["--json", str(out)]) == 0
+    capsys.readouterr()
+    return json.loads(out.read_text())["recommendation"]
+
+
+def _plan_params():
+    params = []
+    for recipe, (sizes, _, no_fit, _) in RECIPES.items():
+        for gpus in sizes + no_fit:
+            marks = [pytest.mark.slow] if (recipe, gpus) in SLOW_PLANS else []
+            params.append(pytest.param(recipe, gpus, marks=marks, id=f"{recipe}-{gpus}"))
+    return params
+
+
+@pytest.mark.parametrize("recipe,gpus", _plan_params())
+def test_layout_is_the_planners_recommendation(recipe, gpus, tmp_path, capsys):
+    """tools/plan_parallel.py, given the recipe's model and batch and GPUS H100 80GB (8 per
+    node), recommends the recipe's layout: every flag it prints has the recipe's value, and so
+    has every layout flag. Where the recipe says the model does not fit, no layout fits."""
+    sizes = RECIPES[recipe][0]
+    probe = sizes[0]  # the model and batch flags are the same at every count
+    _, flags = dry_run_flags(recipe, gpus if gpus in sizes else probe)
+    rec = recommendation(planner_argv(flags, gpus), tmp_path, capsys)
+    if gpus not in sizes:
+        assert rec is None, (recipe, gpus, rec and rec["description"])
+        return
+    assert rec is not None, (recipe, gpus)
+    planned, ours = vars(parse(rec["pretrain_flags"])), vars(parse(flags))
+    defaults = vars(parse([]))
+    keys = {k for k in planned if planned[k] != defaults[k]} | set(LAYOUT_KEYS)
+    assert {k: ours[k] for k in keys} == {k: planned[k] for k in keys}, rec["description"]
+
+
+def dry_run(recipe: str, gpus: int, tmp_path, capsys) -> tuple[int, list[dict], str]:
+    from tools import dry_run as tool
+
+    own, flags = dry_run_flags(recipe, gpus)
+    args = parse(flags)
+    config = config_of(flags, args.vocab_size)
+    layout = GridLayout.from_config(config.parallel, gpus, experts=bool(config.model.num_experts))
+    per_dp = args.micro_batch_size * layout.dp
+    if args.global_batch_size > per_dp * MAX_MICRO_BATCHES:
+        assert layout.pp == 1
+        flags = flags + ["--global-batch-size", str(per_dp * MAX_MICRO_BATCHES)]
+    out = tmp_path / "dry.json"
+    code = tool.main(own + flags + ["--json", str(out)])
+    text = capsys.readouterr().out
+    return code, json.loads(out.read_text())["roles"], text
+
+
+def _dry_params():
+    params = []
+    for recipe, (sizes, default, _, _) in RECIPES.items():
+        for gpus in sizes:
+            marks = [] if gpus == default else [pytest.mark.slow]
+            params.append(pytest.param(recipe, gpus, marks=marks, id=f"{recipe}-{gpus}"))
+    return params
+
+
+@pytest.mark.parametrize("recipe,gpus", _dry_params())
+def test_dry_run_fits_and_matches_the_planner(recipe, gpus, tmp_path, capsys):
+    """Every role of the layout, one iteration on meta: its peak fits 80 GiB less the planner's
+    headroom, and is within 5% of the planner's estimate for the same rank."""
+    code, roles, text = dry_run(recipe, gpus, tmp_path, capsys)
+    allowance = GPU_MEMORY_GB * GiB * (1 - DEFAULT_HEADROOM)
+    assert code == 0 and "): yes" in text.splitlines()[-1], text
+    assert roles
+    for role in roles:
+        assert role["fits"] and role["measured_bytes"] <= allowance, (recipe, gpus, role["role"])
+        assert abs(role["difference"]) < 0.05, (recipe, gpus, role["role"], role["measured_bytes"] / GiB,
+                                                role["planned_bytes"] / GiB)

@@ -1,0 +1,103 @@
+"""The CPU commands of README.md and docs/*.md run as written.
+
+A command block runs when the line just before its ```bash fence is a marker:
+
+    <!-- cpu-test -->                  run it (fast tier)
+    <!-- cpu-test slow -->             run it, marked slow
+    <!-- cpu-test slow as-written -->  run it without shortening --train-iters
+
+Each block runs as one bash script (stopping at the first failing line) in its own temporary
+directory, with the virtual environment's `python` and `torchrun` first on PATH, the repository on
+PYTHONPATH, TRITON_INTERPRET=1 and OMP_NUM_THREADS=1. The repository's scripts and tools are
+named by their absolute paths (`pretrain_gpt.py`, `tools/`, `scripts/`), and every
+`--train-iters N` becomes `--train-iters 2` unless the block says `as-written`. Blocks that need
+a GPU, a download or several machines carry no marker.
+"""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+MARKER = re.compile(r"^<!--\s*cpu-test((?:\s+[\w-]+)*)\s*-->\s*$")
+REPO_PATHS = re.compile(r"(?<![\w/.-])(\./)?(pretrain_gpt\.py|tools/|scripts/|examples/)")
+TIMEOUT_S = 600
+
+
+def doc_files():
+    return [REPO / "README.md"] + sorted((REPO / "docs").glob("*.md"))
+
+
+def find_blocks(path):
+    """(line number, options, script text) of every marked ```bash block of one file."""
+    lines = path.read_text().split("\n")
+    blocks = []
+    for i, line in enumerate(lines):
+        m = MARKER.match(line.strip())
+        if not m:
+            continue
+        if i + 1 >= len(lines) or lines[i + 1].strip() != "```bash":
+            raise AssertionError(f"{path.name}:{i + 1}: a cpu-test marker must come right before a ```bash fence")
+        end = i + 2
+        while end < len(lines) and lines[end].strip() != "```":
+            end += 1
+        if end == len(lines):
+            raise AssertionError(f"{path.name}:{i + 2}: the ```bash block is not closed")
+        blocks.append((i + 2, set(m.group(1).split()), "\n".join(lines[i + 2:end])))
+    return blocks
+
+
+def adapt(script, as_written):
+    """The block's text as the test runs it: repository paths absolute, training shortened."""
+    script = REPO_PATHS.sub(lambda m: str(REPO) + "/" + m.group(2), script)
+    if not as_written:
+        script = re.sub(r"--train-iters[ =]\d+", "--train-iters 2", script)
+    return script
+
+
+def collect():
+    params = []
+    for path in doc_files():
+        for lineno, opts, script in find_blocks(path):
+            unknown = opts - {"slow", "as-written"}
+            assert not unknown, f"{path.name}:{lineno}: unknown cpu-test option(s) {sorted(unknown)}"
+            marks = [pytest.mark.slow] if "slow" in opts else []
+            params.append(pytest.param(path, lineno, "as-written" in opts, script,
+                                       id=f"{path.relative_to(REPO)}:{lineno}", marks=marks))
+    return params
+
+
+BLOCKS = collect()
+
+
+def test_marked_blocks_found():
+    files = {p.values[0].name for p in BLOCKS}
+    assert "README.md" in files, "the README's tour has no marked CPU command"
+    assert len(BLOCKS) >= 10, f"only {len(BLOCKS)} marked CPU commands in README.md and docs/"
+
+
+def test_adapt_rewrites_paths_and_iters():
+    out = adapt("python tools/x.py --train-iters 200 && ./scripts/y.sh\n"
+                "torchrun pretrain_gpt.py --train-iters=50 --save runs/tools/z", False)
+    assert f"python {REPO}/tools/x.py --train-iters 2 && {REPO}/scripts/y.sh" in out
+    assert f"torchrun {REPO}/pretrain_gpt.py --train-iters 2 --save runs/tools/z" in out
+    assert "--train-iters 6" in adapt("--train-iters 6", True)
+
+
+@pytest.mark.parametrize("path,lineno,as_written,script", BLOCKS)
+def test_doc_command(path, lineno, as_written, script, tmp_path):
+    venv_bin = REPO / ".venv" / "bin"
+    env = dict(os.environ)
+    env["PATH"] = os.pathsep.join([str(venv_bin if venv_bin.is_dir() else Path(sys.executable).parent),
+                                   env.get("PATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.update(TRITON_INTERPRET="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", adapt(script, as_written)], cwd=tmp_path,
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=TIMEOUT_S)
+    assert proc.returncode == 0, (
+        f"{path.name}:{lineno} exited {proc.returncode}; command:\n{script}\n--- output (tail) ---\n"
+        + proc.stdout[-6000:])

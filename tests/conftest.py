@@ -4,6 +4,9 @@ Tests marked ``gpu`` (tests/test_gpu.py) need a CUDA GPU and are skipped without
 GPU machine run them with the kernels compiled (``TRITON_INTERPRET=0``, which the setdefault
 below leaves alone): ``TRITON_INTERPRET=0 python3 -m pytest -m gpu tests/``, or
 ``scripts/gpu_check.sh``.
+
+Tests marked ``slow`` are left out by ``pytest -m "not slow" tests/``, the fast tier (a few
+minutes on two CPU cores) that still holds a test of every feature; the whole suite runs them all.
 """
 import os
 
@@ -20,6 +23,9 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one; scripts/gpu_check.sh "
                                        "runs them)")
+    config.addinivalue_line("markers", "slow: left out of the fast tier (pytest -m \"not slow\"): worlds of "
+                                       "4-8 processes, torchrun, long runs, second cases of a feature the fast "
+                                       "tier already covers")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -205,3 +205,105 @@ def test_generate_missing_tokenizer(tmp_path, capsys):
                           "--tokenizer-model", str(tmp_path / "tok"), "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1 and str(tmp_path / "tok") in err and err.startswith("generate: ")
+
+
+# -- bad input to any single-process tool: one line on stderr, exit status 2, no traceback ----------
+
+def _bad_inputs(tmp_path):
+    """(tool, argv, text the line must hold): a flag missing or with a bad value, a file that is
+    missing or not what the flag expects, an output folder that does not exist."""
+    (tmp_path / "bad.jsonl").write_text("garbage\n")
+    corrupt = tmp_path / "corrupt_ckpt"
+    corrupt.mkdir()
+    (corrupt / "latest_checkpointed_iteration.txt").write_text("junk\n")
+    (tmp_path / "empty").mkdir()
+    nodir = str(tmp_path / "no_such_folder" / "out.json")
+    tiny = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--vocab-size", "64", "--micro-batch-size", "1"]
+    return [
+        ("preprocess_data.py", ["--input", str(tmp_path / "bad.jsonl")], "required: --output-prefix"),
+        ("convert_hf.py", ["--direction", "export", "--load", str(corrupt), "--hf-dir", str(tmp_path / "hf")],
+         "convert_hf:"),
+        ("convert_hf.py", ["--direction", "sideways", "--hf-dir", "x"], "invalid choice: 'sideways'"),
+        ("reshard_checkpoint.py", ["--load", str(corrupt), "--save", str(tmp_path / "rs"),
+                                   "--target-tensor-model-parallel-size", "2"], "reshard_checkpoint:"),
+        ("plan_parallel.py", ["--model-size", "7B", "--gpus-per-node", "x"], "--gpus-per-node: invalid int value"),
+        ("dry_run.py", ["--world-size", "1", *tiny, "--json", nodir], "does not exist"),
+        ("dry_run.py", ["--world-size", "2", *tiny, "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        ("train_tokenizer.py", ["--input", str(tmp_path / "bad.jsonl"), "--model-prefix", str(tmp_path / "t")],
+         "is not valid JSON"),
+        ("zero_report.py", ["--dp", "2", "--json", nodir], "does not exist"),
+        ("scaling_efficiency.py", ["--ranks", "0"], "--ranks takes positive integers"),
+        ("plot_log.py", [str(tmp_path / "missing.jsonl")], "cannot read"),
+        ("pipeline_timeline.py", ["--trace-dir", str(tmp_path / "empty")], "no trace_rank"),
+        ("bench_kernels.py", ["--json", nodir], "does not exist"),
+        ("bench_tp_comm.py", ["--tp", "0"], "positive integers, got 0"),
+        ("bench_cp.py", ["--cp", "x"], "invalid int value: 'x'"),
+        ("bench_pipeline_bubble.py", ["--stages", "0"], "positive integers, got 0"),
+        ("bench_overhead.py", ["--num-attention-heads", "3"], "not divisible by --num-attention-heads 3"),
+        ("bench_optimizer.py", ["--rounds", "0"], "positive integers, got 0"),
+        ("bench_packed.py", ["--doc", "0"], "positive integers, got 0"),
+        ("bench_host_syncs.py", ["--steps", "0"], "positive integers, got 0"),
+    ]
+
+
+_DRIVER = r"""
+import contextlib, io, json, runpy, sys, traceback
+results = []
+for tool, argv in json.loads(sys.argv[1]):
+    err, code = io.StringIO(), 0
+    sys.argv = [tool] + argv
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        try:
+            runpy.run_path(tool, run_name="__main__")
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else 1
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+    results.append([code, err.getvalue()])
+print(json.dumps(results))
+"""
+
+
+def _assert_one_line(tool, argv, wanted, code, err):
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and "Traceback" not in err, (tool, argv, code, err)
+    assert wanted in err and tool.split(".")[0] in err, (tool, wanted, err)
+
+
+def test_tools_bad_input_one_line(tmp_path):
+    """Every case in one interpreter (torch imported once): each tool run as __main__."""
+    cases = _bad_inputs(tmp_path)
+    run = subprocess.run([sys.executable, "-c", _DRIVER,
+                          json.dumps([[os.path.join(ROOT, "tools", t), a] for t, a, _ in cases])],
+                         capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    assert run.returncode == 0, run.stderr[-3000:]
+    for (tool, argv, wanted), (code, err) in zip(cases, json.loads(run.stdout.strip().splitlines()[-1])):
+        _assert_one_line(tool, argv, wanted, code, err)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("index", range(20))
+def test_tool_bad_input_own_process(tmp_path, index):
+    """The same cases as the user meets them: each tool in its own process."""
+    tool, argv, wanted = _bad_inputs(tmp_path)[index]
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "tools", tool), *argv],
+                         capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
+    _assert_one_line(tool, argv, wanted, run.returncode, run.stderr)
+
+
+def test_tool_bug_keeps_its_traceback(tmp_path, monkeypatch):
+    """An exception that is not about the user's input (here a KeyError inside the work) is not
+    turned into one line: it propagates, so its traceback shows."""
+    sys.path.insert(0, ROOT)
+    from tools import reshard_checkpoint
+
+    def broken(*args, **kwargs):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(reshard_checkpoint, "reshard", broken)
+    with pytest.raises(KeyError):
+        reshard_checkpoint.main(["--load", str(tmp_path), "--save", str(tmp_path / "out")])

@@ -33,6 +33,7 @@ from megalite.context_parallel.traffic import cp_attention_traffic  # noqa: E402
 from megalite.parallel import comm  # noqa: E402
 from megalite.parallel.grid import build_grid  # noqa: E402
 from megalite.testing import run_world  # noqa: E402
+from tools.tool_errors import one_line_errors, positive  # noqa: E402
 
 MiB = 2 ** 20
 
@@ -136,11 +137,13 @@ def dry_run_memory(cp):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = one_line_errors(argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     p.add_argument("--cp", type=int, nargs="+", default=[2, 4])
     p.add_argument("--shape", type=int, nargs=5, default=[1, 8, 2, 64, 32], metavar=("B", "HEADS", "GROUPS", "S", "D"))
     p.add_argument("--skip-memory", action="store_true", help="skip the dry runs (part 3)")
     args = p.parse_args()
+    positive(p, "--cp/--shape", *args.cp, *args.shape)
     measured_traffic(args.cp, tuple(args.shape))
     theory_at_scale(sorted(set(args.cp) | {8}))
     if not args.skip_memory:

@@ -27,6 +27,7 @@ from megalite.pipeline.partition import build_model_chunks  # noqa: E402
 from megalite.step_values import LossScaler, resolve_steps  # noqa: E402
 from megalite.testing import run_world  # noqa: E402
 from megalite.training import train_step  # noqa: E402
+from tools.tool_errors import one_line_errors, positive  # noqa: E402
 
 LAYOUTS = {  # name: (world, parallel sizes, model options, ZeRO stage)
     "dense, 1 process": (1, {}, {}, 0),
@@ -71,9 +72,10 @@ def worker(rank, world, name, steps):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = one_line_errors(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
+    positive(parser, "--steps", args.steps)
     print(f"host syncs per train step ({args.steps} steps; 2-layer GPT, micro-batches per rank shown):")
     print(f"  {'layout':<42} {'per step':>9} {'log read':>9}  micro-batches")
     for name, (world, *_rest) in LAYOUTS.items():

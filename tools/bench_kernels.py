@@ -52,6 +52,7 @@ from megalite.kernels.flash_attention import flash_attention  # noqa: E402
 from megalite.kernels.grouped_gemm import grouped_linear, grouped_linear_reference  # noqa: E402
 from megalite.kernels.norms import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference  # noqa: E402
 from megalite.layers.backends import flash_missing  # noqa: E402
+from tools.tool_errors import one_line_errors, writable  # noqa: E402
 
 DEVICE = "cuda" if GPU else "cpu"
 
@@ -330,11 +331,14 @@ def plot(rows, path, device: str) -> list[str]:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = one_line_errors(argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     p.add_argument("--json", help="also write the rows to this JSON file")
     p.add_argument("--quick", action="store_true", help="GPU: only the smallest sizes")
     p.add_argument("--plot", metavar="PATH", help="also draw the chart (.png, .svg, .pdf)")
     args = p.parse_args()
+    writable(p, "--json", args.json)
+    writable(p, "--plot", args.plot)
     if args.plot:  # fail now, not after the benchmark
         from megalite.plotting import require_matplotlib
         require_matplotlib()

@@ -35,6 +35,7 @@ from megalite.config import ModelConfig, TrainConfig  # noqa: E402
 from megalite.data_parallel.zero import DistributedOptimizer  # noqa: E402
 from megalite.model.gpt import GPTModel  # noqa: E402
 from megalite.training import build_optimizer  # noqa: E402
+from tools.tool_errors import one_line_errors, positive, writable  # noqa: E402
 
 
 def build(args):
@@ -109,13 +110,15 @@ def unfused_step(opt, t, coeff):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = one_line_errors(argparse.ArgumentParser(description=__doc__.split("\n\n")[0]))
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    positive(parser, "--hidden/--layers/--rounds/--threads", args.hidden, args.layers, args.rounds, args.threads)
+    writable(parser, "--json", args.json)
     torch.set_num_threads(args.threads)
     cfg, t, model, grads = build(args)
     variants = {"torch foreach": torch_variant(cfg, t, model, grads, foreach=True),

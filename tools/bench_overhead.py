@@ -34,6 +34,7 @@ from torch import nn  # noqa: E402
 from megalite.config import ModelConfig, TrainConfig  # noqa: E402
 from megalite.model.gpt import GPTModel  # noqa: E402
 from megalite.training import LossScaler, build_optimizer, train_step  # noqa: E402
+from tools.tool_errors import one_line_errors, positive, writable  # noqa: E402
 
 
 # -- the plain PyTorch GPT-2 -----------------------------------------------------------------------
@@ -192,7 +193,8 @@ def profile(steps, batches, rows: int) -> dict:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = one_line_errors(argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     p.add_argument("--num-layers", type=int, default=4)
     p.add_argument("--hidden-size", type=int, default=256)
     p.add_argument("--num-attention-heads", type=int, default=4)
@@ -207,6 +209,13 @@ def main(argv=None) -> int:
     p.add_argument("--profile-rows", type=int, default=15)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
+    positive(p, "--num-layers/--hidden-size/--num-attention-heads/--seq-length/--vocab-size/--micro-batch-size/"
+                "--threads/--steps", args.num_layers, args.hidden_size, args.num_attention_heads, args.seq_length,
+             args.vocab_size, args.micro_batch_size, *args.threads, args.steps)
+    writable(p, "--json", args.json)
+    if args.hidden_size % args.num_attention_heads:
+        p.error(f"--hidden-size {args.hidden_size} is not divisible by --num-attention-heads "
+                f"{args.num_attention_heads}")
     cfg = ModelConfig(num_layers=args.num_layers, hidden_size=args.hidden_size,
                       num_attention_heads=args.num_attention_heads, vocab_size=args.vocab_size,
                       seq_length=args.seq_length)

@@ -28,6 +28,7 @@ import torch  # noqa: E402
 
 from megalite.kernels.flash_attention import forward_tiles, fwd_configs  # noqa: E402
 from megalite.kernels.flash_attention_bwd import dq_configs  # noqa: E402
+from tools.tool_errors import one_line_errors, positive  # noqa: E402
 
 
 def tiles(seq: int, doc: int) -> None:
@@ -75,12 +76,14 @@ def cpu_tokens_per_second(iters: int, rounds: int = 2) -> None:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = one_line_errors(argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     p.add_argument("--seq", type=int, default=32768)
     p.add_argument("--doc", type=int, default=4096)
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--skip-cpu", action="store_true")
     args = p.parse_args()
+    positive(p, "--seq/--doc/--iters", args.seq, args.doc, args.iters)
     tiles(args.seq, args.doc)
     if not args.skip_cpu:
         cpu_tokens_per_second(args.iters)

@@ -29,6 +29,7 @@ from megalite.pipeline.schedules import PipelineRunner, Trace  # noqa: E402
 from megalite.plotting import FORMATS, require_matplotlib  # noqa: E402
 from megalite.testing import run_world  # noqa: E402
 from megalite.timeline import draw_timeline, measured_bubble, theory_bubble  # noqa: E402
+from tools.tool_errors import one_line_errors, positive  # noqa: E402
 
 SHAPE = (4, 1, 8)
 
@@ -74,7 +75,8 @@ def _worker(rank, world, m, v, t_forward):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = one_line_errors(argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     p.add_argument("--stages", type=int, default=4)
     p.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16])
     p.add_argument("--virtual", type=int, nargs="+", default=[1, 2])
@@ -82,6 +84,7 @@ def main():
     p.add_argument("--out", default="docs/images")
     p.add_argument("--format", nargs="+", choices=FORMATS, default=["png"], help="picture format(s)")
     args = p.parse_args()
+    positive(p, "--stages/--micro-batches/--virtual", args.stages, *args.micro_batches, *args.virtual)
     require_matplotlib()  # fail now, not after the first case
     os.makedirs(args.out, exist_ok=True)
     P = args.stages

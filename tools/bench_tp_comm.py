@@ -29,6 +29,7 @@ from megalite.parallel.comm import count_collectives  # noqa: E402
 from megalite.parallel.grid import build_grid  # noqa: E402
 from megalite.testing import run_world  # noqa: E402
 from megalite.training import reduce_gradients  # noqa: E402
+from tools.tool_errors import one_line_errors, positive  # noqa: E402
 
 
 def _worker(rank, world, args, layers, sp):
@@ -45,13 +46,15 @@ def _worker(rank, world, args, layers, sp):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = one_line_errors(argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     p.add_argument("--tp", type=int, nargs="+", default=[2, 4])
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=32)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     args = p.parse_args()
+    positive(p, "--tp/--batch/--seq/--hidden/--layers", *args.tp, args.batch, args.seq, args.hidden, args.layers)
     bsh_bytes = args.batch * args.seq * args.hidden * 4
     print(f"b={args.batch} s={args.seq} h={args.hidden} fp32: b*s*h = {bsh_bytes:,} bytes")
     print(f"{'TP':>3} {'SP':>3} {'collective':>15} {'calls/layer':>12} {'bytes/layer':>12} "

@@ -27,10 +27,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megalite.checkpoint.convert import export_hf, import_hf  # noqa: E402,F401
 from megalite.checkpoint.format import CheckpointError  # noqa: E402
 from megalite.checkpoint.hf_llama import UnsupportedModel  # noqa: E402
+from tools.tool_errors import one_line_errors  # noqa: E402
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = one_line_errors(argparse.ArgumentParser(description=__doc__,
+                                                formatter_class=argparse.RawDescriptionHelpFormatter))
     p.add_argument("--direction", choices=["import", "export"], required=True)
     p.add_argument("--hf-dir", required=True, help="the Hugging Face model directory (read or written)")
     p.add_argument("--save", help="import: megalite checkpoint directory to write")
@@ -57,6 +59,9 @@ def main(argv=None) -> int:
             print(f"wrote {export_hf(a.load, a.hf_dir, a.model_type, a.dtype, shard_bytes, force=a.force)}")
     except (CheckpointError, UnsupportedModel, ValueError) as e:
         print(f"convert_hf: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # a folder that cannot be read or written: one line naming it
+        print(f"convert_hf: {e.filename}: {e.strerror}" if e.filename else f"convert_hf: {e}", file=sys.stderr)
         return 2
     return 0
 

@@ -47,6 +47,7 @@ from megalite.parallel.grid import GridLayout  # noqa: E402
 from megalite.moe.planning import wire_from_handed  # noqa: E402
 from megalite.planner import DEFAULT_HEADROOM, Hardware, Layout, communication, precision, stage_memory  # noqa: E402
 from megalite.planner_documents import dry_run_line  # noqa: E402
+from tools.tool_errors import one_line_errors, writable  # noqa: E402
 
 GiB = 2**30
 
@@ -178,7 +179,7 @@ def measure_layout(flags: list[str], config, layout: GridLayout, gpus_per_node: 
 
 
 def main(argv=None) -> int:
-    own = argparse.ArgumentParser(add_help=False)
+    own = one_line_errors(argparse.ArgumentParser(add_help=False))
     own.add_argument("--world-size", type=int, required=True)
     own.add_argument("--gpus-per-node", type=int, default=8)
     own.add_argument("--gpu-memory-gb", type=float, default=80.0)
@@ -191,12 +192,18 @@ def main(argv=None) -> int:
     if "-h" in flags or "--help" in flags:
         print(__doc__)
         return 0
-    pre = build_parser().parse_args(flags)
+    writable(own, "--json", args.json)
+    pre = one_line_errors(build_parser()).parse_args(flags)
     if pre.vocab_size is None:
         print("dry_run: --vocab-size is required (the run uses mock data)", file=sys.stderr)
         return 2
     flags = flags + ([] if pre.mock_data else ["--mock-data"])
-    config = config_from_args(build_parser().parse_args(flags), pre.vocab_size, eod_token=mock_eod(pre.vocab_size))
+    try:
+        config = config_from_args(build_parser().parse_args(flags), pre.vocab_size,
+                                  eod_token=mock_eod(pre.vocab_size))
+    except ConfigError as e:
+        print(f"dry_run: configuration error: {e}", file=sys.stderr)
+        return 2
     swapped = meta_stand_ins(config.model) if args.device == "meta" else []
     if swapped:
         print(f"dry run on meta: megalite's torch layers and kernels stand in for {', '.join(swapped)} "

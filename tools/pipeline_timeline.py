@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.plotting import FORMATS  # noqa: E402
 from megalite.timeline import draw_timeline, load_traces, measured_bubble, theory_bubble  # noqa: E402
+from tools.tool_errors import one_line_errors  # noqa: E402
 
 
 def _cannot_read(tool: str, e: OSError) -> None:
@@ -28,7 +29,8 @@ def _cannot_read(tool: str, e: OSError) -> None:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = one_line_errors(argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     p.add_argument("--trace-dir", required=True)
     p.add_argument("--output", "-o", default=None, help="picture path (default: TRACE_DIR/timeline.png)")
     p.add_argument("--format", nargs="+", choices=FORMATS, default=None,

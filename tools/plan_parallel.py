@@ -30,6 +30,7 @@ from megalite.planner import DEFAULT_HEADROOM, GiB, Hardware, precision, total_p
 from megalite.planner_cp import CP_COMM_TYPES, cp_type_name  # noqa: E402
 from megalite.planner_documents import plan_lines as document_lines  # noqa: E402
 from megalite.planner_flags import grads_in_fp32, pretrain_flags, training_defaults  # noqa: E402
+from tools.tool_errors import one_line_errors, writable  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -189,8 +190,9 @@ def verify(a, m, estimates) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    parser = build_parser()
+    parser = one_line_errors(build_parser())
     a = parser.parse_args(argv)
+    writable(parser, "--json", a.json)
     if a.document_length is not None and not a.reset_attention_mask:
         parser.error("--document-length N needs --reset-attention-mask (without it every token attends "
                      "the whole sequence)")
@@ -215,9 +217,10 @@ def main(argv=None) -> int:
           f"{prec.name}, {prec.grad_bytes}-byte gradients"
           + (" (pretrain_gpt.py's default)" if a.accumulate is None else ""))
     if not result.estimates:
-        print("\nmegalite refuses every layout for this model and cluster:", file=sys.stderr)
-        for reason in sorted(set(result.invalid.values()))[:8]:
-            print(f"  - {reason}", file=sys.stderr)
+        reasons = set(result.invalid.values())
+        simplest = min(result.invalid, key=lambda lay: (lay.tp * lay.pp * lay.cp * lay.ep, lay.describe()))
+        print(f"plan_parallel.py: megalite refuses every layout for this model and cluster ({len(reasons)} "
+              f"reason(s)); the simplest layout, {simplest.describe()}: {result.invalid[simplest]}", file=sys.stderr)
         return 2
     if a.reset_attention_mask:
         print("\n".join(document_lines(m, a.document_length or m.seq_length, a.global_batch_size * m.seq_length)))

@@ -25,6 +25,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.plotting import FORMATS, new_figure, require_matplotlib, save  # noqa: E402
+from tools.tool_errors import one_line_errors  # noqa: E402
 
 TIME_PARTS = ["forward", "backward", "grad_sync", "optimizer"]
 
@@ -272,7 +273,8 @@ def summary(label: str, records: list[dict]) -> str:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = one_line_errors(argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     p.add_argument("logs", nargs="+", help="--log-json files (one JSON object per iteration)")
     p.add_argument("--output", "-o", default="log_plot.png", help="picture path; its extension picks the format")
     p.add_argument("--format", nargs="+", choices=FORMATS, default=None,

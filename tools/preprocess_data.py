@@ -25,10 +25,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from megalite.data.preprocess import format_summary, preprocess  # noqa: E402
 from megalite.data.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
+from tools.tool_errors import one_line_errors, positive, writable  # noqa: E402
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = one_line_errors(argparse.ArgumentParser(description=__doc__.splitlines()[0]))
     parser.add_argument("--input", required=True, help=".jsonl/.json or plain-text corpus")
     parser.add_argument("--json-keys", nargs="+", default=["text"],
                         help="JSONL field holding the document (one key)")
@@ -49,6 +50,8 @@ def main(argv=None) -> None:
     if len(args.json_keys) != 1:
         parser.error(f"--json-keys got {args.json_keys}; megalite writes one dataset per "
                      f"run, so pass one key and run once per key.")
+    positive(parser, "--workers", args.workers)
+    writable(parser, "--output-prefix", args.output_prefix)
     try:
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
         print(f"tokenizing {args.input} with {tokenizer}, {args.workers} worker(s)")

@@ -49,6 +49,7 @@ from megalite.parallel.comm import OfflineGroup  # noqa: E402
 from megalite.parallel.grid import GridLayout  # noqa: E402
 from megalite.parallel.sharding import shard_tensor  # noqa: E402
 from megalite.pipeline.partition import build_model_chunks  # noqa: E402
+from tools.tool_errors import one_line_errors  # noqa: E402
 
 SOURCE = "source"  # --target-num-layers-per-virtual-pipeline-stage not given
 
@@ -245,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    a = build_parser().parse_args(argv)
+    a = one_line_errors(build_parser()).parse_args(argv)
     sizes = {"tensor-model-parallel-size": a.target_tensor_model_parallel_size,
              "pipeline-model-parallel-size": a.target_pipeline_model_parallel_size,
              "data-parallel-size": a.target_data_parallel_size,

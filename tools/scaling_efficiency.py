@@ -23,6 +23,8 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from tools.tool_errors import one_line_errors, positive, writable  # noqa: E402
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 DEFAULT = ["--mock-data", "--vocab-size", "512", "--num-layers", "2", "--hidden-size", "64",
@@ -89,12 +91,16 @@ def plot(rows: list[dict], path: str, note: str | None = None) -> list[str]:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = one_line_errors(argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--logs", nargs="*", default=None, help="--log-json files of runs at --ranks")
     p.add_argument("--json", default=None)
     p.add_argument("--plot", default=None, metavar="PATH", help="also draw the chart (.png, .svg, .pdf)")
     a, rest = p.parse_known_args()
+    positive(p, "--ranks", *a.ranks)
+    writable(p, "--json", a.json)
+    writable(p, "--plot", a.plot)
     if a.plot:  # fail now, not after the runs
         from megalite.plotting import require_matplotlib
         require_matplotlib()

@@ -33,6 +33,7 @@ from megalite.parallel.comm import count_collectives  # noqa: E402
 from megalite.parallel.grid import build_grid  # noqa: E402
 from megalite.testing import run_world  # noqa: E402
 from megalite.training import LossScaler, train_step  # noqa: E402
+from tools.tool_errors import one_line_errors, positive, writable  # noqa: E402
 
 
 def measure(rank, world, stage, hidden, layers, fp32_grads):
@@ -55,13 +56,16 @@ def measure(rank, world, stage, hidden, layers, fp32_grads):
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = one_line_errors(argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter))
     p.add_argument("--dp", type=int, default=4)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--fp32-grads", action="store_true")
     p.add_argument("--json", default=None)
     args = p.parse_args()
+    positive(p, "--dp/--hidden/--layers", args.dp, args.hidden, args.layers)
+    writable(p, "--json", args.json)
     n, g = args.dp, 4 if args.fp32_grads else 2
     report = []
     print(f"DP={n}, bf16 weights, {'fp32' if args.fp32_grads else 'bf16'} gradients, Adam (fp32 master + 2 moments)")

@@ -217,3 +217,53 @@ def test_dry_run_fits_and_matches_the_planner(recipe, gpus, tmp_path, capsys):
         assert role["fits"] and role["measured_bytes"] <= allowance, (recipe, gpus, role["role"])
         assert abs(role["difference"]) < 0.05, (recipe, gpus, role["role"], role["measured_bytes"] / GiB,
                                                 role["planned_bytes"] / GiB)
+
+
+@pytest.mark.slow
+def test_sft_prepare_imports_the_model_and_tokenizes_the_data(tmp_path):
+    """ACTION=prepare of the SFT recipe on a tiny random Llama (made by transformers, no download)
+    with a chat-template tokenizer: the import writes a checkpoint carrying the tokenizer, and
+    the JSONL becomes an indexed dataset with its loss mask, at the paths the training flags name."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    import sys
+
+    import torch
+
+    from tests.test_sft import CHAT, save_folder
+
+    hf = save_folder(tmp_path / "hf")
+    vocab = json.load(open(os.path.join(hf, "tokenizer.json")))["model"]["vocab"]
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=len(vocab),
+                                      max_position_embeddings=64, tie_word_embeddings=False)
+    transformers.LlamaForCausalLM(config).save_pretrained(hf)
+    lines = [{"messages": CHAT}, {"prompt": "What is 2+2?", "response": " It is 4."}]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    paths = {"HF_MODEL": hf, "IMPORTED": str(tmp_path / "imported"), "SFT_JSONL": str(tmp_path / "sft.jsonl"),
+             "SFT_DATA": str(tmp_path / "sft"), "CKPT_DIR": str(tmp_path / "run")}
+    env = {**os.environ, **paths, "ACTION": "prepare", "MEGALITE_HOME": ROOT, "MEGALITE_VENV": "",
+           "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")}
+    done = subprocess.run(["bash", os.path.join(RECIPES_DIR, "llama3-8b-sft.sh")], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "imported" / "latest").exists()
+    carried = set(os.listdir(next((tmp_path / "imported").glob("iter_*")) / "huggingface"))
+    assert "tokenizer.json" in carried, carried
+    for suffix in (".bin", ".idx", "_loss_mask.bin", "_loss_mask.idx"):
+        assert (tmp_path / f"sft{suffix}").exists(), suffix
+    # The training command of the same environment names them (GPUS=8's layout).
+    env.update(ACTION="print", GPUS="8")
+    flags = shlex.split(subprocess.run(["bash", os.path.join(RECIPES_DIR, "llama3-8b-sft.sh")], env=env,
+                                       capture_output=True, text=True, timeout=60, check=True).stdout)
+    args = parse(flags)
+    assert args.finetune and args.load == paths["IMPORTED"] and args.data_path == [paths["SFT_DATA"]]
+    assert args.tokenizer_model == hf and args.save == paths["CKPT_DIR"]
+    # Once the run has saved, the script resumes from its own checkpoint instead.
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "latest").write_text("1")
+    flags = shlex.split(subprocess.run(["bash", os.path.join(RECIPES_DIR, "llama3-8b-sft.sh")], env=env,
+                                       capture_output=True, text=True, timeout=60, check=True).stdout)
+    args = parse(flags)
+    assert not args.finetune and args.load == paths["CKPT_DIR"]

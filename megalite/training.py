@@ -76,7 +76,7 @@ def build_optimizer(model, t: TrainConfig) -> torch.optim.AdamW:
 
 def autocast_context(t: TrainConfig, device_type: str = "cpu"):
     """Mixed precision on the model's device type: matmuls in bf16/fp16, while autocast keeps
-    norms, softmax and the loss in fp32 (see the README's precision policy). A meta dry run
+    norms, softmax and the loss in fp32 (docs/gpus.md, precision policy). A meta dry run
     has no autocast: the weights are already in the 16-bit dtype there."""
     if device_type == "meta" or not (t.bf16 or t.fp16):
         return contextlib.nullcontext()

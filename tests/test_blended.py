@@ -186,6 +186,7 @@ def _build_in_process(paths, queue):
     queue.put((train.cache_status, train.cache_path))
 
 
+@pytest.mark.slow
 def test_concurrent_builders_leave_one_whole_file(two):
     """Ranks building the same index at once (as under torchrun) each write a private tmp
     file and rename it into place: the result is one whole, correct file, no leftovers."""
@@ -261,6 +262,7 @@ def _pretrain_losses(rank, world, argv):
     return [r["loss"] for r in pretrain(argv)]
 
 
+@pytest.mark.slow
 def test_pretrain_on_a_blend_dp2_matches_dp1_and_resumes(two, tmp_path, capsys):
     a, b = two
     argv = SMALL + ["--data-path", "0.7", a, "0.3", b, "--train-iters", "6"]

@@ -27,7 +27,8 @@ def _run(rank, world, argv):
     return [(r["iteration"], r["loss"], r["grad_norm"]) for r in pretrain(argv)]
 
 
-@pytest.mark.parametrize("world,layout", [(4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
+@pytest.mark.parametrize("world,layout", [pytest.param(4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+                                                       marks=pytest.mark.slow),
                                           (2, ["--zero-stage", "2", "--overlap-grad-reduce"])])
 def test_resume_after_kill_is_bit_identical(tmp_path, world, layout):
     argv = BASE + layout + ["--train-iters", "20", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
@@ -66,6 +67,7 @@ def _logits(path):
 NO_DROPOUT = ["--hidden-dropout", "0", "--attention-dropout", "0"]  # RNG streams differ across layouts
 
 
+@pytest.mark.slow
 def test_reshard_matrix_same_logits_and_training_continues(tmp_path):
     sources = {}
     for (tp, pp), flags in LAYOUTS.items():
@@ -140,6 +142,7 @@ def test_mismatched_config_lists_the_fields(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_exits_cleanly(tmp_path):
     """SIGTERM mid-run saves the iteration reached and exits 0; that checkpoint resumes exactly:
     the resumed iterations equal an uninterrupted run's (losses and gradient norms, bit for bit)."""
@@ -168,6 +171,7 @@ def test_sigterm_saves_and_exits_cleanly(tmp_path):
     assert resumed == full[saved:]
 
 
+@pytest.mark.slow
 def test_zero3_checkpoint_resumes_exactly(tmp_path):
     argv = BASE + ["--zero-stage", "3", "--train-iters", "6"]
     full = run_world(_run, 2, argv + ["--save", str(tmp_path / "a"), "--save-interval", "3"])[0]
@@ -180,6 +184,7 @@ def test_zero3_checkpoint_resumes_exactly(tmp_path):
     assert resumed == full[3:]
 
 
+@pytest.mark.slow
 def test_load_a_chosen_iteration_resumes_exactly(tmp_path, capsys):
     from megalite.pretrain import main
     argv = BASE + ["--train-iters", "3", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]

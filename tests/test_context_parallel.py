@@ -185,6 +185,7 @@ TRITON_CASES = {2: [(True, 4, 2, 16, 16), (False, 4, 2, 16, 16)], 4: [(True, 2, 
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.slow
 def test_ring_attention_matches_full_attention(world):
     """Torch math blocks (the CPU path) and, in the same world, the Triton kernels."""
     cases = ([case + ("torch",) for case in RING_CASES[world]]
@@ -243,6 +244,7 @@ def test_load_balanced_causal_split_is_equal_across_ranks():
     print("causal attention work per rank (chunk-pair units): balanced", flops, "contiguous", naive)
 
 
+@pytest.mark.slow
 def test_next_kv_transfer_is_in_flight_while_computing():
     results = run_world(_ring_worker, 2, [(True, 2, 2, 16, 16, "torch"), (True, 2, 2, 16, 16, "triton")])
     for _, _, events in (case for rank in results for case in rank):
@@ -306,7 +308,7 @@ def _gpt_worker(rank, world, tp, variant, backends):
     return errs
 
 
-@pytest.mark.parametrize("world,tp,variant,backends", [(2, 1, "gpt2", ["auto"]), (2, 1, "llama", ["auto", "triton"]),
+@pytest.mark.parametrize("world,tp,variant,backends", [(2, 1, "gpt2", ["auto"]), pytest.param(2, 1, "llama", ["auto", "triton"], marks=pytest.mark.slow),
                                                        (4, 2, "gpt2", ["torch"])])
 def test_gpt_context_parallel_matches_serial(world, tp, variant, backends):
     """The default backend (auto: the torch math blocks on a CPU), and once the Triton kernels."""
@@ -348,7 +350,8 @@ PRETRAIN_LAYOUTS = {  # name: (world, flags, iterations); no --attention-backend
 }
 
 
-@pytest.mark.parametrize("name", PRETRAIN_LAYOUTS)
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n == "CP=2" else pytest.mark.slow)
+                                  for n in PRETRAIN_LAYOUTS])
 def test_pretrain_context_parallel_matches_single_process(name):
     world, extra, iters = PRETRAIN_LAYOUTS[name]
     serial = _serial_log(iters)

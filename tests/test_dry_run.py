@@ -52,7 +52,8 @@ def dry_run(monkeypatch, world: int, rank: int, flags: list[str]) -> list[dict]:
             dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", [pytest.param(k, marks=() if k == "llama-tp2-pp2-dp4-bf16" else pytest.mark.slow)
+                                    for k in sorted(LAYOUTS)])
 def test_meta_dry_run_every_role(monkeypatch, layout):
     flags, ranks = LAYOUTS[layout]
     for rank in ranks:
@@ -66,6 +67,7 @@ def test_meta_dry_run_every_role(monkeypatch, layout):
         assert "valid_loss" in log[-1]  # evaluation ran too
 
 
+@pytest.mark.slow
 def test_meta_dry_run_memory_matches_a_real_rank(monkeypatch):
     """The accounting of the meta rank equals a real single-process CPU run's of the same
     shard (same model, TP=1 PP=1, ZeRO-1 over DP 4: one quarter of the optimizer state)."""
@@ -130,6 +132,7 @@ def test_cuda_without_a_gpu_is_refused():
     assert resolve_device("auto") == torch.device("cpu")
 
 
+@pytest.mark.slow
 def test_gpu_only_kernels_and_libraries_give_way_to_torch_on_meta(monkeypatch, capsys):
     """A dry run of a GPU configuration (Triton kernels, transformer-engine with FP8 and TP comm
     overlap, grouped GEMM) needs none of them on meta: the torch paths stand in, said once, with
@@ -147,6 +150,7 @@ def test_gpu_only_kernels_and_libraries_give_way_to_torch_on_meta(monkeypatch, c
     assert swapped["memory_bytes"] == plain["memory_bytes"] and swapped["comm_bytes"] == plain["comm_bytes"]
 
 
+@pytest.mark.slow
 def test_oracle_catches_a_cpu_tensor_handed_to_a_collective(monkeypatch):
     """The fake process group accepts a tensor on any device, and torch lets a 0-dim CPU tensor
     meet a meta one: a CPU scalar all-reduced and added into the gradient norm would pass the
@@ -185,6 +189,7 @@ def _cpu_tensors_meeting_meta(flags):
 
 
 @pytest.mark.parametrize("layout", ["tp2-pp2-dp4-zero1-virtual", "llama-tp2-pp2-dp4-bf16"])
+@pytest.mark.slow
 def test_no_cpu_tensor_meets_a_meta_one_in_the_step(monkeypatch, layout):
     from megalite import training
 
@@ -200,6 +205,7 @@ def test_no_cpu_tensor_meets_a_meta_one_in_the_step(monkeypatch, layout):
     assert seen == [], sorted(set(seen))
 
 
+@pytest.mark.slow
 def test_the_cpu_tensor_watch_catches_a_cpu_scalar_in_device_math(monkeypatch):
     """The watch above can fail: a CPU 0-dim tensor added into the gradient norm is seen."""
     from megalite import training

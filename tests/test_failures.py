@@ -16,6 +16,7 @@ SMALL = ["--mock-data", "--vocab-size", "300", "--num-layers", "2", "--hidden-si
          "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "2"]
 
 
+@pytest.mark.slow
 def test_configuration_error_under_torchrun_is_printed_once_and_named_in_the_summary(tmp_path):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     run = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "4", os.path.join(ROOT, "pretrain_gpt.py"),

@@ -152,6 +152,7 @@ except KeyboardInterrupt:
     assert parts["slow"]["commands"][0]["rc"] == 130
 
 
+@pytest.mark.slow
 def test_the_total_limit_cuts_then_skips_parts(tmp_path):
     sleep = "import time; time.sleep(30)"
     stages = [[code_part("one", sleep, 2.0)], [code_part("two", sleep, 20.0)], [code_part("three", sleep, 1.0)]]
@@ -292,6 +293,7 @@ def test_library_skips_are_not_failures_other_skips_are(tmp_path):
     assert not ok and fig["no_junit"] and "exit -9" in line  # a shard killed before writing its XML
 
 
+@pytest.mark.slow
 def test_shards_hold_each_test_once_and_keep_module_fixtures_together(tmp_path):
     (tmp_path / "test_many.py").write_text('''
 import pytest

@@ -35,6 +35,7 @@ def _hang_on_rank_0(rank, world_size):
     return rank
 
 
+@pytest.mark.slow
 def test_hang_is_reported_not_hung():
     start = time.monotonic()
     with pytest.raises(WorldError, match=r"rank\(s\) \[0\] of 2 did not finish"):

@@ -210,6 +210,7 @@ def _finetune(rank, world, argv):
     return [r["loss"] for r in pretrain(argv)]
 
 
+@pytest.mark.slow
 def test_imported_llama_finetunes_the_same_under_tp2_pp2_and_dp2_zero1(tmp_path):
     from megalite.testing import run_world
 

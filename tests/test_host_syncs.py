@@ -76,6 +76,7 @@ def test_dense_step_reads_nothing_and_the_log_reads_once(name):
         assert all(math.isfinite(x) for x in losses)
 
 
+@pytest.mark.slow
 def test_moe_step_reads_split_sizes_once_per_layer_with_expert_parallelism():
     """EP1 on the grouped GEMM: nothing. EP2: one read per MoE layer forward (2 layers x the
     rank's micro-batches), none in backward."""

@@ -377,6 +377,7 @@ def test_bad_backend_flag_exits_with_clear_message(capsys):
     assert "--attention-dropout 0" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_gpt_trains_with_triton_kernels_like_torch():
     """20 iterations, fp32, no dropout: --attention-backend triton --fused-kernels (Triton
     attention, LayerNorm, cross-entropy) gives the torch backend's loss at every step."""

@@ -60,6 +60,7 @@ def _meta(monkeypatch, world, rank, flags):
     (2, ["--zero-stage", "3"]),
     (2, ["--zero-stage", "2", "--recompute-granularity", "full"]),
 ], ids=["tp2-pp2-sp", "dp2-zero3", "dp2-zero2-recompute"])
+@pytest.mark.slow
 def test_meta_rank_measures_what_the_real_rank_allocates(monkeypatch, world, flags):
     real = run_world(_real, world, flags)
     for rank in range(world):
@@ -72,7 +73,8 @@ def test_meta_rank_measures_what_the_real_rank_allocates(monkeypatch, world, fla
         assert memory["peak_by_category"]["activations"] > 0 and memory["peak"] > memory["live"]
 
 
-@pytest.mark.parametrize("overlap", [[], ["--overlap-grad-reduce"]], ids=["no-overlap", "overlap"])
+@pytest.mark.parametrize("overlap", [pytest.param([], marks=pytest.mark.slow), ["--overlap-grad-reduce"]],
+                         ids=["no-overlap", "overlap"])
 def test_zero2_gradient_memory_does_not_grow_with_micro_batches(monkeypatch, overlap):
     """ZeRO-2 keeps the reduced shard, plus per bucket at most one staging buffer: 8 micro-batches
     must not hold 8 copies of the gradients (the tracker found that they did)."""
@@ -84,6 +86,7 @@ def test_zero2_gradient_memory_does_not_grow_with_micro_batches(monkeypatch, ove
     assert peaks["32"] <= 1.1 * peaks["4"], peaks
 
 
+@pytest.mark.slow
 def test_dry_run_tool_reports_every_role(tmp_path, capsys):
     import json
     import sys

@@ -177,6 +177,7 @@ def test_grid_table_shows_expert_groups():
     assert "experts: EP 2 x EDP 2 per stage" in table and " ep edp" in table
 
 
+@pytest.mark.slow
 def test_grouped_gemm_ep2_dp2_matches_serial_loop():
     """--moe-grouped-gemm (Triton in the interpreter) at EP2 x DP2 against the serial loop."""
     serial = serial_run(make_config())

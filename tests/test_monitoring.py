@@ -194,6 +194,7 @@ def _hang_worker(rank, world):
     return code, err.getvalue(), time.monotonic() - start
 
 
+@pytest.mark.slow
 def test_rank_stuck_before_a_collective_gives_a_clear_error_on_every_other_rank():
     env = {"MEGALITE_TEST_HANG_AT_ITERATION": "2", "MEGALITE_TEST_HANG_RANK": "2",
            "MEGALITE_TEST_HANG_SECONDS": "20"}

@@ -47,6 +47,7 @@ def _two_nodes(tmp_path, argv, name):
 @pytest.mark.parametrize("layout,name", [(["--tensor-model-parallel-size", "2"], "tp2dp2"),
                                          (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
                                           "tp2pp2")])
+@pytest.mark.slow
 def test_two_torchrun_agents_reproduce_the_single_process_losses(tmp_path, layout, name):
     argv = BASE + ["--train-iters", "4"]
     serial = _serial(tmp_path, argv)
@@ -60,6 +61,7 @@ def test_two_torchrun_agents_reproduce_the_single_process_losses(tmp_path, layou
     assert table and all(row[1] == "1" for row in table), table
 
 
+@pytest.mark.slow
 def test_tp_group_across_two_nodes_warns_with_its_cost(tmp_path):
     losses, text = _two_nodes(tmp_path, BASE + ["--train-iters", "2", "--tensor-model-parallel-size", "4"], "tp4")
     assert "tensor-parallel group of 4 ranks spans nodes (2 GPUs per node)" in text and "InfiniBand" in text
@@ -75,6 +77,7 @@ def _slurm_env(rank, ntasks, port, **overrides):
     return {k: v for k, v in env.items() if v is not None}
 
 
+@pytest.mark.slow
 def test_slurm_tasks_without_torchrun_train_like_one_process(tmp_path):
     argv = BASE + ["--train-iters", "3"]
     serial = _serial(tmp_path, argv)
@@ -113,6 +116,7 @@ def _run(rank, world, argv):
 
 
 @pytest.mark.parametrize("zero", ["0", "2"])
+@pytest.mark.slow
 def test_dp4_killed_and_restarted_as_dp2_continues_the_same_run(tmp_path, zero):
     argv = BASE + ["--train-iters", "20", "--zero-stage", zero, "--save-interval", "10"]
     full = dict(run_world(_run, 4, argv + ["--save", str(tmp_path / "a")])[0])
@@ -125,6 +129,7 @@ def test_dp4_killed_and_restarted_as_dp2_continues_the_same_run(tmp_path, zero):
     assert max(abs(resumed[i] - full[i]) / full[i] for i in resumed) < 1e-5, (resumed, full)
 
 
+@pytest.mark.slow
 def test_torchrun_max_restarts_resumes_and_finishes_bit_identically(tmp_path):
     argv = BASE + ["--train-iters", "16", "--save-interval", "8", "--zero-stage", "1"]
     launch = [TORCHRUN, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
@@ -186,6 +191,7 @@ def _sbatch(tmp_path, script, tasks_per_node, cpus, **variables):
     return _losses(tmp_path / "logs" / "train.jsonl"), run.stdout + run.stderr, calls
 
 
+@pytest.mark.slow
 def test_slurm_example_srun_per_gpu_runs_and_trains_like_one_process(tmp_path, tiny_serial):
     losses, text, calls = _sbatch(tmp_path, "srun_per_gpu.sbatch", 1, 1,
                                   PARALLEL_ARGS="--pipeline-model-parallel-size 2")
@@ -195,6 +201,7 @@ def test_slurm_example_srun_per_gpu_runs_and_trains_like_one_process(tmp_path, t
     assert [c["options"].get("cpus_per_task") for c in calls] == ["1"]  # passed on to srun explicitly
 
 
+@pytest.mark.slow
 def test_slurm_example_torchrun_per_node_runs_and_trains_like_one_process(tmp_path, tiny_serial):
     losses, text, calls = _sbatch(tmp_path, "torchrun_per_node.sbatch", 1, 2, GPUS_PER_NODE="2",
                                   PARALLEL_ARGS="--tensor-model-parallel-size 2")

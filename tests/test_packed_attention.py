@@ -151,7 +151,7 @@ def _cp_cases(world):
     return cases
 
 
-@pytest.mark.parametrize("world,inner", [(2, 2), (4, 2)])
+@pytest.mark.parametrize("world,inner", [(2, 2), pytest.param(4, 2, marks=pytest.mark.slow)])
 def test_every_cp_type_with_documents_matches_full_attention(world, inner):
     cases = _cp_cases(world)
     results = run_world(_cp_worker, world, inner, cases, timeout=300)

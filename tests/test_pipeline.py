@@ -103,6 +103,7 @@ def test_pp2_schedules_match_serial():
     _check(run_world(_pipeline_worker, 2, todo), _num_params(4))
 
 
+@pytest.mark.slow
 def test_pp4_schedules_match_serial():
     todo = cases(4, [(8, {}, 4), (8, {}, 8), (8, {}, 5), (8, {"schedule": "gpipe"}, 5),
                      (8, {"vp_layers": 1}, 4), (8, {"vp_layers": 1}, 8)])
@@ -226,6 +227,7 @@ def _pretrain_worker(rank, world, extra):
     return [(r["loss"], r["grad_norm"], r.get("valid_loss")) for r in pretrain(PRETRAIN + extra)]
 
 
+@pytest.mark.slow
 def test_pretrain_pipeline_layouts_match_pp1_per_iteration(tmp_path):
     from megalite.pretrain import pretrain
     serial = [(r["loss"], r["grad_norm"], r.get("valid_loss")) for r in pretrain(PRETRAIN)]

@@ -79,6 +79,7 @@ def _dry_run(argv, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("example", ["7b", "70b"])
+@pytest.mark.slow
 def test_printed_flags_dry_run_within_5_percent_of_the_stated_peak(example, capsys, tmp_path):
     """The README's examples: the dry run of the printed command (one rank per pipeline stage on
     meta) peaks within 5% of the peak the recommendation states, and fits the planner's allowance."""

@@ -56,6 +56,7 @@ def test_real_data_path_tokenizer_preprocess_train(tmp_path):
 
 
 @pytest.mark.parametrize("layout,flags", [("DP 2", []), ("CP 2", ["--context-parallel-size", "2"])])
+@pytest.mark.slow
 def test_torchrun_data_parallel_matches_single_process(tmp_path, layout, flags):
     """2 ranks under torchrun (DP=2, or CP=2 with the default attention backend and without
     the Triton interpreter) give the single-process loss curve (fp32, no dropout)."""

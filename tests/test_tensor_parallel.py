@@ -296,6 +296,7 @@ def _pretrain_worker(rank, world, extra):
     return [(r["loss"], r["grad_norm"]) for r in pretrain(PRETRAIN + extra)]
 
 
+@pytest.mark.slow
 def test_pretrain_tp_and_sp_match_tp1_per_iteration():
     from megalite.pretrain import pretrain
     serial = [(r["loss"], r["grad_norm"]) for r in pretrain(PRETRAIN)]

@@ -84,6 +84,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.slow
 def test_te_layouts_train_as_the_serial_local_model(standin):
     from megalite.pretrain import pretrain
     serial = [(r["loss"], r["grad_norm"]) for r in pretrain(PRETRAIN)]
@@ -114,6 +115,7 @@ def test_te_moe_at_ep2_trains_as_the_serial_local_moe(standin):
     assert _worst(ep2, serial) < 1e-5
 
 
+@pytest.mark.slow
 def test_fp8_amax_reduced_over_the_stage_so_tp_sp_matches_serial_fp8(standin, monkeypatch, tmp_path):
     """The stand-in's FP8 rounds by each tensor's scale: TP ranks agree with the serial run only
     if their scales come from amaxes reduced over the whole stage (TP x DP). Scales move after
@@ -154,6 +156,7 @@ def _resume_worker(rank, world, extra, save, load, iters):
     return [(r["iteration"], r["loss"]) for r in pretrain(args)]
 
 
+@pytest.mark.slow
 def test_checkpoint_moves_between_te_and_local_and_fp8_state_resumes(standin, tmp_path, monkeypatch):
     tp2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
     # TE with FP8 at TP2 SP, saved at iteration 5, then 10 uninterrupted iterations.
@@ -182,6 +185,7 @@ def test_checkpoint_moves_between_te_and_local_and_fp8_state_resumes(standin, tm
     assert max(abs(a - b) / b for (_, a), (_, b) in zip(te_resumed, local_run[5:])) < 1e-5
 
 
+@pytest.mark.slow
 def test_reshard_and_serial_tools_read_te_checkpoints_without_te(standin, tmp_path):
     """Offline tools build megalite's own layers from a TE checkpoint; FP8 state survives a reshard."""
     import subprocess

@@ -101,7 +101,7 @@ def compare(results, ref_losses, ref_params):
     return worst
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_zero_stages_match_serial_after_10_steps(world, stage):
     config = make_config()
@@ -246,6 +246,7 @@ def _pretrain_worker(rank, world, extra):
     return [(r["loss"], r["grad_norm"]) for r in pretrain(PRETRAIN + extra)]
 
 
+@pytest.mark.slow
 def test_pretrain_zero_layouts_match_single_process():
     from megalite.pretrain import pretrain
     serial = [(r["loss"], r["grad_norm"]) for r in pretrain(PRETRAIN)]

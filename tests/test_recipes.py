@@ -8,8 +8,8 @@ says the model does not fit, the planner finds no layout either); and a meta dry
 tests/test_planner_truth.py and tests/test_moe_planning.py hold the planner to.
 
 The flags come from the scripts themselves (ACTION=print and ACTION=print-dry-run), so what is
-tested is what a launch runs. One GPU count per recipe (the cheapest to dry-run) is in the
-default run; the others, and the slowest planner searches, are marked slow.
+tested is what a launch runs. The dry run of one GPU count per recipe (the cheapest) is in the
+default run; the other counts' dry runs and the SFT recipe's prepare step are marked slow.
 
 Cost: a meta dry run takes time in proportion to the micro-batches of a step, M = global batch /
 (micro batch x DP). Every recipe has PP 1, so one micro-batch's activations are in flight
@@ -123,6 +123,51 @@ def test_other_gpu_counts_are_refused(recipe):
         assert f"{recipe}: no layout for GPUS={gpus}" in done.stderr and "tools/plan_parallel.py" in done.stderr
         if gpus in no_fit:
             assert "cannot hold" in done.stderr
+
+
+def _stub(folder, name: str) -> None:
+    """An executable that prints its name and arguments, one per line, and exits 0."""
+    path = folder / name
+    path.write_text(f'#!/bin/bash\nprintf "%s\\n" {name} "$@"\n')
+    path.chmod(0o755)
+
+
+@pytest.mark.parametrize("slurm", [False, True], ids=["by-hand", "sbatch"])
+def test_train_launches_torchrun_per_node_with_the_printed_flags(slurm, tmp_path):
+    """ACTION=train (stand-ins for torchrun and srun print what they are given): one torchrun per
+    node with 8 ranks, the c10d rendezvous on MASTER_ADDR (under SLURM the allocation's first
+    host, through srun), and pretrain_gpt.py with exactly the flags ACTION=print shows."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    _stub(bin_dir, "torchrun")
+    _stub(bin_dir, "srun")
+    env = {**os.environ, "ACTION": "train", "MEGALITE_HOME": ROOT, "MEGALITE_VENV": "", "LOG_DIR": str(tmp_path / "logs"),
+           "PATH": f"{bin_dir}{os.pathsep}{os.path.join(ROOT, 'tests', 'slurm_standin')}{os.pathsep}{os.environ['PATH']}"}
+    for key in ("SLURM_JOB_ID", "SLURM_NNODES", "SLURM_SUBMIT_DIR", "NNODES", "GPUS", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    if slurm:
+        env.update(SLURM_JOB_ID="4242", SLURM_NNODES="8", SLURM_JOB_NODELIST="gpu[07-14]", SLURM_CPUS_PER_TASK="64")
+    else:
+        env.update(NNODES="8", MASTER_ADDR="node0")
+    done = subprocess.run(["bash", os.path.join(RECIPES_DIR, "llama3-8b.sh"), "--train-iters", "10"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    argv = done.stdout.splitlines()
+    head = argv[:argv.index("torchrun")]
+    assert head == (["srun", "--cpus-per-task=64"] if slurm else [])
+    launcher = argv[argv.index("torchrun") + 1:]
+    program = launcher.index(os.path.join(ROOT, "pretrain_gpt.py"))
+    options = launcher[:program]
+    endpoint = "gpu07:24242" if slurm else "node0:29500"
+    for option, value in [("--nnodes", "8"), ("--nproc-per-node", "8"), ("--rdzv-backend", "c10d"),
+                          ("--rdzv-endpoint", endpoint), ("--rdzv-id", "4242" if slurm else "megalite")]:
+        assert options[options.index(option) + 1] == value, (option, options)
+    env["ACTION"] = "print"  # the same environment: GPUS = 8 nodes x 8
+    printed = subprocess.run(["bash", os.path.join(RECIPES_DIR, "llama3-8b.sh"), "--train-iters", "10"], env=env,
+                             capture_output=True, text=True, timeout=60, check=True).stdout
+    assert launcher[program + 1:] == shlex.split(printed)
+    assert "--tensor-model-parallel-size" not in printed and "--zero-stage 2" in printed  # the 64-GPU layout
+    assert (tmp_path / "logs").is_dir()
 
 
 def planner_argv(flags: list[str], gpus: int) -> list[str]:

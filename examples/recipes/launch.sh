@@ -80,7 +80,7 @@ launch() {
             "${DATA_ARGS[@]}" "${CKPT_ARGS[@]}" "$@"
         ;;
     *)
-        echo "ACTION=$ACTION: one of train, dry-run, print, print-dry-run." >&2
+        echo "ACTION=$ACTION: one of train, dry-run, print, print-dry-run (and prepare for the SFT recipe)." >&2
         exit 2
         ;;
     esac

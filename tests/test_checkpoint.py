@@ -27,9 +27,9 @@ def _run(rank, world, argv):
     return [(r["iteration"], r["loss"], r["grad_norm"]) for r in pretrain(argv)]
 
 
-@pytest.mark.parametrize("world,layout", [pytest.param(4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
-                                                       marks=pytest.mark.slow),
+@pytest.mark.parametrize("world,layout", [(4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]),
                                           (2, ["--zero-stage", "2", "--overlap-grad-reduce"])])
+@pytest.mark.slow
 def test_resume_after_kill_is_bit_identical(tmp_path, world, layout):
     argv = BASE + layout + ["--train-iters", "20", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
     full = run_world(_run, world, argv + ["--save", str(tmp_path / "a"), "--save-interval", "10"])[0]
@@ -95,6 +95,7 @@ def test_reshard_matrix_same_logits_and_training_continues(tmp_path):
             assert a[0] == b[0] and abs(a[1] - b[1]) / b[1] < 1e-5 and abs(a[2] - b[2]) / b[2] < 1e-5
 
 
+@pytest.mark.slow
 def test_zero1_dp4_to_dp2(tmp_path):
     src, dst = tmp_path / "dp4", tmp_path / "dp2"
     run_world(_run, 4, BASE + NO_DROPOUT + ["--use-distributed-optimizer", "--train-iters", "3", "--save", str(src)])

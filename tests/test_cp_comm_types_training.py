@@ -195,6 +195,7 @@ def cp4_world():
 
 
 @pytest.mark.parametrize("name", COMBINED_RUNS)
+@pytest.mark.slow
 def test_pretrain_cp_types_with_pipeline_zero_and_experts_match_single_process(cp4_world, name):
     serial, worst = serial_log(COMBINED_RUNS[name][0]), 0.0
     for out in cp4_world:
@@ -204,6 +205,7 @@ def test_pretrain_cp_types_with_pipeline_zero_and_experts_match_single_process(c
 
 
 @pytest.mark.parametrize("name", CP4_RUNS)
+@pytest.mark.slow
 def test_pretrain_cp4_each_type_matches_single_process(cp4_world, name):
     serial, worst = serial_log(tuple(LLAMA)), 0.0
     for out in cp4_world:
@@ -212,6 +214,7 @@ def test_pretrain_cp4_each_type_matches_single_process(cp4_world, name):
     print(f"CP=4 llama {name}: largest relative loss / grad-norm difference vs 1 process:", worst)
 
 
+@pytest.mark.slow
 def test_gpt_cp4_each_type_matches_serial(cp4_world):
     """Loss and every gradient, GQA (2 groups) and RoPE, for the four types at CP=4."""
     print("GPT (GQA, RoPE) CP=4 all types, largest relative error:", _check_gpt(cp4_world, CP4_TYPES))
@@ -223,6 +226,7 @@ EIGHT_RUNS = {"TP2 x CP4 (a2a+p2p 2x2) x DP1": TP2_SP + cp_flags(4, "a2a+p2p", (
               "TP2 x CP2 (a2a) x DP2": TP2_SP + cp_flags(2, "a2a")}
 
 
+@pytest.mark.slow
 def test_pretrain_8_ranks_tp_sp_with_hierarchical_and_a2a_match_single_process():
     serial, worst = serial_log(), 0.0
     runs = [(name, BASE + flags + ["--train-iters", ITERS]) for name, flags in EIGHT_RUNS.items()]

@@ -137,6 +137,7 @@ sys.exit(3)
     assert [line.split(":")[1].split()[0] for line in lines] == ["TIMEOUT", "FAIL", "PASS"]
 
 
+@pytest.mark.slow
 def test_an_overrun_part_gets_sigint_before_sigkill(tmp_path):
     flag = tmp_path / "interrupted"
     part = code_part("slow", f"""
@@ -165,6 +166,7 @@ def test_the_total_limit_cuts_then_skips_parts(tmp_path):
     assert summary["failed_parts"] == ["one", "two", "three"]
 
 
+@pytest.mark.slow
 def test_side_by_side_parts_extras_and_a_stretch_part(tmp_path):
     """a and b run at once; an extra without spare time is skipped (not a failure); a stretch part
     may run past its own budget into time the others left; a part that cannot run here is skipped."""

@@ -90,6 +90,7 @@ def test_no_rows_at_all():
     assert dw is not None and torch.equal(dw, torch.zeros(3, 72, 40)), "dw must be zeros, not None"
 
 
+@pytest.mark.slow
 def test_counts_offsets_and_tensor_forms_agree():
     counts = [0, 37, 5, 0, 20]
     x, w, dy = inputs(counts, 40, 72, seed=1)

@@ -180,7 +180,8 @@ def randn(*shape, seed=0):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("grid_y", [pytest.param(_utils.MAX_GRID_Y, marks=pytest.mark.slow), 4])
+@pytest.mark.parametrize("grid_y", [_utils.MAX_GRID_Y, 4])
+@pytest.mark.slow
 def test_split_attention_grids_match_the_reference(monkeypatch, grid_y):
     """3 batches x 4 heads on 2 groups, 70 queries (3 row tiles of 32) and 45 keys, forward and
     backward. With axis 1 capped at 4 (as CUDA caps it at 65,535) the 12 (batch, head) pairs

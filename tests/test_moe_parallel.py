@@ -142,7 +142,9 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("EP4xDP4 ZeRO-1", "EP2 in DP4 ZeRO-2",
+                                                                                    "EP4 over TP2xDP2 ZeRO-1")
+                                   else n for n in LAYOUTS])
 def test_moe_layout_matches_serial(name):
     world, layout, stage = LAYOUTS[name]
     serial = serial_run(make_config(layers=layout.get("layers", 2)))
@@ -156,7 +158,7 @@ def test_moe_every_other_layer_with_shared_expert_tp2_ep2():
           serial)
 
 
-@pytest.mark.parametrize("layout", [dict(tp=2, ep=4), dict(cp=2, ep=2), dict(ep=4)])
+@pytest.mark.parametrize("layout", [pytest.param(dict(tp=2, ep=4), marks=pytest.mark.slow), dict(cp=2, ep=2), dict(ep=4)])
 def test_capacity_drops_equal_serial(layout):
     """A capacity factor of 1.0 drops assignments; under TP (SP), CP and EP the same ones: every
     rank routes its own tokens, so per step the ranks' drops add up to the serial run's."""

@@ -113,14 +113,14 @@ def test_zero_stages_match_serial_after_10_steps(world, stage):
             assert all(r[2] for r in results)  # some bucket started from inside backward
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
 def test_tp2_dp2_matches_serial(stage):
     config = make_config()
     ref_losses, ref_params = serial_run(config)
     compare(run_world(_zero_worker, 4, {"stage": stage, "overlap": True, "tp": 2}), ref_losses, ref_params)
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 1, pytest.param(2, marks=pytest.mark.slow)])
 def test_pp2_dp2_matches_serial(stage):
     config = make_config(layers=4)
     ref_losses, ref_params = serial_run(config)

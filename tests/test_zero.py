@@ -113,7 +113,8 @@ def test_zero_stages_match_serial_after_10_steps(world, stage):
             assert all(r[2] for r in results)  # some bucket started from inside backward
 
 
-@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 1, pytest.param(2, marks=pytest.mark.slow), pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 1, pytest.param(2, marks=pytest.mark.slow),
+                                   pytest.param(3, marks=pytest.mark.slow)])
 def test_tp2_dp2_matches_serial(stage):
     config = make_config()
     ref_losses, ref_params = serial_run(config)

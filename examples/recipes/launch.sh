@@ -22,9 +22,10 @@ NNODES=${SLURM_NNODES:-${NNODES:-1}}
 GPUS=${GPUS:-$((NNODES * GPUS_PER_NODE))}
 ACTION=${ACTION:-train}
 LOG_DIR=${LOG_DIR:-logs}
-# The checkout holding pretrain_gpt.py and tools/ (sbatch runs a copy of the script elsewhere,
-# from the submit directory: submit from the checkout).
-MEGALITE_HOME=${MEGALITE_HOME:-${SLURM_SUBMIT_DIR:-.}}
+# The checkout holding pretrain_gpt.py and tools/: the one this file is in. (sbatch runs a copy
+# of the recipe from its spool directory; the recipe finds this file through the submit
+# directory, so submit from the checkout, or set MEGALITE_HOME.)
+MEGALITE_HOME=${MEGALITE_HOME:-$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)}
 
 # A recipe's layouts are for the GPU counts it names; another count is refused.
 no_layout() {  # no_layout RECIPE "8, 64 or 512" [why]

@@ -28,7 +28,7 @@
 #SBATCH --cpus-per-task=64
 #SBATCH --time=12:00:00
 set -euo pipefail
-source "${MEGALITE_HOME:-${SLURM_SUBMIT_DIR:-.}}/examples/recipes/launch.sh"
+source "${MEGALITE_HOME:-${SLURM_SUBMIT_DIR:-$(dirname "$0")/../..}}/examples/recipes/launch.sh"
 
 HF_MODEL=${HF_MODEL:-hf/Meta-Llama-3-8B-Instruct}
 IMPORTED=${IMPORTED:-ckpt/llama3-8b-imported}

@@ -18,7 +18,7 @@
 #SBATCH --cpus-per-task=64
 #SBATCH --time=48:00:00
 set -euo pipefail
-source "${MEGALITE_HOME:-${SLURM_SUBMIT_DIR:-.}}/examples/recipes/launch.sh"
+source "${MEGALITE_HOME:-${SLURM_SUBMIT_DIR:-$(dirname "$0")/../..}}/examples/recipes/launch.sh"
 
 DATA_PATH=${DATA_PATH:-data/corpus_text_document}
 TOKENIZER=${TOKENIZER:-tokenizers/llama3}

@@ -233,6 +233,7 @@ def test_finetune_loads_the_weights_only(tmp_path, capfd):
     assert len(tuned) == 3 and tuned == fresh
 
 
+@pytest.mark.slow
 def test_rng_message_says_what_happened(tmp_path, capfd):
     from megalite.checkpoint.core import rng_note
     argv = BASE + ["--train-iters", "3"]

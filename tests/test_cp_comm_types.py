@@ -79,7 +79,8 @@ def _cases(world):
     return out
 
 
-@pytest.mark.parametrize("world,inner", [(2, 2), pytest.param(4, 2, marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("world,inner", [(2, 2), (4, 2)])
 def test_every_comm_type_matches_full_attention_and_its_traffic_formula(world, inner):
     cases = _cases(world)
     results = run_world(_worker, world, inner, cases, timeout=300)

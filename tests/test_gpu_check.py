@@ -108,6 +108,7 @@ def gone(pid: int) -> bool:
     return "\nState:\tZ" in state  # a zombie waiting for its reaper has ended
 
 
+@pytest.mark.slow
 def test_an_overrun_part_is_killed_with_its_children_and_the_rest_still_run(tmp_path):
     pid_file, seen = tmp_path / "grandchild.pid", tmp_path / "seen.json"
     sleeper = code_part("sleep", f"""

@@ -39,6 +39,7 @@ def test_scaling_table_and_thresholds():
     assert scaling_efficiency.verdict(0.4).startswith("communication-bound")
 
 
+@pytest.mark.slow
 def test_scaling_tool_runs_at_1_2_4_ranks(tmp_path):
     out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "scaling_efficiency.py"), "--ranks", "1", "2", "4",
                           "--json", str(tmp_path / "s.json"), "--plot", str(tmp_path / "s.png"),
@@ -77,6 +78,7 @@ def write_log(path, scale, mfu=False, dry_run_lines=0):
         f.write('{"iteration": 31, "loss"')  # a run still writing its next line
 
 
+@pytest.mark.slow
 def test_plot_log_png_and_svg(tmp_path):
     pytest.importorskip("matplotlib")
     write_log(tmp_path / "a.jsonl", 1.0)
@@ -108,6 +110,7 @@ def test_plot_log_reading(tmp_path):
     assert plot_log.smoothed([1.0, 2.0, 3.0, 4.0], 3) == [1.5, 2.0, 3.0, 3.5]
 
 
+@pytest.mark.slow
 def test_bench_kernels_chart(tmp_path):
     pytest.importorskip("matplotlib")
     import bench_kernels

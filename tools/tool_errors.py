@@ -7,7 +7,6 @@ raise, so its traceback shows.
 """
 import argparse
 import os
-import sys
 
 
 def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -21,18 +20,6 @@ def one_line_errors(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     parser.error = error
     return parser
-
-
-def fail(tool: str, message: str) -> None:
-    """Print ``TOOL: MESSAGE`` on stderr and exit 2."""
-    print(f"{tool}: {message}", file=sys.stderr)
-    raise SystemExit(2)
-
-
-def cannot_write(tool: str, e: OSError) -> None:
-    """An output path that cannot be written: one line naming it and why, exit 2."""
-    fail(tool, f"cannot write {e.filename}: {e.strerror} (give a path in an existing, writable folder)"
-         if e.filename else str(e))
 
 
 def positive(parser: argparse.ArgumentParser, flag: str, *values: int) -> None:

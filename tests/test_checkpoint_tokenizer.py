@@ -130,3 +130,21 @@ def test_a_hugging_face_tokenizer_folder_is_recorded_with_its_files(tmp_path):
         assert record["add_bos"] is trained.add_bos is (add_bos is None)
         rebuilt, why = generate_tool.recorded_tokenizer(str(directory), {"tokenizer": record})
         assert why is None and rebuilt.tokenize("def f(x):") == trained.tokenize("def f(x):")
+
+
+def test_a_resharded_checkpoint_still_carries_its_tokenizer(trained, capsys, tmp_path):
+    """reshard_checkpoint copies the tokenizer folder its metadata names, so generation from the
+    resharded checkpoint needs no tokenizer flags either."""
+    import reshard_checkpoint
+    tmp, _ = trained
+    out = tmp_path / "tp2"
+    assert reshard_checkpoint.main(["--load", str(tmp / "ckpt"), "--save", str(out),
+                                    "--target-tensor-model-parallel-size", "2"]) in (0, None)
+    assert (out / "iter_0000002" / "tokenizer" / "tok.model").is_file()
+    capsys.readouterr()  # the reshard tool's report
+    code, result, err = _generate(capsys, "--load", str(out), "--prompt", "def main(", "--max-new-tokens", "4",
+                                  "--json")
+    assert code == 0, err
+    code, original, err = _generate(capsys, "--load", str(tmp / "ckpt"), "--prompt", "def main(",
+                                    "--max-new-tokens", "4", "--json")
+    assert json.loads(result) == json.loads(original)

@@ -39,9 +39,9 @@ import torch  # noqa: E402
 
 from megalite.checkpoint.core import KINDS  # noqa: E402
 from megalite.checkpoint.names import global_pieces  # noqa: E402
-from megalite.checkpoint.format import (FORMAT_VERSION, VOCAB_PARAMS, CheckpointError, PieceReader,  # noqa: E402
-                                        fsync_path, iteration_dir, resolve_checkpoint, write_json_atomic,
-                                        write_rank_files)
+from megalite.checkpoint.format import (FORMAT_VERSION, TOKENIZER_DIR, VOCAB_PARAMS, CheckpointError,  # noqa: E402
+                                        PieceReader, fsync_path, iteration_dir, resolve_checkpoint,
+                                        write_json_atomic, write_rank_files)
 from megalite.checkpoint.serial import model_config_from  # noqa: E402
 from megalite.checkpoint.settings import CARRIED  # noqa: E402
 from megalite.config import Config, ConfigError, DataConfig, ParallelConfig, TrainConfig, validate  # noqa: E402
@@ -162,9 +162,11 @@ def reshard(src: str, dst: str, tp=None, pp=None, vp_layers=SOURCE, dp=None, zer
     os.makedirs(tmp)
     try:
         files = _write_ranks(reader, config, layout, tmp, zero, model, with_optim=not meta.get("weights_only"))
-        carried = os.path.join(src_dir, CARRIED)  # tokenizer and generation config of an HF import
-        if os.path.isdir(carried):
-            shutil.copytree(carried, os.path.join(tmp, CARRIED))
+        # The folders the metadata refers to: an HF import's tokenizer and generation config,
+        # and the tokenizer the run trained with (its record stays in the metadata).
+        for folder in (CARRIED, TOKENIZER_DIR):
+            if os.path.isdir(os.path.join(src_dir, folder)):
+                shutil.copytree(os.path.join(src_dir, folder), os.path.join(tmp, folder))
         new_meta = copy.deepcopy(meta)
         new_meta.update({"format_version": FORMAT_VERSION, "config": config.to_dict(),
                          "layout": layout.record(), "zero_stage": zero, "files": files,

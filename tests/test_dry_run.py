@@ -281,3 +281,15 @@ def test_dry_run_peak_with_documents_and_the_planned_data_entry(cp):
     doc_arrays = 4 * 2 * 64 * (4 + 4)  # M b s (doc_start + doc_end)
     assert planned[1] - planned[0] == doc_arrays
     assert peaks[1] - peaks[0] == doc_arrays, peaks
+
+
+def test_dry_run_cuts_the_learning_rate_schedule_to_its_one_iteration(capsys):
+    """A run planned with a long warm-up (and no --lr-decay-iters) dry-runs: the tool's single
+    iteration takes the schedule with it instead of failing validation inside pretrain."""
+    from tools import dry_run as tool
+    code = tool.main(["--world-size", "2", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+                      "--seq-length", "64", "--vocab-size", "500", "--micro-batch-size", "1", "--global-batch-size", "2",
+                      "--lr-warmup-iters", "10", "--tensor-model-parallel-size", "2"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    assert "fits within" in out.out and "Traceback" not in out.err

@@ -106,8 +106,11 @@ def run_role(flags: list[str], world: int, rank: int, gpus_per_node: int, device
     quiet = io.StringIO()
     try:
         with contextlib.redirect_stdout(quiet):
+            # One iteration; the learning-rate schedule is cut to it (it moves no memory or bytes, and a
+            # warm-up longer than one iteration would not validate).
             record = pretrain(flags + ["--fake-process-group", "--device", device, "--track-memory",
-                                       "--train-iters", "1", "--eval-interval", "1000000", "--log-interval", "1"])[-1]
+                                       "--train-iters", "1", "--lr-warmup-iters", "0", "--lr-decay-iters", "1",
+                                       "--eval-interval", "1000000", "--log-interval", "1"])[-1]
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -63,7 +63,8 @@ TILES = gpu_configs()
 
 # -- (a) every GPU config in the interpreter --------------------------------------------------------
 
-@pytest.mark.parametrize("tile", sorted(TILES), ids=lambda t: f"{t[0]}x{t[1]}")
+@pytest.mark.parametrize("tile", [pytest.param(t, marks=() if t in (min(TILES), max(TILES)) else pytest.mark.slow)
+                                  for t in sorted(TILES)], ids=lambda t: f"{t[0]}x{t[1]}")
 def test_every_gpu_tile_matches_the_reference(tile):
     """Forward and backward with this tile, causal (queries offset past some keys) and not,
     GQA (4 query heads on 2 key/value groups), s_q = 37, s_k = 45, head dim 20 (padded)."""

@@ -29,6 +29,7 @@ SCRIPT = REPO / "scripts" / "gpu_check.sh"
 
 @pytest.mark.skipif(torch.cuda.is_available() or shutil.which("nvidia-smi") is not None,
                     reason="this machine has a GPU (or nvidia-smi): the script would run the whole check")
+@pytest.mark.slow
 def test_gpu_check_without_a_gpu_says_so_and_exits_0(tmp_path):
     out = tmp_path / "results"
     env = dict(os.environ, PYTHON=sys.executable, OUT=str(out))

@@ -259,7 +259,8 @@ def _gpt_worker(rank, world, variant, sp):
 
 
 @pytest.mark.parametrize("variant", ["gpt2", "llama"])
-@pytest.mark.parametrize("tp,sp", [(2, False), (2, True), (4, False), (4, True)])
+@pytest.mark.parametrize("tp,sp", [(2, False), (2, True), pytest.param(4, False, marks=pytest.mark.slow),
+                                   pytest.param(4, True, marks=pytest.mark.slow)])
 def test_gpt_matches_serial(variant, tp, sp):
     for errs, unreduced_err, n_sp in run_world(_gpt_worker, tp, variant, sp):
         bad = {k: v for k, v in errs.items() if v > TOL}

@@ -102,7 +102,7 @@ def compare(results, ref_losses, ref_params):
 
 
 @pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.slow), 1, 2, 3])
 def test_zero_stages_match_serial_after_10_steps(world, stage):
     config = make_config()
     ref_losses, ref_params = serial_run(config)

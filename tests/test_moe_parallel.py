@@ -142,10 +142,9 @@ LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("EP4xDP4 ZeRO-1", "EP2 in DP4 ZeRO-2",
-                                                                                    "EP4 over TP2xDP2 ZeRO-1", "EP2xCP2",
-                                                                                    "EP2xDP2 plain AdamW")
-                                   else n for n in LAYOUTS])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow)
+                                  if n in ("EP4xDP4 ZeRO-1", "EP2 in DP4 ZeRO-2", "EP4 over TP2xDP2 ZeRO-1", "EP2xCP2",
+                                           "EP2xDP2 plain AdamW") else n for n in LAYOUTS])
 def test_moe_layout_matches_serial(name):
     world, layout, stage = LAYOUTS[name]
     serial = serial_run(make_config(layers=layout.get("layers", 2)))

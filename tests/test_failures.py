@@ -1,9 +1,7 @@
-"""One message per failure, and failing before the work: configuration errors under torchrun
-(printed once, named in torchrun's summary), unusable --save locations and out-of-vocabulary
-data caught at startup, before any process group, model or step."""
+"""Failing before the work: unusable --save locations and out-of-vocabulary data caught at
+startup, before any process group, model or step (one message per failure under torchrun:
+tests/test_single_message.py)."""
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -11,25 +9,8 @@ import pytest
 from megalite.data import IndexedDatasetBuilder
 from megalite.pretrain import main
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--mock-data", "--vocab-size", "300", "--num-layers", "2", "--hidden-size", "32",
          "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "2"]
-
-
-@pytest.mark.slow
-def test_configuration_error_under_torchrun_is_printed_once_and_named_in_the_summary(tmp_path):
-    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    run = subprocess.run([torchrun, "--standalone", "--nproc_per_node", "4", os.path.join(ROOT, "pretrain_gpt.py"),
-                          *SMALL, "--tensor-model-parallel-size", "3"],
-                         capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert run.returncode != 0
-    lines = run.stderr.splitlines()
-    printed = [line for line in lines if line.startswith("megalite: configuration error:")]
-    assert len(printed) == 1, run.stderr  # rank 0 only, not once per rank
-    assert "world size (4) must be divisible by TP*CP*PP = 3*1*1 = 3" in printed[0]
-    summary = run.stderr[run.stderr.index("Root Cause"):]
-    assert "traceback : megalite: configuration error: world size (4)" in summary  # the message, no traceback
 
 
 @pytest.mark.parametrize("where", ["under-a-file", "read-only"])

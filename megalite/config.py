@@ -145,7 +145,7 @@ class TrainConfig:
     ddp_bucket_size: int = 40_000_000  # parameters per gradient bucket
     offload_optimizer: bool = False  # optimizer state and step on the CPU (stages 1, 2)
     accumulate_allreduce_grads_in_fp32: bool | None = None  # default: True with --bf16/--fp16
-    pipeline_schedule: str = "1f1b"  # or "gpipe" (all forward, then all backward); V > 1: interleaved
+    pipeline_schedule: str = "1f1b"  # gpipe, zb-h1, zbv (megalite.pipeline.op_lists); V > 1: interleaved
     log_interval: int = 1
     eval_interval: int = 1000
     eval_iters: int = 10
@@ -357,9 +357,9 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
     _positive("--ddp-bucket-size", t.ddp_bucket_size)
     if t.accumulate_allreduce_grads_in_fp32 is None:
         t.accumulate_allreduce_grads_in_fp32 = t.bf16 or t.fp16
-    if t.pipeline_schedule not in ("1f1b", "gpipe"):
-        raise ConfigError(f"--pipeline-schedule {t.pipeline_schedule!r} is unknown. Fix: use 1f1b "
-                          f"or gpipe (interleaving is chosen by --num-layers-per-virtual-pipeline-stage).")
+    from megalite.pipeline.checks import check_pipeline_schedule
+
+    check_pipeline_schedule(m, p, t)
 
     # Training.
     _positive("--train-iters", t.train_iters)

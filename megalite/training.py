@@ -28,7 +28,7 @@ from megalite.layers.documents import batch_documents
 from megalite.moe.stats import start_step as start_moe_step
 from megalite.moe.stats import step_stats as moe_step_stats
 from megalite.parallel import comm
-from megalite.parallel.sharding import is_expert, is_tensor_parallel
+from megalite.parallel.sharding import is_expert, is_tensor_parallel, sum_local_tied_copies
 from megalite.step_values import LossScaler, StepResult
 from megalite.timers import Clock, StepTimers
 
@@ -169,14 +169,18 @@ def forward_backward(model, micro_batches, t: TrainConfig, loss_scale: float = 1
             timers.add("backward", middle, timers.mark())
             total += loss.detach()
         return total / num_micro
+    from megalite.pipeline.executor import ScheduleExecutor
+    from megalite.pipeline.op_lists import ZERO_BUBBLE
     from megalite.pipeline.schedules import PipelineRunner, Trace
 
-    trace = trace if trace is not None else Trace(timers.clock)  # its F/B events give the time split
-
-    runner = PipelineRunner(chunks, micro_batches, grid,
-                            activation_shape(chunks[0], micro_batches[0]["tokens"].shape[0]),
-                            lambda c, x, b: stage_forward(c, x, b, t), stage_loss, trace=trace,
-                            loss_scale=loss_scale, dtype=next(chunks[0].parameters()).dtype, device=device)
+    trace = trace if trace is not None else Trace(timers.clock)  # its F/B/W events give the time split
+    args = (chunks, micro_batches, grid, activation_shape(chunks[0], micro_batches[0]["tokens"].shape[0]),
+            lambda c, x, b: stage_forward(c, x, b, t), stage_loss)
+    kwargs = dict(trace=trace, loss_scale=loss_scale, dtype=next(chunks[0].parameters()).dtype, device=device)
+    if t.pipeline_schedule in ZERO_BUBBLE:  # per-rank operation lists, B and W apart
+        runner = ScheduleExecutor(t.pipeline_schedule, *args, **kwargs)
+    else:
+        runner = PipelineRunner(*args, **kwargs)
     runner.run(t.pipeline_schedule)
     timers.add_trace(trace)  # read with the step's other times, at the log line
     total = torch.stack(runner.losses).sum() / num_micro if runner.losses else torch.zeros((), device=device)
@@ -269,7 +273,10 @@ def embedding_allreduce_gradients(params, embedding_group) -> None:
     is only its own use, the true gradient is their sum. All-reduce over the embedding group
     (first + last stage) so both copies take the same step and stay equal."""
     grads = [p.grad for p in params if getattr(p, "tied_embedding", False) and p.grad is not None]
+    if sum_local_tied_copies(grads):
+        return
     _allreduce_flat(grads, embedding_group, average=False)
+
 
 
 def reduce_gradients(params, grid=None) -> None:
@@ -362,7 +369,8 @@ def evaluate(model, batches, t: TrainConfig, grid=None) -> float:
 
         losses = forward_only(chunks, batches, grid, activation_shape(chunks[0], batches[0]["tokens"].shape[0]),
                               lambda c, x, b: stage_forward(c, x, b, t), stage_loss,
-                              dtype=next(chunks[0].parameters()).dtype, device=model_device(chunks))
+                              dtype=next(chunks[0].parameters()).dtype, device=model_device(chunks),
+                              schedule=t.pipeline_schedule)
     for c in chunks:
         c.train()
     total = torch.stack(losses).sum() / len(batches) if losses else torch.zeros((), device=model_device(chunks))

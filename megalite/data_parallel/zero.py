@@ -35,7 +35,7 @@ from megalite.data_parallel.ddp import GradSync, group_by_size
 from megalite.data_parallel.sharded_params import ShardedParameters
 from megalite.memory_tracker import category
 from megalite.parallel import comm
-from megalite.parallel.sharding import is_expert, is_tensor_parallel
+from megalite.parallel.sharding import is_expert, is_tensor_parallel, sum_local_tied_copies
 
 
 def _shard_ranges(bucket, shard, fn) -> list[tuple[int, int]]:
@@ -136,6 +136,8 @@ class DistributedOptimizer:
             self.sharded.end_step()
         if self.grid is None:
             return
+        tied = [self.sync.shard_grad(b) for b in self.sync.buckets if getattr(b.params[0], "tied_embedding", False)]
+        local_tied = sum_local_tied_copies(tied)  # ZBV: both copies on this rank
         for b, ranges in zip(self.sync.buckets, self.sp_ranges):
             if ranges and comm.group_size(self.grid.tp_group) > 1:
                 g = self.sync.shard_grad(b)
@@ -144,7 +146,8 @@ class DistributedOptimizer:
                 for a, z in ranges:
                     g[a:z].copy_(flat[offset: offset + z - a])
                     offset += z - a
-            if getattr(b.params[0], "tied_embedding", False) and comm.group_size(self.grid.embedding_group) > 1:
+            if getattr(b.params[0], "tied_embedding", False) and comm.group_size(self.grid.embedding_group) > 1 \
+                    and not local_tied:
                 comm.all_reduce(self.sync.shard_grad(b), self.grid.embedding_group)
 
     def grad_norm(self, loss_scale: torch.Tensor | float = 1.0) -> torch.Tensor:

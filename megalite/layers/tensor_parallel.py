@@ -26,6 +26,7 @@ from torch import nn
 from megalite.parallel import comm
 from megalite.parallel.comm import group_rank, group_size
 from megalite.parallel.sharding import TPSplit, mark_sequence_parallel, mark_tensor_parallel
+from megalite.layers.weight_grad import embedding, linear, sequence_parallel_split_linear
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -74,8 +75,9 @@ class _SequenceParallelLinear(torch.autograd.Function):
 def sequence_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group) -> torch.Tensor:
     """all-gather(x) W^T + b from this rank's sequence shard x (see _SequenceParallelLinear)."""
     if group_size(group) == 1:
-        return F.linear(x, weight, bias)
-    return _SequenceParallelLinear.apply(x, weight, bias, group)
+        return linear(x, weight, bias)
+    split = sequence_parallel_split_linear(x, weight, bias, group)  # zero-bubble: dW deferred
+    return split if split is not None else _SequenceParallelLinear.apply(x, weight, bias, group)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -100,7 +102,7 @@ class ColumnParallelLinear(nn.Module):
         if self.sequence_parallel:
             y = sequence_parallel_linear(x, self.weight, self.bias, self.tp_group)
         else:
-            y = F.linear(comm.copy_to_tp(x, self.tp_group), self.weight, self.bias)
+            y = linear(comm.copy_to_tp(x, self.tp_group), self.weight, self.bias)
         if not self.gather_output:
             return y
         y = comm.gather_from_tp(y, self.tp_group)  # rank-major: [r0 s0, r0 s1, r1 s0, ...]
@@ -131,7 +133,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = comm.scatter_to_tp(x, self.tp_group)
-        partial = F.linear(x, self.weight)
+        partial = linear(x, self.weight)
         if self.sequence_parallel:
             y = comm.reduce_scatter_to_sp(partial, self.tp_group)
         else:
@@ -158,10 +160,10 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if group_size(self.tp_group) == 1:
-            return F.embedding(ids, self.weight)
+            return embedding(ids, self.weight)
         local = ids - self.vocab_start
         outside = (local < 0) | (local >= self.local_vocab)
-        partial = F.embedding(local.masked_fill(outside, 0), self.weight)
+        partial = embedding(local.masked_fill(outside, 0), self.weight)
         partial = partial.masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel:
             return comm.reduce_scatter_to_sp(partial, self.tp_group)

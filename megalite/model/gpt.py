@@ -44,6 +44,7 @@ from megalite.layers.fp8 import fp8_autocast
 from megalite.layers.norms import build_norm
 from megalite.layers import transformer_engine as te_layers
 from megalite.layers.rotary import apply_rotary, rotary_angles
+from megalite.layers.weight_grad import embedding, linear
 from megalite.moe.block import MoEMLP
 from megalite.moe.settings import moe_layers
 from megalite.layers.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -290,7 +291,7 @@ class GPTModel(nn.Module):
             positions = position_ids.t()
             if self.sequence_parallel:
                 positions = comm.split_dim(positions, 0, self.tp_group)
-            x = x + self.position_embeddings(positions)
+            x = x + embedding(positions, self.position_embeddings.weight)
         return self.embedding_dropout(x)
 
     def output_logits(self, x: torch.Tensor) -> torch.Tensor:
@@ -299,7 +300,7 @@ class GPTModel(nn.Module):
             return self.output_layer(x)
         if self.sequence_parallel:
             return sequence_parallel_linear(x, self.word_embeddings.weight, None, self.tp_group)
-        return F.linear(comm.copy_to_tp(x, self.tp_group), self.word_embeddings.weight)
+        return linear(comm.copy_to_tp(x, self.tp_group), self.word_embeddings.weight)
 
     def forward(self, tokens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, hidden: torch.Tensor | None = None, kv_cache=None,

@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from megalite.layers.weight_grad import _Deferred, active_store, linear
 from megalite.moe.dispatch import host_ints
 
 
@@ -63,7 +64,7 @@ def grouped_mlp(x_sorted: torch.Tensor, counts, w1: torch.Tensor, w2: torch.Tens
         if n == 0:
             continue
         rows = x_sorted[start:start + n]
-        outputs.append(F.linear(_activation(F.linear(rows, w1s[e]), swiglu), w2s[e]))
+        outputs.append(linear(_activation(linear(rows, w1s[e]), swiglu), w2s[e]))
         start += n
     if not outputs:  # keep the weights in the graph: zero gradients rather than None
         return x_sorted.new_zeros((0, w2.shape[1])) + 0.0 * (w1.sum() + w2.sum())
@@ -96,8 +97,35 @@ def grouped_mlp_triton(x_sorted: torch.Tensor, counts, w1: torch.Tensor, w2: tor
             raise ValueError(f"{len(counts)} group counts for {n_groups} experts")
         offsets, exact = group_offsets(counts, n_groups, x_sorted.shape[0], x_sorted.device)
     dtype = _compute_dtype(x_sorted)
+    store = active_store() if torch.is_grad_enabled() else None
+    if store is not None:  # zero-bubble: the grouped dW waits for the schedule's W
+        h = _SplitGroupedLinear.apply(x_sorted.to(dtype), w1.to(dtype), offsets, exact, store)
+        return _SplitGroupedLinear.apply(_activation(h, swiglu), w2.to(dtype), offsets, exact, store)
     h = _GroupedLinear.apply(x_sorted.to(dtype), w1.to(dtype), offsets, exact)
     return _GroupedLinear.apply(_activation(h, swiglu), w2.to(dtype), offsets, exact)
+
+
+class _SplitGroupedLinear(torch.autograd.Function):
+    """The grouped linear with the B/W split (:mod:`megalite.layers.weight_grad`): B computes
+    dx = grouped(dy, w^T), the grouped dW[e] = dy[rows of e]^T x[rows of e] waits for W."""
+
+    @staticmethod
+    def forward(ctx, x, w, offsets, counts, store):
+        from megalite.kernels.grouped_gemm import grouped_matmul
+
+        ctx.save_for_backward(x, w, offsets)
+        ctx.counts, ctx.store = counts, store
+        return grouped_matmul(x, w, offsets, counts)
+
+    @staticmethod
+    def backward(ctx, dy):
+        from megalite.kernels.grouped_gemm import grouped_matmul, grouped_weight_grad
+
+        x, w, offsets = ctx.saved_tensors
+        dy = dy.contiguous()
+        dx = grouped_matmul(dy, w.transpose(1, 2), offsets, ctx.counts) if ctx.needs_input_grad[0] else None
+        dw = ctx.store.defer(w, _Deferred(grouped_weight_grad, dy, x, offsets))
+        return dx, dw, None, None, None
 
 
 class GroupedExperts(nn.Module):

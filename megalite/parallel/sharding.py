@@ -67,3 +67,14 @@ def gather_full(tensor: torch.Tensor, split: TPSplit | None, group) -> torch.Ten
     world = group_size(group)
     gathered = all_gather_dim0(tensor.detach().reshape(1, -1), group)
     return unshard_tensors([g.view_as(tensor) for g in gathered.chunk(world)], split)
+
+
+def sum_local_tied_copies(grads: list[torch.Tensor]) -> bool:
+    """Both copies of a tied embedding on this rank (ZBV: rank 0 holds the embedding chunk
+    and the loss chunk): their sum, in place in both, replaces the embedding-group all-reduce
+    (the group's other rank holds no copy). False when this rank holds one copy or none."""
+    if len(grads) != 2:
+        return False
+    grads[0].add_(grads[1])
+    grads[1].copy_(grads[0])
+    return True

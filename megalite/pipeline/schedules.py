@@ -292,19 +292,37 @@ class PipelineRunner:
 
 
 def forward_only(chunks, micro_batches, grid, shape, forward_fn, loss_fn, dtype=torch.float32,
-                 device="cpu") -> list:
-    """Evaluation: every micro-batch goes through all chunks in order; no backward."""
+                 device="cpu", schedule: str = "1f1b") -> list:
+    """Evaluation: every micro-batch goes through all global chunks in order; no backward.
+    Activations go to the next rank, except on ZBV's second leg (chunks P..2P-1), which runs
+    back towards rank 0; a chunk whose successor is on the same rank hands over in memory."""
+    from megalite.pipeline.op_lists import owner
+
     comm = PipeComm(grid, shape, dtype, device)
     P, V, rank = grid.layout.pp, len(chunks), grid.pp_rank
+    S = P * V
     losses = []
     with torch.no_grad():
         for batch in micro_batches:
-            for c in range(V):
-                first, last = rank == 0 and c == 0, rank == P - 1 and c == V - 1
-                x = None if first else comm.recv_forward()
+            held = None
+            for g in range(S):
+                r, c = owner(schedule, P, V, g)
+                if r != rank:
+                    continue
+                backwards = schedule == "zbv" and g >= P  # the V's second leg
+                if g == 0:
+                    x = None
+                elif owner(schedule, P, V, g - 1)[0] == rank:
+                    x = held
+                else:
+                    x = comm.communicate(recv_next=True)[1] if backwards else comm.recv_forward()
                 y = forward_fn(chunks[c], x, batch)
-                if last:
+                if g == S - 1:
                     losses.append(loss_fn(y, batch))
+                elif owner(schedule, P, V, g + 1)[0] == rank:
+                    held = y
+                elif schedule == "zbv" and g + 1 >= P:
+                    comm.communicate(send_prev=y)
                 else:
                     comm.send_forward(y)
     return losses

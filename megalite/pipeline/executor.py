@@ -1,0 +1,180 @@
+"""Run a per-rank operation list (:mod:`megalite.pipeline.op_lists`) with asynchronous p2p.
+
+The zero-bubble schedules interleave F, B and W in orders that no fixed tick pattern
+describes, so this executor takes the rank's list as it is and handles the exchange with
+the neighbours apart from it:
+
+- **Order of the exchange.** Every p2p message of the step has a place in one global order
+  (:meth:`Simulation.messages`: when the unit-time simulation produces it). Each rank posts
+  its sends and receives in that order: a receive as soon as every earlier message of the
+  rank is posted, a send as soon as its data exists. Two ends of a link therefore post its
+  messages in the same order (what NCCL, which ignores tags, needs), and no rank ever waits
+  on a message that sits behind one it has not produced: the message a rank needs for its
+  next operation was produced in the simulation no later than that operation starts, so
+  every message before it was produced by an operation this rank has already run. The
+  same argument holds for a rank's links taken together, so one shared stream per rank
+  (NCCL's p2p on one communicator) cannot deadlock either.
+- **Overlap.** Sends and receives are ``isend`` / ``irecv``: a send returns at once (its
+  output's storage is released, the send keeps the data alive until it completes), and a
+  receive is waited for only right before the operation that needs it.
+- **Local hand-offs.** In ZBV rank P-1 holds global chunks P-1 and P, so the turn of the V
+  (activation forward, gradient back) passes through memory, not the network.
+- **B and W.** B back-propagates inside ``WeightGradStore.collecting((micro, chunk))``: the
+  layers' weight gradients wait in the store (:mod:`megalite.layers.weight_grad`) until W
+  runs them. ``BW`` (the classical backward) runs both at once, so the classical schedules
+  run here unchanged too (the tests use that).
+"""
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+
+import torch
+import torch.distributed as dist
+
+from megalite.device import is_fake
+from megalite.layers.weight_grad import WeightGradStore, split_weight_gradients
+from megalite.parallel import comm
+from megalite.pipeline.op_lists import ZERO_BUBBLE, global_chunk, num_chunks, owner, rank_ops, simulate
+from megalite.pipeline.p2p import PipeComm
+from megalite.pipeline.schedules import _backward, _release
+
+TAG = 0  # one tag for both directions: the order alone matches messages, as on NCCL
+
+
+class ScheduleExecutor:
+    """One step of ``schedule`` over this rank's chunks (local chunk order as in
+    :func:`megalite.pipeline.op_lists.global_chunk`). The same interface as
+    :class:`megalite.pipeline.schedules.PipelineRunner`: ``run()``, ``losses``, ``trace``."""
+
+    def __init__(self, schedule, chunks, micro_batches, grid, shape, forward_fn, loss_fn, trace=None,
+                 dtype=torch.float32, loss_scale: float = 1.0, device="cpu"):
+        self.schedule, self.chunks, self.batches = schedule, chunks, micro_batches
+        self.P, self.M, self.rank = grid.layout.pp, len(micro_batches), grid.pp_rank
+        self.V = num_chunks(schedule, len(chunks))
+        if len(chunks) != self.V:
+            raise ValueError(f"schedule {schedule} runs {self.V} chunks per rank, got {len(chunks)}")
+        self.S = self.P * self.V
+        self.forward_fn, self.loss_fn, self.loss_scale, self.trace = forward_fn, loss_fn, loss_scale, trace
+        self.comm = PipeComm(grid, shape, dtype, device)
+        self.ops = rank_ops(schedule, self.P, self.M, self.rank, self.V)
+        messages = simulate(schedule, self.P, self.M, virtual=self.V).messages()
+        self.queue = deque(m for m in messages if self.rank in (m[1], m[2]))
+        self.store = WeightGradStore()
+        self.losses: list[torch.Tensor] = []
+        self.max_in_flight = 0  # chunk activations whose B is pending, peak
+        self._saved: dict = {}  # (micro, chunk) -> (input, output)
+        self._outbox: dict = {}  # (kind, micro, global chunk) -> tensor to send
+        self._inbox: dict = {}  # (kind, micro, global chunk) -> (work or None, tensor)
+        self._sending: list = []
+
+    # -- the exchange ------------------------------------------------------------------------
+    def _peer(self, pp_rank: int) -> int:
+        return self.comm.next_rank if pp_rank == self.rank + 1 else self.comm.prev_rank
+
+    def _post(self) -> None:
+        """Post, in the global order, every message that can be posted now."""
+        while self.queue:
+            _, src, dst, kind, micro, g = self.queue[0]
+            key = (kind, micro, g)
+            if src == self.rank:
+                if key not in self._outbox:
+                    break  # not computed yet: later messages wait behind it
+                data = self._outbox.pop(key)
+                comm._record("send", data, group=self.comm.group)
+                self._sending.append((dist.isend(data, self._peer(dst), group=self.comm.group, tag=TAG), data))
+            else:
+                buf = self.comm._empty()
+                self._inbox[key] = (dist.irecv(buf, self._peer(src), group=self.comm.group, tag=TAG), buf)
+            self.queue.popleft()
+        if is_fake():  # fake works never report completion
+            self._sending.clear()
+        else:
+            self._sending = [(w, d) for w, d in self._sending if not w.is_completed()]
+
+    def _take(self, kind: str, micro: int, g: int) -> torch.Tensor:
+        key = (kind, micro, g)
+        if key not in self._inbox:
+            raise RuntimeError(f"pipeline executor, rank {self.rank}: {kind} of micro-batch {micro} for "
+                               f"chunk {g} was never posted (a schedule bug)")
+        work, tensor = self._inbox.pop(key)
+        if work is not None:
+            work.wait()
+        if kind == "act":
+            tensor.requires_grad_(True)  # a leaf: its .grad is what B sends back
+        return tensor
+
+    def _give(self, kind: str, micro: int, g: int, tensor: torch.Tensor) -> None:
+        """Hand the output of chunk g to chunk g+1 (act) or g-1 (grad): over the network or,
+        when this rank holds that chunk too, through memory."""
+        target = g + 1 if kind == "act" else g - 1
+        if owner(self.schedule, self.P, self.V, target)[0] == self.rank:
+            local = tensor.detach()
+            self._inbox[(kind, micro, target)] = (None, local)
+            return
+        self._outbox[(kind, micro, target)] = self.comm._checked(tensor)
+
+    # -- the operations ----------------------------------------------------------------------
+    def _record(self, op: str, micro: int, chunk: int, fn):
+        return self.trace.record(op, micro, chunk, fn) if self.trace else fn()
+
+    def _forward(self, micro: int, c: int) -> None:
+        g = global_chunk(self.schedule, self.P, self.rank, c)
+        x = self._take("act", micro, g) if g > 0 else None
+        batch = self.batches[micro]
+
+        def run():
+            out = self.forward_fn(self.chunks[c], x, batch)
+            if g == self.S - 1:
+                loss = self.loss_fn(out, batch)
+                self.losses.append(loss.detach())
+                return loss * (self.loss_scale / self.M)
+            return out
+
+        y = self._record("F", micro, c, run)
+        self._saved[(micro, c)] = (x, y)
+        self.max_in_flight = max(self.max_in_flight, len(self._saved))
+        if g < self.S - 1:
+            self._give("act", micro, g, y)
+            if ("act", micro, g + 1) not in self._inbox:  # sent: only the graph is kept
+                _release(y)
+
+    def _backward(self, micro: int, c: int, kind: str) -> None:
+        g = global_chunk(self.schedule, self.P, self.rank, c)
+        grad = self._take("grad", micro, g) if g < self.S - 1 else None
+        x, y = self._saved.pop((micro, c))
+
+        def run():
+            if kind == "B":
+                with self.store.collecting((micro, c)):
+                    _backward(y, grad)
+            else:
+                _backward(y, grad)
+            return x.grad if x is not None else None
+
+        gx = self._record(kind, micro, c, run)
+        if g > 0:
+            self._give("grad", micro, g, gx)
+
+    def _weight(self, micro: int, c: int) -> None:
+        self._record("W", micro, c, lambda: self.store.run((micro, c)))
+
+    def run(self, schedule: str | None = None) -> None:
+        split = split_weight_gradients(self.store) if self.schedule in ZERO_BUBBLE else contextlib.nullcontext()
+        with split:
+            for op in self.ops:
+                self._post()
+                if op.kind == "F":
+                    self._forward(op.micro, op.chunk)
+                elif op.kind == "W":
+                    self._weight(op.micro, op.chunk)
+                else:
+                    self._backward(op.micro, op.chunk, op.kind)
+            self._post()
+        for work, _ in self._sending:
+            work.wait()
+        self._sending.clear()
+        left = [k for k in self._inbox] + list(self.queue) + list(self.store.pending) + list(self._saved)
+        if left:
+            raise RuntimeError(f"pipeline executor, rank {self.rank}: the step ended with work left: {left[:4]}")
+

@@ -70,9 +70,10 @@ class WeightGradStore:
         if not work:
             return
         weights, grads = [], []
-        for weight, fn in work:
-            weights.append(weight)
-            grads.append(fn())
+        with torch.no_grad():  # as inside a backward: nothing here is differentiated
+            for weight, fn in work:
+                weights.append(weight)
+                grads.append(fn())
         torch.autograd.backward(weights, grads)
 
     def stored_bytes(self, key=None) -> int:

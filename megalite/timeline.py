@@ -1,16 +1,27 @@
 """Pipeline schedule traces: measured bubble fraction and a timeline picture.
 
-A trace is, per rank, a list of (op, micro-batch, chunk, start, end) with op "F" or "B"
-and times from ``time.perf_counter`` (one monotonic clock for all processes of a machine).
+A trace is, per rank, a list of (op, micro-batch, chunk, start, end) with times from
+``time.perf_counter`` (one monotonic clock for all processes of a machine) and op one of
+
+- ``F``: a chunk's forward;
+- ``B``: its backward; in a zero-bubble trace (one that has ``W`` ops) only the backward to
+  the chunk's input, else the whole backward (what :class:`PipelineRunner` records);
+- ``W``: the chunk's weight gradients, deferred from B (zero-bubble schedules);
+- ``BW``: B and W at once, the classical backward as the schedule executor records it.
 
 Bubble: over the step's span [first start, last end] across all ranks, the fraction of
-time a rank computes nothing, averaged over ranks. Theory for P stages, M micro-batches
-and V chunks per rank, with uniform stages: (P - 1) / (V*M + P - 1).
+time a rank computes nothing, averaged over ranks. Theory (:func:`schedule_theory`), with
+uniform stages whose F, B and W take the same time t (so the classical backward takes 2t):
+(P - 1) / (V*M + P - 1) for GPipe, 1F1B and interleaved 1F1B with V chunks per rank;
+(P - 1) / (3M + P - 1) for ZB-H1 when M >= P (idle (P-1)(F+B-W) per rank against 1F1B's
+(P-1)(F+B+W)); for ZBV, and ZB-H1 with M < P, the simulation of the operation lists
+(:func:`megalite.pipeline.op_lists.theory_bubble`).
 
 The picture (matplotlib, PNG / SVG / PDF by the file's extension): one row per stage,
-labelled with its rank and idle fraction; forward steps in blue, backward in green (darker
-shades for later virtual chunks), each box numbered with its micro-batch where the number
-fits; idle time in grey; a time axis in ms; the measured bubble beside the theory in the title.
+labelled with its rank and idle fraction; forward in blue, backward (B or BW) in green,
+weight gradients (W) in orange, darker shades for later chunks; each box numbered with
+its micro-batch where the number fits; idle time in grey; a time axis in ms; the measured
+bubble beside the theory in the title.
 """
 from __future__ import annotations
 
@@ -18,6 +29,10 @@ import json
 from pathlib import Path
 
 import numpy as np
+
+# Display names and the keys of megalite.pipeline.op_lists.
+_KEYS = {"1F1B": "1f1b", "GPipe": "gpipe", "interleaved 1F1B": "interleaved", "ZB-H1": "zb-h1", "ZBV": "zbv"}
+NAMES = {key: name for name, key in _KEYS.items()}
 
 
 def load_traces(trace_dir: str) -> list[dict]:
@@ -29,7 +44,23 @@ def load_traces(trace_dir: str) -> list[dict]:
 
 
 def theory_bubble(P: int, M: int, V: int = 1) -> float:
+    """(P-1)/(V*M+P-1): GPipe and 1F1B (V = 1), interleaved 1F1B with V chunks per rank."""
     return (P - 1) / (V * M + P - 1)
+
+
+def schedule_theory(schedule: str, P: int, M: int, V: int = 1) -> tuple[str, float]:
+    """(formula or how it was obtained, theoretical bubble) for a schedule given by its
+    display name (:data:`NAMES`) or its op_lists key, F = B = W per stage. A name this module
+    does not know gets the classical (P-1)/(V*M+P-1)."""
+    key = _KEYS.get(schedule, schedule.lower())
+    if key in ("zb-h1", "zbv"):
+        from megalite.pipeline.op_lists import theory_bubble as simulated
+
+        value = simulated(key, P, M)
+        if key == "zb-h1" and M >= P:
+            return "(P-1)/(3M+P-1)", value
+        return "simulated, F=B=W", value
+    return ("(P-1)/(M+P-1)" if V == 1 else "(P-1)/(V·M+P-1)"), theory_bubble(P, M, V)
 
 
 def measured_bubble(events_per_rank: list[list]) -> float:
@@ -40,15 +71,27 @@ def measured_bubble(events_per_rank: list[list]) -> float:
     return float(np.mean(idle))
 
 
+def idle_seconds(events_per_rank: list[list]) -> list[float]:
+    """Per rank, the time it computes nothing within the step's span (the bubble, in seconds)."""
+    start = min(e[3] for events in events_per_rank for e in events)
+    end = max(e[4] for events in events_per_rank for e in events)
+    return [(end - start) - sum(e[4] - e[3] for e in events) for events in events_per_rank]
+
+
 def schedule_name(events_per_rank: list[list], num_chunks: int = 1) -> str:
-    """The schedule a trace shows: GPipe when every rank runs all its forwards before any
-    backward (and M > 1), else 1F1B; interleaved 1F1B with several chunks per rank."""
-    if num_chunks > 1:
+    """The schedule a trace shows. With W ops (weight gradients apart from B): ZB-H1 on one
+    chunk per rank, ZBV on two. Else: interleaved 1F1B with several chunks per rank; GPipe
+    when every rank runs all its forwards before any backward (and M > 1); else 1F1B."""
+    chunks = max([num_chunks] + [e[2] + 1 for events in events_per_rank for e in events])
+    if any(e[0] == "W" for events in events_per_rank for e in events):
+        return {1: "ZB-H1", 2: "ZBV"}.get(chunks, f"zero-bubble, {chunks} chunks per rank")
+    if chunks > 1:
         return "interleaved 1F1B"
     micro = {e[1] for events in events_per_rank for e in events}
     for events in events_per_rank:
         ops = [e[0] for e in sorted(events, key=lambda e: e[3])]
-        if "B" in ops and "F" in ops[ops.index("B"):]:
+        backward = [i for i, op in enumerate(ops) if op in ("B", "BW")]
+        if backward and "F" in ops[backward[0]:]:
             return "1F1B"
     return "GPipe" if len(micro) > 1 else "1F1B"
 
@@ -66,8 +109,9 @@ def draw_timeline(events_per_rank: list[list], path: str, num_chunks: int = 1, *
 
     ``events_per_rank[p]``: stage p's (op, micro, chunk, start, end), times in seconds.
     ``labels``: one row label per stage (default "stage p"); ``schedule``: its name in the
-    title (default: guessed from the trace, see :func:`schedule_name`); ``num_micro``: M
-    (default: the number of micro-batches in the trace)."""
+    title, which also picks the theory (:func:`schedule_theory`; default: guessed from the
+    trace, see :func:`schedule_name`); ``num_micro``: M (default: the number of
+    micro-batches in the trace)."""
     from megalite.plotting import new_figure, require_matplotlib, save
 
     require_matplotlib()
@@ -81,7 +125,10 @@ def draw_timeline(events_per_rank: list[list], path: str, num_chunks: int = 1, *
     start = min(e[3] for events in events_per_rank for e in events)
     end = max(e[4] for events in events_per_rank for e in events)
     span_ms = (end - start) * 1e3
-    forward, backward = _shades(colormaps["Blues"], V), _shades(colormaps["Greens"], V)
+    colors = {"F": _shades(colormaps["Blues"], V), "B": _shades(colormaps["Greens"], V),
+              "W": _shades(colormaps["Oranges"], V)}
+    colors["BW"] = colors["B"]
+    split = any(e[0] == "W" for events in events_per_rank for e in events)
     schedule = schedule or schedule_name(events_per_rank, V)
     labels = labels or [f"stage {p}" for p in range(P)]
 
@@ -95,7 +142,7 @@ def draw_timeline(events_per_rank: list[list], path: str, num_chunks: int = 1, *
         for op, micro, chunk, t0, t1 in events:
             x0, width = (t0 - start) * 1e3, (t1 - t0) * 1e3
             busy += width
-            color = (forward if op == "F" else backward)[chunk]
+            color = colors[op][chunk]
             ax.broken_barh([(x0, width)], (p - height / 2, height), facecolors=color,
                            edgecolors="white", linewidth=0.6)
             dark = 0.299 * color[0] + 0.587 * color[1] + 0.114 * color[2] < 0.5
@@ -109,17 +156,17 @@ def draw_timeline(events_per_rank: list[list], path: str, num_chunks: int = 1, *
     ax.set_ylim(P - 0.5, -0.5)  # stage 0 on top
     ax.set_yticks(range(P), labels)
     ax.set_xlabel("time since the step's first operation (ms)")
-    formula = "(P-1)/(M+P-1)" if V == 1 else "(P-1)/(V·M+P-1)"
+    formula, theory = schedule_theory(schedule, P, M, V)
     sizes = f"P={P} stages, M={M} micro-batches" + (f", V={V} chunks per stage" if V > 1 else "")
     ax.set_title(f"{schedule} schedule, {sizes}\nbubble: measured {measured_bubble(events_per_rank):.3f}, "
-                 f"theory {formula} = {theory_bubble(P, M, V):.3f}  (numbers on the boxes: micro-batch)")
-    handles = []
-    for c in range(V):
-        suffix = f" (chunk {c})" if V > 1 else ""
-        handles += [Patch(color=forward[c], label="forward" + suffix),
-                    Patch(color=backward[c], label="backward" + suffix)]
-    handles.append(Patch(color="#e6e6e6", label="idle"))
-    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), frameon=False)
+                 f"theory {formula} = {theory:.3f}  (numbers on the boxes: micro-batch)")
+    kinds = [("F", "forward"), ("B", "backward B (input grad)"), ("W", "weight grad W")] if split else \
+        [("F", "forward"), ("B", "backward")]
+    # One legend column per kind, one row per chunk (the legend fills column by column).
+    handles = [Patch(color=colors[kind][c], label=label + (f" (chunk {c})" if V > 1 else ""))
+               for kind, label in kinds for c in range(V)]
+    handles += [Patch(color="#e6e6e6", label="idle")] + [Patch(color="none", label=" ")] * (V - 1)
+    fig.legend(handles=handles, loc="outside lower center", ncol=len(kinds) + 1, frameon=False)
 
     # Keep a micro-batch number only where it fits inside its box (positions after layout).
     fig.canvas.draw()

@@ -147,6 +147,78 @@ def test_output_paths():
     assert output_paths("a/b.v1", ["pdf"]) == ["a/b.v1.pdf"]
 
 
+def _simulated_events(schedule, P, M, unit=0.01):
+    """A trace as the executor records it, from the schedule's simulation (unit-time ops)."""
+    from megalite.pipeline.op_lists import simulate
+    return [[(op.kind, op.micro, op.chunk, unit * a, unit * b) for op, a, b in ops]
+            for ops in simulate(schedule, P, M).timed]
+
+
+def test_timeline_zero_bubble_names_theory_and_weight_boxes(tmp_path):
+    """B and W drawn apart (W in the orange family, one shade per chunk), the schedule guessed
+    from the trace, the theory from the operation lists' simulation."""
+    pytest.importorskip("matplotlib")
+    from matplotlib import colormaps
+    from matplotlib.colors import to_hex
+
+    from megalite.pipeline.op_lists import theory_bubble as simulated
+    from megalite.timeline import (
+        _shades, draw_timeline, idle_seconds, measured_bubble, schedule_name, schedule_theory)
+    zb, zbv, classical = (_simulated_events(s, 2, 2) for s in ("zb-h1", "zbv", "1f1b"))
+    assert [schedule_name(zb), schedule_name(zbv), schedule_name(classical)] == ["ZB-H1", "ZBV", "1F1B"]
+    assert schedule_theory("ZB-H1", 4, 8) == ("(P-1)/(3M+P-1)", pytest.approx(3 / 27))
+    assert schedule_theory("zbv", 4, 8)[1] == pytest.approx(simulated("zbv", 4, 8))
+    assert schedule_theory("interleaved 1F1B", 4, 8, 2) == ("(P-1)/(V·M+P-1)", pytest.approx(3 / 19))
+    assert schedule_theory("ZB-H1", 4, 2)[0] == "simulated, F=B=W"  # M < P: no closed form
+    # ZB-H1, P=2, M=2: a span of 7 units, 6 of them busy on each rank (F, B, W per micro-batch).
+    assert idle_seconds(zb) == pytest.approx([0.01, 0.01]) and measured_bubble(zb) == pytest.approx(1 / 7)
+
+    oranges = [to_hex(c) for c in _shades(colormaps["Oranges"], 2)]
+    draw_timeline(zbv, str(tmp_path / "zbv.svg"), num_micro=2)
+    svg = (tmp_path / "zbv.svg").read_text()
+    assert all(f"fill: {c}" in svg for c in oranges), oranges  # W boxes of both chunks
+    assert_texts(svg_texts(tmp_path / "zbv.svg"), "ZBV schedule, P=2 stages, M=2 micro-batches, V=2 chunks",
+                 f"theory simulated, F=B=W = {simulated('zbv', 2, 2):.3f}", "weight grad W (chunk 1)",
+                 "backward B (input grad) (chunk 0)")
+    draw_timeline(zb, str(tmp_path / "zb.svg"))
+    assert_texts(svg_texts(tmp_path / "zb.svg"), "ZB-H1 schedule", "theory (P-1)/(3M+P-1) = 0.143", "weight grad W")
+    draw_timeline(classical, str(tmp_path / "c.svg"))
+    assert to_hex(_shades(colormaps["Oranges"], 1)[0]) not in (tmp_path / "c.svg").read_text()
+    assert not any("weight grad" in t for t in svg_texts(tmp_path / "c.svg"))
+
+
+def test_bench_pipeline_bubble_zero_bubble(tmp_path, capsys):
+    """The benchmark on P=2, M=2 with 5 ms operations: ZB-H1 and ZBV run through the executor
+    in their operation lists' order, their stages' backward deferring a W that sleeps t. (No
+    assertion on the measured bubble: other work on a loaded machine can delay any sleep.)"""
+    pytest.importorskip("matplotlib")
+    import bench_pipeline_bubble
+
+    from megalite.pipeline.op_lists import rank_ops
+    t_ms = 5.0
+    results = bench_pipeline_bubble.main(["--stages", "2", "--micro-batches", "2", "--schedules", "1f1b", "zb-h1",
+                                          "zbv", "--t-forward-ms", str(t_ms), "--repeat", "1", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    for name in ("1F1B", "ZB-H1", "ZBV", "ZB-H1 / 1F1B, M=2: idle time"):
+        assert name in out, out
+    for schedule in ("1f1b", "zb-h1", "zbv"):
+        assert (tmp_path / f"pipeline_P2_M2_{schedule}.png").exists()
+    one, zb, zbv = results[("1f1b", 2)], results[("zb-h1", 2)], results[("zbv", 2)]
+    t = t_ms / 1e3
+    for r, chunk_t, schedule in ((zb, t, "zb-h1"), (zbv, t / 2, "zbv")):
+        for rank, events in enumerate(r["events"]):
+            assert [(e[0], e[1], e[2]) for e in events] == \
+                [(op.kind, op.micro, op.chunk) for op in rank_ops(schedule, 2, 2, rank)]
+        ops = [e for events in r["events"] for e in events]
+        assert sorted({e[0] for e in ops}) == ["B", "F", "W"]
+        assert all(e[4] - e[3] >= 0.95 * chunk_t for e in ops)  # every op slept its time, W too
+        assert len([e for e in ops if e[0] == "W"]) == 2 * 2 * (2 if r is zbv else 1)  # M * P * chunks
+    assert all(e[4] - e[3] >= 0.95 * 2 * t for events in one["events"] for e in events if e[0] == "B")
+    assert zb["theory"] == pytest.approx(1 / 7) and one["theory"] == pytest.approx(1 / 3)
+    # Theory idle per rank: (P-1) t for ZB-H1 against 3 (P-1) t for 1F1B.
+    assert zb["theory_idle_ms"] == pytest.approx(t_ms) and one["theory_idle_ms"] == pytest.approx(3 * t_ms)
+
+
 # -- a missing or unreadable input: one line naming the file, exit status 2, no traceback ------------
 
 def _one_line_exit_2(capsys, call, *wanted):

@@ -4,11 +4,13 @@
     torchrun --nproc_per_node 4 pretrain_gpt.py --pipeline-model-parallel-size 4 ... --pipeline-trace runs/trace
     python tools/pipeline_timeline.py --trace-dir runs/trace --output runs/trace/timeline.png
 
-Prints the measured bubble fraction beside the theory (P-1)/(M+P-1), or (P-1)/(V*M+P-1)
-for the interleaved schedule. Only the ranks of one pipeline (tp=0, dp=0) are drawn: one
-row per stage, labelled with its global rank, forward and backward (per virtual chunk) in
-distinct colours, micro-batch numbers on the boxes, a time axis in ms and both bubbles in
-the title. The output's extension picks the format (.png, .svg, .pdf); --format writes
+Prints the measured bubble fraction beside the theory: (P-1)/(M+P-1) for 1F1B,
+(P-1)/(V*M+P-1) for the interleaved schedule, (P-1)/(3M+P-1) for ZB-H1 (M >= P), the
+operation lists' simulation for ZBV (F = B = W assumed). Only the ranks of one pipeline
+(tp=0, dp=0) are drawn: one row per stage, labelled with its global rank, forward,
+backward and, for the zero-bubble schedules, the deferred weight gradients W (per chunk)
+in distinct colours, micro-batch numbers on the boxes, a time axis in ms and both bubbles
+in the title. The output's extension picks the format (.png, .svg, .pdf); --format writes
 several. Needs matplotlib (pip install matplotlib).
 """
 import argparse
@@ -18,7 +20,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.plotting import FORMATS  # noqa: E402
-from megalite.timeline import draw_timeline, load_traces, measured_bubble, theory_bubble  # noqa: E402
+from megalite.timeline import (  # noqa: E402
+    NAMES, draw_timeline, load_traces, measured_bubble, schedule_name, schedule_theory)
 from tools.tool_errors import one_line_errors  # noqa: E402
 
 
@@ -35,8 +38,8 @@ def main(argv=None):
     p.add_argument("--output", "-o", default=None, help="picture path (default: TRACE_DIR/timeline.png)")
     p.add_argument("--format", nargs="+", choices=FORMATS, default=None,
                    help="write one file per format (the output's extension replaced)")
-    p.add_argument("--schedule", default=None, help="schedule name for the title (default: guessed "
-                   "from the trace: GPipe, 1F1B or interleaved 1F1B)")
+    p.add_argument("--schedule", default=None, help="schedule name for the title and the theory (default: "
+                   "the trace's, else guessed from it: GPipe, 1F1B, interleaved 1F1B, ZB-H1 or ZBV)")
     args = p.parse_args(argv)
     try:
         traces = [t for t in load_traces(args.trace_dir) if t["tp_rank"] == 0 and t["dp_rank"] == 0]
@@ -49,11 +52,16 @@ def main(argv=None):
     P, V, M = traces[0]["P"], traces[0]["V"], traces[0]["M"]
     events = [t["events"] for t in traces]
     labels = [f"stage {t['pp_rank']} (rank {t['rank']})" for t in traces]
+    recorded = traces[0].get("schedule")  # a --pipeline-schedule value, when the trace names it
+    if recorded == "1f1b" and V > 1:
+        recorded = "interleaved"
+    schedule = args.schedule or NAMES.get(recorded, recorded) or schedule_name(events, V)
     out = args.output or os.path.join(args.trace_dir, "timeline.png")
-    paths = draw_timeline(events, out, num_chunks=V, labels=labels, schedule=args.schedule, num_micro=M,
+    paths = draw_timeline(events, out, num_chunks=V, labels=labels, schedule=schedule, num_micro=M,
                           formats=args.format)
-    print(f"P={P} M={M} V={V}: measured bubble {measured_bubble(events):.3f}, "
-          f"theory {theory_bubble(P, M, V):.3f}; timeline: {', '.join(paths)}")
+    formula, theory = schedule_theory(schedule, P, M, V)
+    print(f"{schedule}, P={P} M={M} V={V}: measured bubble {measured_bubble(events):.3f}, "
+          f"theory {formula} = {theory:.3f}; timeline: {', '.join(paths)}")
 
 
 if __name__ == "__main__":

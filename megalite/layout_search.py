@@ -1,8 +1,9 @@
 """Layout search: every candidate layout of a model on a machine, ranked the way the field's
 guides teach (data parallel first, then tensor parallel inside a node, then pipeline, then
 ZeRO, recomputation and context parallelism), with the reasons in words. Each CP layout comes
-in every CP type (:mod:`megalite.planner_cp`), ordered by estimated step time: the first that
-fits is the fastest that fits.
+in every CP type (:mod:`megalite.planner_cp`) and each PP layout with every pipeline schedule
+(:mod:`megalite.planner_pipeline`: 1f1b, zb-h1, zbv), ordered by estimated step time: the first
+that fits is the fastest that fits.
 
 The arithmetic of one layout (memory per GPU, bubble, communication) is in
 :mod:`megalite.planner`; ``tools/plan_parallel.py`` is the command line.
@@ -14,10 +15,11 @@ from dataclasses import dataclass, field
 
 from megalite.config import ModelConfig
 from megalite.planner import (RECOMPUTE, Estimate, GiB, Hardware, Layout, Precision, check_layout, communication,
-                              estimate, in_flight, model_state_bytes, precision, stage_parameters,
-                              total_parameters)
+                              estimate, model_state_bytes, precision, stage_parameters, total_parameters)
 from megalite.planner_cp import cp_variants, describe_cp, explain_cp_type
 from megalite.planner_flags import grads_in_fp32
+from megalite.planner_pipeline import (compute_seconds, explain_schedule, flops_per_token, held_words, same_layout,
+                                       schedules)
 
 
 def _divisors(n: int) -> list[int]:
@@ -36,7 +38,7 @@ def candidate_layouts(m: ModelConfig, hw: Hardware, max_cp: int = 8, cp_comm_typ
     the layers, DP what remains; every ZeRO stage (only 0 when DP x CP = 1) and recomputation;
     with experts, every EP dividing E and TP*CP*DP; with CP, every CP type
     (:func:`megalite.planner_cp.cp_variants`: p2p, a2a, allgather, a2a+p2p for each inner size),
-    or only ``cp_comm_type``."""
+    or only ``cp_comm_type``; with PP, every schedule megalite accepts (:func:`schedules`)."""
     world, out = hw.world_size, []
     for tp in (d for d in _divisors(hw.gpus_per_node) if d <= 8):
         for cp in (c for c in (1, 2, 4, 8, 16, 32) if c <= max_cp):
@@ -47,8 +49,9 @@ def candidate_layouts(m: ModelConfig, hw: Hardware, max_cp: int = 8, cp_comm_typ
                 for zero in range(4 if dp * cp > 1 else 1):  # nothing to shard over one rank
                     for rc in RECOMPUTE:
                         for ep in expert_parallel_sizes(m, tp * cp * dp):
-                            out += [Layout(tp, pp, dp, cp, zero, rc, ep, kind, inner)
-                                    for kind, inner in cp_variants(cp, cp_comm_type)]
+                            out += [Layout(tp, pp, dp, cp, zero, rc, ep, kind, inner, schedule)
+                                    for kind, inner in cp_variants(cp, cp_comm_type)
+                                    for schedule in schedules(m, pp)]
     return out
 
 
@@ -73,7 +76,8 @@ def ladder_key(layout: Layout) -> tuple:
     (Narayanan et al. 2021); then recomputation none before selective; then the ZeRO stage
     (ZeRO-1 keeps DDP's traffic; megalite's ZeRO-2 reduce-scatters every micro-batch); with
     experts, last EP ascending (fewer experts per rank for an all-to-all per MoE layer). The CP
-    type is not in the key: :func:`plan` orders the types of one layout by their step time."""
+    type and the pipeline schedule are not in the key: :func:`plan` orders the variants of one
+    layout by their step time."""
     inner = rung(dataclasses.replace(layout, cp=1))  # CP layouts climb the same ladder inside
     tp_order = -layout.tp if inner == 2 else layout.tp
     return (layout.recompute == "full", layout.cp, inner, layout.pp, tp_order,
@@ -106,9 +110,12 @@ def plan(m: ModelConfig, hw: Hardware, global_batch: int, micro: int, prec: Prec
     runs on a GPU, and what the meta dry run measures). The CP types of one layout follow each
     other by estimated step time (communication, no overlap: their attention FLOPs are equal),
     so the first that fits is the fastest that fits; ``cp_comm_type`` fixes the type. ``documents``:
-    the batch carries --reset-attention-mask's arrays (the "data" memory entry counts them)."""
+    the batch carries --reset-attention-mask's arrays (the "data" memory entry counts them).
+    The pipeline schedules of one layout follow each other the same way (step time: compute over
+    one minus the bubble, plus communication; :mod:`megalite.planner_pipeline`)."""
     prec = prec or precision("bf16", grads_in_fp32("bf16"))
     checked: dict[tuple, str | None] = {}
+    flops, tokens = flops_per_token(m, total_parameters(m)), global_batch * m.seq_length
     estimates, invalid = [], {}
     for layout in sorted(candidate_layouts(m, hw, max_cp, cp_comm_type), key=ladder_key):
         key = (layout.tp, layout.pp, layout.cp, layout.zero, layout.ep, layout.cp_comm_type, layout.cp_inner)
@@ -117,8 +124,10 @@ def plan(m: ModelConfig, hw: Hardware, global_batch: int, micro: int, prec: Prec
         if checked[key]:
             invalid[layout] = checked[key]
             continue
-        estimates.append(estimate(m, layout, global_batch, micro, prec, hw, flash_attention, documents))
-    estimates.sort(key=lambda e: (ladder_key(e.layout), e.comm_seconds))  # stable: only CP types move
+        e = estimate(m, layout, global_batch, micro, prec, hw, flash_attention, documents)
+        e.compute_seconds = compute_seconds(flops, tokens, hw.world_size, layout.recompute, hw)
+        estimates.append(e)
+    estimates.sort(key=lambda e: (ladder_key(e.layout), e.step_seconds))  # stable: only CP types, schedules move
     result = Plan(m, hw, prec, global_batch, micro, estimates, invalid, cp_comm_type=cp_comm_type)
     fitting = result.fitting()
     result.choice = fitting[0] if fitting else None
@@ -152,12 +161,6 @@ def _step_name(step: tuple) -> str:
     return ["", "TP {}", "PP {}", "ZeRO-3 with TP {}", "CP {}"][r].format(n)
 
 
-def _in_flight_words(e: Estimate) -> str:
-    n = in_flight(e.layout.pp, e.stage, e.num_micro)
-    where = f"pipeline stage {e.stage}" if e.layout.pp > 1 else "each GPU"
-    return f"{n} micro-batch{'es' if n > 1 else ''} of activations in flight on {where}"
-
-
 def _simpler_layouts(p: Plan) -> list[str]:
     """One line per simpler step of the ladder, up to the chosen layout: its smallest memory
     (best ZeRO stage and recomputation up to selective) against the usable memory; then the
@@ -170,6 +173,7 @@ def _simpler_layouts(p: Plan) -> list[str]:
     for e in order:
         steps.setdefault(_step(e.layout), []).append(e)
     before = steps.pop(_step(chosen.layout), []) if chosen is not None else []
+    before = [e for e in before if not same_layout(e.layout, chosen.layout)]  # its schedules: explain_schedule
     lines = []
     for step, tried in steps.items():
         best = min(tried, key=lambda e: e.memory["total"])
@@ -205,7 +209,7 @@ def explain(p: Plan) -> list[str]:
         return lines
     lay = chosen.layout
     lines.append(f"Recommended: {lay.describe()}: {_gib(chosen.memory['total'])} per GPU "
-                 f"({_breakdown(chosen)}), {_in_flight_words(chosen)}.")
+                 f"({_breakdown(chosen)}), {held_words(chosen)}.")
     why = []
     if lay.zero == 1:
         why.append(f"ZeRO-1 shards the fp32 master weights and Adam moments over the {lay.dp * lay.cp} "
@@ -217,8 +221,8 @@ def explain(p: Plan) -> list[str]:
         why.append(f"TP {lay.tp} splits every layer inside a node, its per-layer all-reduces on "
                    f"{chosen.comm['tp']['link']}")
     if lay.pp > 1:
-        why.append(f"PP {lay.pp} cuts the layers into stages (p2p on {chosen.comm['pp']['link']}); bubble "
-                   f"(P-1)/(M+P-1) = {chosen.bubble:.1%} with M = {chosen.num_micro}")
+        why.append(f"PP {lay.pp} cuts the layers into stages (p2p on {chosen.comm['pp']['link']}); {lay.schedule} "
+                   f"bubble {chosen.bubble:.1%} with M = {chosen.num_micro}")
     if lay.zero == 3:
         why.append("ZeRO-3 shards the weights too, gathering each layer before use (1.5x DDP traffic)")
     if lay.ep > 1:
@@ -238,6 +242,7 @@ def explain(p: Plan) -> list[str]:
                      for k, c in chosen.comm.items())
     lines.append(f"Communication per step per GPU (no overlap): {comm or 'none'}.")
     lines += explain_cp_type(p)
+    lines += explain_schedule(p)
     comparable = [e for e in p.fitting() if RECOMPUTE.index(e.layout.recompute) <= RECOMPUTE.index(lay.recompute)]
     cheaper = min(comparable, key=lambda e: e.comm_seconds)
     if cheaper.comm_seconds < 0.5 * chosen.comm_seconds:

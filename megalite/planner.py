@@ -56,8 +56,9 @@ proj keeps a second copy, B s b h / t more per layer, which is not counted here.
 ``--reset-attention-mask``), plus CP's sliced copies (:mod:`megalite.planner_documents`).
 
 Micro-batches in flight: 1 without PP (gradient accumulation finishes each backward
-before the next forward); under 1F1B stage p holds min(P - p, M), so the first stage P.
-Pipeline bubble: (P - 1) / (M + P - 1) with M = global batch / (micro batch x DP).
+before the next forward); with PP, M = global batch / (micro batch x DP) per step and the
+schedule (``Layout.schedule``: 1f1b, zb-h1, zbv) sets the bubble, the micro-batches whose
+activations and W inputs a stage holds, and ZBV's chunks: :mod:`megalite.planner_pipeline`.
 
 **Communication** per step, bytes on the wire per rank (ring collectives: an all-reduce
 moves 2 (n-1)/n of the tensor, all-gather and reduce-scatter (n-1)/n each), w and g the
@@ -83,7 +84,8 @@ Times assume no overlap with compute (an upper bound on what communication can c
 practitioners' ladder (see ``RUNGS`` and ``ladder_key`` there): DDP; ZeRO-1; ZeRO-2; TP inside a node (2, 4, 8, with
 sequence parallelism); PP across nodes (TP as large as the node allows); ZeRO-3; then CP
 for sequences whose activations fit no other way (CP 2 climbs the same ladder, then CP 4
-...; the CP types of one layout fastest first). Within a step, recomputation none before
+...; the CP types of one layout fastest first; with PP, its schedules 1f1b, zb-h1 and zbv
+fastest first by estimated step time, :mod:`megalite.planner_pipeline`). Within a step, recomputation none before
 selective; full recomputation (about a third more compute: the forward runs twice) only when
 nothing fits without it. The explanation names why each simpler step does not fit, why the
 CP type, and points at a fitting layout with much less communication when there is one.
@@ -94,13 +96,14 @@ import dataclasses
 import functools
 from dataclasses import dataclass
 
-from megalite import planner_cp, planner_documents
+from megalite import planner_cp, planner_documents, planner_pipeline
 from megalite.config import ModelConfig
 from megalite.data_parallel.accounting import zero_theory_bytes
 from megalite.moe import planning as moe_planning
 from megalite.parallel.grid import GridLayout
 from megalite.planner_checks import check_layout  # noqa: F401  (megalite's validation of a layout)
 from megalite.planner_flags import training_defaults
+from megalite.planner_pipeline import in_flight, pipeline_bubble, stage_activation_bytes  # noqa: F401
 
 GiB = 2**30
 DEFAULT_BUCKET = training_defaults()["ddp_bucket_size"]  # elements, pretrain_gpt.py's default
@@ -116,6 +119,7 @@ class Hardware:
     nvlink_gbps: float = 450.0  # GB/s per GPU inside a node
     ib_gbps: float = 50.0  # GB/s per GPU across nodes
     headroom: float = DEFAULT_HEADROOM  # fraction kept free: CUDA context, allocator fragmentation, workspaces
+    achieved_tflops: float = 400.0  # per GPU (~40% of an H100's dense bf16): step time (planner_pipeline)
 
     @property
     def world_size(self) -> int:
@@ -157,6 +161,7 @@ class Layout:
     ep: int = 1  # expert-parallel size (MoE): experts split over EP ranks of a stage's TP*CP*DP
     cp_comm_type: str = "p2p"  # --cp-comm-type (:mod:`megalite.planner_cp`); p2p without CP
     cp_inner: int = 1  # a2a+p2p: the all-to-all size A of --hierarchical-context-parallel-sizes A B
+    schedule: str = "1f1b"  # --pipeline-schedule with PP > 1 (:mod:`megalite.planner_pipeline`)
 
     @property
     def edp(self) -> int:  # expert-data-parallel: ranks holding the same experts
@@ -169,7 +174,7 @@ class Layout:
     def describe(self) -> str:
         parts = [f"TP {self.tp}" + (" (SP)" if self.sp else "")] if self.tp > 1 else []
         parts += [planner_cp.describe_cp(self)] if self.cp > 1 else []
-        parts += [f"PP {self.pp}"] if self.pp > 1 else []
+        parts += [f"PP {self.pp} ({self.schedule})"] if self.pp > 1 else []
         parts.append(f"DP {self.dp}")
         ep = f", EP {self.ep}" if self.ep > 1 else ""
         return " x ".join(parts) + f"{ep}, ZeRO-{self.zero}, recompute {self.recompute}"
@@ -195,9 +200,13 @@ def _norm_parameters(m: ModelConfig) -> int:
     return 2 * m.hidden_size if m.normalization == "LayerNorm" else m.hidden_size
 
 
-def stage_parameters(m: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0, ep: int = 1) -> int:
+def stage_parameters(m: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0, ep: int = 1,
+                     schedule: str = "1f1b") -> int:
     """Psi of one rank on pipeline stage ``stage``: what its weights and gradients hold
-    (with experts: its dense parameters and its E/EP experts, :mod:`megalite.moe.planning`)."""
+    (with experts: its dense parameters and its E/EP experts, :mod:`megalite.moe.planning`).
+    ZBV: chunks p and 2P-1-p of 2P; rank 0 holds embedding and output layer (tied: both copies)."""
+    if schedule == "zbv":
+        return sum(stage_parameters(m, tp, 2 * pp, g, ep) for g in planner_pipeline.local_chunks(schedule, pp, stage))
     split, replicated = layer_parameters(m, tp)
     psi = (m.num_layers // pp) * (split + replicated)
     if m.num_experts:
@@ -217,10 +226,13 @@ def stage_parameters(m: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0, e
     return psi
 
 
-def stage_expert_parameters(m: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0, ep: int = 1) -> int:
+def stage_expert_parameters(m: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0, ep: int = 1,
+                            schedule: str = "1f1b") -> int:
     """The part of :func:`stage_parameters` that is experts (reduced over expert-data-parallel ranks)."""
     if not m.num_experts:
         return 0
+    if schedule == "zbv":
+        return sum(stage_expert_parameters(m, tp, 2 * pp, g, ep) for g in (stage, 2 * pp - 1 - stage))
     layers = moe_planning.stage_layers(m, pp, stage)
     return moe_planning.layers_parameters(m, layer_parameters(m, tp), tp, ep, layers)[1]
 
@@ -263,50 +275,6 @@ def layer_activation_bytes(m: ModelConfig, micro: int, tp: int = 1, sp: bool = F
     return replicated / (tp if sp else 1) + (split + scores) / tp
 
 
-def in_flight(pp: int, stage: int, num_micro: int) -> int:
-    """Micro-batches whose activations a stage holds at once under 1F1B: min(P - p, M)."""
-    return min(pp - stage, num_micro)
-
-
-def stage_activation_bytes(m: ModelConfig, layout: Layout, stage: int, micro: int, num_micro: int,
-                           prec: Precision, flash_attention: bool = False) -> float:
-    t, sp, cp = layout.tp, layout.sp, layout.cp
-    args = dict(micro=micro, tp=t, sp=sp, cp=cp, act_bytes=prec.act_bytes, flash_attention=flash_attention)
-    per_layer = layer_activation_bytes(m, recompute=layout.recompute, **args)
-    layers = m.num_layers // layout.pp
-    moe_flags = moe_planning.stage_moe_flags(m, layout.pp, stage)  # which of the stage's layers are MoE
-    moe = dict(micro=micro, tp=t, sp=sp, cp=cp, ep=layout.ep, act_bytes=prec.act_bytes)
-    delta = moe_planning.moe_layer_delta(m, **moe) if any(moe_flags) and layout.recompute != "full" else 0.0
-    per_mb = layers * per_layer + sum(moe_flags) * delta  # routed tokens instead of the dense MLP
-    sbh = m.seq_length / cp * micro * m.hidden_size / (t if sp else 1)
-    first = sbh if stage == 0 and m.hidden_dropout > 0 else 0.0  # embedding dropout mask
-    per_mb += first
-    if stage == layout.pp - 1:
-        per_mb += prec.act_bytes * sbh + 4 * m.seq_length / cp * micro * m.padded_vocab_size(t) / t
-    n = in_flight(layout.pp, stage, num_micro)
-    total = per_mb * n
-    recomputed = 0.0
-    if layout.recompute == "full":  # the layer being recomputed during backward (the larger kind)
-        recomputed = layer_activation_bytes(m, recompute="none", **args)
-        if any(moe_flags):
-            full_delta = moe_planning.moe_layer_delta(m, **moe)
-            recomputed += full_delta if all(moe_flags) else max(full_delta, 0.0)
-        total += recomputed
-    # allgather CP: one layer's full-sequence K/V and fp32 dK/dV during backward (planner_cp)
-    total += planner_cp.transient_bytes(m, layout, micro, prec.act_bytes)
-    if any(moe_flags):  # an MoE layer's dispatch buffers (forward) or expert weight gradients (backward)
-        # while one micro-batch holds its layers up to the stage's last MoE layer
-        upto = max(i for i, f in enumerate(moe_flags) if f) + 1
-        held = (n - 1) * per_mb + first + upto * per_layer + sum(moe_flags[:upto]) * delta + recomputed
-        total = max(total, held + max(moe_planning.transient_bytes(m, **moe, weight_bytes=prec.weight_bytes)))
-    return total
-
-
-def pipeline_bubble(pp: int, num_micro: int) -> float:
-    """Idle fraction of a 1F1B or GPipe step: (P - 1) / (M + P - 1)."""
-    return (pp - 1) / (num_micro + pp - 1)
-
-
 # -- communication ---------------------------------------------------------------------------------
 
 def group_spans_nodes(layout: Layout, kind: str, gpus_per_node: int) -> bool:
@@ -328,8 +296,8 @@ def communication(m: ModelConfig, layout: Layout, psi: int, micro: int, num_micr
     With experts (``stage``: whose MoE layers and experts; :mod:`megalite.moe.planning`), the
     expert part of ``psi`` is reduced over EDP ('edp') and tokens travel over EP ('ep')."""
     n, t, M = layout.dp * layout.cp, layout.tp, num_micro
-    psi_e = stage_expert_parameters(m, t, layout.pp, stage, layout.ep)
-    psi, n_moe = psi - psi_e, moe_planning.stage_moe_layers(m, layout.pp, stage) if m.num_experts else 0
+    psi_e = stage_expert_parameters(m, t, layout.pp, stage, layout.ep, layout.schedule)
+    psi, n_moe = psi - psi_e, planner_pipeline.moe_layers_on_rank(m, layout.schedule, layout.pp, stage)
     dp = moe_planning.gradient_reduction_bytes(psi, n, layout.zero, M, prec.weight_bytes, prec.grad_bytes)
     layers = m.num_layers // layout.pp
     bsh = micro * m.seq_length / layout.cp * m.hidden_size * prec.act_bytes
@@ -341,7 +309,8 @@ def communication(m: ModelConfig, layout: Layout, psi: int, micro: int, num_micr
     ep = moe_planning.all_to_all_bytes(m, micro, M, n_moe, t, layout.sp, layout.cp, layout.ep, prec.act_bytes,
                                        layout.recompute)
     edp = moe_planning.gradient_reduction_bytes(psi_e, layout.edp, layout.zero, M, prec.weight_bytes, prec.grad_bytes)
-    pp = 2 * M * bsh / (t if layout.sp else 1) if layout.pp > 1 else 0.0
+    pp = 2 * M * bsh / (t if layout.sp else 1) * planner_pipeline.p2p_factor(layout.schedule, layout.pp) \
+        if layout.pp > 1 else 0.0
     spans = functools.partial(group_spans_nodes, layout, gpus_per_node=hw.gpus_per_node)
     result = {kind: planner_cp.link(volume, spans(group), hw)
               for kind, group, volume in (("dp", "dp_cp", dp), ("tp", "tp", tp), ("pp", "pp", pp)) if volume > 0}
@@ -360,31 +329,38 @@ class Estimate:
     stage: int  # the pipeline stage with the most memory
     psi: int  # parameters on that stage's ranks
     memory: dict  # weights, gradients, master_and_optimizer, activations, buffers, data, total (bytes)
-    bubble: float
+    bubble: float  # of its schedule, F = B = W (:func:`megalite.planner_pipeline.bubble`)
     comm: dict
     fits: bool
+    held: tuple = ()  # (micro-batches of activations, of W inputs) per chunk at that stage's peak
+    w_inputs: float = 0.0  # bytes of W inputs held then (part of memory["activations"])
+    compute_seconds: float = 0.0  # per step at Hardware.achieved_tflops (:func:`layout_search.plan` sets it)
 
     @property
     def comm_seconds(self) -> float:
         return sum(c["seconds"] for c in self.comm.values())
 
+    @property
+    def step_seconds(self) -> float:  # compute / (1 - bubble) + communication (no overlap)
+        return self.compute_seconds / (1 - self.bubble) + self.comm_seconds
+
     def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "layout": dataclasses.asdict(self.layout),
-                "description": self.layout.describe(), "comm_seconds": self.comm_seconds}
+        return {**dataclasses.asdict(self), "layout": dataclasses.asdict(self.layout), "description":
+                self.layout.describe(), "comm_seconds": self.comm_seconds, "step_seconds": self.step_seconds}
 
 
 def stage_memory(m: ModelConfig, layout: Layout, stage: int, micro: int, num_micro: int, prec: Precision,
-                 flash_attention: bool = False, documents: bool = False) -> tuple[int, dict]:
+                 flash_attention: bool = False, documents: bool = False, detail: dict | None = None) -> tuple[int, dict]:
     """(parameters, memory by kind in bytes) of one rank of pipeline stage ``stage``; "data" is
     the step's micro-batches on the device (``documents``: with --reset-attention-mask's arrays;
-    :func:`megalite.planner_documents.batch_bytes`)."""
-    psi = stage_parameters(m, layout.tp, layout.pp, stage, layout.ep)
+    :func:`megalite.planner_documents.batch_bytes`); ``detail``: :func:`stage_activation_bytes`'s."""
+    psi = stage_parameters(m, layout.tp, layout.pp, stage, layout.ep, layout.schedule)
     mem = model_state_bytes(psi, layout.dp * layout.cp, layout.zero, prec)
-    psi_e = stage_expert_parameters(m, layout.tp, layout.pp, stage, layout.ep)
+    psi_e = stage_expert_parameters(m, layout.tp, layout.pp, stage, layout.ep, layout.schedule)
     if psi_e:  # expert parameters: the ZeRO arithmetic over the expert-data-parallel group
         mem = moe_planning.model_state_bytes(psi - psi_e, psi_e, layout.dp * layout.cp, layout.edp, layout.zero,
                                              prec.weight_bytes, prec.grad_bytes, prec.optimizer_bytes)
-    mem["activations"] = stage_activation_bytes(m, layout, stage, micro, num_micro, prec, flash_attention)
+    mem["activations"] = stage_activation_bytes(m, layout, stage, micro, num_micro, prec, flash_attention, detail)
     mem["buffers"] = 0.0
     split, replicated = layer_parameters(m, layout.tp)
     if layout.zero == 3:  # two layers gathered (current + prefetch), embeddings kept for the step
@@ -408,10 +384,11 @@ def estimate(m: ModelConfig, layout: Layout, global_batch: int, micro: int, prec
     num_micro = global_batch // (micro * layout.dp)
     best = None
     for stage in range(layout.pp):
-        psi, mem = stage_memory(m, layout, stage, micro, num_micro, prec, flash_attention, documents)
+        detail: dict = {}  # the peak's state and its W inputs (part of the activations)
+        psi, mem = stage_memory(m, layout, stage, micro, num_micro, prec, flash_attention, documents, detail)
         if best is None or mem["total"] > best[2]["total"]:
-            best = (stage, psi, mem)
-    stage, psi, mem = best
+            best = (stage, psi, mem, detail)
+    stage, psi, mem, detail = best
     comm = communication(m, layout, psi, micro, num_micro, prec, hw, stage)
-    return Estimate(layout, num_micro, stage, psi, mem, pipeline_bubble(layout.pp, num_micro), comm,
-                    mem["total"] <= hw.usable_bytes)
+    return Estimate(layout, num_micro, stage, psi, mem, planner_pipeline.bubble(layout.schedule, layout.pp, num_micro),
+                    comm, mem["total"] <= hw.usable_bytes, detail["held"], detail["w_inputs"])

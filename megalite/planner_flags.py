@@ -15,7 +15,9 @@ CP type has attention dropout); the CP type (``--cp-comm-type``, and for a2a+p2p
 ``--hierarchical-context-parallel-sizes A B``) when CP > 1 and it is not the default p2p; the
 precision flag (``--bf16`` by default); Megatron's packed-document flags ``--reset-position-ids``
 and ``--reset-attention-mask`` when the planner was asked with them (the batch then carries the
-documents' arrays, which the estimate counts: :mod:`megalite.planner_documents`).
+documents' arrays, which the estimate counts: :mod:`megalite.planner_documents`); the pipeline
+schedule (``--pipeline-schedule zb-h1`` or ``zbv``, :mod:`megalite.planner_pipeline`) when PP > 1
+and it is not the parser's default.
 """
 from __future__ import annotations
 
@@ -88,6 +90,8 @@ def pretrain_flags(m: ModelConfig, layout, global_batch: int, micro: int, precis
                                              ("pipeline_model_parallel_size", layout.pp),
                                              ("context_parallel_size", layout.cp), ("zero_stage", layout.zero),
                                              ("expert_model_parallel_size", layout.ep)) if v != d[k]]
+    if layout.pp > 1 and layout.schedule != d["pipeline_schedule"]:
+        flags.append(f"--pipeline-schedule={layout.schedule}")
     if layout.sp and not d["sequence_parallel"]:
         flags.append("--sequence-parallel")
     if layout.recompute != (d["recompute_granularity"] or "none"):

@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--ib-gbps", type=float, default=50.0, help="GB/s per GPU across nodes")
     g.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM,
                    help="fraction of GPU memory kept free (CUDA context, fragmentation, workspaces)")
+    g.add_argument("--achieved-tflops", type=float, default=Hardware.achieved_tflops,
+                   help="TFLOP/s a GPU achieves in training: the compute time that, with the bubble, "
+                        "ranks a layout's pipeline schedules (1f1b, zb-h1, zbv) by step time")
     g = p.add_argument_group("precision and options")
     g.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16",
                    help="bf16/fp16: mixed precision with fp32 master weights and Adam (16 bytes/param)")
@@ -127,7 +130,10 @@ def table(estimates, usable: float) -> list[str]:
     experts = any(e.layout.ep > 1 for e in estimates)
     kinds = any(e.layout.cp > 1 for e in estimates)  # a column for the CP type
     kind = lambda lay: f"{cp_type_name(lay) if lay.cp > 1 else '-':>13} "  # noqa: E731
-    head = (f"{'TP':>3} {'PP':>3} {'CP':>3} " + (f"{'CP type':>13} " if kinds else "") + f"{'DP':>4} "
+    pipelined = any(e.layout.pp > 1 for e in estimates)  # a column for the pipeline schedule
+    sched = lambda lay: f"{lay.schedule if lay.pp > 1 else '-':>8} "  # noqa: E731
+    head = (f"{'TP':>3} {'PP':>3} " + (f"{'schedule':>8} " if pipelined else "") + f"{'CP':>3} "
+            + (f"{'CP type':>13} " if kinds else "") + f"{'DP':>4} "
             + (f"{'EP':>3} " if experts else "")
             + f"{'ZeRO':>4} {'recompute':>9} | {'total':>6} {'weights':>7} "
             f"{'grads':>6} {'m+Adam':>6} {'activ':>6} {'bufs':>5} | {'M':>4} {'bubble':>6} | comm ms/step "
@@ -136,7 +142,8 @@ def table(estimates, usable: float) -> list[str]:
     for e in estimates:
         lay, mem = e.layout, e.memory
         comm = " ".join(f"{k.upper()} {c['seconds'] * 1e3:.0f}{c['link'][0]}" for k, c in e.comm.items())
-        rows.append(f"{lay.tp:>3} {lay.pp:>3} {lay.cp:>3} " + (kind(lay) if kinds else "") + f"{lay.dp:>4} "
+        rows.append(f"{lay.tp:>3} {lay.pp:>3} " + (sched(lay) if pipelined else "") + f"{lay.cp:>3} "
+                    + (kind(lay) if kinds else "") + f"{lay.dp:>4} "
                     + (f"{lay.ep:>3} " if experts else "")
                     + f"{lay.zero:>4} {lay.recompute:>9} | "
                     f"{mem['total'] / GiB:>6.1f} {mem['weights'] / GiB:>7.1f} {mem['gradients'] / GiB:>6.1f} "
@@ -199,7 +206,7 @@ def main(argv=None) -> int:
     if a.document_length is not None and not 1 <= a.document_length <= a.seq_length:
         parser.error(f"--document-length ({a.document_length}) must be between 1 and --seq-length ({a.seq_length})")
     m = model_from_args(a)
-    hw = Hardware(a.gpu_memory_gb, a.gpus_per_node, a.nodes, a.nvlink_gbps, a.ib_gbps, a.headroom)
+    hw = Hardware(a.gpu_memory_gb, a.gpus_per_node, a.nodes, a.nvlink_gbps, a.ib_gbps, a.headroom, a.achieved_tflops)
     prec = precision(a.precision, grads_in_fp32(a.precision, a.accumulate))
     result = plan(m, hw, a.global_batch_size, a.micro_batch_size, prec, a.flash_attention, a.max_context_parallel,
                   a.cp_comm_type, documents=a.reset_attention_mask)

@@ -1,0 +1,386 @@
+"""Pipeline schedules in the planner: which schedules a layout may run, each one's bubble, the
+activation memory it holds, its step time, and the words that say why one was picked. Part
+of the planner (:mod:`megalite.planner`); the schedules themselves are
+:mod:`megalite.pipeline.op_lists` (F = forward, B = input-gradient backward, W = weight-gradient
+backward).
+
+**Candidates** for PP = P > 1: ``1f1b``, and the zero-bubble ``zb-h1`` and ``zbv`` where
+megalite's own rules accept them (:func:`megalite.pipeline.checks.check_pipeline_schedule`: the
+local transformer implementation; zbv only when the L layers divide into 2P chunks). The
+interleaved 1F1B (virtual stages) is not planned. With PP = 1 there is one schedule, no bubble.
+
+**Bubble** (idle fraction of a step with F = B = W, averaged over ranks:
+:func:`megalite.pipeline.op_lists.theory_bubble`, cached per (schedule, P, M))::
+
+    1F1B   (P-1) / (M+P-1)          each rank idles (P-1)(F+B+W)
+    ZB-H1  (P-1) / (3M+P-1), M >= P  each rank idles (P-1)(F+B-W): a third of 1F1B's
+    ZBV    the simulation of its greedy order (P = 4: M = 4 0.111, 8 0.059, 16 0.030)
+
+Beyond ``simulated_micro_max(P)`` micro-batches (P M > 2048: P = 16, M = 512 takes 0.7 s to
+simulate) ZBV keeps the idle time per rank it has there, I = b 6 M0 / (1 - b) at M0 (each rank
+runs 6 M unit ops, 3 per chunk), so b(M) = I / (6 M + I): the greedy order's idle time varies a
+little with M (P = 2: 1 or 2 units by parity), below 0.1% of the step there.
+
+**Memory** held by rank p, its local chunks c with A_c = one micro-batch's activations of the
+chunk and W_c = its W inputs (:func:`w_input_layer_bytes`): the most, over the moments right
+after an F or a B, of ``sum_c n_c A_c + w_c W_c``, where n_c counts the chunk's micro-batches
+whose B is pending and w_c those whose W is pending (after B the activations are freed but for
+what W keeps: the W inputs). From the simulated order (:func:`held_states`)::
+
+    1F1B   n = min(P-p, M), w = 0                 stage 0: P A
+    ZB-H1  after F (P-p) A + p W; after B (P-p-1) A + (p+1) W   (M >= P)
+           so (P-p) A + p W when W <= A, whose maximum is stage 0's P A, 1F1B's peak;
+           when W > A (large TP: the row-parallel linears' output gradients are not split)
+           the last stage's P W is the peak
+    ZBV    two chunks of L/(2P) layers; at most 2P chunk activations (P A, 1F1B's stage 0)
+           and 2P-2 pending chunk W's; rank 0 holds chunk 0 (embedding) and chunk 2P-1 (final
+           norm, output layer, loss), so the embedding and the output layer are both on it
+           (tied: megalite's two chunks keep a copy each and add their gradients on the rank)
+
+**Step time**, to compare the schedules of one layout: ``compute / (1 - bubble) + communication``
+with compute = model FLOPs per token x tokens per step / (GPUs x achieved FLOP/s)
+(:attr:`megalite.planner.Hardware.achieved_tflops`), 4/3 of it under full recomputation (the
+forward runs twice). The communication is the planner's, no overlap; ZBV's middle ranks send
+each micro-batch's activation and gradient twice (down the V and back): 2x 1F1B's PP traffic
+for P > 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+from functools import lru_cache
+from typing import TYPE_CHECKING
+
+from megalite import planner_cp
+from megalite.config import ParallelConfig, TrainConfig
+from megalite.errors import ConfigError
+from megalite.moe import planning as moe_planning
+from megalite.pipeline.checks import check_pipeline_schedule
+from megalite.pipeline.op_lists import Simulation, simulate, theory_bubble
+
+if TYPE_CHECKING:  # the planner's dataclasses; the planner imports this module
+    from megalite.config import ModelConfig
+    from megalite.layout_search import Plan
+    from megalite.planner import Estimate, Hardware, Layout, Precision
+
+GiB = 2**30
+SCHEDULES = ("1f1b", "zb-h1", "zbv")
+SIMULATED_STAGE_MICRO = 2048  # simulate up to P x M = this (P = 16, M = 128: 0.1 s), and M >= 4P
+
+
+def simulated_micro_max(P: int) -> int:
+    """Micro-batches simulated at most: P M <= 2048 and at least 4P, where the simulation's
+    in-flight counts have reached their steady state."""
+    return max(SIMULATED_STAGE_MICRO // P, 4 * P)
+
+
+@lru_cache(maxsize=4096)
+def _allowed(num_layers: int, transformer_impl: str, pp: int, schedule: str) -> bool:
+    model = type("Model", (), {"num_layers": num_layers, "transformer_impl": transformer_impl})
+    try:
+        check_pipeline_schedule(model, ParallelConfig(pipeline_model_parallel_size=pp),
+                                TrainConfig(pipeline_schedule=schedule))
+    except ConfigError:
+        return False
+    return True
+
+
+def schedules(m: ModelConfig, pp: int) -> tuple[str, ...]:
+    """The schedules the planner considers for PP = ``pp``: 1f1b alone for pp = 1, else those of
+    ``SCHEDULES`` megalite's validation accepts for this model."""
+    if pp == 1:
+        return ("1f1b",)
+    return tuple(s for s in SCHEDULES if _allowed(m.num_layers, m.transformer_impl, pp, s))
+
+
+def in_flight(pp: int, stage: int, num_micro: int) -> int:
+    """Micro-batches whose activations a stage holds at once under 1F1B: min(P - p, M)."""
+    return min(pp - stage, num_micro)
+
+
+def pipeline_bubble(pp: int, num_micro: int) -> float:
+    """Idle fraction of a 1F1B or GPipe step: (P - 1) / (M + P - 1)."""
+    return (pp - 1) / (num_micro + pp - 1)
+
+
+@lru_cache(maxsize=256)
+def simulation(schedule: str, P: int, M: int) -> Simulation:
+    """:func:`megalite.pipeline.op_lists.simulate` with F = B = W, once per (schedule, P, M)."""
+    return simulate(schedule, P, M)
+
+
+def _idle_fraction(sim: Simulation) -> float:
+    """:meth:`Simulation.bubble` with the span computed once: mean over ranks of 1 - busy / span."""
+    span = sim.span
+    return sum(1 - sum(e - s for _, s, e in ops) / span for ops in sim.timed) / sim.P
+
+
+@lru_cache(maxsize=4096)
+def bubble(schedule: str, P: int, M: int) -> float:
+    """The schedule's bubble with F = B = W (module docstring): theory_bubble up to
+    ``simulated_micro_max(P)`` micro-batches, the steady-state forms beyond."""
+    if P == 1:
+        return 0.0
+    cap = simulated_micro_max(P)
+    if schedule == "1f1b":
+        return theory_bubble(schedule, P, M)
+    if schedule == "zb-h1" and M >= P:  # the simulation's, exactly (tests/test_planner_schedules.py)
+        return (P - 1) / (3 * M + P - 1)
+    if M <= cap:
+        return _idle_fraction(simulation(schedule, P, M))  # = theory_bubble's, one simulation for both
+    b0 = _idle_fraction(simulation(schedule, P, cap))
+    idle = b0 * 6 * cap / (1 - b0)
+    return idle / (6 * M + idle)
+
+
+def num_chunks(schedule: str, P: int) -> int:
+    """Model chunks of the whole pipeline: 2P under ZBV, else P (one per stage)."""
+    return 2 * P if schedule == "zbv" else P
+
+
+def local_chunks(schedule: str, P: int, rank: int) -> tuple[int, ...]:
+    """The global chunks (0 = embedding ... last = loss) a rank holds, in local order."""
+    return (rank, 2 * P - 1 - rank) if schedule == "zbv" else (rank,)
+
+
+def chunk_moe_flags(m: ModelConfig, chunks: int, g: int) -> list[bool]:
+    """For each layer of global chunk ``g`` of ``chunks``, whether it is MoE (cached per model shape)."""
+    if not m.num_experts:
+        return [False] * (m.num_layers // chunks)
+    key = (m.num_layers, repr(m.moe_layer_freq), chunks, g)
+    if key not in _MOE_FLAGS:
+        _MOE_FLAGS[key] = tuple(moe_planning.stage_moe_flags(m, chunks, g))
+    return list(_MOE_FLAGS[key])
+
+
+_MOE_FLAGS: dict[tuple, tuple[bool, ...]] = {}
+
+
+def moe_layers_on_rank(m: ModelConfig, schedule: str, P: int, rank: int) -> int:
+    """MoE layers among the rank's chunks (0 for a dense model)."""
+    if not m.num_experts:
+        return 0
+    chunks = num_chunks(schedule, P)
+    return sum(sum(chunk_moe_flags(m, chunks, g)) for g in local_chunks(schedule, P, rank))
+
+
+@lru_cache(maxsize=4096)
+def held_states(schedule: str, P: int, M: int, rank: int) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+    """The (n_c, w_c) per local chunk right after each F and each B of the rank's simulated
+    order (module docstring), the dominated ones left out: the candidates for its peak."""
+    if schedule == "1f1b" or P == 1:
+        return (((in_flight(P, rank, M),), (0,)),)
+    if schedule == "zb-h1" and M >= P:  # after F, after B (module docstring; the simulation's, tested)
+        return (((P - rank - 1,), (rank + 1,)), ((P - rank,), (rank,)))
+    sim = simulation(schedule, P, min(M, simulated_micro_max(P)))
+    chunks = len(local_chunks(schedule, P, rank))
+    n, w, states = [0] * chunks, [0] * chunks, set()
+    for op, _, _ in sim.timed[rank]:
+        if op.kind == "F":
+            n[op.chunk] += 1
+        elif op.kind == "B":
+            n[op.chunk], w[op.chunk] = n[op.chunk] - 1, w[op.chunk] + 1
+        elif op.kind == "W":
+            w[op.chunk] -= 1
+            continue
+        states.add((tuple(n), tuple(w)))
+    keep: list[tuple] = []  # largest totals first: a state is dominated only by one kept before it
+    for ns, ws in sorted(states, key=lambda s: -sum(s[0] + s[1])):
+        if not any(all(a >= b for a, b in zip(k[0] + k[1], ns + ws)) for k in keep):
+            keep.append((ns, ws))
+    return tuple(sorted(keep))
+
+
+def held_bytes(schedule: str, P: int, M: int, rank: int, activations: list[float],
+               w_inputs: list[float]) -> tuple[float, tuple]:
+    """(bytes, the state (n_c, w_c) at the peak) of a rank's activations and W inputs, given one
+    micro-batch's activations and W inputs of each of its local chunks."""
+    return max(((sum(n * a for n, a in zip(ns, activations)) + sum(w * b for w, b in zip(ws, w_inputs)), (ns, ws))
+                for ns, ws in held_states(schedule, P, M, rank)), key=lambda x: x[0])
+
+
+# -- activations and W inputs ---------------------------------------------------------------------
+
+def stage_activation_bytes(m: ModelConfig, layout: Layout, stage: int, micro: int, num_micro: int,
+                           prec: Precision, flash_attention: bool = False, detail: dict | None = None) -> float:
+    """Activations (and W inputs) a rank of ``stage`` holds at its peak: one micro-batch's of each
+    of its chunks (ZBV: two), held as its schedule says (:func:`held_bytes`;
+    ``detail`` gets the state at the peak, "held", and its W inputs, "w_inputs"), plus transients."""
+    key = (id(m), dataclasses.replace(layout, zero=0), stage, micro, num_micro, prec, flash_attention)
+    hit = _ACTIVATIONS.get(key)  # the ZeRO stage changes nothing here: its 4 variants share one
+    if hit is None or hit[0] is not m:
+        if len(_ACTIVATIONS) > 20000:
+            _ACTIVATIONS.clear()
+        hit = _ACTIVATIONS[key] = (m, *_stage_activations(m, layout, stage, micro, num_micro, prec, flash_attention))
+    if detail is not None:
+        detail.update(held=hit[2], w_inputs=hit[3])
+    return hit[1]
+
+
+_ACTIVATIONS: dict[tuple, tuple] = {}  # (id(m), layout at ZeRO-0, ...) -> (m, bytes, held, W inputs)
+
+
+def _stage_activations(m: ModelConfig, layout: Layout, stage: int, micro: int, num_micro: int, prec: Precision,
+                       flash_attention: bool) -> tuple[float, tuple, float]:
+    # the planner imports this module: its per-layer formula is imported when called
+    from megalite.planner import layer_activation_bytes
+
+    t, sp, cp = layout.tp, layout.sp, layout.cp
+    args = dict(micro=micro, tp=t, sp=sp, cp=cp, act_bytes=prec.act_bytes, flash_attention=flash_attention)
+    per_layer = layer_activation_bytes(m, recompute=layout.recompute, **args)
+    chunks, mine = num_chunks(layout.schedule, layout.pp), local_chunks(layout.schedule, layout.pp, stage)
+    flags = [chunk_moe_flags(m, chunks, g) for g in mine]  # which of each chunk's layers are MoE
+    moe_flags = [f for chunk in flags for f in chunk]
+    moe = dict(micro=micro, tp=t, sp=sp, cp=cp, ep=layout.ep, act_bytes=prec.act_bytes)
+    delta = moe_planning.moe_layer_delta(m, **moe) if any(moe_flags) and layout.recompute != "full" else 0.0
+    sbh = m.seq_length / cp * micro * m.hidden_size / (t if sp else 1)
+    first = sbh if 0 in mine and m.hidden_dropout > 0 else 0.0  # embedding dropout mask
+    last = prec.act_bytes * sbh + 4 * m.seq_length / cp * micro * m.padded_vocab_size(t) / t  # norm, fp32 logits
+    acts = [len(f) * per_layer + sum(f) * delta + first * (g == 0) + last * (g == chunks - 1)  # routed tokens
+            for g, f in zip(mine, flags)]                                                  # for the dense MLP
+    wis = [0.0] * len(mine) if layout.schedule == "1f1b" else \
+        [w_input_chunk_bytes(m, chunks, g, micro, t, sp, cp, prec.act_bytes) for g in mine]
+    total, state = held_bytes(layout.schedule, layout.pp, num_micro, stage, acts, wis)
+    per_mb = acts[0]
+    recomputed = 0.0
+    if layout.recompute == "full":  # the layer being recomputed during backward (the larger kind)
+        recomputed = layer_activation_bytes(m, recompute="none", **args)
+        if any(moe_flags):
+            full_delta = moe_planning.moe_layer_delta(m, **moe)
+            recomputed += full_delta if all(moe_flags) else max(full_delta, 0.0)
+        total += recomputed
+    # allgather CP: one layer's full-sequence K/V and fp32 dK/dV during backward (planner_cp)
+    total += planner_cp.transient_bytes(m, layout, micro, prec.act_bytes)
+    if any(moe_flags):  # an MoE layer's dispatch buffers (forward) or expert weight gradients (backward)
+        # while one micro-batch holds its layers up to the stage's last MoE layer
+        upto = max(i for i, f in enumerate(moe_flags) if f) + 1
+        held = total - per_mb + first + upto * per_layer + sum(moe_flags[:upto]) * delta + recomputed
+        total = max(total, held + max(moe_planning.transient_bytes(m, **moe, weight_bytes=prec.weight_bytes)))
+    return total, state, sum(w * b for w, b in zip(state[1], wis))
+
+
+def _mlp_w_inputs(m: ModelConfig, ffn: int, tokens: float, tp: int, sp: bool) -> float:
+    """Elements fc1 and fc2 keep for their W: x of fc1 (the sequence shard under SP), x of fc2
+    and the output gradients, fc1's ``sections * ffn / t`` wide, fc2's ``h`` (not split)."""
+    if not ffn:
+        return 0.0
+    h, sections = m.hidden_size, 2 if m.swiglu else 1
+    return tokens * (h / (tp if sp else 1) + ffn / tp + sections * ffn / tp + h)
+
+
+def w_input_layer_bytes(m: ModelConfig, micro: int, tp: int = 1, sp: bool = False, cp: int = 1,
+                        act_bytes: int = 2, moe: bool = False) -> float:
+    """Wi: the bytes one layer keeps between B and W for one micro-batch (the deferred weight
+    gradient's inputs: every linear's input x and its output's gradient dy), with s = seq/CP
+    tokens, b micro batch, h hidden, t = TP, q = heads x head dim, kv = 2 x key/value groups x
+    head dim, f the FFN size, k = 2 with SwiGLU else 1, e = ``act_bytes``::
+
+        x:   QKV s b h (/t under SP)   proj s b q / t   fc1 s b h (/t under SP)   fc2 s b f / t
+        dy:  QKV s b (q + kv) / t      proj s b h       fc1 s b k f / t           fc2 s b h
+        Wi = e x (sum of these)
+
+    The row-parallel linears' (proj, fc2) output gradients are whole ``s b h`` on every TP rank,
+    so Wi shrinks less with TP than the activations: at t = 8 (GPT, f = 4h) Wi = 7.5 s b h bytes
+    against the activations' 34 s b h / 8. Recomputation does not change it (it runs in B).
+    An MoE layer (``moe``) has, in place of the dense MLP, its experts' fc1 and fc2 on the
+    N = k_route T rows it routes (T = s b, /t under SP; experts are not split over TP) and the
+    shared expert as a dense MLP; the router's weight gradient stays in B."""
+    s, b = m.seq_length / cp, micro
+    h, q = m.hidden_size, m.num_attention_heads * m.head_dim
+    kv = 2 * m.num_query_groups * m.head_dim
+    attention = s * b * (h / (tp if sp else 1) + q / tp + (q + kv) / tp + h)
+    if moe:
+        rows = moe_planning.routed_tokens(m, micro, tp, sp, cp) * m.moe_router_topk
+        mlp = _mlp_w_inputs(m, m.moe_ffn_hidden_size, rows, 1, False)
+        mlp += _mlp_w_inputs(m, m.moe_shared_expert_intermediate_size or 0, s * b, tp, sp)
+    else:
+        mlp = _mlp_w_inputs(m, m.ffn_hidden_size, s * b, tp, sp)
+    return act_bytes * (attention + mlp)
+
+
+def w_input_chunk_bytes(m: ModelConfig, chunks: int, g: int, micro: int, tp: int, sp: bool, cp: int,
+                        act_bytes: int) -> float:
+    """Wi of global chunk ``g`` of ``chunks``: its layers', plus on chunk 0 the word embedding's
+    (dy, s b h, and the token ids, 8 s b) and on the last chunk the output layer's (x, s b h /t
+    under SP, and dy, the logits' gradient s b V / t, in the activations' dtype)."""
+    s, b = m.seq_length / cp, micro
+    flags = chunk_moe_flags(m, chunks, g)
+    args = dict(micro=micro, tp=tp, sp=sp, cp=cp, act_bytes=act_bytes)
+    moe = sum(flags)
+    total = (len(flags) - moe) * w_input_layer_bytes(m, **args)
+    total += moe * w_input_layer_bytes(m, moe=True, **args) if moe else 0.0
+    if g == 0:
+        total += s * b * (act_bytes * m.hidden_size + 8)
+    if g == chunks - 1:
+        total += act_bytes * s * b * (m.hidden_size / (tp if sp else 1) + m.padded_vocab_size(tp) / tp)
+    return total
+
+
+# -- time -----------------------------------------------------------------------------------------
+
+def flops_per_token(m: ModelConfig, parameters: int) -> float:
+    """6 x the parameters a token meets + attention's 12 L h s (as :func:`megalite.monitor.flops_per_token`
+    counts, without building the model): ``parameters`` less the E - k experts of each MoE layer
+    a token skips."""
+    skipped = 0
+    if m.num_experts:
+        skipped = sum(moe_planning.moe_layers(m)) * (m.num_experts - m.moe_router_topk) * moe_planning.expert_parameters(m)
+    return 6.0 * (parameters - skipped) + 12.0 * m.num_layers * m.hidden_size * m.seq_length
+
+
+def compute_seconds(flops_per_token: float, tokens: int, gpus: int, recompute: str, hw: Hardware) -> float:
+    """One step's compute per GPU at the achieved rate (module docstring)."""
+    return flops_per_token * tokens * (4 / 3 if recompute == "full" else 1) / (gpus * hw.achieved_tflops * 1e12)
+
+
+def p2p_factor(schedule: str, P: int) -> int:
+    """PP traffic of the busiest rank relative to 1F1B's: 2 for ZBV with P > 2 (module docstring)."""
+    return 2 if schedule == "zbv" and P > 2 else 1
+
+
+# -- words ----------------------------------------------------------------------------------------
+
+def held_words(e: Estimate) -> str:
+    """What the fullest stage holds at its peak, in micro-batches, per its schedule."""
+    lay = e.layout
+    where = f"pipeline stage {e.stage}" if lay.pp > 1 else "each GPU"
+    ns, ws = e.held or ((in_flight(lay.pp, e.stage, e.num_micro),), (0,))
+    n, w = sum(ns), sum(ws)
+    unit = "chunk-micro-batch" if len(ns) > 1 else "micro-batch"
+    words = f"{n} {unit}{'es' if n != 1 else ''} of activations"
+    if w:
+        words += f" and {w} of W inputs ({e.w_inputs / GiB:.1f} GiB)"
+    return f"{words} in flight on {where}"
+
+
+def explain_schedule(p: Plan) -> list[str]:
+    """Why the chosen layout runs its pipeline schedule: each schedule of that layout with its
+    bubble, its estimated step time and its memory against the usable memory."""
+    chosen = p.choice
+    if chosen is None or chosen.layout.pp == 1:
+        return []
+    lay = chosen.layout
+    same = [e for e in p.estimates if same_layout(e.layout, lay)]
+    usable = p.hardware.usable_bytes
+    parts = []
+    for e in same:
+        fit = "fits" if e.fits else f"does not fit ({e.memory['total'] / GiB:.1f} > {usable / GiB:.1f} GiB usable)"
+        mem = f"{e.memory['total'] / GiB:.1f} GiB" if e.fits else ""
+        held = f", W inputs {e.w_inputs / GiB:.1f} GiB" if e.w_inputs else ""
+        parts.append(f"{e.layout.schedule} bubble {e.bubble:.1%}, step ~{e.step_seconds:.2f} s"
+                     + (f", {mem} on stage {e.stage}{held}, {fit}" if e.fits else f"{held}, {fit}"))
+    missing = [s for s in SCHEDULES if s not in {e.layout.schedule for e in same}]
+    why = {"zbv": f"{p.model.num_layers} layers do not divide into 2 x PP = {2 * lay.pp} chunks",
+           "zb-h1": f"--transformer-impl {p.model.transformer_impl} cannot defer weight gradients"}
+    if "zb-h1" not in missing and "zbv" in missing:
+        parts.append(f"zbv not considered: {why['zbv']}")
+    elif "zb-h1" in missing:
+        parts.append(f"zero-bubble schedules not considered: {why['zb-h1']}")
+    lines = [f"Pipeline schedule {lay.schedule} (--pipeline-schedule {lay.schedule}), the fastest of this "
+             f"layout's schedules that fits with M = {chosen.num_micro}, P = {lay.pp}: " + "; ".join(parts) + "."]
+    return lines
+
+
+def same_layout(a: Layout, b: Layout) -> bool:
+    """Whether two layouts differ at most in their pipeline schedule."""
+    return (a.tp, a.pp, a.dp, a.cp, a.zero, a.recompute, a.ep, a.cp_comm_type, a.cp_inner) == \
+        (b.tp, b.pp, b.dp, b.cp, b.zero, b.recompute, b.ep, b.cp_comm_type, b.cp_inner)

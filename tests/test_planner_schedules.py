@@ -1,0 +1,254 @@
+"""The planner's pipeline schedules (megalite/planner_pipeline.py): each schedule's bubble is
+megalite.pipeline.op_lists' theory, ZB-H1's memory per stage is (P-p) A + p Wi (or, when the W
+inputs outweigh the activations, the state right after a B), ZBV's follows the simulation's
+peak counts, the W inputs of a layer are the sum the docstring gives, and the planner picks a
+zero-bubble schedule when it fits and is faster, falls back to 1F1B when the W inputs do not
+fit, never proposes ZBV when the layers do not divide into 2P chunks, and prints flags that
+pretrain_gpt.py parses and megalite validates."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from megalite.arguments import build_parser as pretrain_parser
+from megalite.arguments import config_from_args
+from megalite.config import ModelConfig, validate
+from megalite.layout_search import candidate_layouts, plan
+from megalite.pipeline.op_lists import simulate, theory_bubble
+from megalite.planner import GiB, Hardware, Layout, estimate, precision, stage_parameters
+from megalite.planner_flags import grads_in_fp32
+from megalite.planner_pipeline import (bubble, held_bytes, held_states, same_layout, schedules,
+                                       simulated_micro_max, stage_activation_bytes, w_input_chunk_bytes,
+                                       w_input_layer_bytes)
+from tools import plan_parallel
+
+PREC = precision("bf16", grads_in_fp32("bf16"))  # the planner's default: fp32 gradients under bf16
+
+# A model whose first fitting layout on 4 single-GPU nodes is PP 4 (below), and one whose first
+# on 2 nodes of 4 GPUs is TP 4 x PP 2 (tiny vocabulary: the layers dominate every stage).
+PP4_ARGV = ["--num-layers", "8", "--hidden-size", "1024", "--num-attention-heads", "8", "--vocab-size", "512",
+            "--seq-length", "256", "--global-batch-size", "8", "--micro-batch-size", "1", "--gpus-per-node", "1",
+            "--nodes", "4"]
+
+
+def pp4_model() -> ModelConfig:
+    return plan_parallel.model_from_args(plan_parallel.build_parser().parse_args(PP4_ARGV + ["--gpu-memory-gb", "1"]))
+
+
+def tp4_pp2_model() -> ModelConfig:
+    return ModelConfig(num_layers=8, hidden_size=1024, num_attention_heads=8, vocab_size=512, seq_length=1024)
+
+
+def _simulated_states(schedule: str, P: int, M: int, rank: int) -> set:
+    """(B pending, W pending) per chunk right after each F and each B, walked here from the simulation."""
+    chunks = 2 if schedule == "zbv" else 1
+    n, w, out = [0] * chunks, [0] * chunks, set()
+    for op, _, _ in simulate(schedule, P, M).timed[rank]:
+        if op.kind == "W":
+            w[op.chunk] -= 1
+            continue
+        n[op.chunk] += 1 if op.kind == "F" else -1
+        w[op.chunk] += op.kind == "B"
+        out.add((tuple(n), tuple(w)))
+    return out
+
+
+# -- bubble -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1", "zbv"])
+@pytest.mark.parametrize("P", [2, 4])
+def test_bubble_is_theory_bubble(schedule, P):
+    for M in (1, 2, 3, 4, 8, 16, 24):
+        assert bubble(schedule, P, M) == pytest.approx(theory_bubble(schedule, P, M), rel=1e-12), (schedule, P, M)
+    if schedule == "zb-h1":  # the closed form, for M >= P, is the simulation's
+        assert bubble(schedule, P, 8) == pytest.approx((P - 1) / (3 * 8 + P - 1), rel=1e-12)
+    # beyond the simulated range: ZB-H1's closed form; ZBV's idle time per rank held constant,
+    # within 0.1 point of the simulation (its greedy order idles 1 or 2 units by M's parity at P = 2)
+    M = simulated_micro_max(P) + 3
+    exact = 1e-9 if schedule != "zbv" else 1e-3
+    assert bubble(schedule, P, M) == pytest.approx(theory_bubble(schedule, P, M), abs=exact), (schedule, P, M)
+
+
+def test_estimate_carries_its_schedules_bubble():
+    m = pp4_model()
+    for s in ("1f1b", "zb-h1", "zbv"):
+        e = estimate(m, Layout(pp=4, schedule=s), 8, 1, PREC, Hardware(80, 1, 4))
+        assert e.num_micro == 8 and e.bubble == pytest.approx(theory_bubble(s, 4, 8), rel=1e-12)
+    assert estimate(m, Layout(dp=4), 8, 1, PREC, Hardware(80, 1, 4)).bubble == 0  # PP 1: as before
+
+
+# -- memory -----------------------------------------------------------------------------------------
+
+def test_w_inputs_of_a_layer_by_hand():
+    """GPT (FFN 4h, no GQA), per token of one micro-batch, elements: t = 1: x 1 + 1 + 1 + 4 h,
+    dy 3 + 1 + 4 + 1 h = 16 h; t = 8 under SP: x (1 + 1 + 1 + 4)/8 h, dy 3/8 + 1 + 4/8 + 1 h =
+    3.75 h (the row-parallel outputs' gradients stay whole). 2 bytes each."""
+    m = ModelConfig(num_layers=4, hidden_size=1024, num_attention_heads=16, vocab_size=1000, seq_length=512)
+    sbh = 512 * 2 * 1024
+    assert w_input_layer_bytes(m, micro=2) == 2 * 16 * sbh
+    assert w_input_layer_bytes(m, micro=2, tp=8, sp=True) == pytest.approx(2 * 3.75 * sbh)
+    assert w_input_layer_bytes(m, micro=2, cp=2) == pytest.approx(w_input_layer_bytes(m, micro=2) / 2)
+    # the first chunk adds the embedding's dy and ids, the last the output layer's x and dy (logits)
+    layers = 2 * w_input_layer_bytes(m, micro=2)
+    vocab = m.padded_vocab_size(1)
+    assert w_input_chunk_bytes(m, 2, 0, 2, 1, False, 1, 2) == layers + 512 * 2 * (2 * 1024 + 8)
+    assert w_input_chunk_bytes(m, 2, 1, 2, 1, False, 1, 2) == layers + 2 * 512 * 2 * (1024 + vocab)
+
+
+@pytest.mark.parametrize("tp", [1, 4])
+def test_zb_h1_memory_per_stage(tp):
+    """Stage p holds (P-p) A + p Wi right after an F and (P-p-1) A + (p+1) Wi right after a B;
+    with Wi <= A (TP 1: 32 s b h bytes against 34 s b h) that is (P-p) A + p Wi. With Wi > A
+    (TP 4 under SP: 11 against 8.5 s b h per layer) the B state is the peak."""
+    m, P, M = tp4_pp2_model(), 4, 8
+    for p in range(P):
+        one = Layout(tp=tp, pp=P, schedule="1f1b")
+        A = stage_activation_bytes(m, one, p, 1, 1, PREC, flash_attention=True)  # one micro-batch in flight
+        Wi = w_input_chunk_bytes(m, P, p, 1, tp, tp > 1, 1, PREC.act_bytes)
+        states = _simulated_states("zb-h1", P, M, p)
+        assert held_states("zb-h1", P, M, p) == (((P - p - 1,), (p + 1,)), ((P - p,), (p,)))
+        assert {((P - p,), (p,)), ((P - p - 1,), (p + 1,))} <= states  # the two candidates occur ...
+        assert all(n <= P - p and n + w <= P for (n,), (w,) in states)  # ... and dominate every other state
+        detail: dict = {}
+        zb = stage_activation_bytes(m, dataclasses.replace(one, schedule="zb-h1"), p, 1, M, PREC, True, detail)
+        assert zb == pytest.approx(max((P - p) * A + p * Wi, (P - p - 1) * A + (p + 1) * Wi), rel=1e-12)
+        if tp == 1:
+            assert Wi <= A and zb == pytest.approx((P - p) * A + p * Wi, rel=1e-12)
+        else:
+            assert Wi > A and detail["held"] == ((P - p - 1,), (p + 1,))
+        assert detail["w_inputs"] == pytest.approx(detail["held"][1][0] * Wi)
+    # stage 0 holds 1F1B's P A: with Wi <= A the peak over stages is 1F1B's
+    assert held_states("zb-h1", P, M, 0)[1] == ((P,), (0,))
+
+
+@pytest.mark.parametrize("P,M", [(2, 8), (4, 4), (4, 8), (4, 16)])
+def test_zbv_memory_follows_the_simulation(P, M):
+    """ZBV's held activations are the simulation's: with W inputs negligible against the
+    activations, rank r's peak is Simulation.peak_counts(r)'s activations; in general the most
+    over the states after each F and each B, weighted per chunk."""
+    sim = simulate("zbv", P, M)
+    for r in range(P):
+        n_act, n_w = sim.peak_counts(r)
+        peak, state = held_bytes("zbv", P, M, r, [1.0, 1.0], [1e-6, 1e-6])
+        assert peak == pytest.approx(n_act + 1e-6 * n_w) and sum(state[0]) == n_act
+        assert n_act <= 2 * P  # at most P stages' worth: 1F1B's stage-0 peak
+        a, w = [1.0, 0.7], [0.9, 1.3]
+        expected = max(sum(x * y for x, y in zip(ns + ws, a + w)) for ns, ws in _simulated_states("zbv", P, M, r))
+        assert held_bytes("zbv", P, M, r, a, w)[0] == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("untie", [False, True])
+def test_zbv_parameters_put_embedding_and_output_on_rank_0(untie):
+    """ZBV: rank p holds chunks p and 2P-1-p, so rank 0 the embedding and the output layer
+    (tied: megalite's loss chunk keeps its copy of the embedding there, as 1F1B's last stage
+    does), the other ranks only layers; the pipeline holds what 1F1B's stages hold."""
+    m = dataclasses.replace(tp4_pp2_model(), untie_embeddings_and_output_weights=untie)
+    for P in (2, 4):
+        one = [stage_parameters(m, 1, P, p) for p in range(P)]
+        v = [stage_parameters(m, 1, P, p, schedule="zbv") for p in range(P)]
+        assert sum(v) == sum(one)
+        middle = stage_parameters(m, 1, 2 * P, 1)  # a chunk of L/(2P) layers, nothing else
+        assert v[1:] == [2 * middle] * (P - 1) and v[0] == sum(one) - 2 * middle * (P - 1)
+        embedding = m.padded_vocab_size(1) * m.hidden_size
+        assert v[0] == 2 * middle + 2 * embedding + m.max_position_embeddings * m.hidden_size + 2 * m.hidden_size
+
+
+# -- which schedules ------------------------------------------------------------------------------
+
+def test_zbv_only_where_layers_divide_into_2p_and_zb_only_local():
+    m = ModelConfig(num_layers=12, hidden_size=64, num_attention_heads=4, vocab_size=512, seq_length=64)
+    assert schedules(m, 1) == ("1f1b",)
+    assert schedules(m, 2) == ("1f1b", "zb-h1", "zbv")  # 12 layers = 4 chunks of 3
+    assert schedules(m, 4) == ("1f1b", "zb-h1")  # 12 layers in 8 chunks: no
+    assert schedules(m, 3) == ("1f1b", "zb-h1", "zbv")
+    assert schedules(dataclasses.replace(m, transformer_impl="transformer_engine"), 2) == ("1f1b",)
+    layouts = candidate_layouts(m, Hardware(80, 4, 4), max_cp=1)
+    for lay in layouts:
+        assert lay.schedule in schedules(m, lay.pp)
+        assert lay.schedule != "zbv" or m.num_layers % (2 * lay.pp) == 0
+    assert {lay.schedule for lay in layouts if lay.pp == 4} == {"1f1b", "zb-h1"}
+    assert {lay.schedule for lay in layouts if lay.pp == 1} == {"1f1b"}
+    p = plan(m, Hardware(0.05, 4, 4), 64, 1, max_cp=1)
+    assert not [e for e in p.estimates if e.layout.schedule == "zbv" and m.num_layers % (2 * e.layout.pp)]
+
+
+# -- the choice ------------------------------------------------------------------------------------
+
+def _pp4_plan(fit_all: bool, tflops: float = Hardware.achieved_tflops):
+    """The PP 4 model on 4 single-GPU nodes with memory for every PP 4 schedule (checked: no
+    earlier layout of the ladder fits)."""
+    m = pp4_model()
+    hw = Hardware(80, 1, 4)
+    totals = {s: estimate(m, Layout(pp=4, schedule=s), 8, 1, PREC, hw, True).memory["total"]
+              for s in schedules(m, 4)}
+    usable = max(totals.values()) * 1.001
+    return m, totals, plan(m, Hardware(usable / GiB / 0.9, 1, 4, achieved_tflops=tflops), 8, 1)
+
+
+def test_planner_picks_a_zero_bubble_schedule_when_it_fits():
+    """P = 4, M = 8: the bubble is 27% under 1F1B, 11% under ZB-H1 and 6% under ZBV; ZBV's
+    middle ranks send twice 1F1B's PP traffic. The fastest that fits wins, by the step time."""
+    m, totals, p = _pp4_plan(True)
+    assert set(totals) == {"1f1b", "zb-h1", "zbv"}
+    chosen = p.choice
+    assert chosen.layout.pp == 4 and chosen.layout.dp == 1 and chosen.fits
+    first = [e for e in p.estimates if e.fits][0]
+    assert first is chosen and not any(e.fits for e in p.estimates[:p.estimates.index(chosen)])
+    group = [e for e in p.estimates if same_layout(e.layout, chosen.layout)]
+    assert {e.layout.schedule for e in group} == {"1f1b", "zb-h1", "zbv"} and all(e.fits for e in group)
+    assert chosen.step_seconds == min(e.step_seconds for e in group)
+    assert chosen.layout.schedule != "1f1b" and chosen.bubble < theory_bubble("1f1b", 4, 8)
+    for e in group:
+        assert e.step_seconds == pytest.approx(e.compute_seconds / (1 - e.bubble) + e.comm_seconds)
+    zbv = next(e for e in group if e.layout.schedule == "zbv")
+    zb1 = next(e for e in group if e.layout.schedule == "zb-h1")
+    assert zbv.comm["pp"]["bytes"] == 2 * zb1.comm["pp"]["bytes"]
+    text = "\n".join(p.reasons)
+    assert f"Pipeline schedule {chosen.layout.schedule} (--pipeline-schedule {chosen.layout.schedule})" in text
+    assert f"bubble {theory_bubble('1f1b', 4, 8):.1%}" in text and f"bubble {chosen.bubble:.1%}" in text
+    # slower GPUs: compute outweighs ZBV's extra traffic, and ZBV, the smallest bubble, wins
+    _, _, slow = _pp4_plan(True, tflops=1.0)
+    assert slow.choice.layout.schedule == "zbv"
+    assert slow.choice.bubble == pytest.approx(theory_bubble("zbv", 4, 8))
+
+
+def test_planner_falls_back_to_1f1b_when_the_w_inputs_do_not_fit():
+    """TP 4 x PP 2: each layer's W inputs (11 s b h bytes under SP) exceed its activations
+    (8.5 s b h), so ZB-H1's last stage needs more than 1F1B's first; with memory between the
+    two, 1F1B is chosen and the explanation says why."""
+    m, hw = tp4_pp2_model(), Hardware(80, 4, 2)
+    totals = {s: estimate(m, Layout(tp=4, pp=2, schedule=s), 8, 1, PREC, hw, True).memory["total"]
+              for s in schedules(m, 2)}
+    assert totals["1f1b"] < totals["zb-h1"] < totals["zbv"]
+    usable = (totals["1f1b"] + totals["zb-h1"]) / 2
+    p = plan(m, Hardware(usable / GiB / 0.9, 4, 2), 8, 1, max_cp=1)
+    lay = p.choice.layout
+    assert (lay.tp, lay.pp, lay.dp, lay.schedule) == (4, 2, 1, "1f1b")
+    zb = [e for e in p.estimates if same_layout(e.layout, lay) and e.layout.schedule != "1f1b"]
+    assert zb and not any(e.fits for e in zb) and all(e.step_seconds < p.choice.step_seconds for e in zb)
+    assert all(e.w_inputs > 0 for e in zb) and p.choice.w_inputs == 0
+    text = "\n".join(p.reasons)
+    assert "Pipeline schedule 1f1b" in text and text.count("does not fit") >= 2
+    # with memory for ZB-H1 too, it wins
+    p = plan(m, Hardware((totals["zb-h1"] + totals["zbv"]) / 2 / GiB / 0.9, 4, 2), 8, 1, max_cp=1)
+    assert p.choice.layout.schedule == "zb-h1" and same_layout(p.choice.layout, lay)
+
+
+def test_cli_prints_the_schedule_and_the_flags_validate(tmp_path, capsys):
+    """The recommendation's flags carry --pipeline-schedule, parse with pretrain_gpt.py's parser
+    and pass megalite's validation for the planned world."""
+    _, totals, _ = _pp4_plan(True)
+    gb = max(totals.values()) * 1.001 / GiB / 0.9
+    for tflops, expected in (("400", None), ("1", "zbv")):
+        assert plan_parallel.main(PP4_ARGV + ["--gpu-memory-gb", f"{gb:.9f}", "--achieved-tflops", tflops]) == 0
+        text = capsys.readouterr().out
+        flags = text.split("The recommendation as pretrain_gpt.py flags", 1)[1].splitlines()[1].split()
+        schedule = next(f.split("=", 1)[1] for f in flags if f.startswith("--pipeline-schedule="))
+        assert schedule in ("zb-h1", "zbv") and (expected is None or schedule == expected)
+        assert f"Pipeline schedule {schedule}" in text and "schedule" in text.split("valid layouts fit")[1]
+        args = pretrain_parser().parse_args(flags + ["--mock-data"])
+        assert args.pipeline_schedule == schedule and args.pipeline_model_parallel_size == 4
+        config = config_from_args(args, 512)
+        validate(config, 4, 1)
+        assert config.train.pipeline_schedule == schedule

@@ -38,7 +38,8 @@ def candidate_layouts(m: ModelConfig, hw: Hardware, max_cp: int = 8, cp_comm_typ
     the layers, DP what remains; every ZeRO stage (only 0 when DP x CP = 1) and recomputation;
     with experts, every EP dividing E and TP*CP*DP; with CP, every CP type
     (:func:`megalite.planner_cp.cp_variants`: p2p, a2a, allgather, a2a+p2p for each inner size),
-    or only ``cp_comm_type``; with PP, every schedule megalite accepts (:func:`schedules`)."""
+    or only ``cp_comm_type``; with PP, every schedule megalite accepts (:func:`schedules`: the
+    zero-bubble ones with ZeRO-0/1)."""
     world, out = hw.world_size, []
     for tp in (d for d in _divisors(hw.gpus_per_node) if d <= 8):
         for cp in (c for c in (1, 2, 4, 8, 16, 32) if c <= max_cp):
@@ -51,7 +52,7 @@ def candidate_layouts(m: ModelConfig, hw: Hardware, max_cp: int = 8, cp_comm_typ
                         for ep in expert_parallel_sizes(m, tp * cp * dp):
                             out += [Layout(tp, pp, dp, cp, zero, rc, ep, kind, inner, schedule)
                                     for kind, inner in cp_variants(cp, cp_comm_type)
-                                    for schedule in schedules(m, pp)]
+                                    for schedule in schedules(m, pp, zero)]
     return out
 
 

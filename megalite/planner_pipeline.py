@@ -6,8 +6,12 @@ backward).
 
 **Candidates** for PP = P > 1: ``1f1b``, and the zero-bubble ``zb-h1`` and ``zbv`` where
 megalite's own rules accept them (:func:`megalite.pipeline.checks.check_pipeline_schedule`: the
-local transformer implementation; zbv only when the L layers divide into 2P chunks). The
-interleaved 1F1B (virtual stages) is not planned. With PP = 1 there is one schedule, no bubble.
+local transformer implementation; zbv only when the L layers divide into 2P chunks), with
+ZeRO-0 or 1 only (``ZERO_BUBBLE_MAX_ZERO``): the dry run of zb-h1 and zbv under ZeRO-2 with
+--overlap-grad-reduce holds full fp32 gradients and more (a 13B at TP 2 x PP 2 x DP 8: 13.6 and
+25.5 GiB of gradients on its stages against ZeRO-2's 1.5), which the ZeRO-2 estimate does not
+describe. The interleaved 1F1B (virtual stages) is not planned. With PP = 1 there is one
+schedule, no bubble.
 
 **Bubble** (idle fraction of a step with F = B = W, averaged over ranks:
 :func:`megalite.pipeline.op_lists.theory_bubble`, cached per (schedule, P, M))::
@@ -22,20 +26,26 @@ runs 6 M unit ops, 3 per chunk), so b(M) = I / (6 M + I): the greedy order's idl
 little with M (P = 2: 1 or 2 units by parity), below 0.1% of the step there.
 
 **Memory** held by rank p, its local chunks c with A_c = one micro-batch's activations of the
-chunk and W_c = its W inputs (:func:`w_input_layer_bytes`): the most, over the moments right
-after an F or a B, of ``sum_c n_c A_c + w_c W_c``, where n_c counts the chunk's micro-batches
-whose B is pending and w_c those whose W is pending (after B the activations are freed but for
-what W keeps: the W inputs). From the simulated order (:func:`held_states`)::
+chunk, W_c = its W inputs (:func:`w_input_layer_bytes`) and G_c = its weight gradients (weight
+dtype): the most, over the moments right after an F or a B and while a W runs, of
+``sum_c n_c A_c + w_c W_c + r_c G_c``, where n_c counts the chunk's micro-batches whose B is
+pending, w_c those whose W is pending (after B the activations are freed but for what W keeps:
+the W inputs) and r_c = 1 while a W of the chunk runs (megalite's W makes all of a chunk's
+weight gradients, then accumulates them in one autograd call). From the simulated order
+(:func:`held_states`)::
 
     1F1B   n = min(P-p, M), w = 0                 stage 0: P A
-    ZB-H1  after F (P-p) A + p W; after B (P-p-1) A + (p+1) W   (M >= P)
-           so (P-p) A + p W when W <= A, whose maximum is stage 0's P A, 1F1B's peak;
-           when W > A (large TP: the row-parallel linears' output gradients are not split)
-           the last stage's P W is the peak
+    ZB-H1  after F (P-p) A + p W; during the W that follows each B (P-p-1) A + (p+1) W + G
+           (M >= P): (P-p) A + p W when W + G <= A; with W > A (large TP: the row-parallel
+           linears' output gradients are not split) the last stage's P W + G is the peak
     ZBV    two chunks of L/(2P) layers; at most 2P chunk activations (P A, 1F1B's stage 0)
            and 2P-2 pending chunk W's; rank 0 holds chunk 0 (embedding) and chunk 2P-1 (final
            norm, output layer, loss), so the embedding and the output layer are both on it
            (tied: megalite's two chunks keep a copy each and add their gradients on the rank)
+
+The dry run (tools/dry_run.py, meta) of a PP 4 model (8 layers, h 2048, s 2048) measures ZB-H1
+and ZBV within the few % of this estimate that it measures 1F1B (G is what made ZB-H1 ~7% more
+than the estimate without it).
 
 **Step time**, to compare the schedules of one layout: ``compute / (1 - bubble) + communication``
 with compute = model FLOPs per token x tokens per step / (GPUs x achieved FLOP/s)
@@ -64,6 +74,7 @@ if TYPE_CHECKING:  # the planner's dataclasses; the planner imports this module
 
 GiB = 2**30
 SCHEDULES = ("1f1b", "zb-h1", "zbv")
+ZERO_BUBBLE_MAX_ZERO = 1  # zb-h1/zbv planned with ZeRO-0/1 only (module docstring)
 SIMULATED_STAGE_MICRO = 2048  # simulate up to P x M = this (P = 16, M = 128: 0.1 s), and M >= 4P
 
 
@@ -84,10 +95,11 @@ def _allowed(num_layers: int, transformer_impl: str, pp: int, schedule: str) -> 
     return True
 
 
-def schedules(m: ModelConfig, pp: int) -> tuple[str, ...]:
-    """The schedules the planner considers for PP = ``pp``: 1f1b alone for pp = 1, else those of
-    ``SCHEDULES`` megalite's validation accepts for this model."""
-    if pp == 1:
+def schedules(m: ModelConfig, pp: int, zero: int = 0) -> tuple[str, ...]:
+    """The schedules the planner considers for PP = ``pp`` and ZeRO stage ``zero``: 1f1b alone
+    for pp = 1 or zero > ``ZERO_BUBBLE_MAX_ZERO``, else those of ``SCHEDULES`` megalite's
+    validation accepts for this model."""
+    if pp == 1 or zero > ZERO_BUBBLE_MAX_ZERO:
         return ("1f1b",)
     return tuple(s for s in SCHEDULES if _allowed(m.num_layers, m.transformer_impl, pp, s))
 
@@ -164,38 +176,44 @@ def moe_layers_on_rank(m: ModelConfig, schedule: str, P: int, rank: int) -> int:
 
 
 @lru_cache(maxsize=4096)
-def held_states(schedule: str, P: int, M: int, rank: int) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
-    """The (n_c, w_c) per local chunk right after each F and each B of the rank's simulated
-    order (module docstring), the dominated ones left out: the candidates for its peak."""
+def held_states(schedule: str, P: int, M: int, rank: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+    """The (n_c, w_c, r_c) per local chunk right after each F and each B and while each W runs
+    (r_c = 1 for the chunk whose W runs: its weight gradients exist at once) in the rank's
+    simulated order (module docstring), dominated ones left out: the candidates for its peak."""
     if schedule == "1f1b" or P == 1:
-        return (((in_flight(P, rank, M),), (0,)),)
-    if schedule == "zb-h1" and M >= P:  # after F, after B (module docstring; the simulation's, tested)
-        return (((P - rank - 1,), (rank + 1,)), ((P - rank,), (rank,)))
+        return (((in_flight(P, rank, M),), (0,), (0,)),)
+    if schedule == "zb-h1" and M >= P:  # after F; W(m-p) right after B(m) (the simulation's, tested)
+        return (((P - rank - 1,), (rank + 1,), (1,)), ((P - rank,), (rank,), (0,)))
     sim = simulation(schedule, P, min(M, simulated_micro_max(P)))
     chunks = len(local_chunks(schedule, P, rank))
     n, w, states = [0] * chunks, [0] * chunks, set()
     for op, _, _ in sim.timed[rank]:
+        running = [0] * chunks
         if op.kind == "F":
             n[op.chunk] += 1
         elif op.kind == "B":
             n[op.chunk], w[op.chunk] = n[op.chunk] - 1, w[op.chunk] + 1
-        elif op.kind == "W":
+        elif op.kind == "W":  # its inputs still held, its weight gradients made
+            running[op.chunk] = 1
+            states.add((tuple(n), tuple(w), tuple(running)))
             w[op.chunk] -= 1
             continue
-        states.add((tuple(n), tuple(w)))
+        states.add((tuple(n), tuple(w), tuple(running)))
     keep: list[tuple] = []  # largest totals first: a state is dominated only by one kept before it
-    for ns, ws in sorted(states, key=lambda s: -sum(s[0] + s[1])):
-        if not any(all(a >= b for a, b in zip(k[0] + k[1], ns + ws)) for k in keep):
-            keep.append((ns, ws))
+    for state in sorted(states, key=lambda s: -sum(s[0] + s[1] + s[2])):
+        if not any(all(a >= b for a, b in zip(sum(k, ()), sum(state, ()))) for k in keep):
+            keep.append(state)
     return tuple(sorted(keep))
 
 
-def held_bytes(schedule: str, P: int, M: int, rank: int, activations: list[float],
-               w_inputs: list[float]) -> tuple[float, tuple]:
-    """(bytes, the state (n_c, w_c) at the peak) of a rank's activations and W inputs, given one
-    micro-batch's activations and W inputs of each of its local chunks."""
-    return max(((sum(n * a for n, a in zip(ns, activations)) + sum(w * b for w, b in zip(ws, w_inputs)), (ns, ws))
-                for ns, ws in held_states(schedule, P, M, rank)), key=lambda x: x[0])
+def held_bytes(schedule: str, P: int, M: int, rank: int, activations: list[float], w_inputs: list[float],
+               w_gradients: list[float] | None = None) -> tuple[float, tuple]:
+    """(bytes, the state (n_c, w_c, r_c) at the peak) of a rank's activations, W inputs and the
+    weight gradients of a running W, given one micro-batch's activations and W inputs of each of
+    its local chunks and each chunk's weight gradients (``w_gradients``; none by default)."""
+    weights = list(activations) + list(w_inputs) + list(w_gradients or [0.0] * len(activations))
+    return max(((sum(x * y for x, y in zip(sum(state, ()), weights)), state)
+                for state in held_states(schedule, P, M, rank)), key=lambda x: x[0])
 
 
 # -- activations and W inputs ---------------------------------------------------------------------
@@ -222,7 +240,7 @@ _ACTIVATIONS: dict[tuple, tuple] = {}  # (id(m), layout at ZeRO-0, ...) -> (m, b
 def _stage_activations(m: ModelConfig, layout: Layout, stage: int, micro: int, num_micro: int, prec: Precision,
                        flash_attention: bool) -> tuple[float, tuple, float]:
     # the planner imports this module: its per-layer formula is imported when called
-    from megalite.planner import layer_activation_bytes
+    from megalite.planner import layer_activation_bytes, stage_parameters
 
     t, sp, cp = layout.tp, layout.sp, layout.cp
     args = dict(micro=micro, tp=t, sp=sp, cp=cp, act_bytes=prec.act_bytes, flash_attention=flash_attention)
@@ -237,9 +255,11 @@ def _stage_activations(m: ModelConfig, layout: Layout, stage: int, micro: int, n
     last = prec.act_bytes * sbh + 4 * m.seq_length / cp * micro * m.padded_vocab_size(t) / t  # norm, fp32 logits
     acts = [len(f) * per_layer + sum(f) * delta + first * (g == 0) + last * (g == chunks - 1)  # routed tokens
             for g, f in zip(mine, flags)]                                                  # for the dense MLP
-    wis = [0.0] * len(mine) if layout.schedule == "1f1b" else \
-        [w_input_chunk_bytes(m, chunks, g, micro, t, sp, cp, prec.act_bytes) for g in mine]
-    total, state = held_bytes(layout.schedule, layout.pp, num_micro, stage, acts, wis)
+    wis, dws = [0.0] * len(mine), [0.0] * len(mine)
+    if layout.schedule != "1f1b":  # W inputs; a W's weight gradients, made at once before they accumulate
+        wis = [w_input_chunk_bytes(m, chunks, g, micro, t, sp, cp, prec.act_bytes) for g in mine]
+        dws = [prec.weight_bytes * stage_parameters(m, t, chunks, g, layout.ep) for g in mine]
+    total, state = held_bytes(layout.schedule, layout.pp, num_micro, stage, acts, wis, dws)
     per_mb = acts[0]
     recomputed = 0.0
     if layout.recompute == "full":  # the layer being recomputed during backward (the larger kind)
@@ -343,7 +363,7 @@ def held_words(e: Estimate) -> str:
     """What the fullest stage holds at its peak, in micro-batches, per its schedule."""
     lay = e.layout
     where = f"pipeline stage {e.stage}" if lay.pp > 1 else "each GPU"
-    ns, ws = e.held or ((in_flight(lay.pp, e.stage, e.num_micro),), (0,))
+    ns, ws = e.held[:2] if e.held else ((in_flight(lay.pp, e.stage, e.num_micro),), (0,))
     n, w = sum(ns), sum(ws)
     unit = "chunk-micro-batch" if len(ns) > 1 else "micro-batch"
     words = f"{n} {unit}{'es' if n != 1 else ''} of activations"
@@ -370,14 +390,16 @@ def explain_schedule(p: Plan) -> list[str]:
                      + (f", {mem} on stage {e.stage}{held}, {fit}" if e.fits else f"{held}, {fit}"))
     missing = [s for s in SCHEDULES if s not in {e.layout.schedule for e in same}]
     why = {"zbv": f"{p.model.num_layers} layers do not divide into 2 x PP = {2 * lay.pp} chunks",
-           "zb-h1": f"--transformer-impl {p.model.transformer_impl} cannot defer weight gradients"}
+           "zb-h1": f"--transformer-impl {p.model.transformer_impl} cannot defer weight gradients"
+           if p.model.transformer_impl != "local" else
+           f"megalite's ZeRO-{lay.zero} does not yet shard the gradients under the B/W split"}
     if "zb-h1" not in missing and "zbv" in missing:
         parts.append(f"zbv not considered: {why['zbv']}")
     elif "zb-h1" in missing:
         parts.append(f"zero-bubble schedules not considered: {why['zb-h1']}")
-    lines = [f"Pipeline schedule {lay.schedule} (--pipeline-schedule {lay.schedule}), the fastest of this "
-             f"layout's schedules that fits with M = {chosen.num_micro}, P = {lay.pp}: " + "; ".join(parts) + "."]
-    return lines
+    fastest = ", the fastest of this layout's schedules that fits" if len(same) > 1 else ""
+    return [f"Pipeline schedule {lay.schedule} (--pipeline-schedule {lay.schedule}){fastest} with M = "
+            f"{chosen.num_micro}, P = {lay.pp}: " + "; ".join(parts) + "."]
 
 
 def same_layout(a: Layout, b: Layout) -> bool:

@@ -260,7 +260,7 @@ def _stage_activations(m: ModelConfig, layout: Layout, stage: int, micro: int, n
         wis = [w_input_chunk_bytes(m, chunks, g, micro, t, sp, cp, prec.act_bytes) for g in mine]
         dws = [prec.weight_bytes * stage_parameters(m, t, chunks, g, layout.ep) for g in mine]
     total, state = held_bytes(layout.schedule, layout.pp, num_micro, stage, acts, wis, dws)
-    per_mb = acts[0]
+    others = total - acts[0]  # what the rank holds besides one micro-batch of its first chunk
     recomputed = 0.0
     if layout.recompute == "full":  # the layer being recomputed during backward (the larger kind)
         recomputed = layer_activation_bytes(m, recompute="none", **args)
@@ -273,7 +273,7 @@ def _stage_activations(m: ModelConfig, layout: Layout, stage: int, micro: int, n
     if any(moe_flags):  # an MoE layer's dispatch buffers (forward) or expert weight gradients (backward)
         # while one micro-batch holds its layers up to the stage's last MoE layer
         upto = max(i for i, f in enumerate(moe_flags) if f) + 1
-        held = total - per_mb + first + upto * per_layer + sum(moe_flags[:upto]) * delta + recomputed
+        held = others + first + upto * per_layer + sum(moe_flags[:upto]) * delta + recomputed
         total = max(total, held + max(moe_planning.transient_bytes(m, **moe, weight_bytes=prec.weight_bytes)))
     return total, state, sum(w * b for w, b in zip(state[1], wis))
 

@@ -179,6 +179,10 @@ class GradSync:
             (b.grad if b.grad is not None else b.grad_shard).zero_()
 
     def _on_grad(self, param) -> None:
+        if param.grad is None:
+            # No new gradient: a zero-bubble B deferred this weight's to its W (autograd still
+            # visits the AccumulateGrad node, with an undefined gradient, and runs the hook).
+            return
         bucket, start, numel = self._where[param]
         g = param.grad.detach().reshape(-1)
         if self.stage <= 1:

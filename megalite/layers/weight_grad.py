@@ -57,7 +57,13 @@ class WeightGradStore:
 
     def defer(self, weight: torch.Tensor, fn) -> torch.Tensor | None:
         """Keep ``fn`` (-> dW) for the W of the current key and return None (no weight
-        gradient now); with no current key return ``fn()`` (a fused backward)."""
+        gradient now); with no current key return ``fn()`` (a fused backward).
+
+        ``weight`` must be the tensor object the layer's forward received (kept on the
+        autograd context), not the one ``ctx.saved_tensors`` gives back: under activation
+        recomputation that is a fresh alias whose link to the parameter's AccumulateGrad is
+        weak, and once B's graph is freed, a backward into it would fill the alias's .grad
+        instead of the parameter's."""
         if self.key is None:
             return fn()
         self.pending[self.key].append((weight, fn))
@@ -141,7 +147,7 @@ class _SplitLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, store):
         ctx.save_for_backward(x, weight)
-        ctx.store, ctx.has_bias = store, bias is not None
+        ctx.store, ctx.has_bias, ctx.target = store, bias is not None, weight
         return F.linear(x, weight, bias)  # autocast, when on, casts inside as F.linear does
 
     @staticmethod
@@ -149,7 +155,7 @@ class _SplitLinear(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         dx = dy.matmul(weight.to(dy.dtype)).to(x.dtype) if ctx.needs_input_grad[0] else None
         db = _flat(dy).sum(0) if ctx.has_bias else None
-        dw = ctx.store.defer(weight, _Deferred(lambda d, i: _linear_weight_grad(d, i, weight.dtype), dy, x))
+        dw = ctx.store.defer(ctx.target, _Deferred(lambda d, i: _linear_weight_grad(d, i, weight.dtype), dy, x))
         return dx, dw, db, None
 
 
@@ -172,7 +178,7 @@ class _SplitSequenceParallelLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, group, store):
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.store, ctx.has_bias = group, store, bias is not None
+        ctx.group, ctx.store, ctx.has_bias, ctx.target = group, store, bias is not None, weight
         return F.linear(comm.all_gather_dim0(x, group), weight, bias)
 
     @staticmethod
@@ -188,7 +194,7 @@ class _SplitSequenceParallelLinear(torch.autograd.Function):
         def weight_grad(d, shard):
             return _linear_weight_grad(d, comm.all_gather_dim0(shard.contiguous(), group), weight.dtype)
 
-        dw = ctx.store.defer(weight, _Deferred(weight_grad, dy, x))
+        dw = ctx.store.defer(ctx.target, _Deferred(weight_grad, dy, x))
         return dx.to(x.dtype), dw, db, None, None
 
 

@@ -114,7 +114,7 @@ class _SplitGroupedLinear(torch.autograd.Function):
         from megalite.kernels.grouped_gemm import grouped_matmul
 
         ctx.save_for_backward(x, w, offsets)
-        ctx.counts, ctx.store = counts, store
+        ctx.counts, ctx.store, ctx.target = counts, store, w  # see WeightGradStore.defer
         return grouped_matmul(x, w, offsets, counts)
 
     @staticmethod
@@ -124,7 +124,7 @@ class _SplitGroupedLinear(torch.autograd.Function):
         x, w, offsets = ctx.saved_tensors
         dy = dy.contiguous()
         dx = grouped_matmul(dy, w.transpose(1, 2), offsets, ctx.counts) if ctx.needs_input_grad[0] else None
-        dw = ctx.store.defer(w, _Deferred(grouped_weight_grad, dy, x, offsets))
+        dw = ctx.store.defer(ctx.target, _Deferred(grouped_weight_grad, dy, x, offsets))
         return dx, dw, None, None, None
 
 

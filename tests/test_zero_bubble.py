@@ -225,3 +225,52 @@ def test_zero_bubble_refuses_transformer_engine():
     with pytest.raises(ConfigError, match="--transformer-impl transformer_engine"):
         from megalite.pipeline.checks import check_pipeline_schedule
         check_pipeline_schedule(config.model, config.parallel, config.train)
+
+
+# -- memory ---------------------------------------------------------------------------------------
+def _memory_worker(rank, world, m):
+    """Peak bytes allocated during the step (memory tracker) under 1F1B and ZB-H1, and the
+    W inputs one micro-batch keeps between its B and its W (counted by the store)."""
+    from megalite.memory_tracker import MemoryTracker
+    from megalite.pipeline import executor
+    config = make_config(4, pp=world)
+    config.train.global_batch_size = MICRO * m
+    grid = build_grid(config.parallel, world, rank)
+    chunks = build_model_chunks(config, grid)
+    for c in chunks:
+        c.init_weights(3)
+    batches = micro_batches(config.model, m)
+    peaks, w_inputs = {}, []
+    real = executor.ScheduleExecutor.run
+
+    def run(self, *a):
+        real(self, *a)
+        w_inputs.append(self.w_input_bytes)
+
+    executor.ScheduleExecutor.run = run
+    for schedule in ("1f1b", "zb-h1", "1f1b"):  # 1F1B twice: the first run warms up lazy state
+        config.train.pipeline_schedule = schedule
+        for c in chunks:
+            c.zero_grad(set_to_none=True)
+        with MemoryTracker() as tracker:
+            forward_backward(chunks, batches, config.train, grid=grid)
+        peaks[schedule] = tracker.peak
+    executor.ScheduleExecutor.run = real
+    shape = (config.model.seq_length, MICRO, config.model.hidden_size)
+    return peaks, w_inputs[0], torch.Size(shape).numel() * 4
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_zb_h1_memory_is_1f1b_plus_the_w_inputs_of_p_micro_batches(world):
+    """Stage p under ZB-H1 holds at most 1F1B's P - p micro-batches of activations, and W
+    inputs (the inputs of its linears and the gradients of their outputs) of at most p + 1
+    micro-batches: right after B of micro-batch j, the W's of j - p .. j wait. So
+    peak(ZB-H1) <= peak(1F1B) + (p + 1) * W_inputs, where W_inputs is what the store keeps
+    for one micro-batch (counted by storage, so shared inputs count once)."""
+    for p, (peaks, w_inputs, message) in enumerate(run_world(_memory_worker, world, 3 * world)):
+        assert w_inputs > 2 * message  # a layer's linears keep several activation-sized tensors
+        bound = peaks["1f1b"] + (p + 1) * w_inputs
+        assert peaks["zb-h1"] <= bound, (p, peaks, w_inputs)
+        print(f"P={world} stage {p}: 1F1B {peaks['1f1b']} B, ZB-H1 {peaks['zb-h1']} B "
+              f"(+{(peaks['zb-h1'] - peaks['1f1b']) / w_inputs:.2f} W inputs), W inputs {w_inputs} "
+              f"B/micro-batch, bound {bound}")

@@ -70,17 +70,33 @@ class WeightGradStore:
         return None
 
     def run(self, key) -> None:
-        """W of ``key``: compute its weight gradients and accumulate them into the parameters
-        (one autograd call, so hooks fire as in a fused backward)."""
+        """W of ``key``: compute its weight gradients and accumulate them into the parameters.
+
+        Each dW goes into its parameter as soon as it is computed (its inputs are dropped
+        then too), so W holds one dW at a time, as a fused backward does. A parameter used
+        twice in the chunk (a tied embedding and output layer) and a weight reached through
+        other autograd nodes (stacked experts' ``unbind``) are fed in one final
+        ``torch.autograd.backward``: the engine sums a parameter's contributions before its
+        AccumulateGrad, so every parameter's hooks fire once per micro-batch, as in a fused
+        backward."""
         work = self.pending.pop(key, [])
-        if not work:
-            return
-        weights, grads = [], []
-        with torch.no_grad():  # as inside a backward: nothing here is differentiated
-            for weight, fn in work:
-                weights.append(weight)
-                grads.append(fn())
-        torch.autograd.backward(weights, grads)
+        uses: dict[int, int] = defaultdict(int)
+        for weight, _ in work:
+            uses[id(weight)] += 1
+        later_weights, later_grads = [], []
+        work.reverse()
+        while work:
+            weight, fn = work.pop()
+            with torch.no_grad():  # as inside a backward: nothing here is differentiated
+                grad = fn()
+            del fn  # its x and dy go now
+            if weight.is_leaf and uses[id(weight)] == 1:
+                torch.autograd.backward(weight, grad)
+            else:
+                later_weights.append(weight)
+                later_grads.append(grad)
+        if later_weights:
+            torch.autograd.backward(later_weights, later_grads)
 
     def stored_bytes(self, key=None) -> int:
         """Bytes the pending closures keep alive (x and dy of every deferred node), for one

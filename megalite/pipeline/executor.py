@@ -63,6 +63,7 @@ class ScheduleExecutor:
         self.store = WeightGradStore()
         self.losses: list[torch.Tensor] = []
         self.max_in_flight = 0  # chunk activations whose B is pending, peak
+        self.w_input_bytes = 0  # the most one (micro-batch, chunk) kept for its W (docs/pipeline.md)
         self._saved: dict = {}  # (micro, chunk) -> (input, output)
         self._outbox: dict = {}  # (kind, micro, global chunk) -> tensor to send
         self._inbox: dict = {}  # (kind, micro, global chunk) -> (work or None, tensor)
@@ -81,8 +82,10 @@ class ScheduleExecutor:
                 if key not in self._outbox:
                     break  # not computed yet: later messages wait behind it
                 data = self._outbox.pop(key)
+                peer = self._peer(dst)
+                self._finish_sends(peer)
                 comm._record("send", data, group=self.comm.group)
-                self._sending.append((dist.isend(data, self._peer(dst), group=self.comm.group, tag=TAG), data))
+                self._sending.append((dist.isend(data, peer, group=self.comm.group, tag=TAG), data, peer))
             else:
                 buf = self.comm._empty()
                 self._inbox[key] = (dist.irecv(buf, self._peer(src), group=self.comm.group, tag=TAG), buf)
@@ -90,7 +93,22 @@ class ScheduleExecutor:
         if is_fake():  # fake works never report completion
             self._sending.clear()
         else:
-            self._sending = [(w, d) for w, d in self._sending if not w.is_completed()]
+            self._sending = [s for s in self._sending if not s[0].is_completed()]
+
+    def _finish_sends(self, peer: int) -> None:
+        """Wait for the sends still open to ``peer`` before posting another: at most one
+        message per link is held beyond its operation. (NCCL reports a finished send;
+        gloo only after ``wait()``, so without this a CPU rank would hold every send of the
+        step.) Waiting on a posted send cannot deadlock: the receiver posts its receive once
+        every earlier message of the global order is posted, and those were all produced by
+        operations that need nothing this rank has not sent yet (module docstring)."""
+        open_sends = []
+        for work, data, to in self._sending:
+            if to == peer:
+                work.wait()
+            else:
+                open_sends.append((work, data, to))
+        self._sending = open_sends
 
     def _take(self, kind: str, micro: int, g: int) -> torch.Tensor:
         key = (kind, micro, g)
@@ -153,6 +171,8 @@ class ScheduleExecutor:
             return x.grad if x is not None else None
 
         gx = self._record(kind, micro, c, run)
+        if kind == "B":
+            self.w_input_bytes = max(self.w_input_bytes, self.store.stored_bytes((micro, c)))
         if g > 0:
             self._give("grad", micro, g, gx)
 
@@ -171,7 +191,7 @@ class ScheduleExecutor:
                 else:
                     self._backward(op.micro, op.chunk, op.kind)
             self._post()
-        for work, _ in self._sending:
+        for work, *_ in self._sending:
             work.wait()
         self._sending.clear()
         left = [k for k in self._inbox] + list(self.queue) + list(self.store.pending) + list(self._saved)

@@ -212,6 +212,19 @@ class Simulation:
                 fb -= 1
         return best
 
+    def peak_memory(self, rank: int, activation: float = 1.0, w_inputs: float = 1.0) -> float:
+        """The most a rank holds at any operation boundary: chunk activations whose B is
+        pending times ``activation`` plus chunk W's pending times ``w_inputs`` (per chunk and
+        micro-batch). Exact for the schedule, unlike :meth:`peak_counts`, which looks only
+        right after each F: in ZBV's cool-down B's turn activations into W inputs."""
+        fb = w = 0
+        best = 0.0
+        for op, _, _ in self.timed[rank]:
+            fb += {"F": 1, "B": -1, "BW": -1}.get(op.kind, 0)
+            w += {"B": 1, "W": -1}.get(op.kind, 0)
+            best = max(best, fb * activation + w * w_inputs)
+        return best
+
     def messages(self) -> list[tuple]:
         """Every p2p message of the step in one global order: (produced at, src, dst, kind,
         micro, receiving global chunk), kind "act" or "grad". Sorted by when the simulation

@@ -161,8 +161,11 @@ class GradSync:
             return torch.zeros(numel, dtype=self.grad_dtype, device=self.device)
 
     # -- per step ---------------------------------------------------------------------------------
-    def start_step(self, num_micro: int) -> None:
-        """Zero the buffers; the step will run ``num_micro`` micro-batches."""
+    def start_step(self, num_micro: int, order: list | None = None) -> None:
+        """Zero the buffers; the step will run ``num_micro`` micro-batches. ``order``: the
+        (bucket, micro-batch) reductions of stages 2/3 with overlap in another order than
+        micro-batch by micro-batch (a zero-bubble schedule's, see DistributedOptimizer); it
+        must be the same on every rank of the group."""
         self.num_micro = num_micro
         self._counts = {p: 0 for p in self._where}
         self.launch_log = []
@@ -172,7 +175,7 @@ class GradSync:
         # (2/3 then sum the micro-batches in one staging buffer: holding one per micro-batch
         # until the end would cost M full gradients). Stages 2/3 with overlap: one per micro-batch.
         self._order = [(i, num_micro - 1) for i in range(n)] if self.stage <= 1 or not self.overlap else \
-            [(i, j) for j in range(num_micro) for i in range(n)]
+            list(order) if order is not None else [(i, j) for j in range(num_micro) for i in range(n)]
         self._next = 0
         for b in self.buckets:
             b.staging = {}

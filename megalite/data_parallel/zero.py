@@ -34,6 +34,7 @@ from megalite.data_parallel.adamw import FlatAdamW
 from megalite.data_parallel.ddp import GradSync, group_by_size
 from megalite.data_parallel.sharded_params import ShardedParameters
 from megalite.memory_tracker import category
+from megalite.pipeline.checks import ZERO_BUBBLE
 from megalite.parallel import comm
 from megalite.parallel.sharding import is_expert, is_tensor_parallel, sum_local_tied_copies
 
@@ -81,7 +82,19 @@ class DistributedOptimizer:
                 groups += layers + [[p for p in reversed(list(c.parameters())) if p not in in_layers]]
         else:  # by size, in reverse order of definition (roughly the order backward produces them)
             params = [p for c in reversed(self.chunks) for p in reversed(list(c.parameters()))]
-            groups = group_by_size(params, bucket_size, isolate=lambda p: getattr(p, "tied_embedding", False))
+            tied = lambda p: getattr(p, "tied_embedding", False)  # noqa: E731
+            if t.pipeline_schedule in ZERO_BUBBLE:
+                # Per chunk (ZBV's two chunks finish a micro-batch at different times), gradients
+                # made by B (norms, biases) apart from those made by W: no bucket waits from one
+                # micro-batch's B to its W (see layers.weight_grad.mark_deferred).
+                groups = []
+                for c in reversed(self.chunks):
+                    mine = list(reversed(list(c.parameters())))
+                    for in_w in (False, True):
+                        part = [p for p in mine if getattr(p, "deferred_wgrad", False) == in_w]
+                        groups += group_by_size(part, bucket_size, tied)
+            else:
+                groups = group_by_size(params, bucket_size, isolate=tied)
         groups = [[p for p in g if p.requires_grad] for g in groups]
         groups = [g for g in groups if g]
         params = [p for g in groups for p in g]
@@ -125,9 +138,33 @@ class DistributedOptimizer:
 
     # -- the train-step protocol ------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True, num_micro: int = 1) -> None:
-        self.sync.start_step(num_micro)
+        self.sync.start_step(num_micro, self._arrival_order(num_micro))
         if self.sharded is not None:
             self.sharded.begin_step()
+
+    def _arrival_order(self, num_micro: int):
+        """Under a zero-bubble schedule with ZeRO-2 and overlap: the (bucket, micro-batch)
+        reductions in the order the rank's operation list completes them (a bucket's gradients
+        of micro-batch j are complete after the last B or W that makes one of them), the same on
+        every rank of the group (they run the same list). ZBV runs the W's of its two chunks
+        out of micro-batch order, so the default order, every bucket of micro-batch j before
+        any of j + 1, would keep several micro-batches' staging buffers waiting. None: the
+        default order."""
+        grid, t = self.grid, self.t
+        if t.pipeline_schedule not in ZERO_BUBBLE or self.stage < 2 or not self.sync.overlap or grid is None:
+            return None
+        from megalite.pipeline.op_lists import rank_ops
+
+        ops = rank_ops(t.pipeline_schedule, grid.layout.pp, num_micro, grid.pp_rank)
+        position = {(op.kind, op.micro, op.chunk): k for k, op in enumerate(ops)}
+        chunk_of = {p: c for c, chunk in enumerate(self.chunks) for p in chunk.parameters()}
+
+        def done(i: int, j: int) -> int:
+            return max(position[("W" if getattr(p, "deferred_wgrad", False) else "B", j, chunk_of[p])]
+                       for p in self.sync.buckets[i].params)
+
+        pairs = [(i, j) for j in range(num_micro) for i in range(len(self.sync.buckets))]
+        return sorted(pairs, key=lambda ij: (done(*ij), ij[1], ij[0]))
 
     def finish_grad_sync(self) -> None:
         """Wait for the DP reduction, then the cross-group sums (SP over TP, tied embedding)."""

@@ -26,7 +26,7 @@ from torch import nn
 from megalite.parallel import comm
 from megalite.parallel.comm import group_rank, group_size
 from megalite.parallel.sharding import TPSplit, mark_sequence_parallel, mark_tensor_parallel
-from megalite.layers.weight_grad import embedding, linear, sequence_parallel_split_linear
+from megalite.layers.weight_grad import embedding, linear, mark_deferred, sequence_parallel_split_linear
 
 
 def _divide(n: int, d: int, what: str) -> int:
@@ -90,7 +90,7 @@ class ColumnParallelLinear(nn.Module):
         self.sections = sections
         tp, rank = group_size(tp_group), group_rank(tp_group)
         local_out = _divide(out_features, tp * sections, "output features / sections") * sections
-        self.weight = nn.Parameter(torch.empty(local_out, in_features))
+        self.weight = mark_deferred(nn.Parameter(torch.empty(local_out, in_features)))
         mark_tensor_parallel(self.weight, (out_features, in_features), TPSplit(0, sections), rank, tp)
         if bias:
             self.bias = nn.Parameter(torch.zeros(local_out))
@@ -121,7 +121,7 @@ class RowParallelLinear(nn.Module):
         self.tp_group, self.sequence_parallel = tp_group, sequence_parallel
         self.input_is_parallel = input_is_parallel
         tp, rank = group_size(tp_group), group_rank(tp_group)
-        self.weight = nn.Parameter(torch.empty(out_features, _divide(in_features, tp, "input features")))
+        self.weight = mark_deferred(nn.Parameter(torch.empty(out_features, _divide(in_features, tp, "input features"))))
         mark_tensor_parallel(self.weight, (out_features, in_features), TPSplit(1), rank, tp)
         if bias:
             self.bias = nn.Parameter(torch.zeros(out_features))
@@ -155,7 +155,7 @@ class VocabParallelEmbedding(nn.Module):
         tp, rank = group_size(tp_group), group_rank(tp_group)
         self.local_vocab = _divide(padded_vocab_size, tp, "padded vocabulary")
         self.vocab_start = rank * self.local_vocab
-        self.weight = nn.Parameter(torch.empty(self.local_vocab, hidden_size))
+        self.weight = mark_deferred(nn.Parameter(torch.empty(self.local_vocab, hidden_size)))
         mark_tensor_parallel(self.weight, (padded_vocab_size, hidden_size), TPSplit(0), rank, tp)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -120,6 +120,15 @@ class WeightGradStore:
 _STORE: WeightGradStore | None = None  # set while a zero-bubble schedule runs
 
 
+def mark_deferred(param: torch.Tensor) -> torch.Tensor:
+    """Flag a parameter whose gradient W produces (under the split). The distributed optimizer
+    buckets these apart from the parameters whose gradient B produces (norms, biases, the
+    router): a bucket mixing both would stage its gradients from a micro-batch's B until that
+    micro-batch's W, p micro-batches later, under ZeRO-2."""
+    param.deferred_wgrad = True
+    return param
+
+
 def active_store() -> WeightGradStore | None:
     return _STORE
 

@@ -44,7 +44,7 @@ from megalite.layers.fp8 import fp8_autocast
 from megalite.layers.norms import build_norm
 from megalite.layers import transformer_engine as te_layers
 from megalite.layers.rotary import apply_rotary, rotary_angles
-from megalite.layers.weight_grad import embedding, linear
+from megalite.layers.weight_grad import embedding, linear, mark_deferred
 from megalite.moe.block import MoEMLP
 from megalite.moe.settings import moe_layers
 from megalite.layers.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
@@ -270,6 +270,7 @@ class GPTModel(nn.Module):
         if pre_process:
             if cfg.position_embedding_type == "learned_absolute":
                 self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+                mark_deferred(self.position_embeddings.weight)
                 if sequence_parallel:
                     mark_sequence_parallel(self.position_embeddings.weight)
             self.embedding_dropout = ParallelDropout(cfg.hidden_dropout, sequence_parallel)

@@ -28,7 +28,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from megalite.layers.weight_grad import _Deferred, active_store, linear
+from megalite.layers.weight_grad import _Deferred, active_store, linear, mark_deferred
 from megalite.moe.dispatch import host_ints
 
 
@@ -137,8 +137,8 @@ class GroupedExperts(nn.Module):
         self.num_local, self.first, self.swiglu, self.grouped_gemm = num_local, first, swiglu, grouped_gemm
         self.hidden, self.ffn = hidden, ffn
         sections = 2 if swiglu else 1
-        self.w1 = nn.Parameter(torch.empty(num_local, sections * ffn, hidden))
-        self.w2 = nn.Parameter(torch.empty(num_local, hidden, ffn))
+        self.w1 = mark_deferred(nn.Parameter(torch.empty(num_local, sections * ffn, hidden)))
+        self.w2 = mark_deferred(nn.Parameter(torch.empty(num_local, hidden, ffn)))
 
     def forward(self, x_sorted: torch.Tensor, counts) -> torch.Tensor:
         """``counts``: host ints or a device tensor (see the module docstring)."""

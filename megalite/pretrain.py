@@ -177,13 +177,13 @@ def step_trace(args, iteration: int, t, device) -> Trace | None:
     return Trace(Clock(device))
 
 
-def write_trace(trace_dir: str, trace, grid, num_micro: int, num_chunks: int) -> None:
+def write_trace(trace_dir: str, trace, grid, num_micro: int, num_chunks: int, schedule: str = "1f1b") -> None:
     os.makedirs(trace_dir, exist_ok=True)
     path = os.path.join(trace_dir, f"trace_rank{grid.rank:03d}.json")
     with open(path + ".tmp", "w") as f:
         json.dump({"rank": grid.rank, "pp_rank": grid.pp_rank, "tp_rank": grid.tp_rank,
                    "dp_rank": grid.dp_rank, "P": grid.layout.pp, "V": num_chunks, "M": num_micro,
-                   "events": trace.events}, f)
+                   "schedule": schedule, "events": trace.events}, f)
     os.replace(path + ".tmp", path)
 
 
@@ -226,7 +226,13 @@ def pretrain(argv=None) -> list[dict]:
         say(moe_summary(m, grid.layout))
     if grid.layout.pp > 1:
         v = virtual_stages(config)
-        schedule = f"interleaved 1F1B, {v} chunks per rank" if v > 1 else t.pipeline_schedule
+        schedule = t.pipeline_schedule
+        if t.pipeline_schedule == "zbv":
+            schedule = "zbv, 2 chunks per rank in a V (rank p: chunks p and 2P-1-p), B and W apart"
+        elif t.pipeline_schedule == "zb-h1":
+            schedule = "zb-h1 (1F1B with B and W apart)"
+        elif v > 1:
+            schedule = f"interleaved 1F1B, {v} chunks per rank"
         say(f"pipeline: {grid.layout.pp} stages x {v} chunk(s) of {m.num_layers // (grid.layout.pp * v)} "
             f"layer(s); schedule {schedule}")
     say(f"device: {device}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
@@ -333,7 +339,7 @@ def pretrain(argv=None) -> list[dict]:
                 or faults["KILL_AT_ITERATION"] == iteration + 1):  # else: no sync, the GPU stays fed
             records = steps.flush()
             if trace is not None:
-                write_trace(args.pipeline_trace, trace, grid, num_micro, len(model))
+                write_trace(args.pipeline_trace, trace, grid, num_micro, len(model), t.pipeline_schedule)
             if evaluate_now:
                 with optimizer.full_weights():
                     val = evaluate(model, [to_device(next(valid_iter), device)

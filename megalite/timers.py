@@ -61,15 +61,16 @@ class StepTimers:
         self._seconds[name] += seconds
 
     def add_trace(self, trace) -> None:
-        """A pipeline schedule's trace: its F and B steps count as forward and backward when
-        the times are read (its marks are not resolved before, so no sync at the step)."""
+        """A pipeline schedule's trace: its F steps count as forward, its B and W steps (and
+        BW, B and W fused) as backward, when the times are read (its marks are not resolved
+        before, so no sync at the step)."""
         self._traces.append(trace)
 
     def milliseconds(self) -> dict[str, float]:
         out = {name: 1e3 * s for name, s in self._seconds.items()}
         for trace in self._traces:
             events = trace.events
-            for op, key in (("F", "forward"), ("B", "backward")):
+            for op, key in (("F", "forward"), ("B", "backward"), ("W", "backward"), ("BW", "backward")):
                 out[key] = out.get(key, 0.0) + 1e3 * sum(e[4] - e[3] for e in events if e[0] == op)
         for name, spans in self._spans.items():
             total = sum(self.clock.seconds(b) - self.clock.seconds(a) for a, b in spans)

@@ -26,7 +26,8 @@ MOE = list(MOE_MODEL) + ["--expert-model-parallel-size", "2"]
 
 def _pretrain(argv) -> list:
     from megalite.pretrain import pretrain
-    return [(r["iteration"], r["loss"], r["grad_norm"]) for r in pretrain(argv)]
+    return [(r["iteration"], r["loss"], r["grad_norm"]) + ((r["valid_loss"],) if "valid_loss" in r else ())
+            for r in pretrain(argv)]
 
 
 @functools.lru_cache
@@ -104,6 +105,8 @@ def world4(tmp_path_factory):
     iters = ["--train-iters", ITERS]
     runs = [(name, BASE + flags + iters) for name, flags in {**RUNS4, **MOE_RUNS4}.items()]
     runs += [(f"fp16 {s}", BASE + FP16 + ["--pipeline-schedule", s] + iters) for s in ("1f1b", "zb-h1", "zbv")]
+    evaluation = ["--train-iters", "2", "--eval-interval", "2", "--eval-iters", "2"]
+    runs += [(f"eval {s}", BASE + PP2 + ["--pipeline-schedule", s] + evaluation) for s in ("1f1b", "zbv")]
     dropout = ["--hidden-dropout", "0.1"]  # the resume must restore the random streams too
     zbv = PP2 + ["--pipeline-schedule", "zbv"]
     runs += [("zbv saved", BASE + zbv + dropout + iters + ["--save", ckpt + "/a", "--save-interval", "2"]),
@@ -143,6 +146,12 @@ def test_checkpoint_saved_under_zbv_resumes(world4):
             assert worst_rel([r[1:] for r in out[resumed]], [r[1:] for r in out[saved][2:]]) < TOL
 
 
+def test_evaluation_under_zbv_equals_1f1b(world4):
+    """Evaluation runs forward only through the V (rank 0 embeds and computes the loss)."""
+    for out in world4:
+        assert out["eval zbv"][-1][3] == pytest.approx(out["eval 1f1b"][-1][3], rel=TOL)
+
+
 def test_gradient_reduction_stays_overlapped(world4):
     for out in world4:
         overlapped, not_early, launches = out["overlap"]
@@ -170,3 +179,41 @@ def test_zero_bubble_pretrain_on_8_ranks_matches_single_process(names):
     for name in names:
         worst = max(worst_rel([r[1:] for r in out[name]], serial) for out in results)
         assert worst < TOL, (name, worst)
+
+
+# -- the meta dry run (placement oracle) ---------------------------------------------------------
+ZB_LAYOUTS = {
+    "tp2-pp2-dp4-zb-h1-zero2-overlap": (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                         "--pipeline-schedule", "zb-h1", "--zero-stage", "2",
+                                         "--overlap-grad-reduce"], [0, 9, 15]),
+    "llama-tp2-pp4-dp2-zbv-sp-bf16": (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4",
+                                       "--pipeline-schedule", "zbv", "--sequence-parallel", "--bf16",
+                                       "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+                                       "--num-query-groups", "2", "--disable-bias-linear"], [0, 5, 15]),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(ZB_LAYOUTS))
+def test_zero_bubble_meta_dry_run_every_role(monkeypatch, layout):
+    """One rank of each role of a 16-rank layout on meta tensors and the fake process group:
+    the schedules, the split and the reductions create nothing on the wrong device."""
+    import sys
+    from pathlib import Path
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_dry_run import _cpu_tensors_meeting_meta, dry_run
+    from megalite import training
+
+    flags, ranks = ZB_LAYOUTS[layout]
+    seen, Watch = _cpu_tensors_meeting_meta(flags)
+    step = training.train_step
+
+    def watched(*args, **kwargs):
+        with Watch():
+            return step(*args, **kwargs)
+
+    monkeypatch.setattr("megalite.pretrain.train_step", watched)
+    for rank in ranks:
+        log = dry_run(monkeypatch, 16, rank, flags)
+        assert [r["iteration"] for r in log] == [1, 2] and log[-1]["comm_bytes"], (layout, rank)
+        assert "valid_loss" in log[-1]  # evaluation (forward only, V placement for zbv) ran too
+    assert seen == [], sorted(set(seen))

@@ -69,6 +69,7 @@ class DistributedOptimizer:
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
         self.t, self.grid, self.stage, self.offload = t, grid, stage, offload
+        self._orders: dict[int, list] = {}  # zero-bubble ZeRO-2 reduction orders, per M
         self.chunks = list(chunks)
         self.model_dtype = param_dtype
         grad_dtype = grad_dtype or param_dtype
@@ -153,6 +154,8 @@ class DistributedOptimizer:
         grid, t = self.grid, self.t
         if t.pipeline_schedule not in ZERO_BUBBLE or self.stage < 2 or not self.sync.overlap or grid is None:
             return None
+        if num_micro in self._orders:  # the same every step: computed once per M
+            return self._orders[num_micro]
         from megalite.pipeline.op_lists import rank_ops
 
         ops = rank_ops(t.pipeline_schedule, grid.layout.pp, num_micro, grid.pp_rank)
@@ -164,7 +167,8 @@ class DistributedOptimizer:
                        for p in self.sync.buckets[i].params)
 
         pairs = [(i, j) for j in range(num_micro) for i in range(len(self.sync.buckets))]
-        return sorted(pairs, key=lambda ij: (done(*ij), ij[1], ij[0]))
+        self._orders[num_micro] = sorted(pairs, key=lambda ij: (done(*ij), ij[1], ij[0]))
+        return self._orders[num_micro]
 
     def finish_grad_sync(self) -> None:
         """Wait for the DP reduction, then the cross-group sums (SP over TP, tied embedding)."""

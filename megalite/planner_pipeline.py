@@ -7,10 +7,13 @@ backward).
 **Candidates** for PP = P > 1: ``1f1b``, and the zero-bubble ``zb-h1`` and ``zbv`` where
 megalite's own rules accept them (:func:`megalite.pipeline.checks.check_pipeline_schedule`: the
 local transformer implementation; zbv only when the L layers divide into 2P chunks), with
-ZeRO-0 or 1 only (``ZERO_BUBBLE_MAX_ZERO``): the dry run of zb-h1 and zbv under ZeRO-2 with
---overlap-grad-reduce holds full fp32 gradients and more (a 13B at TP 2 x PP 2 x DP 8: 13.6 and
-25.5 GiB of gradients on its stages against ZeRO-2's 1.5), which the ZeRO-2 estimate does not
-describe. The interleaved 1F1B (virtual stages) is not planned. With PP = 1 there is one
+ZeRO-0 to 2 (``ZERO_BUBBLE_MAX_ZERO``): megalite's ZeRO-2 buckets each chunk's gradients apart,
+those B makes apart from those W makes, and reduces them in the order the rank completes them,
+so the dry run of a 13B at TP 2 x PP 2 x DP 8 with --overlap-grad-reduce holds under zb-h1 the
+gradients 1F1B holds (1.73 and 2.01 GiB against 1.73 and 2.20) and under zbv 2.07 and 1.66
+(rank 0 keeps both tied copies of the embedding, each a bucket of its own); the planner counts
+one bucket being filled, as for 1F1B. ZeRO-3 (weights gathered per layer) is not planned with
+them. The interleaved 1F1B (virtual stages) is not planned. With PP = 1 there is one
 schedule, no bubble.
 
 **Bubble** (idle fraction of a step with F = B = W, averaged over ranks:
@@ -26,12 +29,13 @@ runs 6 M unit ops, 3 per chunk), so b(M) = I / (6 M + I): the greedy order's idl
 little with M (P = 2: 1 or 2 units by parity), below 0.1% of the step there.
 
 **Memory** held by rank p, its local chunks c with A_c = one micro-batch's activations of the
-chunk, W_c = its W inputs (:func:`w_input_layer_bytes`) and G_c = its weight gradients (weight
-dtype): the most, over the moments right after an F or a B and while a W runs, of
-``sum_c n_c A_c + w_c W_c + r_c G_c``, where n_c counts the chunk's micro-batches whose B is
+chunk, W_c = its W inputs (:func:`w_input_layer_bytes`) and G_c = what a running W of the chunk
+adds to them (:func:`w_gradient_chunk_bytes`: W accumulates each weight gradient as soon as it
+is computed, so about twice the chunk's largest single weight in its dtype, the dW and
+AccumulateGrad's copy): the most, over the moments right after an F or a B and while a W runs,
+of ``sum_c n_c A_c + w_c W_c + r_c G_c``, where n_c counts the chunk's micro-batches whose B is
 pending, w_c those whose W is pending (after B the activations are freed but for what W keeps:
-the W inputs) and r_c = 1 while a W of the chunk runs (megalite's W makes all of a chunk's
-weight gradients, then accumulates them in one autograd call). From the simulated order
+the W inputs) and r_c = 1 while a W of the chunk runs. From the simulated order
 (:func:`held_states`)::
 
     1F1B   n = min(P-p, M), w = 0                 stage 0: P A
@@ -43,9 +47,11 @@ weight gradients, then accumulates them in one autograd call). From the simulate
            norm, output layer, loss), so the embedding and the output layer are both on it
            (tied: megalite's two chunks keep a copy each and add their gradients on the rank)
 
-The dry run (tools/dry_run.py, meta) of a PP 4 model (8 layers, h 2048, s 2048) measures ZB-H1
-and ZBV within the few % of this estimate that it measures 1F1B (G is what made ZB-H1 ~7% more
-than the estimate without it).
+The dry run (tools/dry_run.py, meta) of a 13B (40 layers, h 5120, s 2048) at TP 2 x PP 2 x
+DP 8, M = 8, measures the zero-bubble schedules within 1% of this estimate (docs/layout.md).
+Its "communication" at the peak is, beyond 1F1B's 0.03 GiB, the row-parallel linears' output
+gradients that W keeps (all-gathered over TP under SP, so made inside a collective): part of
+W_c. The p2p buffers themselves (one message held per link) are not modelled: 0.1% of the peak.
 
 **Step time**, to compare the schedules of one layout: ``compute / (1 - bubble) + communication``
 with compute = model FLOPs per token x tokens per step / (GPUs x achieved FLOP/s)
@@ -74,7 +80,7 @@ if TYPE_CHECKING:  # the planner's dataclasses; the planner imports this module
 
 GiB = 2**30
 SCHEDULES = ("1f1b", "zb-h1", "zbv")
-ZERO_BUBBLE_MAX_ZERO = 1  # zb-h1/zbv planned with ZeRO-0/1 only (module docstring)
+ZERO_BUBBLE_MAX_ZERO = 2  # zb-h1/zbv planned with ZeRO-0 to 2 (module docstring)
 SIMULATED_STAGE_MICRO = 2048  # simulate up to P x M = this (P = 16, M = 128: 0.1 s), and M >= 4P
 
 
@@ -178,7 +184,7 @@ def moe_layers_on_rank(m: ModelConfig, schedule: str, P: int, rank: int) -> int:
 @lru_cache(maxsize=4096)
 def held_states(schedule: str, P: int, M: int, rank: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
     """The (n_c, w_c, r_c) per local chunk right after each F and each B and while each W runs
-    (r_c = 1 for the chunk whose W runs: its weight gradients exist at once) in the rank's
+    (r_c = 1 for the chunk whose W runs: :func:`w_gradient_chunk_bytes` held besides) in the rank's
     simulated order (module docstring), dominated ones left out: the candidates for its peak."""
     if schedule == "1f1b" or P == 1:
         return (((in_flight(P, rank, M),), (0,), (0,)),)
@@ -199,21 +205,24 @@ def held_states(schedule: str, P: int, M: int, rank: int) -> tuple[tuple[tuple[i
             w[op.chunk] -= 1
             continue
         states.add((tuple(n), tuple(w), tuple(running)))
-    keep: list[tuple] = []  # largest totals first: a state is dominated only by one kept before it
-    for state in sorted(states, key=lambda s: -sum(s[0] + s[1] + s[2])):
-        if not any(all(a >= b for a, b in zip(sum(k, ()), sum(state, ()))) for k in keep):
+    keep: list[tuple] = []  # largest totals first: a state is dominated only by one kept before it,
+    for state in sorted(states, key=lambda s: -sum(s[0] + s[1] + s[2])):  # of its kind (W running or not)
+        if not any(all(a >= b for a, b in zip(sum(k, ()), sum(state, ()))) and any(k[2]) == any(state[2])
+                   for k in keep):
             keep.append(state)
     return tuple(sorted(keep))
 
 
 def held_bytes(schedule: str, P: int, M: int, rank: int, activations: list[float], w_inputs: list[float],
-               w_gradients: list[float] | None = None) -> tuple[float, tuple]:
-    """(bytes, the state (n_c, w_c, r_c) at the peak) of a rank's activations, W inputs and the
-    weight gradients of a running W, given one micro-batch's activations and W inputs of each of
-    its local chunks and each chunk's weight gradients (``w_gradients``; none by default)."""
+               w_gradients: list[float] | None = None, during_w: bool = True) -> tuple[float, tuple]:
+    """(bytes, the state (n_c, w_c, r_c) at the peak) of a rank's activations, W inputs and what
+    a running W adds, given one micro-batch's activations and W inputs of each of its local
+    chunks and what a W of each adds (``w_gradients``: :func:`w_gradient_chunk_bytes`; none by
+    default); ``during_w=False``: the peak over the moments after an F or a B only."""
     weights = list(activations) + list(w_inputs) + list(w_gradients or [0.0] * len(activations))
     return max(((sum(x * y for x, y in zip(sum(state, ()), weights)), state)
-                for state in held_states(schedule, P, M, rank)), key=lambda x: x[0])
+                for state in held_states(schedule, P, M, rank) if during_w or not any(state[2])),
+               key=lambda x: x[0])
 
 
 # -- activations and W inputs ---------------------------------------------------------------------
@@ -240,7 +249,7 @@ _ACTIVATIONS: dict[tuple, tuple] = {}  # (id(m), layout at ZeRO-0, ...) -> (m, b
 def _stage_activations(m: ModelConfig, layout: Layout, stage: int, micro: int, num_micro: int, prec: Precision,
                        flash_attention: bool) -> tuple[float, tuple, float]:
     # the planner imports this module: its per-layer formula is imported when called
-    from megalite.planner import layer_activation_bytes, stage_parameters
+    from megalite.planner import layer_activation_bytes
 
     t, sp, cp = layout.tp, layout.sp, layout.cp
     args = dict(micro=micro, tp=t, sp=sp, cp=cp, act_bytes=prec.act_bytes, flash_attention=flash_attention)
@@ -256,10 +265,13 @@ def _stage_activations(m: ModelConfig, layout: Layout, stage: int, micro: int, n
     acts = [len(f) * per_layer + sum(f) * delta + first * (g == 0) + last * (g == chunks - 1)  # routed tokens
             for g, f in zip(mine, flags)]                                                  # for the dense MLP
     wis, dws = [0.0] * len(mine), [0.0] * len(mine)
-    if layout.schedule != "1f1b":  # W inputs; a W's weight gradients, made at once before they accumulate
+    if layout.schedule != "1f1b":  # W inputs; what a running W adds to them
         wis = [w_input_chunk_bytes(m, chunks, g, micro, t, sp, cp, prec.act_bytes) for g in mine]
-        dws = [prec.weight_bytes * stage_parameters(m, t, chunks, g, layout.ep) for g in mine]
-    total, state = held_bytes(layout.schedule, layout.pp, num_micro, stage, acts, wis, dws)
+        dws = [w_gradient_chunk_bytes(m, chunks, g, micro, t, cp, layout.ep, prec, wi) for g, wi in zip(mine, wis)]
+    # F's and B's transients (recomputation, CP, MoE, below) add to the most held right after an F
+    # or a B, not to what a running W holds (no F or B runs then)
+    in_w, w_state = held_bytes(layout.schedule, layout.pp, num_micro, stage, acts, wis, dws)
+    total, state = held_bytes(layout.schedule, layout.pp, num_micro, stage, acts, wis, during_w=False)
     others = total - acts[0]  # what the rank holds besides one micro-batch of its first chunk
     recomputed = 0.0
     if layout.recompute == "full":  # the layer being recomputed during backward (the larger kind)
@@ -270,11 +282,15 @@ def _stage_activations(m: ModelConfig, layout: Layout, stage: int, micro: int, n
         total += recomputed
     # allgather CP: one layer's full-sequence K/V and fp32 dK/dV during backward (planner_cp)
     total += planner_cp.transient_bytes(m, layout, micro, prec.act_bytes)
-    if any(moe_flags):  # an MoE layer's dispatch buffers (forward) or expert weight gradients (backward)
-        # while one micro-batch holds its layers up to the stage's last MoE layer
+    if any(moe_flags):  # an MoE layer's dispatch buffers (forward) or expert weight gradients (backward;
+        # under the B/W split they are W's: w_gradient_chunk_bytes) while one micro-batch holds its
+        # layers up to the stage's last MoE layer
         upto = max(i for i, f in enumerate(moe_flags) if f) + 1
         held = others + first + upto * per_layer + sum(moe_flags[:upto]) * delta + recomputed
-        total = max(total, held + max(moe_planning.transient_bytes(m, **moe, weight_bytes=prec.weight_bytes)))
+        forward, backward = moe_planning.transient_bytes(m, **moe, weight_bytes=prec.weight_bytes)
+        total = max(total, held + (max(forward, backward) if layout.schedule == "1f1b" else forward))
+    if in_w > total:
+        total, state = in_w, w_state
     return total, state, sum(w * b for w, b in zip(state[1], wis))
 
 
@@ -335,6 +351,66 @@ def w_input_chunk_bytes(m: ModelConfig, chunks: int, g: int, micro: int, tp: int
     return total
 
 
+def _linear_weights(m: ModelConfig, ffn: int, tp: int) -> list[float]:
+    """Elements of each linear weight of an MLP of FFN size ``ffn`` on one TP rank: fc1 ``k f h / t``
+    and fc2 ``f h / t`` (none without an MLP)."""
+    if not ffn:
+        return []
+    sections = 2 if m.swiglu else 1
+    return [sections * ffn * m.hidden_size / tp, ffn * m.hidden_size / tp]
+
+
+def w_gradient_chunk_bytes(m: ModelConfig, chunks: int, g: int, micro: int, tp: int, cp: int, ep: int,
+                           prec: Precision, w_inputs: float) -> float:
+    """G_c: the most a running W of global chunk ``g`` holds beyond what the rank held before it
+    (that micro-batch's W inputs ``w_inputs`` included). :meth:`WeightGradStore.run` takes the
+    chunk's deferred weights in B's order (the last layer first; the output layer first on the
+    last chunk, the word embedding last on the first) and accumulates each dW (the weight's
+    dtype, e = ``prec.weight_bytes``) into its parameter as soon as it is computed, dropping its
+    inputs then; AccumulateGrad copies it (the store still refers to it) before the gradient
+    hook moves it into the bucket. So, with D = the largest weight (elements) of the chunk's
+    linears (the last chunk's output layer, V/t x h, among them), E = the word embedding (first
+    chunk), Wi = ``w_inputs``, e_E = the embedding's own W inputs (s b (e_a h + 8))::
+
+        G_c = max(2 e D,                    any dW while the chunk's W inputs are all held
+                  2 e E - (Wi - e_E))       the embedding's, its chunk's other inputs gone
+
+    MoE layers with the loop of experts (not --moe-grouped-gemm): each expert's weight is an
+    ``unbind`` of the stacked parameter, so its dW waits for one final backward with every
+    other: then the chunk's expert gradients (e X, X its expert parameters) and the stack of the
+    largest stacked weight (e S, which AccumulateGrad takes without a copy) are held, the W
+    inputs all gone: ``e X + e S - Wi``. With --moe-grouped-gemm the stacked weight is one
+    deferred weight (S in D). The dry run of a 13B at TP 2 x PP 2 shows 2 e D within 0.1 GiB of
+    what W adds (the dW computed, its inputs dropped, the copy: 0.37 GiB for the 0.24 GiB output
+    layer); that of a 4-layer MoE (8 experts over EP 2, h 1024, SwiGLU f 4096) e X + e S - Wi
+    within 0.01 GiB (0.09 against 0.10)."""
+    h, d, a, kv = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_query_groups
+    e = prec.weight_bytes
+    flags = chunk_moe_flags(m, chunks, g)
+    attention = [h * (a + 2 * kv) * d / tp, a * d * h / tp]  # QKV, proj
+    largest, experts, stacked = max(attention), 0.0, 0.0
+    if not all(flags):  # a dense layer
+        largest = max([largest] + _linear_weights(m, m.ffn_hidden_size, tp))
+    if any(flags):
+        largest = max([largest] + _linear_weights(m, m.moe_shared_expert_intermediate_size or 0, tp))
+        local, f, sections = m.num_experts // ep, m.moe_ffn_hidden_size, 2 if m.swiglu else 1
+        stacked = local * sections * f * h  # w1 of one MoE layer: E/EP experts' fc1
+        if m.moe_grouped_gemm:
+            largest = max(largest, stacked)
+        else:
+            experts = sum(flags) * moe_planning.expert_parameters(m) * local
+    vocab = m.padded_vocab_size(tp) * h / tp
+    if g == chunks - 1:  # the output layer (or the last chunk's copy of a tied embedding), first in W
+        largest = max(largest, vocab)
+    options = [2 * e * largest]
+    if g == 0:  # the word embedding, last in W
+        s, b = m.seq_length / cp, micro
+        options.append(2 * e * vocab - (w_inputs - s * b * (prec.act_bytes * h + 8)))
+    if experts:
+        options.append(e * experts + e * stacked - w_inputs)
+    return max(options)
+
+
 # -- time -----------------------------------------------------------------------------------------
 
 def flops_per_token(m: ModelConfig, parameters: int) -> float:
@@ -392,7 +468,7 @@ def explain_schedule(p: Plan) -> list[str]:
     why = {"zbv": f"{p.model.num_layers} layers do not divide into 2 x PP = {2 * lay.pp} chunks",
            "zb-h1": f"--transformer-impl {p.model.transformer_impl} cannot defer weight gradients"
            if p.model.transformer_impl != "local" else
-           f"megalite's ZeRO-{lay.zero} does not yet shard the gradients under the B/W split"}
+           f"ZeRO-{lay.zero} is not planned with them (ZeRO-0 to {ZERO_BUBBLE_MAX_ZERO} are)"}
     if "zb-h1" not in missing and "zbv" in missing:
         parts.append(f"zbv not considered: {why['zbv']}")
     elif "zb-h1" in missing:

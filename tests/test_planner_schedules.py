@@ -21,6 +21,7 @@ from megalite.planner import (
     Hardware,
     Layout,
     estimate,
+    layer_activation_bytes,
     precision,
     stage_parameters,
 )
@@ -33,6 +34,7 @@ from megalite.planner_pipeline import (
     schedules,
     simulated_micro_max,
     stage_activation_bytes,
+    w_gradient_chunk_bytes,
     w_input_chunk_bytes,
     w_input_layer_bytes,
 )
@@ -113,10 +115,35 @@ def test_w_inputs_of_a_layer_by_hand():
     assert w_input_chunk_bytes(m, 2, 1, 2, 1, False, 1, 2) == layers + 2 * 512 * 2 * (1024 + vocab)
 
 
+def test_w_gradients_of_a_running_w_by_hand():
+    """What a running W adds to its chunk's W inputs: twice (dW and AccumulateGrad's copy) the
+    largest weight it takes with all inputs held (a layer's fc1 or QKV, the output layer on the
+    last chunk), or the word embedding's, last on the first chunk, once the chunk's other W
+    inputs are gone; with the loop of experts, every expert dW of the chunk at once at the end."""
+    m = ModelConfig(num_layers=4, hidden_size=1024, num_attention_heads=16, vocab_size=50000, seq_length=512)
+    e, t, h = PREC.weight_bytes, 2, 1024
+    vocab = m.padded_vocab_size(t) * h / t  # 25 M elements against a layer's 2 M
+    layer_max = 4 * h * h / t  # fc1 (GeLU, f = 4h) and fc2 alike; QKV is 3 h h / t
+    assert w_gradient_chunk_bytes(m, 4, 1, 1, t, 1, 1, PREC, 1e9) == 2 * e * layer_max  # a middle chunk
+    assert w_gradient_chunk_bytes(m, 4, 3, 1, t, 1, 1, PREC, 1e9) == 2 * e * vocab  # the output layer
+    emb_in = 512 * (PREC.act_bytes * h + 8)
+    wi = emb_in + 2e5  # tiny W inputs besides the embedding's: the embedding's dW decides
+    assert w_gradient_chunk_bytes(m, 4, 0, 1, t, 1, 1, PREC, wi) == pytest.approx(2 * e * vocab - 2e5)
+    assert w_gradient_chunk_bytes(m, 4, 0, 1, t, 1, 1, PREC, 1e12) == 2 * e * layer_max
+    # MoE, every layer, 8 experts over EP 2, SwiGLU: the loop's final backward holds the chunk's
+    # expert dWs (one layer per chunk of 4: 4 experts x 3 f h) and the stack of w1 (4 x 2 f h),
+    # its W inputs gone
+    moe = dataclasses.replace(m, num_experts=8, moe_ffn_hidden_size=512, swiglu=True)
+    expert_dw = 4 * 3 * 512 * h
+    assert w_gradient_chunk_bytes(moe, 4, 1, 1, t, 1, 2, PREC, 1e6) == e * expert_dw + e * 4 * 2 * 512 * h - 1e6
+    grouped = dataclasses.replace(moe, moe_grouped_gemm=True)  # the stacked w1 is one deferred weight
+    assert w_gradient_chunk_bytes(grouped, 4, 1, 1, t, 1, 2, PREC, 0.0) == 2 * e * 4 * 2 * 512 * h
+
+
 @pytest.mark.parametrize("tp", [1, 4])
 def test_zb_h1_memory_per_stage(tp):
     """Stage p holds (P-p) A + p Wi right after an F and (P-p-1) A + (p+1) Wi + G while the W
-    that follows each B runs (G: the stage's weight gradients, made at once). With Wi + G <= A
+    that follows each B runs (G: :func:`w_gradient_chunk_bytes`). With Wi + G <= A
     the first is the peak, (P-p) A + p Wi; with Wi > A (TP 4 under SP: 11 against 8.5 s b h
     bytes per layer) the second."""
     m, P, M = tp4_pp2_model(), 4, 8
@@ -124,7 +151,7 @@ def test_zb_h1_memory_per_stage(tp):
         one = Layout(tp=tp, pp=P, schedule="1f1b")
         A = stage_activation_bytes(m, one, p, 1, 1, PREC, flash_attention=True)  # one micro-batch in flight
         Wi = w_input_chunk_bytes(m, P, p, 1, tp, tp > 1, 1, PREC.act_bytes)
-        G = PREC.weight_bytes * stage_parameters(m, tp, P, p)
+        G = w_gradient_chunk_bytes(m, P, p, 1, tp, 1, 1, PREC, Wi)
         states = _simulated_states("zb-h1", P, M, p)
         after_f, during_w = ((P - p,), (p,), (0,)), ((P - p - 1,), (p + 1,), (1,))
         assert held_states("zb-h1", P, M, p) == (during_w, after_f)
@@ -139,6 +166,24 @@ def test_zb_h1_memory_per_stage(tp):
         if tp == 4:
             assert Wi > A and detail["held"] == during_w
         assert detail["w_inputs"] == pytest.approx(detail["held"][1][0] * Wi)
+
+
+def test_recomputation_adds_to_f_and_b_not_to_a_running_w():
+    """Under full recomputation the layer recomputed in B adds to what is held right after an F
+    or a B, not to the W state (no F or B runs during a W): ZB-H1's stage p holds
+    max((P-p) A + p Wi + R, (P-p-1) A + (p+1) Wi + G), R the recomputed layer (TP 4: the W
+    state wins on the later stages, as the dry run of a 13B at TP 2 x PP 2 measures)."""
+    m, P, M, tp = tp4_pp2_model(), 4, 8, 4
+    R = layer_activation_bytes(m, micro=1, tp=tp, sp=True, recompute="none", act_bytes=PREC.act_bytes,
+                               flash_attention=True)
+    for p in range(P):
+        one = Layout(tp=tp, pp=P, schedule="1f1b", recompute="full")
+        A = stage_activation_bytes(m, one, p, 1, 1, PREC, flash_attention=True) - R
+        Wi = w_input_chunk_bytes(m, P, p, 1, tp, True, 1, PREC.act_bytes)
+        G = w_gradient_chunk_bytes(m, P, p, 1, tp, 1, 1, PREC, Wi)
+        zb = stage_activation_bytes(m, dataclasses.replace(one, schedule="zb-h1"), p, 1, M, PREC, True)
+        assert zb == pytest.approx(max((P - p) * A + p * Wi + R, (P - p - 1) * A + (p + 1) * Wi + G), rel=1e-12)
+        assert zb < (P - p - 1) * A + (p + 1) * Wi + G + R  # the recomputed layer is not added to W's
 
 
 @pytest.mark.parametrize("P,M", [(2, 8), (4, 4), (4, 8), (4, 16)])
@@ -183,12 +228,13 @@ def test_zbv_only_where_layers_divide_into_2p_and_zb_only_local():
     assert schedules(m, 4) == ("1f1b", "zb-h1")  # 12 layers in 8 chunks: no
     assert schedules(m, 3) == ("1f1b", "zb-h1", "zbv")
     assert schedules(dataclasses.replace(m, transformer_impl="transformer_engine"), 2) == ("1f1b",)
-    assert schedules(m, 2, zero=1) == schedules(m, 2) and schedules(m, 2, zero=2) == ("1f1b",)
+    assert schedules(m, 2, zero=1) == schedules(m, 2, zero=2) == schedules(m, 2)  # ZeRO-2: buckets per chunk
+    assert schedules(m, 2, zero=3) == ("1f1b",)
     layouts = candidate_layouts(m, Hardware(80, 4, 4), max_cp=1)
     for lay in layouts:
         assert lay.schedule in schedules(m, lay.pp, lay.zero)
         assert lay.schedule != "zbv" or m.num_layers % (2 * lay.pp) == 0
-        assert lay.schedule == "1f1b" or lay.zero <= 1  # ZeRO-2 under the B/W split: not yet planned
+        assert lay.schedule == "1f1b" or lay.zero <= 2  # ZeRO-3 under the B/W split: not planned
     assert {lay.schedule for lay in layouts if lay.pp == 4} == {"1f1b", "zb-h1"}
     assert {lay.schedule for lay in layouts if lay.pp == 1} == {"1f1b"}
     p = plan(m, Hardware(0.05, 4, 4), 64, 1, max_cp=1)

@@ -130,7 +130,8 @@ def _plan_inputs(config, layout: GridLayout):
                      fp32_grads=bool(t.accumulate_allreduce_grads_in_fp32) and (t.bf16 or t.fp16))
     plan_layout = Layout(tp=layout.tp, pp=layout.pp, dp=layout.dp, cp=layout.cp, zero=t.zero_stage,
                          recompute=m.recompute_granularity or "none", ep=layout.ep,
-                         cp_comm_type=m.cp_comm_type if layout.cp > 1 else "p2p", cp_inner=layout.cp_inner)
+                         cp_comm_type=m.cp_comm_type if layout.cp > 1 else "p2p", cp_inner=layout.cp_inner,
+                         schedule=t.pipeline_schedule)
     num_micro = t.global_batch_size // (t.micro_batch_size * layout.dp)
     return m, plan_layout, t.micro_batch_size, num_micro, prec
 

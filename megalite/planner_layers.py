@@ -1,0 +1,161 @@
+"""Per-layer memory of one micro-batch, the planner's building blocks: what a layer keeps for
+its backward (:func:`layer_activation_bytes`), and under a zero-bubble schedule what its
+deferred weight gradients keep between B and W (the W inputs, :func:`w_input_layer_bytes`) and
+what a running W holds (:func:`w_gradient_chunk_bytes`); see :mod:`megalite.planner` and
+:mod:`megalite.planner_pipeline` for how they add up per rank. Below both (no planner import).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from megalite.config import ModelConfig
+from megalite.moe import planning as moe_planning
+
+if TYPE_CHECKING:
+    from megalite.planner import Precision
+
+
+def layer_activation_bytes(m: ModelConfig, micro: int, tp: int = 1, sp: bool = False, cp: int = 1,
+                           recompute: str = "none", act_bytes: int = 2, flash_attention: bool = False) -> float:
+    """Bytes one layer keeps for backward per micro-batch (module docstring)."""
+    s, b, h, a = m.seq_length / cp, micro, m.hidden_size, m.num_attention_heads
+    kv = m.num_query_groups / a
+    sbh, sbf, B = s * b * h, s * b * m.ffn_hidden_size, act_bytes
+    if recompute == "full":
+        return B * sbh / (tp if sp else 1)
+    masks = 2 if m.hidden_dropout > 0 else 0  # two 1-byte dropout masks (the fused kernel's)
+    replicated = (4 * B + masks) * sbh  # norm inputs, QKV and FC1 inputs, the masks: 10 sbh
+    mlp = (4 if m.swiglu else 2) * B * sbf
+    split = B * sbh * (2 + 2 * kv) + mlp  # Q, K, V, attention output; MLP: 24 sbh for GPT-2
+    scores = 0.0 if recompute == "selective" or flash_attention else (2 * B + 1) * a * s * s * b  # 5 a s^2 b
+    return replicated / (tp if sp else 1) + (split + scores) / tp
+
+
+def chunk_moe_flags(m: ModelConfig, chunks: int, g: int) -> list[bool]:
+    """For each layer of global chunk ``g`` of ``chunks``, whether it is MoE (cached per model shape)."""
+    if not m.num_experts:
+        return [False] * (m.num_layers // chunks)
+    key = (m.num_layers, repr(m.moe_layer_freq), chunks, g)
+    if key not in _MOE_FLAGS:
+        _MOE_FLAGS[key] = tuple(moe_planning.stage_moe_flags(m, chunks, g))
+    return list(_MOE_FLAGS[key])
+
+
+_MOE_FLAGS: dict[tuple, tuple[bool, ...]] = {}
+
+
+def _mlp_w_inputs(m: ModelConfig, ffn: int, tokens: float, tp: int, sp: bool) -> float:
+    """Elements fc1 and fc2 keep for their W: x of fc1 (the sequence shard under SP), x of fc2
+    and the output gradients, fc1's ``sections * ffn / t`` wide, fc2's ``h`` (not split)."""
+    if not ffn:
+        return 0.0
+    h, sections = m.hidden_size, 2 if m.swiglu else 1
+    return tokens * (h / (tp if sp else 1) + ffn / tp + sections * ffn / tp + h)
+
+
+def w_input_layer_bytes(m: ModelConfig, micro: int, tp: int = 1, sp: bool = False, cp: int = 1,
+                        act_bytes: int = 2, moe: bool = False) -> float:
+    """Wi: the bytes one layer keeps between B and W for one micro-batch (the deferred weight
+    gradient's inputs: every linear's input x and its output's gradient dy), with s = seq/CP
+    tokens, b micro batch, h hidden, t = TP, q = heads x head dim, kv = 2 x key/value groups x
+    head dim, f the FFN size, k = 2 with SwiGLU else 1, e = ``act_bytes``::
+
+        x:   QKV s b h (/t under SP)   proj s b q / t   fc1 s b h (/t under SP)   fc2 s b f / t
+        dy:  QKV s b (q + kv) / t      proj s b h       fc1 s b k f / t           fc2 s b h
+        Wi = e x (sum of these)
+
+    The row-parallel linears' (proj, fc2) output gradients are whole ``s b h`` on every TP rank,
+    so Wi shrinks less with TP than the activations: at t = 8 (GPT, f = 4h) Wi = 7.5 s b h bytes
+    against the activations' 34 s b h / 8. Recomputation does not change it (it runs in B).
+    An MoE layer (``moe``) has, in place of the dense MLP, its experts' fc1 and fc2 on the
+    N = k_route T rows it routes (T = s b, /t under SP; experts are not split over TP) and the
+    shared expert as a dense MLP; the router's weight gradient stays in B."""
+    s, b = m.seq_length / cp, micro
+    h, q = m.hidden_size, m.num_attention_heads * m.head_dim
+    kv = 2 * m.num_query_groups * m.head_dim
+    attention = s * b * (h / (tp if sp else 1) + q / tp + (q + kv) / tp + h)
+    if moe:
+        rows = moe_planning.routed_tokens(m, micro, tp, sp, cp) * m.moe_router_topk
+        mlp = _mlp_w_inputs(m, m.moe_ffn_hidden_size, rows, 1, False)
+        mlp += _mlp_w_inputs(m, m.moe_shared_expert_intermediate_size or 0, s * b, tp, sp)
+    else:
+        mlp = _mlp_w_inputs(m, m.ffn_hidden_size, s * b, tp, sp)
+    return act_bytes * (attention + mlp)
+
+
+def w_input_chunk_bytes(m: ModelConfig, chunks: int, g: int, micro: int, tp: int, sp: bool, cp: int,
+                        act_bytes: int) -> float:
+    """Wi of global chunk ``g`` of ``chunks``: its layers', plus on chunk 0 the word embedding's
+    (dy, s b h, and the token ids, 8 s b) and on the last chunk the output layer's (x, s b h /t
+    under SP, and dy, the logits' gradient s b V / t, in the activations' dtype)."""
+    s, b = m.seq_length / cp, micro
+    flags = chunk_moe_flags(m, chunks, g)
+    args = dict(micro=micro, tp=tp, sp=sp, cp=cp, act_bytes=act_bytes)
+    moe = sum(flags)
+    total = (len(flags) - moe) * w_input_layer_bytes(m, **args)
+    total += moe * w_input_layer_bytes(m, moe=True, **args) if moe else 0.0
+    if g == 0:
+        total += s * b * (act_bytes * m.hidden_size + 8)
+    if g == chunks - 1:
+        total += act_bytes * s * b * (m.hidden_size / (tp if sp else 1) + m.padded_vocab_size(tp) / tp)
+    return total
+
+
+def _linear_weights(m: ModelConfig, ffn: int, tp: int) -> list[float]:
+    """Elements of each linear weight of an MLP of FFN size ``ffn`` on one TP rank: fc1 ``k f h / t``
+    and fc2 ``f h / t`` (none without an MLP)."""
+    if not ffn:
+        return []
+    sections = 2 if m.swiglu else 1
+    return [sections * ffn * m.hidden_size / tp, ffn * m.hidden_size / tp]
+
+
+def w_gradient_chunk_bytes(m: ModelConfig, chunks: int, g: int, micro: int, tp: int, cp: int, ep: int,
+                           prec: Precision, w_inputs: float) -> float:
+    """G_c: the most a running W of global chunk ``g`` holds beyond what the rank held before it
+    (that micro-batch's W inputs ``w_inputs`` included). :meth:`WeightGradStore.run` takes the
+    chunk's deferred weights in B's order (the last layer first; the output layer first on the
+    last chunk, the word embedding last on the first) and accumulates each dW (the weight's
+    dtype, e = ``prec.weight_bytes``) into its parameter as soon as it is computed, dropping its
+    inputs then; AccumulateGrad copies it (the store still refers to it) before the gradient
+    hook moves it into the bucket. So, with D = the largest weight (elements) of the chunk's
+    linears (the last chunk's output layer, V/t x h, among them), E = the word embedding (first
+    chunk), Wi = ``w_inputs``, e_E = the embedding's own W inputs (s b (e_a h + 8))::
+
+        G_c = max(2 e D,                    any dW while the chunk's W inputs are all held
+                  2 e E - (Wi - e_E))       the embedding's, its chunk's other inputs gone
+
+    MoE layers with the loop of experts (not --moe-grouped-gemm): each expert's weight is an
+    ``unbind`` of the stacked parameter, so its dW waits for one final backward with every
+    other: then the chunk's expert gradients (e X, X its expert parameters) and the stack of the
+    largest stacked weight (e S, which AccumulateGrad takes without a copy) are held, the W
+    inputs all gone: ``e X + e S - Wi``. With --moe-grouped-gemm the stacked weight is one
+    deferred weight (S in D). The dry run of a 13B at TP 2 x PP 2 shows 2 e D within 0.1 GiB of
+    what W adds (the dW computed, its inputs dropped, the copy: 0.37 GiB for the 0.24 GiB output
+    layer); that of a 4-layer MoE (8 experts over EP 2, h 1024, SwiGLU f 4096) e X + e S - Wi
+    within 0.01 GiB (0.09 against 0.10)."""
+    h, d, a, kv = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_query_groups
+    e = prec.weight_bytes
+    flags = chunk_moe_flags(m, chunks, g)
+    attention = [h * (a + 2 * kv) * d / tp, a * d * h / tp]  # QKV, proj
+    largest, experts, stacked = max(attention), 0.0, 0.0
+    if not all(flags):  # a dense layer
+        largest = max([largest] + _linear_weights(m, m.ffn_hidden_size, tp))
+    if any(flags):
+        largest = max([largest] + _linear_weights(m, m.moe_shared_expert_intermediate_size or 0, tp))
+        local, f, sections = m.num_experts // ep, m.moe_ffn_hidden_size, 2 if m.swiglu else 1
+        stacked = local * sections * f * h  # w1 of one MoE layer: E/EP experts' fc1
+        if m.moe_grouped_gemm:
+            largest = max(largest, stacked)
+        else:
+            experts = sum(flags) * moe_planning.expert_parameters(m) * local
+    vocab = m.padded_vocab_size(tp) * h / tp
+    if g == chunks - 1:  # the output layer (or the last chunk's copy of a tied embedding), first in W
+        largest = max(largest, vocab)
+    options = [2 * e * largest]
+    if g == 0:  # the word embedding, last in W
+        s, b = m.seq_length / cp, micro
+        options.append(2 * e * vocab - (w_inputs - s * b * (prec.act_bytes * h + 8)))
+    if experts:
+        options.append(e * experts + e * stacked - w_inputs)
+    return max(options)

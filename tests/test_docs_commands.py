@@ -5,6 +5,8 @@ A command block runs when the line just before its ```bash fence is a marker:
     <!-- cpu-test -->                  run it (fast tier)
     <!-- cpu-test slow -->             run it, marked slow
     <!-- cpu-test slow as-written -->  run it without shortening --train-iters
+    <!-- cpu-test slow batch=128 -->    also run it with --global-batch-size 128 (a dry run of
+                                       a large layout: fewer micro-batches, same roles and peak)
 
 Each block runs as one bash script (stopping at the first failing line) in its own temporary
 directory, with the virtual environment's `python` and `torchrun` first on PATH, the repository on
@@ -22,7 +24,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-MARKER = re.compile(r"^<!--\s*cpu-test((?:\s+[\w-]+)*)\s*-->\s*$")
+MARKER = re.compile(r"^<!--\s*cpu-test((?:\s+[\w=-]+)*)\s*-->\s*$")
 REPO_PATHS = re.compile(r"(?<![\w/.-])(\./)?(pretrain_gpt\.py|tools/|scripts/|examples/)")
 TIMEOUT_S = 600
 
@@ -37,6 +39,8 @@ def find_blocks(path):
     blocks = []
     for i, line in enumerate(lines):
         m = MARKER.match(line.strip())
+        if not m and "cpu-test" in line and line.strip().startswith("<!--"):
+            raise AssertionError(f"{path.name}:{i + 1}: a cpu-test marker that does not parse: {line.strip()}")
         if not m:
             continue
         if i + 1 >= len(lines) or lines[i + 1].strip() != "```bash":
@@ -50,11 +54,14 @@ def find_blocks(path):
     return blocks
 
 
-def adapt(script, as_written):
-    """The block's text as the test runs it: repository paths absolute, training shortened."""
+def adapt(script, as_written, batch=None):
+    """The block's text as the test runs it: repository paths absolute, training shortened,
+    the global batch replaced when the block says ``batch=N``."""
     script = REPO_PATHS.sub(lambda m: str(REPO) + "/" + m.group(2), script)
     if not as_written:
         script = re.sub(r"--train-iters[ =]\d+", "--train-iters 2", script)
+    if batch is not None:
+        script = re.sub(r"--global-batch-size[ =]\d+", f"--global-batch-size {batch}", script)
     return script
 
 
@@ -62,10 +69,11 @@ def collect():
     params = []
     for path in doc_files():
         for lineno, opts, script in find_blocks(path):
-            unknown = opts - {"slow", "as-written"}
+            batch = [int(o.split("=", 1)[1]) for o in opts if re.fullmatch(r"batch=\d+", o)]
+            unknown = {o for o in opts if not re.fullmatch(r"batch=\d+", o)} - {"slow", "as-written"}
             assert not unknown, f"{path.name}:{lineno}: unknown cpu-test option(s) {sorted(unknown)}"
             marks = [pytest.mark.slow] if "slow" in opts else []
-            params.append(pytest.param(path, lineno, "as-written" in opts, script,
+            params.append(pytest.param(path, lineno, "as-written" in opts, script, batch[0] if batch else None,
                                        id=f"{path.relative_to(REPO)}:{lineno}", marks=marks))
     return params
 
@@ -85,17 +93,18 @@ def test_adapt_rewrites_paths_and_iters():
     assert f"python {REPO}/tools/x.py --train-iters 2 && {REPO}/scripts/y.sh" in out
     assert f"torchrun {REPO}/pretrain_gpt.py --train-iters 2 --save runs/tools/z" in out
     assert "--train-iters 6" in adapt("--train-iters 6", True)
+    assert "--global-batch-size 128 --bf16" in adapt("--global-batch-size 1024 --bf16", False, 128)
 
 
-@pytest.mark.parametrize("path,lineno,as_written,script", BLOCKS)
-def test_doc_command(path, lineno, as_written, script, tmp_path):
+@pytest.mark.parametrize("path,lineno,as_written,script,batch", BLOCKS)
+def test_doc_command(path, lineno, as_written, script, batch, tmp_path):
     venv_bin = REPO / ".venv" / "bin"
     env = dict(os.environ)
     env["PATH"] = os.pathsep.join([str(venv_bin if venv_bin.is_dir() else Path(sys.executable).parent),
                                    env.get("PATH", "")])
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.update(TRITON_INTERPRET="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", adapt(script, as_written)], cwd=tmp_path,
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", adapt(script, as_written, batch)], cwd=tmp_path,
                           env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=TIMEOUT_S)
     assert proc.returncode == 0, (

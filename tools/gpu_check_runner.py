@@ -255,6 +255,10 @@ class Run:
             time.sleep(POLL_S)
 
     def start(self, part: Part, budget: float, note: str) -> None:
+        # On disk as running before its processes start: a part that reads summary.json (or a
+        # person watching it) never sees itself pending (a race under load, seen in a test run).
+        self._entry(part).update(status="running", budget_run_s=round(budget, 1))
+        self.write()
         commands = []
         for cmd in part.commands(self.out):
             log = self.out / cmd.log
@@ -271,8 +275,6 @@ class Run:
             commands.append(_Running(cmd, log, proc))
         self.running[part] = dict(commands=commands, t0=time.monotonic(), budget=budget, note=note,
                                   signalled=False)
-        self._entry(part).update(status="running", budget_run_s=round(budget, 1))
-        self.write()
 
     def finish(self, part: Part) -> None:
         run = self.running.pop(part)

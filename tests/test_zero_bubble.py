@@ -58,9 +58,11 @@ SPLIT_MODELS = {
     "moe-grouped-gemm": dict(num_experts=4, moe_router_topk=2, swiglu=True, add_bias_linear=False,
                              moe_grouped_gemm=True),
 }
+SLOW_SPLIT = {"moe-grouped-gemm", "gpt2-untied-full-recompute"}  # the Triton interpreter; a second GPT-2
 
 
-@pytest.mark.parametrize("name", list(SPLIT_MODELS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow if n in SLOW_SPLIT else ())
+                                  for n in SPLIT_MODELS])
 def test_bw_split_alone_gives_bit_identical_gradients(name):
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=97, seq_length=16,
                       hidden_dropout=0.0, attention_dropout=0.0, **SPLIT_MODELS[name])
@@ -151,6 +153,7 @@ P4_CASES = cases(4, [(8, {"schedule": s, "variant": v}, m) for s in ("zb-h1", "z
                      for v, ms in (("gpt2", (3, 4, 5, 8, 12)), ("llama", (4, 7))) for m in ms])
 
 
+@pytest.mark.slow
 def test_zero_bubble_pp4_matches_serial():
     _check_variants(run_world(_pipeline_worker, 4, P4_CASES, timeout=300), P4_CASES)
 
@@ -178,7 +181,8 @@ def _trace_worker(rank, world, schedule, m):
     return trace.events
 
 
-@pytest.mark.parametrize("schedule,world,m", [("zb-h1", 4, 6), ("zbv", 4, 5), ("zbv", 2, 3)])
+@pytest.mark.parametrize("schedule,world,m", [pytest.param("zb-h1", 4, 6, marks=pytest.mark.slow),
+                                              ("zbv", 4, 5), pytest.param("zbv", 2, 3, marks=pytest.mark.slow)])
 def test_each_rank_runs_every_f_b_w_once_in_dependency_order(schedule, world, m):
     events = run_world(_trace_worker, world, schedule, m)
     V = num_chunks(schedule)
@@ -260,7 +264,7 @@ def _memory_worker(rank, world, m):
     return peaks, w_inputs[0], torch.Size(shape).numel() * 4
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_zb_h1_memory_is_1f1b_plus_the_w_inputs_of_p_micro_batches(world):
     """Stage p under ZB-H1 holds at most 1F1B's P - p micro-batches of activations, and W
     inputs (the inputs of its linears and the gradients of their outputs) of at most p + 1

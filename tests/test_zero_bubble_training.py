@@ -4,7 +4,8 @@ overlapped reduction), context parallelism and full recomputation, mixture of ex
 expert parallelism, tensor + sequence parallelism, fp16 loss scaling (against 1F1B, which
 runs the same arithmetic), and a checkpoint saved under zbv resumed under 1F1B.
 
-One world per size runs every case in sequence (pretrain leaves the process group up).
+One world per size runs every case in sequence (pretrain leaves the process group up). All of
+it is in the slow tier: the fast tier's zero-bubble checks are tests/test_zero_bubble.py's.
 """
 import functools
 
@@ -12,6 +13,8 @@ import pytest
 import torch
 
 from megalite.testing import run_world
+
+pytestmark = pytest.mark.slow
 
 TOL = 1e-5
 ITERS = "3"

@@ -10,12 +10,12 @@ pipeline would otherwise leave idle. While a schedule is active (:func:`split_we
 megalite's linears, embeddings and experts build the autograd nodes of this module: their
 backward computes dx (and the cheap bias gradient, a sum over dy) at once and hands
 ``(weight, fn)`` to the :class:`WeightGradStore`, ``fn()`` computing dW from the kept ``x``
-and ``dy``. :meth:`WeightGradStore.run` later computes every dW of one (micro-batch, chunk)
-and feeds them in one ``torch.autograd.backward(weights, dWs)``: the engine carries each
-through what stands between the tensor the layer used and the parameter (an autocast cast,
-an ``unbind`` of stacked expert weights) into the parameter's AccumulateGrad, so ``.grad``
-accumulates and the post-accumulate hooks of DDP and ZeRO fire exactly as in a fused
-backward, once per parameter per micro-batch.
+and ``dy``. :meth:`WeightGradStore.run` later computes the dW's of one (micro-batch, chunk)
+and feeds each to ``torch.autograd.backward``: the engine carries it through what stands
+between the tensor the layer used and the parameter (an ``unbind`` of stacked expert
+weights) into the parameter's AccumulateGrad, so ``.grad`` accumulates and the
+post-accumulate hooks of DDP and ZeRO fire exactly as in a fused backward, once per
+parameter per micro-batch.
 
 What stays in B: norm weights and biases (O(s h) work, under 1% of a layer's W) and the
 router of a mixture of experts (h x E). Under sequence parallelism the linear keeps only its
@@ -98,19 +98,17 @@ class WeightGradStore:
         if later_weights:
             torch.autograd.backward(later_weights, later_grads)
 
-    def stored_bytes(self, key=None) -> int:
-        """Bytes the pending closures keep alive (x and dy of every deferred node), for one
-        key or all: the "W inputs" of the memory formula (docs/pipeline.md)."""
+    def stored_bytes(self, key) -> int:
+        """Bytes the pending closures of ``key`` keep alive (x and dy of every deferred node,
+        each storage once): the "W inputs" of the memory formula (docs/pipeline.md)."""
         seen, total = set(), 0
-        for k, work in self.pending.items():
-            if key is not None and k != key:
-                continue
-            for _, fn in work:
-                for t in getattr(fn, "tensors", ()):
-                    ptr = (t.untyped_storage().data_ptr(), t.device) if t.device.type != "meta" else id(t)
-                    if ptr not in seen:
-                        seen.add(ptr)
-                        total += t.untyped_storage().nbytes() if t.device.type != "meta" else t.numel() * t.element_size()
+        for _, fn in self.pending.get(key, ()):
+            for t in getattr(fn, "tensors", ()):
+                meta = t.device.type == "meta"
+                ptr = id(t) if meta else (t.untyped_storage().data_ptr(), t.device)
+                if ptr not in seen:
+                    seen.add(ptr)
+                    total += t.numel() * t.element_size() if meta else t.untyped_storage().nbytes()
         return total
 
     def __len__(self) -> int:

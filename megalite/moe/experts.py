@@ -98,11 +98,14 @@ def grouped_mlp_triton(x_sorted: torch.Tensor, counts, w1: torch.Tensor, w2: tor
         offsets, exact = group_offsets(counts, n_groups, x_sorted.shape[0], x_sorted.device)
     dtype = _compute_dtype(x_sorted)
     store = active_store() if torch.is_grad_enabled() else None
-    if store is not None:  # zero-bubble: the grouped dW waits for the schedule's W
-        h = _SplitGroupedLinear.apply(x_sorted.to(dtype), w1.to(dtype), offsets, exact, store)
-        return _SplitGroupedLinear.apply(_activation(h, swiglu), w2.to(dtype), offsets, exact, store)
-    h = _GroupedLinear.apply(x_sorted.to(dtype), w1.to(dtype), offsets, exact)
-    return _GroupedLinear.apply(_activation(h, swiglu), w2.to(dtype), offsets, exact)
+
+    def grouped(x, w):  # under a zero-bubble schedule the grouped dW waits for the schedule's W
+        if store is not None:
+            return _SplitGroupedLinear.apply(x, w, offsets, exact, store)
+        return _GroupedLinear.apply(x, w, offsets, exact)
+
+    h = grouped(x_sorted.to(dtype), w1.to(dtype))
+    return grouped(_activation(h, swiglu), w2.to(dtype))
 
 
 class _SplitGroupedLinear(torch.autograd.Function):
@@ -111,11 +114,10 @@ class _SplitGroupedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, offsets, counts, store):
-        from megalite.kernels.grouped_gemm import grouped_matmul
+        from megalite.kernels.grouped_gemm import _GroupedLinear
 
-        ctx.save_for_backward(x, w, offsets)
-        ctx.counts, ctx.store, ctx.target = counts, store, w  # see WeightGradStore.defer
-        return grouped_matmul(x, w, offsets, counts)
+        ctx.store, ctx.target = store, w  # see WeightGradStore.defer
+        return _GroupedLinear.forward(ctx, x, w, offsets, counts)  # saves x, w, offsets and counts
 
     @staticmethod
     def backward(ctx, dy):

@@ -82,7 +82,6 @@ class DistributedOptimizer:
                 in_layers = {p for g in layers for p in g}
                 groups += layers + [[p for p in reversed(list(c.parameters())) if p not in in_layers]]
         else:  # by size, in reverse order of definition (roughly the order backward produces them)
-            params = [p for c in reversed(self.chunks) for p in reversed(list(c.parameters()))]
             tied = lambda p: getattr(p, "tied_embedding", False)  # noqa: E731
             if t.pipeline_schedule in ZERO_BUBBLE:
                 # Per chunk (ZBV's two chunks finish a micro-batch at different times), gradients
@@ -95,6 +94,7 @@ class DistributedOptimizer:
                         part = [p for p in mine if getattr(p, "deferred_wgrad", False) == in_w]
                         groups += group_by_size(part, bucket_size, tied)
             else:
+                params = [p for c in reversed(self.chunks) for p in reversed(list(c.parameters()))]
                 groups = group_by_size(params, bucket_size, isolate=tied)
         groups = [[p for p in g if p.requires_grad] for g in groups]
         groups = [g for g in groups if g]

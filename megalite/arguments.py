@@ -5,6 +5,7 @@ import argparse
 import importlib.util
 
 from megalite.config import Config, ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainConfig
+from megalite.resilience.flags import add_resilience_args
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -188,6 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--finetune", action="store_true", help="load the weights only (no optimizer state, no RNG state, as Megatron), restart at iteration 0")
     g.add_argument("--pipeline-trace", type=str, default=None,
                    help="directory: each rank writes its schedule trace of the last iteration")
+    add_resilience_args(p)
     return p
 
 

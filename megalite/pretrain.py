@@ -48,6 +48,8 @@ from megalite.memory_tracker import training_tracker
 from megalite.monitor import Monitor, attended_length, memory_line
 from megalite.preflight import check_datasets, check_output_paths, check_save_location
 from megalite.profiling import Profiler
+from megalite.resilience.fault_injection import check_fault_ranks
+from megalite.resilience.flags import check_resilience_args
 from megalite.step_log import PendingStep, StepLog
 from megalite.timers import Clock
 from megalite.training import LossScaler, build_data_parallel_optimizer, evaluate, train_step
@@ -118,6 +120,8 @@ def setup(argv=None):
     if args.device in ("auto", "cuda"):
         cuda_allocator_environment()  # before any torch.cuda call: the allocator reads it once
     world_size, rank = _world_from_env(args)
+    check_resilience_args(args)  # sets args.faults, args.skip_windows
+    check_fault_ranks(args.faults, world_size)
     # Elastic jobs pass --load D --save D from the first start: nothing to load yet is fine there.
     if args.ckpt_step is not None and not args.load:
         raise ConfigError(f"--ckpt-step {args.ckpt_step} needs --load DIR (the checkpoint root to take it from).")

@@ -101,8 +101,9 @@ def all_to_all_rows(x: torch.Tensor, output_splits: list[int], input_splits: lis
     # the fake group writes nothing: zeros, not garbage, reach the experts of a dry run
     out = x.new_zeros(shape) if is_fake() else x.new_empty(shape)
     comm._record("all_to_all", x, group=group)
-    dist.all_to_all_single(out, x, output_split_sizes=output_splits, input_split_sizes=input_splits,
-                           group=group)
+    with comm.blocked():
+        dist.all_to_all_single(out, x, output_split_sizes=output_splits, input_split_sizes=input_splits,
+                               group=group)
     return out
 
 
@@ -199,7 +200,8 @@ def dispatch_ep(x, expert_ids, weights, kept, experts: ExpertsFn, num_experts: i
     # 1. counts: recv[q * E_local + e] = rows rank q sends to my local expert e.
     recv = torch.empty_like(counts)
     comm._record("all_to_all", counts, group=group)
-    dist.all_to_all_single(recv, counts, group=group)
+    with comm.blocked():
+        dist.all_to_all_single(recv, counts, group=group)
     if no_routing_data(x):  # balanced routing on every rank, all T*k rows (module docstring)
         n = T * k
         send_counts = _balanced(n, num_experts)

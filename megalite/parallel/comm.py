@@ -23,6 +23,12 @@ Every collective goes through :func:`_record`, which counts the bytes handed to 
 benchmarks can compare traffic with theory (DESIGN.md section 5). "Bytes" is the size of
 the full (unsharded) tensor the collective works on: the all-reduce input, the
 all-gather output, the reduce-scatter input.
+
+Blocked time (straggler reports, :mod:`megalite.resilience.straggler`): while a timer is
+installed (:func:`time_blocked`), the synchronous collectives here run inside
+:func:`blocked`, the async ones return handles whose ``wait()`` does, and the p2p waits
+elsewhere use ``with comm.blocked(): work.wait()``. With no timer installed ``blocked()`` is a
+shared no-op context and the handles are torch's own: nothing is timed or allocated.
 """
 from __future__ import annotations
 
@@ -119,6 +125,49 @@ def group_rank(group) -> int:
     return group.rank if isinstance(group, OfflineGroup) else dist.get_rank(group)
 
 
+# -- blocked time, for straggler reports -----------------------------------------------------------
+
+_NOT_TIMED = contextlib.nullcontext()
+# The installed timer: a reusable context manager that adds the time spent inside it to the
+# current step's blocked time (megalite.resilience.straggler.BlockedTimer), or None.
+_BLOCKED = None
+
+
+def time_blocked(timer):
+    """Install ``timer`` (None: uninstall) as the process's blocked-time accumulator; returns
+    the previous one."""
+    global _BLOCKED
+    previous, _BLOCKED = _BLOCKED, timer
+    return previous
+
+
+def blocked():
+    """``with comm.blocked(): work.wait()``: the block counts as time this rank waited for its
+    peers (and the wire), not as compute. A no-op while no timer is installed."""
+    return _NOT_TIMED if _BLOCKED is None else _BLOCKED
+
+
+class _TimedWork:
+    """A collective's work handle whose ``wait()`` counts as blocked time; everything else
+    (``is_completed``, ...) is the handle's own."""
+
+    __slots__ = ("work",)
+
+    def __init__(self, work):
+        self.work = work
+
+    def wait(self, *args, **kwargs):
+        with blocked():
+            return self.work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+def _handle(work):
+    return work if _BLOCKED is None or work is None else _TimedWork(work)
+
+
 # -- plain (non-autograd) collectives, counted ----------------------------------------------------
 
 # torch 2.13 renamed the flat all-gather / reduce-scatter; older releases (2.11 on our GPU
@@ -131,26 +180,27 @@ def all_reduce(x: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tensor:
     """In-place all-reduce (counted); returns ``x``."""
     if group_size(group) > 1:
         _record("all_reduce", x, group=group)
-        dist.all_reduce(x, op=op, group=group)
+        with blocked():
+            dist.all_reduce(x, op=op, group=group)
     return x
 
 
 def all_reduce_async(x: torch.Tensor, group):
     """Start an in-place sum all-reduce (counted); returns the work handle."""
     _record("all_reduce", x, group=group)
-    return dist.all_reduce(x, group=group, async_op=True)
+    return _handle(dist.all_reduce(x, group=group, async_op=True))
 
 
 def reduce_scatter_async(out: torch.Tensor, x: torch.Tensor, group):
     """Start a sum reduce-scatter of flat ``x`` into ``out`` (rank r gets chunk r)."""
     _record("reduce_scatter", x, group=group)
-    return _reduce_scatter_flat(out, x, group=group, async_op=True)
+    return _handle(_reduce_scatter_flat(out, x, group=group, async_op=True))
 
 
 def all_gather_async(out: torch.Tensor, x: torch.Tensor, group):
     """Start an all-gather of flat ``x`` into ``out`` (rank order)."""
     _record("all_gather", x, out.numel(), group=group)
-    return _all_gather_flat(out, x, group=group, async_op=True)
+    return _handle(_all_gather_flat(out, x, group=group, async_op=True))
 
 
 def all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
@@ -162,7 +212,8 @@ def all_gather_dim0(x: torch.Tensor, group) -> torch.Tensor:
     with category("communication"):
         out = torch.empty((world * x.shape[0],) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     _record("all_gather", x, out.numel(), group=group)
-    _all_gather_flat(out, x, group=group)
+    with blocked():
+        _all_gather_flat(out, x, group=group)
     return out
 
 
@@ -178,7 +229,8 @@ def reduce_scatter_dim0(x: torch.Tensor, group) -> torch.Tensor:
     with category("communication"):
         out = torch.empty((x.shape[0] // world,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
     _record("reduce_scatter", x, group=group)
-    _reduce_scatter_flat(out, x, group=group)
+    with blocked():
+        _reduce_scatter_flat(out, x, group=group)
     return out
 
 
@@ -217,7 +269,8 @@ def all_to_all_dims(x: torch.Tensor, scatter_dim: int, gather_dim: int, group) -
     with category("communication"):
         received = torch.empty_like(send)
     _record("all_to_all", send, group=group)
-    dist.all_to_all_single(received, send, group=group)
+    with blocked():
+        dist.all_to_all_single(received, send, group=group)
     # received[j] came from rank j: put the rank index just before gather_dim and merge the two.
     return received.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
 

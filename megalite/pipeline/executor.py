@@ -113,7 +113,8 @@ class ScheduleExecutor:
         open_sends = []
         for work, data, to in self._sending:
             if to == peer:
-                work.wait()
+                with comm.blocked():
+                    work.wait()
             else:
                 open_sends.append((work, data, to))
         self._sending = open_sends
@@ -125,7 +126,8 @@ class ScheduleExecutor:
                                f"chunk {g} was never posted (a schedule bug)")
         work, tensor = self._inbox.pop(key)
         if work is not None:
-            work.wait()
+            with comm.blocked():  # waiting for the neighbour stage (straggler reports)
+                work.wait()
         if kind == "act":
             tensor.requires_grad_(True)  # a leaf: its .grad is what B sends back
         return tensor
@@ -199,8 +201,9 @@ class ScheduleExecutor:
                 else:
                     self._backward(op.micro, op.chunk, op.kind)
             self._post()
-        for work, *_ in self._sending:
-            work.wait()
+        with comm.blocked():
+            for work, *_ in self._sending:
+                work.wait()
         self._sending.clear()
         left = [k for k in self._inbox] + list(self.queue) + list(self.store.pending) + list(self._saved)
         if left:

@@ -56,8 +56,10 @@ class PipeComm:
             from_next = self._empty()
             ops.append(dist.P2POp(dist.irecv, from_next, self.next_rank, self.group, GRADIENT))
         if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+            works = dist.batch_isend_irecv(ops)
+            with comm.blocked():  # waiting for the neighbour stage (straggler reports)
+                for work in works:
+                    work.wait()
         if from_prev is not None:
             from_prev.requires_grad_(True)  # a leaf: its .grad is what we send back
         return from_prev, from_next

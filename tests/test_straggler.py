@@ -1,0 +1,145 @@
+"""Straggler reports: the median/threshold rule, role names, the blocked-time accumulator in
+comm, a monitor in a small world, and (slow) pretrain runs with and without an injected
+slow rank."""
+import socket
+import time
+
+import pytest
+import torch
+
+from megalite.parallel import comm
+from megalite.parallel.grid import GridLayout
+from megalite.resilience.straggler import (BlockedTimer, StragglerMonitor, build_report, format_report,
+                                           references, role_text)
+from megalite.testing import run_world
+
+
+# -- the rule ------------------------------------------------------------------------------------
+
+def _report(ms, threshold=0.5, stages=None):
+    n = len(ms)
+    return build_report(30, ms, threshold, stages or [0] * n, [f"role{r}" for r in range(n)], ["h"] * n)
+
+
+def test_median_and_threshold():
+    r = _report([20.0, 512.0, 21.0, 22.0])
+    assert r["median_ms"] == 21.5 and r["iteration"] == 30 and r["threshold"] == 0.5
+    assert [s["rank"] for s in r["stragglers"]] == [1]
+    s = r["stragglers"][0]
+    assert s == {"rank": 1, "compute_ms": 512.0, "median_ms": 21.5, "slower_by": round(512 / 21.5 - 1, 4),
+                 "role": "role1", "host": "h"}
+    # just under / over the threshold; nobody is named in a uniform world or a world of one
+    assert _report([10.0, 14.9, 10.0, 10.0])["stragglers"] == []
+    assert [s["rank"] for s in _report([10.0, 15.1, 10.0, 10.0])["stragglers"]] == [1]
+    assert _report([7.0] * 8)["stragglers"] == [] and _report([5.0])["stragglers"] == []
+    assert _report([0.0, 0.0])["stragglers"] == []  # no reference time: nobody is named
+    # two stragglers, slowest first
+    assert [s["rank"] for s in _report([10, 30, 10, 10, 50, 10])["stragglers"]] == [4, 1]
+
+
+def test_stage_medians():
+    # PP2 with 4 ranks per stage: the last stage's heavier work is not a straggler...
+    stages = [0] * 4 + [1] * 4
+    assert references([10, 10, 10, 10, 30, 30, 30, 30], stages) == [10] * 4 + [30] * 4
+    assert _report([10, 10, 10, 10, 30, 30, 30, 30], 0.2, stages)["stragglers"] == []
+    # ...but a slow rank inside a stage is.
+    assert [s["rank"] for s in _report([10, 10, 10, 10, 30, 30, 90, 30], 0.2, stages)["stragglers"]] == [6]
+    # stages of fewer than 3 ranks: the median of all ranks
+    assert references([10, 10, 30, 30], [0, 0, 1, 1]) == [20] * 4
+
+
+def test_role_text():
+    layout = GridLayout(tp=2, dp=2, pp=2)
+    assert role_text(layout, 0) == "pp 0, tp 0, dp 0"
+    assert role_text(layout, 7) == "pp 1, tp 1, dp 1"
+    assert role_text(layout, 2) == "pp 0, tp 0, dp 1"
+    assert role_text(GridLayout(cp=2, dp=2), 3) == "pp 0, tp 0, cp 1, dp 1"
+    assert role_text(GridLayout(dp=4, ep=2, experts=True), 3) == "pp 0, tp 0, dp 3, ep 1"
+
+
+def test_format():
+    line = format_report(build_report(30, [21.0, 512.0, 21.0, 20.0], 0.2, [0] * 4,
+                                      ["pp 0, tp 0, dp 0", "pp 0, tp 0, dp 1", "pp 0, tp 0, dp 2", "pp 0, tp 0, dp 3"],
+                                      ["a", "h", "a", "a"]))
+    assert line == "stragglers at iteration 30: rank 1 (pp 0, tp 0, dp 1, host h) 512.0 ms vs median 21.0 ms (+2338%)"
+    quiet = format_report(_report([21.0, 25.0, 20.0, 22.0], 0.5))
+    assert quiet == ("stragglers at iteration 30: none (compute median 21.5 ms, max 25.0 ms on rank 1; "
+                     "threshold +50%)")
+
+
+# -- the accumulator -----------------------------------------------------------------------------
+
+class _Work:
+    def __init__(self, seconds):
+        self.seconds = seconds
+
+    def wait(self):
+        time.sleep(self.seconds)
+        return True
+
+    def is_completed(self):
+        return False
+
+
+def test_blocked_accumulator():
+    assert comm._BLOCKED is None
+    assert comm.blocked() is comm.blocked()  # off: one shared no-op context
+    raw = _Work(0.0)
+    assert comm._handle(raw) is raw  # off: torch's own handle, nothing allocated
+    timer = BlockedTimer(torch.device("cpu"))
+    previous = comm.time_blocked(timer)
+    try:
+        with comm.blocked():
+            time.sleep(0.02)
+            with comm.blocked():  # nested: counted once
+                time.sleep(0.02)
+        work = comm._handle(_Work(0.03))
+        assert work.wait() is True and work.is_completed() is False  # the rest is the handle's own
+        assert 0.07 <= timer.seconds < 0.2
+        timer.reset()
+        assert timer.seconds == 0.0
+        with pytest.raises(ValueError):
+            with comm.blocked():
+                raise ValueError("inside")
+        assert timer._depth == 0  # an exception leaves the timer balanced
+    finally:
+        comm.time_blocked(previous)
+
+
+def _monitor_world(rank, world, slow_rank):
+    from megalite.parallel.grid import GridLayout, ProcessGrid
+
+    grid = ProcessGrid(GridLayout(dp=world), rank)
+    monitor = StragglerMonitor(grid, 2, 0.5, "cpu")
+    reports = []
+    for iteration in (1, 2):
+        monitor.start_step()
+        if rank == slow_rank:
+            time.sleep(0.3)
+        x = torch.ones(4)
+        comm.all_reduce(x, grid.dp_group)  # the peers wait here for the slow rank
+        comm.all_reduce_async(x, grid.dp_group).wait()
+        monitor.end_step()
+        reports.append(monitor.report(iteration))
+    monitor.close()
+    assert comm._BLOCKED is None
+    return reports, monitor.format(reports[-1])
+
+
+def test_monitor_names_the_slow_rank():
+    results = run_world(_monitor_world, 3, 1)
+    assert all(r[0][0] is None for r in results)  # iteration 1 is no report iteration
+    reports = [r[0][1] for r in results]
+    assert all(rep == reports[0] for rep in reports)  # the same report on every rank
+    rep = reports[0]
+    assert [s["rank"] for s in rep["stragglers"]] == [1]
+    assert rep["stragglers"][0]["role"] == "pp 0, tp 0, dp 1" and rep["stragglers"][0]["host"] == socket.gethostname()
+    assert rep["compute_ms"][1] >= 300 and max(rep["compute_ms"][0], rep["compute_ms"][2]) < 100
+    assert results[0][1].startswith("stragglers at iteration 2: rank 1 (pp 0, tp 0, dp 1, host ")
+
+
+def test_monitor_off_costs_nothing():
+    monitor = StragglerMonitor(None, 0, 0.2, "cpu")
+    monitor.start_step()
+    monitor.end_step()
+    assert monitor.report(10) is None and comm._BLOCKED is None

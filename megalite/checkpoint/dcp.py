@@ -1,0 +1,274 @@
+"""``--ckpt-format torch_dcp``: checkpoints through ``torch.distributed.checkpoint`` (DCP).
+
+The state dict uses megalite's global names: ``weight/<name>`` (fp32 master weights),
+``exp_avg/<name>``, ``exp_avg_sq/<name>`` (Adam moments), ``fp8/<module>.<state>``
+(transformer-engine's scaling state, if any) and ``rng/rankXXXXX/<stream>`` (each rank's
+random streams). Parameter tensors have their *global* shape, vocabulary rows unpadded, so
+the files do not depend on the layout that wrote them: each rank contributes the pieces it
+owns (the same ones it writes in megalite's format, :func:`megalite.checkpoint.core._owns`)
+as boxes of the global tensor (:mod:`megalite.checkpoint.dcp_boxes`), several per tensor, in
+a ``ShardedTensor``. Loading asks DCP for the boxes of the *reader's* layout: DCP reads the
+overlapping parts of the stored chunks, so any layout loads any other, and
+``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` turns the directory into one
+``torch.save`` file of full tensors under those names.
+
+The directory layout is megalite's: ``iter_N`` written as ``iter_N.tmp`` (DCP's
+``__R_0.distcp`` files and its ``.metadata``), committed by rank 0 after every rank's files
+and DCP's ``.metadata`` are on disk: ``metadata.json`` (megalite's, with
+``"ckpt_format": "torch_dcp"``: config, layout, optimizer step, loss scaler, data position),
+rename to ``iter_N``, ``latest``, ``keep_last``. ``resolve_checkpoint``, ``--ckpt-step`` and
+``checkpoint_config`` work unchanged. DCP's ``.metadata`` is a *pickle*: load DCP
+checkpoints only from trusted sources (megalite's own format pickles nothing).
+
+Why ``ShardedTensor`` and not ``DTensor``: a ZeRO rank's piece is a flat range, which is
+several boxes of the global tensor, and a DTensor holds one box per rank. The ShardedTensor
+is built without its cross-rank checks (they need every rank's boxes, and at load replicas
+overlap); DCP itself checks at save that the chunks of each tensor cover it exactly once.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor.api import ShardedTensorBase
+from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from megalite import __version__
+from megalite.checkpoint.core import (KINDS, _barrier, _coords, _owns, _param_ranges, _prune, _split_of,
+                                      check_config, rng_note)
+from megalite.checkpoint.dcp_boxes import global_shape, piece_boxes
+from megalite.checkpoint.format import (FORMAT_VERSION, VOCAB_PARAMS, CheckpointError, fsync_path, iteration_dir,
+                                        resolve_checkpoint, same_layout, write_json_atomic, write_tokenizer)
+from megalite.checkpoint.settings import carry_forward
+from megalite.layers.fp8 import fp8_state, load_fp8_state
+from megalite.parallel.random import get_rng_tracker
+
+CKPT_FORMAT = "torch_dcp"
+
+
+def is_dcp_checkpoint(directory: str) -> bool:
+    """Whether an iteration directory was written in the torch_dcp format."""
+    try:
+        with open(os.path.join(directory, "metadata.json")) as f:
+            return json.load(f).get("ckpt_format") == CKPT_FORMAT
+    except (OSError, ValueError, AttributeError):
+        return os.path.isfile(os.path.join(directory, ".metadata"))
+
+
+def dcp_group(grid):
+    """The process group DCP coordinates on: the grid's gloo control group (host values, so
+    under NCCL too); None without a world (DCP then runs without collectives)."""
+    if grid is None or not dist.is_initialized():
+        return None
+    return getattr(grid, "control_group", None) or dist.group.WORLD
+
+
+def sharded(shape, boxes, rank: int, group) -> ShardedTensor:
+    """A ShardedTensor of global ``shape`` whose local shards are ``boxes`` ([(offsets, cpu
+    tensor)]), built without the cross-rank checks (see the module docstring)."""
+    spec = ChunkShardingSpec(dim=0, placements=["rank:0/cpu"])  # unused by DCP: it reads the shards
+    st = ShardedTensorBase.__new__(ShardedTensor, spec, *shape, dtype=torch.float32, layout=torch.strided,
+                                   pin_memory=False, requires_grad=False)
+    st._prepare_init(process_group=group)
+    st._local_shards = [Shard(t, ShardMetadata(list(g), list(t.shape), f"rank:{rank}/cpu")) for g, t in boxes]
+    st._post_init()
+    return st
+
+
+def _rank_boxes(optimizer, c, vocab: int, kinds, owned_only: bool):
+    """{(kind, name): (global shape, [(offsets, view of the optimizer state)])} for this rank."""
+    states = {"weight": optimizer.master, "exp_avg": optimizer.exp_avg, "exp_avg_sq": optimizer.exp_avg_sq}
+    out: dict = {}
+    for i, p, name, shape, (a, z), offset in _param_ranges(optimizer):
+        if owned_only and not _owns(p, c, optimizer.stage):
+            continue
+        split = _split_of(p)
+        for kind in kinds:
+            values = states[kind][i][offset: offset + z - a]
+            gshape = global_shape(name, shape, split, c["tp_size"], vocab)
+            entry = out.setdefault((kind, name), (gshape, []))
+            entry[1].extend(piece_boxes(name, list(shape), split, c["tp_rank"], c["tp_size"], a, z, vocab, values))
+    return out
+
+
+def dcp_state_dict(optimizer, c, vocab: int, group, buffers: dict | None = None) -> dict:
+    """The state dict this rank saves: copies of its boxes (into ``buffers``, reused across
+    saves, when given), its FP8 state (the stage's TP/CP/DP rank 0) and its RNG streams."""
+    rank = c["rank"]
+    buffers = {} if buffers is None else buffers
+    state = {}
+    for (kind, name), (gshape, boxes) in _rank_boxes(optimizer, c, vocab, KINDS, owned_only=True).items():
+        copies = []
+        for g, view in boxes:
+            key = (kind, name, tuple(g))
+            buf = buffers.get(key)
+            if buf is None or buf.shape != view.shape:
+                buf = buffers[key] = torch.empty(view.shape, dtype=torch.float32,
+                                                 pin_memory=torch.cuda.is_available())
+            buf.copy_(view, non_blocking=False)
+            copies.append((g, buf))
+        if copies:
+            state[f"{kind}/{name}"] = sharded(gshape, copies, dist.get_rank() if group else rank, group)
+    if c["tp_rank"] == c["cp_rank"] == c["dp_rank"] == 0:
+        for chunk in optimizer.chunks:
+            for name, t in fp8_state(chunk).items():
+                state[f"fp8/{name}"] = t.detach().float().cpu().clone()
+    for key, value in get_rng_tracker().state_dict().items():
+        state[f"rng/rank{rank:05d}/{key}"] = value.detach().cpu().clone()
+    return state
+
+
+def checkpoint_metadata(iteration, optimizer, scaler, config, c, consumed_samples, extra_meta=None) -> dict:
+    """megalite's metadata.json for a torch_dcp checkpoint (taken at the save, not at the commit)."""
+    return {"format_version": FORMAT_VERSION, "ckpt_format": CKPT_FORMAT, "megalite_version": __version__,
+            "iteration": iteration, "consumed_samples": consumed_samples, "config": config.to_dict(),
+            "layout": c["layout"], "zero_stage": optimizer.stage, "optimizer_step": optimizer.step_count,
+            "loss_scaler": scaler.state_dict() if scaler is not None else None, "files": [],
+            "weights_only": False, **(extra_meta or {})}
+
+
+def commit(root: str, tmp: str, final: str, meta: dict, config, tokenizer=None, keep_last=None) -> None:
+    """Rank 0, after every rank's files and DCP's .metadata: metadata.json, rename, latest, prune."""
+    meta = dict(meta)
+    if tokenizer is not None:
+        meta["tokenizer"] = write_tokenizer(tmp, tokenizer)
+    meta["source"] = carry_forward(config, tmp)
+    write_json_atomic(os.path.join(tmp, "metadata.json"), meta)
+    fsync_path(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    fsync_path(root)
+    write_json_latest(root, meta["iteration"])
+    if keep_last:
+        _prune(root, keep_last)
+
+
+def write_json_latest(root: str, iteration: int) -> None:
+    with open(os.path.join(root, "latest.tmp"), "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+
+
+def prepare_tmp(final: str, rank: int, grid) -> str:
+    tmp = final + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier(grid)
+    return tmp
+
+
+def save_dcp_checkpoint(root: str, iteration: int, optimizer, scaler, config, grid, consumed_samples: int,
+                        keep_last: int | None = None, tokenizer=None, extra_meta: dict | None = None) -> str:
+    """Write iteration ``iteration``'s checkpoint under ``root`` through DCP; returns its
+    directory (the arguments are :func:`megalite.checkpoint.core.save_checkpoint`'s)."""
+    from megalite.resilience.fault_injection import active
+
+    c = _coords(grid)
+    final = iteration_dir(root, iteration)
+    tmp = prepare_tmp(final, c["rank"], grid)
+    group = dcp_group(grid)
+    state = dcp_state_dict(optimizer, c, config.model.vocab_size, group)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), process_group=group, no_dist=group is None)
+    active().during_save(iteration)
+    _barrier(grid)
+    if c["rank"] == 0:
+        commit(root, tmp, final, checkpoint_metadata(iteration, optimizer, scaler, config, c, consumed_samples,
+                                                     extra_meta), config, tokenizer, keep_last)
+    _barrier(grid)
+    return final
+
+
+def _read_metadata(directory: str) -> tuple[dict, dict]:
+    """(megalite's metadata.json, DCP's {key: storage metadata})."""
+    try:
+        with open(os.path.join(directory, "metadata.json")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{directory}/metadata.json: unreadable ({e}): the checkpoint's metadata is corrupt.")
+    try:
+        stored = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
+    except Exception as e:  # noqa: BLE001 - any failure to read DCP's index is a broken checkpoint
+        raise CheckpointError(f"{directory}/.metadata: DCP's index cannot be read ({type(e).__name__}: {e}): "
+                              f"the checkpoint is incomplete or corrupt.") from e
+    return meta, stored
+
+
+def load_dcp_checkpoint(root: str, optimizer, scaler, config, grid, load_optimizer: bool = True,
+                        load_rng: bool = True, iteration: int | None = None, finetune: bool = False) -> dict:
+    """:func:`megalite.checkpoint.core.load_checkpoint` for a torch_dcp checkpoint: DCP reads
+    the boxes of this rank's layout (any layout); same arguments, same returned metadata."""
+    if finetune:
+        load_optimizer = load_rng = False
+    c = _coords(grid)
+    directory = resolve_checkpoint(root, iteration)
+    meta, stored = _read_metadata(directory)
+    check_config(meta["config"]["model"], config.model)
+    vocab = config.model.vocab_size
+    with_optim = load_optimizer and not meta.get("weights_only")
+    kinds = KINDS if with_optim else ("weight",)
+    group = dcp_group(grid)
+    rank = dist.get_rank() if group is not None else 0
+    targets = _rank_boxes(optimizer, c, vocab, kinds, owned_only=False)
+    state, fills = {}, []
+    for (kind, name), (gshape, boxes) in targets.items():
+        key = f"{kind}/{name}"
+        md = stored.get(key)
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointError(f"checkpoint {directory!r} has no {kind!r} for parameter {name!r}.")
+        if list(md.size) != list(gshape):
+            raise CheckpointError(f"parameter {name!r}: the checkpoint's {kind} has shape {tuple(md.size)}, "
+                                  f"the model's is {tuple(gshape)}.")
+        fresh = [(g, torch.empty(view.shape)) for g, view in boxes]
+        fills.extend(zip([v for _, v in boxes], [t for _, t in fresh]))
+        state[key] = sharded(gshape, fresh, rank, group)
+    rng_keys = {}
+    prefix = f"rng/rank{c['rank']:05d}/"
+    if load_rng and same_layout(meta["layout"], c["layout"]):
+        rng_keys = {k[len(prefix):]: k for k in stored if k.startswith(prefix)}
+    fp8_keys = [k for k in stored if k.startswith("fp8/")] if config.model.fp8_format is not None else []
+    for k in list(rng_keys.values()) + fp8_keys:
+        state[k] = torch.empty(list(stored[k].size), dtype=stored[k].properties.dtype)
+    dcp.load(state, storage_reader=dcp.FileSystemReader(directory), process_group=group, no_dist=group is None)
+    states = {"weight": optimizer.master, "exp_avg": optimizer.exp_avg, "exp_avg_sq": optimizer.exp_avg_sq}
+    for i, _, name, _, (a, z), offset in _param_ranges(optimizer):
+        if name in VOCAB_PARAMS:  # the padding rows (in no box) are zero, as in core's load
+            for kind in kinds:
+                states[kind][i][offset: offset + z - a].zero_()
+    for view, loaded in fills:
+        view.copy_(loaded)
+    return _finish(meta, directory, state, rng_keys, fp8_keys, optimizer, scaler, config, c, with_optim,
+                   load_rng, finetune)
+
+
+def _finish(meta, directory, state, rng_keys, fp8_keys, optimizer, scaler, config, c, with_optim, load_rng,
+            finetune) -> dict:
+    if with_optim:
+        optimizer.step_count = meta["optimizer_step"]
+        if scaler is not None and meta.get("loss_scaler"):
+            scaler.load_state_dict(meta["loss_scaler"])
+    else:
+        for m, v in zip(optimizer.exp_avg, optimizer.exp_avg_sq):
+            m.zero_()
+            v.zero_()
+        optimizer.step_count = 0
+    optimizer.publish()
+    if fp8_keys:
+        saved = {k[len("fp8/"):]: state[k] for k in fp8_keys}
+        meta["fp8_modules_restored"] = sum(load_fp8_state(chunk, saved) for chunk in optimizer.chunks)
+    rng = {stream: state[k] for stream, k in rng_keys.items()}
+    if rng:
+        get_rng_tracker().load_state_dict(rng)
+    meta["rng_restored"] = bool(rng)
+    meta["rng_note"] = rng_note(meta, c["layout"], load_rng, bool(rng), "--finetune" if finetune else "--no-load-rng")
+    meta["directory"] = directory
+    return meta

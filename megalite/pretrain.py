@@ -6,11 +6,7 @@ group or model is built.
 """
 from __future__ import annotations
 
-import contextlib
-import json
-import math
 import os
-import signal
 import sys
 from datetime import timedelta
 import time
@@ -21,38 +17,37 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from megalite.arguments import build_parser, config_from_args, explicit_args
-from megalite.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+from megalite.checkpoint import CheckpointError, load_checkpoint
 from megalite.checkpoint.format import complete_iterations, resolve_checkpoint
 from megalite.checkpoint.settings import adopt_checkpoint_model, checkpoint_config, describe_layout_change
 from megalite.config import ConfigError, validate
 from megalite.data import build_data_iterators
+from megalite.data.batch_stream import BatchStream
 from megalite.data.blended import describe_data, parse_data_path
 from megalite.data.indexed_dataset import DatasetError
 from megalite.data.tokenizer import build_tokenizer
 from megalite.layers.transformer_engine import tp_comm_overlap
 from megalite.model.gpt import count_parameters
 from megalite.parallel import comm
-from megalite.parallel.comm import count_collectives
 from megalite.model.summary import moe_summary
 from megalite.parallel.grid import build_grid, gpus_per_node_from_env
 from megalite.parallel.random import model_parallel_seed
 from megalite.pipeline.partition import build_model_chunks, virtual_stages
-from megalite.pipeline.schedules import Trace
 from megalite.data_parallel.accounting import describe_memory
 from megalite.device import (cuda_allocator_environment, host_barrier, init_distributed, meta_stand_ins,
-                             resolve_device, to_device)
+                             resolve_device)
 from megalite.launch import detect_launch
-from megalite.faults import (CollectiveTimeout, HangWatchdog, TrainingDiverged,
-                             hang_report, looks_like_timeout, report_failure)
+from megalite.faults import CollectiveTimeout, HangWatchdog, TrainingDiverged, report_failure
 from megalite.memory_tracker import training_tracker
-from megalite.monitor import Monitor, attended_length, memory_line
+from megalite.monitor import Monitor
 from megalite.preflight import check_datasets, check_output_paths, check_save_location
 from megalite.profiling import Profiler
-from megalite.resilience.fault_injection import check_fault_ranks
+from megalite.resilience.fault_injection import FaultInjector, check_fault_ranks
+from megalite.resilience.fault_injection import set_active as set_active_faults
 from megalite.resilience.flags import check_resilience_args
-from megalite.step_log import PendingStep, StepLog
-from megalite.timers import Clock
-from megalite.training import LossScaler, build_data_parallel_optimizer, evaluate, train_step
+from megalite.step_log import StepLog
+from megalite.train_loop import Run, TrainLoop, checkpoint_saver, checkpoint_writer, straggler_monitor
+from megalite.training import LossScaler, build_data_parallel_optimizer
 
 
 def _tokenizer_for(args):
@@ -72,14 +67,6 @@ def _tokenizer_for(args):
 
 def _value(x, spec: str = ".4f") -> str:
     return "n/a" if x is None else format(x, spec)
-
-
-def _fault_applies(rank: int) -> bool:
-    """Test fault injection: on MEGALITE_TEST_KILL_RANK only (every rank if unset), and only in
-    the first attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT), so a restart can finish."""
-    only = os.environ.get("MEGALITE_TEST_KILL_RANK")
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-    return first_attempt and (only is None or int(only) == rank)
 
 
 class RankZeroPrinter:
@@ -173,46 +160,6 @@ def setup(argv=None):
     return args, config, tokenizer, grid, device
 
 
-def step_trace(args, iteration: int, t, device) -> Trace | None:
-    """The pipeline trace of the last iteration (``--pipeline-trace``), timed on the device's
-    clock: CUDA events on a GPU (host timestamps would time the kernel launches only)."""
-    if not args.pipeline_trace or iteration != t.train_iters - 1:
-        return None
-    return Trace(Clock(device))
-
-
-def write_trace(trace_dir: str, trace, grid, num_micro: int, num_chunks: int, schedule: str = "1f1b") -> None:
-    os.makedirs(trace_dir, exist_ok=True)
-    path = os.path.join(trace_dir, f"trace_rank{grid.rank:03d}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump({"rank": grid.rank, "pp_rank": grid.pp_rank, "tp_rank": grid.tp_rank,
-                   "dp_rank": grid.dp_rank, "P": grid.layout.pp, "V": num_chunks, "M": num_micro,
-                   "schedule": schedule, "events": trace.events}, f)
-    os.replace(path + ".tmp", path)
-
-
-class TermSignal:
-    """SIGTERM sets a flag; the loop checks it (agreed by all ranks) after each iteration,
-    saves a checkpoint and exits cleanly."""
-
-    def __init__(self):
-        self.received = False
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame):
-        self.received = True
-
-    def agreed(self, grid) -> bool:
-        """Any rank signalled: a host value, so a CPU tensor on the gloo control group."""
-        flag = torch.tensor([1.0 if self.received else 0.0])
-        if dist.is_initialized():
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=grid.control_group)
-        return bool(flag.item())
-
-    def restore(self):
-        signal.signal(signal.SIGTERM, self._previous)
-
-
 def pretrain(argv=None) -> list[dict]:
     args, config, tokenizer, grid, device = setup(argv)
     m, t = config.model, config.train
@@ -252,13 +199,14 @@ def pretrain(argv=None) -> list[dict]:
         chunk.init_weights(t.seed)
     optimizer = build_data_parallel_optimizer(model, t, grid)
     scaler = LossScaler(t.fp16, t.initial_loss_scale, t.loss_scale)
-    start_iteration, consumed = 0, 0
+    start_iteration, consumed, windows = 0, 0, list(args.skip_windows)
     if args.load and not args.fresh_start:
         meta = load_checkpoint(args.load_dir, optimizer, scaler, config, grid, load_optimizer=not args.no_load_optim,
                                load_rng=not args.no_load_rng, finetune=args.finetune)
         start_iteration, consumed = meta["iteration"], meta["consumed_samples"]
+        windows += [tuple(w) for w in meta.get("skipped_batches", [])]  # a resume does not replay them
         if args.finetune or meta.get("weights_only"):
-            start_iteration, consumed = 0, 0
+            start_iteration, consumed, windows = 0, 0, list(args.skip_windows)
         say(f"loaded {meta['directory']} at iteration {meta['iteration']} (layout then {meta['layout']}; "
             f"{meta['rng_note']})")
         if not (args.finetune or meta.get("weights_only")):
@@ -275,16 +223,19 @@ def pretrain(argv=None) -> list[dict]:
         return []
 
     global_batch = t.global_batch_size
+    skips = BatchStream(None, num_micro, global_batch, consumed // global_batch, windows)
+    reserve = skips.reserve() + args.max_rollbacks * args.rollback_skip_batches  # batches read, not trained
     num_evals = t.train_iters // t.eval_interval + 1
     train_iter, valid_iter, _ = build_data_iterators(
         data_prefix=config.data.data_path, mock=config.data.mock_data, split=config.data.split,
         vocab_size=m.vocab_size, seq_length=m.seq_length, seed=t.seed,
         micro_batch_size=t.micro_batch_size, dp_rank=grid.dp_rank, dp_size=dp,
-        train_samples=t.train_iters * global_batch,
+        train_samples=(t.train_iters + reserve) * global_batch,
         valid_samples=num_evals * t.eval_iters * global_batch,
         test_samples=t.eval_iters * global_batch, consumed_train_samples=consumed,
         eod_token=tokenizer.eod, reset_position_ids=config.data.reset_position_ids,
         reset_attention_mask=config.data.reset_attention_mask, eod_mask_loss=config.data.eod_mask_loss)
+    stream = BatchStream(train_iter, num_micro, global_batch, consumed // global_batch, skips.windows)
     for line in describe_data(getattr(train_iter, "dataset", None)):
         say(line)
     if valid_iter is not None:  # continue validation where the interrupted run was
@@ -292,114 +243,46 @@ def pretrain(argv=None) -> list[dict]:
             next(valid_iter)
 
     log_file = open(args.log_json, "a" if args.load else "w") if args.log_json and reporter else None
-    log_lines: list[dict] = []
     tokens_per_step = global_batch * m.seq_length
     monitor = Monitor(m, grid.layout.world_size, tokens_per_step, t.train_iters, args.peak_tflops,
                       args.tensorboard_dir, enabled=reporter, device=device, wandb_project=args.wandb_project,
                       wandb_exp_name=args.wandb_exp_name, wandb_save_dir=args.wandb_save_dir, config=config.to_dict())
-    profiler = Profiler(args, grid.rank) if args.profile else None
-    term = TermSignal() if args.save else None
-    faults = {k: int(os.environ.get(f"MEGALITE_TEST_{k}", "0"))  # fault injection for the tests
-              for k in ("KILL_AT_ITERATION", "NAN_AT_ITERATION", "HANG_AT_ITERATION")}
-    steps = StepLog(monitor, grid, check=device.type != "meta" and not args.fake_process_group, fp16=t.fp16,
-                    meta=device.type == "meta")
-    tracker = training_tracker(model, optimizer) if args.track_memory else None
+    faults = FaultInjector(args.faults, grid.rank)
+    set_active_faults(faults)  # the checkpoint writer's kill-during-save reaches it there
+    checked = args.check_for_spiky_loss or args.max_rollbacks > 0  # then the loop checks and agrees
+    steps = StepLog(monitor, grid, check=device.type != "meta" and not args.fake_process_group and not checked,
+                    fp16=t.fp16, meta=device.type == "meta")
     watchdog = None
     if device.type == "cuda" and dist.is_initialized() and not args.fake_process_group:
         watchdog = HangWatchdog(grid, 0.9 * args.distributed_timeout_minutes * 60)
+    run = Run(args=args, config=config, tokenizer=tokenizer, grid=grid, device=device, model=model,
+              optimizer=optimizer, scaler=scaler, stream=stream, valid_iter=valid_iter,
+              start_iteration=start_iteration, say=say, monitor=monitor, steps=steps, faults=faults,
+              saver=checkpoint_saver(args, grid), save_fn=checkpoint_writer(args),
+              straggler=straggler_monitor(args, grid, device),
+              profiler=Profiler(args, grid.rank) if args.profile else None,
+              tracker=training_tracker(model, optimizer) if args.track_memory else None,
+              watchdog=watchdog, log_file=log_file)
     start = time.perf_counter()
-    iteration = start_iteration
-    for iteration in range(start_iteration, t.train_iters):
-        if profiler:
-            profiler.step(iteration + 1)
-        if faults["HANG_AT_ITERATION"] == iteration + 1 and grid.rank == int(os.environ["MEGALITE_TEST_HANG_RANK"]):
-            time.sleep(float(os.environ.get("MEGALITE_TEST_HANG_SECONDS", "30")))
-        step_start = time.perf_counter()
-        host_batches = [next(train_iter) for _ in range(num_micro)]
-        attended = attended_length(host_batches)  # packed documents: the attention work done (MFU)
-        micro_batches = [to_device(b, device) for b in host_batches]
-        if faults["NAN_AT_ITERATION"] == iteration + 1:
-            micro_batches[0] = {**micro_batches[0], "loss_mask": micro_batches[0]["loss_mask"] * float("nan")}
-        if tracker is not None:  # the step's batches live on the device through the step
-            tracker.register([t for b in micro_batches for t in b.values()], "data")
-        trace = step_trace(args, iteration, t, device)
-        try:
-            with count_collectives() as traffic, tracker or contextlib.nullcontext():
-                if tracker is not None:
-                    tracker.reset_peak()
-                result = train_step(model, optimizer, micro_batches, t, iteration, scaler, grid, trace)
-        except RuntimeError as error:
-            if dist.is_initialized() and looks_like_timeout(error):
-                raise hang_report(grid, args.distributed_timeout_minutes * 60) from error
-            raise
-        print_line = (iteration + 1) % t.log_interval == 0 or iteration == start_iteration
-        memory, memory_stats = memory_line(optimizer, reset_peak=print_line, device=device)
-        steps.add(PendingStep(iteration + 1, result, step_start, traffic, memory, memory_stats,
-                              tracker.summary() if tracker is not None else None, attended))
-        evaluate_now = valid_iter is not None and (iteration + 1) % t.eval_interval == 0
-        stop = term is not None and term.agreed(grid)
-        save_now = bool(args.save and ((args.save_interval and (iteration + 1) % args.save_interval == 0) or stop))
-        if (print_line or evaluate_now or save_now or stop or iteration == t.train_iters - 1
-                or faults["KILL_AT_ITERATION"] == iteration + 1):  # else: no sync, the GPU stays fed
-            records = steps.flush()
-            if trace is not None:
-                write_trace(args.pipeline_trace, trace, grid, num_micro, len(model), t.pipeline_schedule)
-            if evaluate_now:
-                with optimizer.full_weights():
-                    val = evaluate(model, [to_device(next(valid_iter), device)
-                                           for _ in range(t.eval_iters * num_micro)], t, grid)
-                records[-1]["valid_loss"] = None if device.type == "meta" else val
-            for record in records:
-                log_lines.append(record)
-                if record["skipped"]:
-                    say(f"iteration {record['iteration']}: inf/nan gradients, step skipped "
-                        f"(loss scale now {record['loss_scale']:g})")
-                monitor.log(record, memory, print_line and record is records[-1])
-                if record.get("valid_loss") is not None:
-                    say(f"validation at iter {record['iteration']}: loss {record['valid_loss']:.4f} | "
-                        f"ppl {min(1e9, math.exp(min(record['valid_loss'], 30))):.2f}")
-                if record["iteration"] == start_iteration + 1 and traffic:
-                    say(f"collectives/step (rank {grid.rank}, bytes handed): " + ", ".join(
-                        f"{k} {v['calls']} calls {v['bytes'] / 2**20:.2f} MiB" for k, v in sorted(traffic.items())))
-                if log_file:
-                    log_file.write(json.dumps(record) + "\n")
-            if log_file:
-                log_file.flush()
+    try:
+        log_lines = TrainLoop(run).run()
+    finally:
+        monitor.close()
         if watchdog is not None:
-            watchdog.beat()
-        if faults["KILL_AT_ITERATION"] == iteration + 1 and _fault_applies(grid.rank):
-            os.kill(os.getpid(), signal.SIGKILL)
-        if save_now:
-            path = save_checkpoint(args.save, iteration + 1, optimizer, scaler, config, grid,
-                                   (iteration + 1) * global_batch, args.keep_last, tokenizer)
-            say(f"saved checkpoint {os.path.abspath(path)}")
-            if watchdog is not None:
-                watchdog.beat()  # a long save is progress too
-        if stop:
-            say(f"SIGTERM: saved iteration {iteration + 1} and stopping")
-            break
-    monitor.close()
-    if watchdog is not None:
-        watchdog.stop()
-    if profiler:
-        profiler.finish()
+            watchdog.stop()
+        if run.profiler:
+            run.profiler.finish()
+        if log_file:
+            log_file.close()
     total = time.perf_counter() - start
     if log_lines:
         rate = "" if device.type == "meta" else f", {len(log_lines) * tokens_per_step / total:.0f} tokens/s overall"
         say(f"done: {len(log_lines)} iterations in {total:.1f} s{rate}; "
             f"loss {_value(log_lines[0]['loss'])} -> {_value(log_lines[-1]['loss'])}")
     if log_file:
-        log_file.close()
         say(f"log: {os.path.abspath(args.log_json)}")
     if args.pipeline_trace:
         say(f"pipeline trace: {os.path.abspath(args.pipeline_trace)} (draw it with tools/pipeline_timeline.py)")
-    finished = log_lines and log_lines[-1]["iteration"] == t.train_iters
-    if args.save and finished and not (args.save_interval and t.train_iters % args.save_interval == 0):
-        path = save_checkpoint(args.save, t.train_iters, optimizer, scaler, config, grid,
-                               t.train_iters * global_batch, args.keep_last, tokenizer)
-        say(f"saved checkpoint {os.path.abspath(path)}")
-    if term is not None:
-        term.restore()
     release_tp_comm_buffers()
     host_barrier(grid)
     return log_lines

@@ -32,6 +32,7 @@ class PendingStep:
     memory_stats: dict
     tracked: dict | None = None    # the memory tracker's summary (--track-memory)
     attended: float | None = None  # packed documents: mean attended length (monitor.attended_length)
+    extra: dict | None = None      # fields the loop adds to the record (a straggler report)
 
 
 class StepLog:
@@ -67,6 +68,7 @@ class StepLog:
                       "comm_bytes_by_group": bytes_by_group(self.grid, s.traffic), **(r.moe or {})}
             if s.tracked is not None:
                 record["memory_tracked"] = s.tracked
+            record.update(s.extra or {})
             if self.meta:  # nothing was computed: no values to report (n/a), unlike a NaN
                 record.update({k: None for k in ("loss", "grad_norm", "tokens_per_sec", "tflops_per_gpu", "mfu")
                                if k in record})

@@ -28,6 +28,7 @@ from megalite.layers.documents import batch_documents
 from megalite.moe.stats import start_step as start_moe_step
 from megalite.moe.stats import step_stats as moe_step_stats
 from megalite.parallel import comm
+from megalite.resilience.fault_injection import LOSS_FACTOR
 from megalite.parallel.sharding import is_expert, is_tensor_parallel, sum_local_tied_copies
 from megalite.step_values import LossScaler, StepResult
 from megalite.timers import Clock, StepTimers
@@ -120,8 +121,11 @@ def stage_loss(losses, batch) -> torch.Tensor:
     """The micro-batch's loss: the mean over its trained tokens; under CP this rank's share of
     it, ``sum(loss * mask) / (N / C)`` (see the module docstring)."""
     if LOSS_TOKENS not in batch:
-        return masked_mean(losses.float(), batch["loss_mask"])
-    return (losses.float() * batch["loss_mask"].float()).sum() / batch[LOSS_TOKENS]
+        loss = masked_mean(losses.float(), batch["loss_mask"])
+    else:
+        loss = (losses.float() * batch["loss_mask"].float()).sum() / batch[LOSS_TOKENS]
+    factor = batch.get(LOSS_FACTOR)  # an injected spike (--inject-fault spike@N)
+    return loss if factor is None else loss * factor
 
 
 def activation_shape(chunk, micro_batch_size: int) -> tuple[int, int, int]:

@@ -277,7 +277,7 @@ def test_pretrain_on_a_blend_dp2_matches_dp1_and_resumes(two, tmp_path, capsys):
     assert np.allclose(dp2, full, rtol=1e-5, atol=0)
     ckpt = ["--save", str(tmp_path / "ckpt"), "--save-interval", "3"]
     with pytest.raises(WorldError, match="died"):
-        run_world(_pretrain_losses, 1, argv + ckpt, env={"MEGALITE_TEST_KILL_AT_ITERATION": "5"})
+        run_world(_pretrain_losses, 1, argv + ckpt + ["--inject-fault", "kill@5"])
     resumed = pretrain(argv + ["--load", str(tmp_path / "ckpt")])
     assert [r["iteration"] for r in resumed] == [4, 5, 6]
     assert np.allclose([r["loss"] for r in resumed], full[3:], rtol=1e-6, atol=0)

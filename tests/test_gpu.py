@@ -280,7 +280,7 @@ def test_cuda_resume_after_kill_is_bit_identical(tmp_path):
 
     code, full = run("full", ["--save", str(tmp_path / "a")])
     assert code == 0 and len(full) == 8
-    code, _ = run("killed", ["--save", str(tmp_path / "b")], env={"MEGALITE_TEST_KILL_AT_ITERATION": "5"})
+    code, _ = run("killed", ["--save", str(tmp_path / "b"), "--inject-fault", "kill@5"])
     assert code != 0 and (tmp_path / "b" / "latest").read_text() == "4"
     code, resumed = run("resumed", ["--load", str(tmp_path / "b"), "--save", str(tmp_path / "b")])
     assert code == 0 and [r[0] for r in resumed] == [5, 6, 7, 8]

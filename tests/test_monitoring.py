@@ -169,17 +169,15 @@ def test_profiler_trace_and_summary(tmp_path, capsys):
     assert len(trace["traceEvents"]) > 10
 
 
-def test_nan_loss_stops_bf16_and_fp32_runs_naming_the_iteration(monkeypatch, capsys):
-    monkeypatch.setenv("MEGALITE_TEST_NAN_AT_ITERATION", "3")
+def test_nan_loss_stops_bf16_and_fp32_runs_naming_the_iteration(capsys):
     for flags in ([], ["--bf16"]):
-        assert main(SMALL + ["--train-iters", "6"] + flags) == 3
+        assert main(SMALL + ["--train-iters", "6", "--inject-fault", "nan@3"] + flags) == 3
         err = capsys.readouterr().err
         assert "training stopped: iteration 3: loss nan" in err and "Fix" in err
 
 
-def test_nan_in_fp16_is_skipped_by_the_loss_scaler(monkeypatch, capsys):
-    monkeypatch.setenv("MEGALITE_TEST_NAN_AT_ITERATION", "3")
-    log = pretrain(SMALL + ["--train-iters", "6", "--fp16"])
+def test_nan_in_fp16_is_skipped_by_the_loss_scaler(capsys):
+    log = pretrain(SMALL + ["--train-iters", "6", "--fp16", "--inject-fault", "nan@3"])
     assert [r["skipped"] for r in log] == [False, False, True, False, False, False]
     assert log[2]["loss_scale"] == log[1]["loss_scale"] / 2 and log[-1]["skipped_total"] == 1
     assert "iteration 3: inf/nan gradients, step skipped" in capsys.readouterr().out
@@ -190,15 +188,14 @@ def _hang_worker(rank, world):
     err = io.StringIO()
     start = time.monotonic()
     with contextlib.redirect_stderr(err):
-        code = main(SMALL + ["--train-iters", "4", "--global-batch-size", "8", "--distributed-timeout-minutes", "0.1"])
+        code = main(SMALL + ["--train-iters", "4", "--global-batch-size", "8", "--distributed-timeout-minutes", "0.1",
+                             "--inject-fault", "hang@2:2=20"])
     return code, err.getvalue(), time.monotonic() - start
 
 
 @pytest.mark.slow
 def test_rank_stuck_before_a_collective_gives_a_clear_error_on_every_other_rank():
-    env = {"MEGALITE_TEST_HANG_AT_ITERATION": "2", "MEGALITE_TEST_HANG_RANK": "2",
-           "MEGALITE_TEST_HANG_SECONDS": "20"}
-    results = run_world(_hang_worker, 4, env=env, pg_timeout_s=6, timeout=90)
+    results = run_world(_hang_worker, 4, pg_timeout_s=6, timeout=90)
     for rank, (code, err, elapsed) in enumerate(results):
         if rank == 2:
             continue

@@ -29,7 +29,7 @@ def context_parallel_slice(batch: dict, cp_rank: int, cp_size: int, causal: bool
         return batch
     out = {}
     for key, t in batch.items():
-        if key in WHOLE_SEQUENCE_KEYS:
+        if key in WHOLE_SEQUENCE_KEYS or t.dim() < 2:  # no sequence dimension (an injected loss factor)
             out[key] = t
             continue
         chunks = t.chunk(2 * cp_size if causal else cp_size, dim=1)

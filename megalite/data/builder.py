@@ -84,6 +84,13 @@ class MicroBatchIterator:
     def __iter__(self):
         return self
 
+    def at(self, consumed_samples: int) -> "MicroBatchIterator":
+        """The same samples, read from position ``consumed_samples`` (a rollback's rewind)."""
+        s = self.sampler
+        sampler = PretrainingSampler(s.total_samples, consumed_samples, s.micro_batch_size,
+                                     s.data_parallel_rank, s.data_parallel_size)
+        return MicroBatchIterator(self.dataset, sampler, self.cyclic, self.packing)
+
     def __next__(self) -> dict[str, torch.Tensor]:
         try:
             indices = next(self._indices)

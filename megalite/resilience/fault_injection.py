@@ -113,6 +113,10 @@ class FaultInjector:
                 return f
         return None
 
+    def due(self, kind: str, iteration: int) -> bool:
+        """Whether a fault of ``kind`` will strike at ``iteration`` (not taken)."""
+        return any(f.kind == kind and f.iteration == iteration for f in self.pending)
+
     def value(self, fault: Fault) -> float:
         return fault.value if fault.value is not None else DEFAULT_VALUE[fault.kind]
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 
+from megalite.data.batch_stream import merge_windows
 from megalite.errors import ConfigError
 from megalite.resilience.fault_injection import parse_faults
 
@@ -54,16 +55,6 @@ def parse_skip_batches(texts) -> list[tuple[int, int]]:
                               f"(global batch numbers, counted from 1 like iterations), e.g. 7 or 7-9.")
         windows.append((int(m[1]), int(m[2] or m[1])))
     return merge_windows(windows)
-
-
-def merge_windows(windows) -> list[tuple[int, int]]:
-    merged: list[list[int]] = []
-    for a, b in sorted(windows):
-        if merged and a <= merged[-1][1] + 1:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    return [(a, b) for a, b in merged]
 
 
 def check_resilience_args(args: argparse.Namespace) -> None:

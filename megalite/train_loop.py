@@ -1,0 +1,343 @@
+"""The training loop of ``pretrain``: steps, the log, evaluation, checkpoints, rollback, stops.
+
+One iteration: the next global batch (:class:`~megalite.data.batch_stream.BatchStream`, past
+skipped windows), the train step, and its :class:`~megalite.step_log.PendingStep`. The host
+reads the device only at a flush (the log line, an evaluation, a save, a stop, the end), so
+between flushes the GPU stays fed. At a flush the records are checked (non-finite values,
+spikes: :mod:`megalite.resilience.rollback`); a bad step is rolled back or stops the run.
+
+A rollback (``--max-rollbacks K``): wait for an in-flight asynchronous save, load the latest
+checkpoint under ``--save`` (weights, optimizer, loss scale, RNG, data position; the run's
+``--load`` checkpoint if none was saved yet), add the faulty iteration's batch and the N-1
+before it to the skip windows (``--rollback-skip-batches N``), rewind the data to the
+checkpoint's position and train on. Batches are skipped, iterations are not: the run still
+makes ``--train-iters`` updates, on the LR schedule it would have had. The JSON log gets an
+``{"event": "rollback", ...}`` line; later checkpoints record the windows, so a resume does not
+replay them. Losses after a rollback equal those of a run given the same ``--skip-batches``
+from the start (tests/test_rollback.py).
+
+Saves: synchronous, or asynchronous (``--async-save``: the state is staged into host buffers
+and a writer thread writes and commits it while training goes on; at most one in flight;
+a stop, the end and an exception wait for it).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megalite.checkpoint import load_checkpoint
+from megalite.checkpoint.format import resolve_checkpoint
+from megalite.device import to_device
+from megalite.faults import hang_report, looks_like_timeout
+from megalite.monitor import attended_length, memory_line
+from megalite.parallel.comm import count_collectives
+from megalite.pipeline.schedules import Trace
+from megalite.resilience.rollback import LossSentinel, agree, exhausted, no_checkpoint
+from megalite.step_log import PendingStep
+from megalite.timers import Clock
+from megalite.training import evaluate, train_step
+
+
+class TermSignal:
+    """SIGTERM sets a flag; the loop checks it (agreed by all ranks) after each iteration,
+    saves a checkpoint and exits cleanly."""
+
+    def __init__(self):
+        self.received = False
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = True
+
+    def agreed(self, grid) -> bool:
+        """Any rank signalled: a host value, so a CPU tensor on the gloo control group."""
+        flag = torch.tensor([1.0 if self.received else 0.0])
+        if dist.is_initialized():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=grid.control_group)
+        return bool(flag.item())
+
+    def restore(self):
+        signal.signal(signal.SIGTERM, self._previous)
+
+
+def step_trace(args, iteration: int, t, device) -> Trace | None:
+    """The pipeline trace of the last iteration (``--pipeline-trace``; ``iteration`` 0-based),
+    timed on the device's clock: CUDA events on a GPU (host timestamps time the launches only)."""
+    if not args.pipeline_trace or iteration != t.train_iters - 1:
+        return None
+    return Trace(Clock(device))
+
+
+def write_trace(trace_dir: str, trace, grid, num_micro: int, num_chunks: int, schedule: str = "1f1b") -> None:
+    os.makedirs(trace_dir, exist_ok=True)
+    path = os.path.join(trace_dir, f"trace_rank{grid.rank:03d}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump({"rank": grid.rank, "pp_rank": grid.pp_rank, "tp_rank": grid.tp_rank,
+                   "dp_rank": grid.dp_rank, "P": grid.layout.pp, "V": num_chunks, "M": num_micro,
+                   "schedule": schedule, "events": trace.events}, f)
+    os.replace(path + ".tmp", path)
+
+
+@dataclass
+class Run:
+    """What the loop works with, built by :func:`megalite.pretrain.pretrain`."""
+    args: object
+    config: object
+    tokenizer: object
+    grid: object
+    device: torch.device
+    model: list
+    optimizer: object
+    scaler: object
+    stream: object                 # BatchStream of the train data
+    valid_iter: object
+    start_iteration: int
+    say: object                    # rank-0 printer
+    monitor: object
+    steps: object                  # StepLog
+    faults: object                 # FaultInjector
+    saver: object = None           # asynchronous checkpoint saver (--async-save) or None
+    save_fn: object = None         # synchronous save function
+    straggler: object = None       # StragglerMonitor or None
+    profiler: object = None
+    tracker: object = None
+    watchdog: object = None
+    log_file: object = None
+    log_lines: list = field(default_factory=list)
+
+
+class TrainLoop:
+    def __init__(self, run: Run):
+        self.r = run
+        a, t = run.args, run.config.train
+        self.t = t
+        self.num_micro = t.global_batch_size // (t.micro_batch_size * run.grid.layout.dp)
+        self.term = TermSignal() if a.save else None
+        self.sentinel = LossSentinel(t.fp16, a.check_for_spiky_loss, a.spiky_loss_factor, a.spiky_loss_window)
+        self.checked = a.check_for_spiky_loss or a.max_rollbacks > 0  # else StepLog stops on non-finite values
+        self.rollbacks = 0
+        self.batch_of: dict[int, int] = {}  # iteration -> the global batch it trained on
+        self.memory = ""  # the memory column of the latest step's log line
+
+    # -- one iteration -------------------------------------------------------------------
+    def step(self, iteration: int):
+        """Run iteration ``iteration`` (1-based); returns its PendingStep and traffic."""
+        r, t = self.r, self.t
+        if r.profiler:
+            r.profiler.step(iteration)
+        r.faults.before_step(iteration)
+        step_start = time.perf_counter()
+        number, host_batches = r.stream.next()
+        self.batch_of[iteration] = number
+        attended = attended_length(host_batches)  # packed documents: the attention work done (MFU)
+        micro_batches = r.faults.corrupt(iteration, [to_device(b, r.device) for b in host_batches])
+        if r.tracker is not None:  # the step's batches live on the device through the step
+            r.tracker.register([x for b in micro_batches for x in b.values()], "data")
+        trace = step_trace(r.args, iteration - 1, t, r.device)
+        if r.straggler is not None:
+            r.straggler.start_step()
+        r.faults.slow_compute(iteration, r.device)
+        try:
+            with count_collectives() as traffic, r.tracker or contextlib.nullcontext():
+                if r.tracker is not None:
+                    r.tracker.reset_peak()
+                result = train_step(r.model, r.optimizer, micro_batches, t, iteration - 1, r.scaler, r.grid, trace)
+        except RuntimeError as error:
+            if dist.is_initialized() and looks_like_timeout(error):
+                raise hang_report(r.grid, r.args.distributed_timeout_minutes * 60) from error
+            raise
+        extra = {}
+        if r.straggler is not None:
+            r.straggler.end_step()
+            report = r.straggler.report(iteration)
+            if report is not None:
+                r.say(r.straggler.format(report))
+                extra["straggler"] = report
+        print_line = iteration % t.log_interval == 0 or iteration == r.start_iteration + 1
+        self.memory, memory_stats = memory_line(r.optimizer, reset_peak=print_line, device=r.device)
+        return PendingStep(iteration, result, step_start, traffic, self.memory, memory_stats,
+                           r.tracker.summary() if r.tracker is not None else None, attended, extra), trace
+
+    # -- the loop --------------------------------------------------------------------------
+    def run(self) -> list[dict]:
+        r, t, a = self.r, self.t, self.r.args
+        iteration = r.start_iteration
+        try:
+            while iteration < t.train_iters:
+                iteration += 1
+                pending, trace = self.step(iteration)
+                r.steps.add(pending)
+                print_line = iteration % t.log_interval == 0 or iteration == r.start_iteration + 1
+                evaluate_now = r.valid_iter is not None and iteration % t.eval_interval == 0
+                stop = self.term is not None and self.term.agreed(r.grid)
+                save_now = bool(a.save and ((a.save_interval and iteration % a.save_interval == 0) or stop))
+                if (print_line or evaluate_now or save_now or stop or iteration == t.train_iters
+                        or r.faults.due("kill", iteration)):  # else: no sync, the GPU stays fed
+                    if trace is not None:
+                        write_trace(a.pipeline_trace, trace, r.grid, self.num_micro, len(r.model), t.pipeline_schedule)
+                    back_to = self.flush(iteration, print_line, evaluate_now, pending.traffic)
+                    if back_to is not None:
+                        iteration = back_to
+                        continue
+                if r.watchdog is not None:
+                    r.watchdog.beat()
+                r.faults.after_step(iteration)
+                if r.saver is not None:
+                    for path in r.saver.poll():
+                        r.say(f"saved checkpoint {os.path.abspath(path)}")
+                if save_now:
+                    self.save(iteration)
+                if stop:
+                    r.say(f"SIGTERM: saved iteration {iteration} and stopping")
+                    break
+            finished = bool(r.log_lines) and r.log_lines[-1]["iteration"] == t.train_iters
+            if a.save and finished and not (a.save_interval and t.train_iters % a.save_interval == 0):
+                self.save(t.train_iters)
+        finally:
+            if r.saver is not None:  # a stop, the end and an exception: the write in flight completes
+                for path in r.saver.wait():
+                    r.say(f"saved checkpoint {os.path.abspath(path)}")
+                r.saver.close()
+            if self.term is not None:
+                self.term.restore()
+        return r.log_lines
+
+    def flush(self, iteration: int, print_line: bool, evaluate_now: bool, traffic) -> int | None:
+        """Read the pending steps, check them, log the good ones. Returns the iteration a
+        rollback went back to (None: no rollback)."""
+        r, t = self.r, self.t
+        records = r.steps.flush()
+        if self.checked:
+            bad = agree(self.sentinel.first_bad(records), r.grid)
+            if bad is not None:
+                self._log(iteration, [x for x in records if x["iteration"] < bad.iteration], False, traffic)
+                return self.rollback(bad)
+        if evaluate_now:
+            with r.optimizer.full_weights():
+                val = evaluate(r.model, [to_device(next(r.valid_iter), r.device)
+                                         for _ in range(t.eval_iters * self.num_micro)], t, r.grid)
+            records[-1]["valid_loss"] = None if r.device.type == "meta" else val
+        self._log(iteration, records, print_line, traffic)
+        return None
+
+    def _log(self, iteration, records, print_line, traffic) -> None:
+        r = self.r
+        for record in records:
+            r.log_lines.append(record)
+            if record["skipped"]:
+                r.say(f"iteration {record['iteration']}: inf/nan gradients, step skipped "
+                      f"(loss scale now {record['loss_scale']:g})")
+            r.monitor.log(record, self.memory, print_line and record is records[-1])
+            if record.get("valid_loss") is not None:
+                r.say(f"validation at iter {record['iteration']}: loss {record['valid_loss']:.4f} | "
+                      f"ppl {min(1e9, math.exp(min(record['valid_loss'], 30))):.2f}")
+            if record["iteration"] == r.start_iteration + 1 and traffic:
+                r.say(f"collectives/step (rank {r.grid.rank}, bytes handed): " + ", ".join(
+                    f"{k} {v['calls']} calls {v['bytes'] / 2**20:.2f} MiB" for k, v in sorted(traffic.items())))
+            self._write(record)
+
+    def _write(self, record: dict) -> None:
+        if self.r.log_file:
+            self.r.log_file.write(json.dumps(record) + "\n")
+            self.r.log_file.flush()
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def save(self, iteration: int) -> None:
+        r, a = self.r, self.r.args
+        extra = {"skipped_batches": [list(w) for w in r.stream.windows], "data_batches": r.stream.batches_read}
+        save = r.saver.save if r.saver is not None else r.save_fn
+        import inspect  # TEMPORARY until core.save_checkpoint takes extra_meta (helper "async")
+        kw = {"extra_meta": extra} if "extra_meta" in inspect.signature(save).parameters else {}
+        path = save(a.save, iteration, r.optimizer, r.scaler, r.config, r.grid, r.stream.consumed_samples,
+                    a.keep_last, r.tokenizer, **kw)
+        if r.saver is not None:
+            r.say(f"checkpoint {os.path.abspath(path)}: written in the background")
+        else:
+            r.say(f"saved checkpoint {os.path.abspath(path)}")
+        if r.watchdog is not None:
+            r.watchdog.beat()  # a long save is progress too
+
+    # -- rollback --------------------------------------------------------------------------
+    def rollback(self, bad) -> int:
+        """Go back to the latest checkpoint and skip the batches that led to ``bad``; returns
+        the checkpoint's iteration (the loop goes on from the one after it)."""
+        r, a, t = self.r, self.r.args, self.t
+        if self.rollbacks >= a.max_rollbacks:
+            raise exhausted(bad, a.max_rollbacks, a.spiky_loss_factor, a.spiky_loss_window)
+        if r.saver is not None:
+            for path in r.saver.wait():  # the newest checkpoint may still be in flight
+                r.say(f"saved checkpoint {os.path.abspath(path)}")
+        directory = self._rollback_checkpoint(bad)
+        meta = load_checkpoint(directory, r.optimizer, r.scaler, r.config, r.grid)
+        back_to = meta["iteration"]
+        batches = meta.get("data_batches", meta["consumed_samples"] // t.global_batch_size)
+        for w in meta.get("skipped_batches", []):
+            r.stream.skip(*w)
+        last = self.batch_of[bad.iteration]
+        first = max(last - a.rollback_skip_batches + 1, batches + 1)
+        if a.rollback_skip_batches > 0:
+            r.stream.skip(first, last)
+        r.stream.rewind(batches)
+        if r.valid_iter is not None:  # validation continues where it was at the checkpoint
+            r.valid_iter = r.valid_iter.at(0)
+            for _ in range((back_to // t.eval_interval) * t.eval_iters * self.num_micro):
+                next(r.valid_iter)
+        self.rollbacks += 1
+        self.sentinel.forget_after(back_to)
+        self.batch_of = {i: b for i, b in self.batch_of.items() if i <= back_to}
+        r.log_lines[:] = [x for x in r.log_lines if x["iteration"] <= back_to]
+        skipped = "no batch skipped" if a.rollback_skip_batches == 0 else (
+            f"skipping global batch {first}" if first == last else f"skipping global batches {first}-{last}")
+        r.say(f"rollback {self.rollbacks}/{a.max_rollbacks}: {bad.describe(a.spiky_loss_factor, a.spiky_loss_window)}; "
+              f"restored {meta['directory']} (iteration {back_to}), {skipped}; going on from iteration {back_to + 1}")
+        self._write({"event": "rollback", "rollback": self.rollbacks, "iteration": bad.iteration, "kind": bad.kind,
+                     "loss": bad.loss, "grad_norm": bad.grad_norm, "restored": meta["directory"],
+                     "restored_iteration": back_to, "skipped_batches": [first, last] if a.rollback_skip_batches else None})
+        return back_to
+
+    def _rollback_checkpoint(self, bad) -> str:
+        a = self.r.args
+        for root in (a.save, a.load_dir):
+            if not root:
+                continue
+            try:
+                directory = resolve_checkpoint(root, None)
+            except Exception:  # noqa: BLE001 - nothing saved there yet
+                continue
+            return directory
+        raise no_checkpoint(bad, a.save, a.spiky_loss_factor, a.spiky_loss_window)
+
+
+def checkpoint_writer(args):
+    """The synchronous save of ``--ckpt-format``."""
+    if args.ckpt_format == "torch_dcp":
+        from megalite.checkpoint.dcp import save_dcp_checkpoint
+        return save_dcp_checkpoint
+    from megalite.checkpoint import save_checkpoint
+    return save_checkpoint
+
+
+def checkpoint_saver(args, grid):
+    """The background saver of ``--async-save`` (None without it)."""
+    if not args.async_save:
+        return None
+    if args.ckpt_format == "torch_dcp":
+        from megalite.checkpoint.dcp import AsyncDcpSaver
+        return AsyncDcpSaver(grid)
+    from megalite.checkpoint.async_save import AsyncCheckpointSaver
+    return AsyncCheckpointSaver(grid)
+
+
+def straggler_monitor(args, grid, device):
+    if not args.straggler_report_interval:
+        return None
+    from megalite.resilience.straggler import StragglerMonitor
+    return StragglerMonitor(grid, args.straggler_report_interval, args.straggler_threshold, device)

@@ -45,7 +45,7 @@ def test_resume_after_kill_is_bit_identical(tmp_path, world, layout):
 def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
     argv = BASE + ["--train-iters", "20", "--save", str(tmp_path), "--save-interval", "10"]
     with pytest.raises(WorldError, match="died"):
-        run_world(_run, 2, argv, env={"MEGALITE_TEST_KILL_DURING_SAVE": "20"})
+        run_world(_run, 2, argv + ["--inject-fault", "kill-during-save@20"])
     assert (tmp_path / "latest").read_text() == "10"
     assert (tmp_path / "iter_0000020.tmp").exists() and not (tmp_path / "iter_0000020").exists()
     model = load_serial_model(str(tmp_path))

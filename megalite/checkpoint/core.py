@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 
 import torch
 
@@ -33,6 +32,7 @@ from megalite.checkpoint.settings import carry_forward
 from megalite.layers.fp8 import fp8_state, load_fp8_state
 from megalite.parallel.random import get_rng_tracker
 from megalite.parallel.sharding import is_expert, is_tensor_parallel, shard_tensor
+from megalite.resilience.fault_injection import active as active_faults
 
 KINDS = ("weight", "exp_avg", "exp_avg_sq")
 # Model settings a checkpoint fixes; others (dropout, init std, backends) may change at load.
@@ -88,17 +88,12 @@ def _split_of(p):
     return [split.dim, split.sections] if split is not None else None
 
 
-def save_checkpoint(root: str, iteration: int, optimizer, scaler, config, grid, consumed_samples: int,
-                    keep_last: int | None = None, tokenizer=None) -> str:
-    """Write iteration ``iteration``'s checkpoint under ``root``; returns its directory.
-    ``tokenizer``: the run's, recorded with its files (none given: no tokenizer record)."""
+def rank_state(optimizer, grid) -> tuple[dict[str, torch.Tensor], list[dict]]:
+    """This rank's part of a checkpoint: ``{key: tensor}`` (views of the optimizer's fp32
+    states, where they are fp32: nothing is copied here) and the pieces that describe them,
+    plus its RNG streams. The staging step of a save (sync: written from these; async: first
+    copied into host buffers, :mod:`megalite.checkpoint.async_save`)."""
     c = _coords(grid)
-    final = iteration_dir(root, iteration)
-    tmp = final + ".tmp"
-    if c["rank"] == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-    _barrier(grid)
     tensors, pieces = {}, []
     states = {"weight": optimizer.master, "exp_avg": optimizer.exp_avg, "exp_avg_sq": optimizer.exp_avg_sq}
     for i, p, name, shape, (a, z), offset in _param_ranges(optimizer):
@@ -115,30 +110,69 @@ def save_checkpoint(root: str, iteration: int, optimizer, scaler, config, grid, 
             _add_fp8_pieces(chunk, tensors, pieces)
     for key, value in get_rng_tracker().state_dict().items():
         tensors[f"rng/{key}"] = value
-    write_rank_files(tmp, c["rank"], tensors, pieces)
-    if os.environ.get("MEGALITE_TEST_KILL_DURING_SAVE") == str(iteration):  # fault injection (tests)
-        os.kill(os.getpid(), signal.SIGKILL)
-    _barrier(grid)
-    if c["rank"] == 0:
-        files = sorted(f for f in os.listdir(tmp) if f.endswith(".safetensors"))
-        recorded = {"tokenizer": write_tokenizer(tmp, tokenizer)} if tokenizer is not None else {}
-        write_json_atomic(os.path.join(tmp, "metadata.json"), {
-            "format_version": FORMAT_VERSION, "megalite_version": __version__, "iteration": iteration,
-            "consumed_samples": consumed_samples, "config": config.to_dict(), "layout": c["layout"],
+    return tensors, pieces
+
+
+def checkpoint_metadata(iteration: int, optimizer, scaler, config, grid, consumed_samples: int) -> dict:
+    """metadata.json's values known at the save point (an asynchronous save takes them then, as
+    training goes on during its write); :func:`commit_checkpoint` adds the rest."""
+    return {"format_version": FORMAT_VERSION, "megalite_version": __version__, "iteration": iteration,
+            "consumed_samples": consumed_samples, "config": config.to_dict(), "layout": _coords(grid)["layout"],
             "zero_stage": optimizer.stage, "optimizer_step": optimizer.step_count,
-            "loss_scaler": scaler.state_dict() if scaler is not None else None, "files": files,
-            "weights_only": False, "source": carry_forward(config, tmp), **recorded})
-        fsync_path(tmp)
-        shutil.rmtree(final, ignore_errors=True)
-        os.rename(tmp, final)
-        fsync_path(root)
-        with open(os.path.join(root, "latest.tmp"), "w") as f:
-            f.write(str(iteration))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
-        if keep_last:
-            _prune(root, keep_last)
+            "loss_scaler": scaler.state_dict() if scaler is not None else None}
+
+
+def prepare_save(root: str, iteration: int, grid) -> tuple[str, str]:
+    """(final directory, its ``.tmp``): rank 0 empties the tmp directory (a crashed save's
+    leftovers), then every rank waits for it (a host barrier, on the calling thread)."""
+    final = iteration_dir(root, iteration)
+    tmp = final + ".tmp"
+    if _coords(grid)["rank"] == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier(grid)
+    return final, tmp
+
+
+def commit_checkpoint(root: str, final: str, meta: dict, config, tokenizer=None, keep_last: int | None = None,
+                      extra_meta: dict | None = None) -> None:
+    """Rank 0, once every rank's files are in ``final``.tmp: metadata.json (``meta`` from
+    :func:`checkpoint_metadata`, the files' list, the tokenizer and source records, then
+    ``extra_meta``: the loop's data position), fsync, rename to ``final``, then the ``latest``
+    pointer (write + rename) and pruning beyond ``keep_last``. Shared by the synchronous and the
+    asynchronous save, so both write the same bytes."""
+    tmp = final + ".tmp"
+    files = sorted(f for f in os.listdir(tmp) if f.endswith(".safetensors"))
+    recorded = {"tokenizer": write_tokenizer(tmp, tokenizer)} if tokenizer is not None else {}
+    write_json_atomic(os.path.join(tmp, "metadata.json"), {
+        **meta, "files": files, "weights_only": False, "source": carry_forward(config, tmp), **recorded,
+        **(extra_meta or {})})
+    fsync_path(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    fsync_path(root)
+    with open(os.path.join(root, "latest.tmp"), "w") as f:
+        f.write(str(meta["iteration"]))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+    if keep_last:
+        _prune(root, keep_last)
+
+
+def save_checkpoint(root: str, iteration: int, optimizer, scaler, config, grid, consumed_samples: int,
+                    keep_last: int | None = None, tokenizer=None, extra_meta: dict | None = None) -> str:
+    """Write iteration ``iteration``'s checkpoint under ``root`` (synchronously: every rank
+    returns once it is committed); returns its directory. ``tokenizer``: the run's, recorded
+    with its files (none given: no tokenizer record); ``extra_meta``: merged into metadata.json."""
+    final, tmp = prepare_save(root, iteration, grid)
+    tensors, pieces = rank_state(optimizer, grid)
+    write_rank_files(tmp, _coords(grid)["rank"], tensors, pieces)
+    active_faults().during_save(iteration)  # kill-during-save: files written, nothing committed
+    _barrier(grid)
+    if _coords(grid)["rank"] == 0:
+        meta = checkpoint_metadata(iteration, optimizer, scaler, config, grid, consumed_samples)
+        commit_checkpoint(root, final, meta, config, tokenizer, keep_last, extra_meta)
     _barrier(grid)
     return final
 

@@ -36,7 +36,6 @@ from collections import defaultdict
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from megalite.parallel.sharding import TPSplit, unshard_tensors
 
@@ -85,14 +84,54 @@ def write_json_atomic(path: str, obj) -> None:
     os.replace(path + ".tmp", path)
 
 
+# safetensors' dtype names, in the order its writer sorts tensors by (descending) before their names.
+_ST_DTYPES = {torch.int64: "I64", torch.float64: "F64", torch.float32: "F32", torch.int32: "I32",
+              torch.bfloat16: "BF16", torch.float16: "F16", torch.int16: "I16", torch.float8_e4m3fn: "F8_E4M3",
+              torch.float8_e5m2: "F8_E5M2", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+_ST_ORDER = {name: i for i, name in enumerate(_ST_DTYPES.values())}
+
+
+def write_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
+    """Write ``tensors`` as a safetensors file (the bytes ``safetensors.torch.save_file``
+    writes: an 8-byte header length, the JSON header padded with spaces to 8 bytes, then each
+    tensor's bytes, sorted by dtype and name), fsync it, and return its SHA-256.
+
+    Why not ``save_file``: it holds the GIL while it serializes, so a background writer
+    (:mod:`megalite.checkpoint.async_save`) would stall the training thread; here each tensor
+    goes to the file (and the hash) straight from its memory, and ``write`` and ``update``
+    release the GIL. Device tensors are copied to the host one at a time."""
+    order = sorted(tensors, key=lambda k: (_ST_ORDER[_ST_DTYPES[tensors[k].dtype]], k))
+    header, offset = {"__metadata__": dict(sorted(metadata.items()))}, 0
+    for key in order:
+        t = tensors[key]
+        nbytes = t.numel() * t.element_size()
+        header[key] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        for chunk in (len(text).to_bytes(8, "little"), text):
+            f.write(chunk)
+            digest.update(chunk)
+        for key in order:
+            t = tensors[key].detach()
+            if t.numel() == 0:
+                continue
+            data = memoryview(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+            f.write(data)
+            digest.update(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return digest.hexdigest()
+
+
 def write_rank_files(directory: str, rank: int, tensors: dict[str, torch.Tensor], pieces: list[dict]) -> None:
     """rankXXXXX.safetensors (fsynced) and its description with the file's checksum."""
     path = os.path.join(directory, f"rank{rank:05d}.safetensors")
-    save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, path,
-              metadata={"format": f"megalite-checkpoint-v{FORMAT_VERSION}"})
-    fsync_path(path)
+    sha = write_safetensors(path, tensors, {"format": f"megalite-checkpoint-v{FORMAT_VERSION}"})
     write_json_atomic(path[: -len(".safetensors")] + ".json",
-                      {"file": os.path.basename(path), "sha256": sha256_file(path), "pieces": pieces})
+                      {"file": os.path.basename(path), "sha256": sha, "pieces": pieces})
 
 
 def complete_iterations(root: str) -> list[int]:

@@ -45,7 +45,10 @@ def load(path: str) -> list[dict]:
                                  f"per line)") from None
     if any(not isinstance(r, dict) or "iteration" not in r for r in records):
         raise ValueError(f"{path}: a record without an 'iteration' field: not a --log-json file")
-    return sorted(records, key=lambda r: r["iteration"])
+    # Event lines (a rollback) are not iterations; an iteration logged again after a rollback
+    # or a resume replaces the earlier record of it (the file order is the run's order).
+    latest = {r["iteration"]: r for r in records if "event" not in r}
+    return [latest[i] for i in sorted(latest)]
 
 
 def unreadable(tool: str, e: Exception) -> None:

@@ -106,8 +106,8 @@ def main():
         require_matplotlib()
     if a.logs:
         try:
-            throughputs = [median_throughput([json.loads(x)["tokens_per_sec"] for x in open(f) if x.strip()])
-                           for f in a.logs]
+            records = [[json.loads(x) for x in open(f) if x.strip()] for f in a.logs]
+            throughputs = [median_throughput([r["tokens_per_sec"] for r in rs if "event" not in r]) for rs in records]
         except OSError as e:  # one line naming the file, no traceback
             print(f"scaling_efficiency.py: cannot read {e.filename}: {e.strerror}", file=sys.stderr)
             sys.exit(2)

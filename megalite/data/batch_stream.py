@@ -43,7 +43,8 @@ class BatchStream:
         """(batch number, its micro-batches), past any skipped batches."""
         while self.skipped(self.batches_read + 1):
             self._read()
-        return self.batches_read, self._read()
+        batch = self._read()
+        return self.batches_read, batch
 
     def _read(self) -> list[dict]:
         self.batches_read += 1

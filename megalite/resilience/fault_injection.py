@@ -19,7 +19,8 @@ kind                what happens                                                
                     checkpoint saved at ITER, before the commit
 ==================  ===============================================================  ==========
 
-Each fault strikes once per process: a rollback that replays its iteration does not meet
+``nan`` and ``spike`` act where the loss is computed: on the last pipeline stage (a rank of
+another stage reads the loss mask but never uses it). Each fault strikes once per process: a rollback that replays its iteration does not meet
 it again (as a bad batch, skipped, is not met again). Under torchrun faults strike only in
 the job's first attempt (``TORCHELASTIC_RESTART_COUNT`` 0), so the restarted job can finish.
 """

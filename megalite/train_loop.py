@@ -297,9 +297,9 @@ class TrainLoop:
         skipped = "no batch skipped" if a.rollback_skip_batches == 0 else (
             f"skipping global batch {first}" if first == last else f"skipping global batches {first}-{last}")
         r.say(f"rollback {self.rollbacks}/{a.max_rollbacks}: {bad.describe(a.spiky_loss_factor, a.spiky_loss_window)}; "
-              f"restored {meta['directory']} (iteration {back_to}), {skipped}; going on from iteration {back_to + 1}")
+              f"restored {os.path.abspath(meta['directory'])} (iteration {back_to}), {skipped}; going on from iteration {back_to + 1}")
         self._write({"event": "rollback", "rollback": self.rollbacks, "iteration": bad.iteration, "kind": bad.kind,
-                     "loss": bad.loss, "grad_norm": bad.grad_norm, "restored": meta["directory"],
+                     "loss": bad.loss, "grad_norm": bad.grad_norm, "restored": os.path.abspath(meta["directory"]),
                      "restored_iteration": back_to, "skipped_batches": [first, last] if a.rollback_skip_batches else None})
         return back_to
 

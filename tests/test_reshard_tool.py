@@ -115,3 +115,31 @@ def test_bad_input_is_one_line_and_exit_2(src, tmp_path, capsys):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("reshard_checkpoint: "), proc.stderr
     assert not (tmp_path / "d4").exists()
+
+
+def _files(directory) -> dict:
+    """Each file's bytes, by relative path (metadata.json aside: it names its source)."""
+    return {rel: digest for rel, digest in _digest(directory).items() if not rel.endswith("metadata.json")}
+
+
+def test_format_round_trip_megalite_dcp_megalite_is_bit_identical(src, tmp_path, capsys):
+    """megalite -> torch_dcp -> megalite gives the files megalite -> megalite gives, byte for
+    byte (every tensor, every piece description), here at another layout than the source's."""
+    from megalite.checkpoint import is_dcp_checkpoint
+
+    for sizes in ({"tp": 2, "dp": 2, "zero": 1},):
+        tag = "_".join(f"{k}{v}" for k, v in sizes.items()) or "same"
+        direct, dcp, back = (tmp_path / f"{tag}_{n}" for n in ("direct", "dcp", "back"))
+        reshard_checkpoint.reshard(str(src), str(direct), **sizes)
+        reshard_checkpoint.reshard(str(src), str(dcp), to_format="torch_dcp", **sizes)
+        assert is_dcp_checkpoint(str(dcp / "iter_0000001")) and ".metadata" in os.listdir(dcp / "iter_0000001")
+        assert not [n for n in os.listdir(dcp / "iter_0000001") if n.endswith(".safetensors")]
+        reshard_checkpoint.reshard(str(dcp), str(back), to_format="megalite")
+        assert _files(back / "iter_0000001") == _files(direct / "iter_0000001"), tag
+        meta = json.loads((back / "iter_0000001" / "metadata.json").read_text())
+        assert "ckpt_format" not in meta and meta["layout"]["tp"] == sizes.get("tp", 1)
+    # The command line: --to-format, and a bad value is one line (argparse's choices).
+    assert _cli(capsys, "--load", str(src), "--save", str(tmp_path / "cli"), "--to-format", "torch_dcp")[0] == 0
+    assert is_dcp_checkpoint(str(tmp_path / "cli" / "iter_0000001"))
+    code, err = _cli(capsys, "--load", str(src), "--save", str(tmp_path / "bad"), "--to-format", "zarr")
+    assert code == 2 and "invalid choice: 'zarr'" in err and len(err.strip().splitlines()) == 1, err

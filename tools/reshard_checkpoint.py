@@ -4,7 +4,8 @@
     python tools/reshard_checkpoint.py --load SRC --save DST \\
         [--target-tensor-model-parallel-size T] [--target-pipeline-model-parallel-size P] \\
         [--target-num-layers-per-virtual-pipeline-stage K] \\
-        [--target-data-parallel-size D] [--target-zero-stage Z] [--target-expert-model-parallel-size E]
+        [--target-data-parallel-size D] [--target-zero-stage Z] [--target-expert-model-parallel-size E] \\
+        [--to-format {megalite,torch_dcp}]
 
 A size not given is the source's. SRC is a --save root (its 'latest' iteration) or one
 iteration directory (SRC/iter_0000010). The target layout is checked first, by the same rules
@@ -24,6 +25,13 @@ reseeds and says so); transformer-engine's FP8 scales and amax histories (replic
 copied into rank 0's file. Experts are stored one global tensor per expert
 (``layers.3.mlp.experts.7.fc1.weight``): each expert-parallel rank writes its own experts
 (expert-data-parallel rank 0, or its 1/EDP with ZeRO).
+
+Formats: SRC is either format (megalite's or torch_dcp, told apart by its metadata.json);
+``--to-format`` picks the result's (default: the source's). A torch_dcp result holds every
+full tensor once, under megalite's names (``weight/<name>``, ``exp_avg/<name>``, ...), written
+by DCP in this one process: it loads under any layout, so the target sizes only set the
+layout recorded in its metadata.json, and the tool holds the whole state in memory while
+DCP writes it. DCP's ``.metadata`` is a pickle: convert only checkpoints you trust.
 """
 import argparse
 import copy
@@ -38,6 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megalite.checkpoint.core import KINDS  # noqa: E402
+from megalite.checkpoint.dcp_offline import CKPT_FORMAT, DcpReader, is_dcp_checkpoint, write_full_checkpoint  # noqa: E402
 from megalite.checkpoint.names import global_pieces  # noqa: E402
 from megalite.checkpoint.format import (FORMAT_VERSION, TOKENIZER_DIR, VOCAB_PARAMS, CheckpointError,  # noqa: E402
                                         PieceReader, fsync_path, iteration_dir, resolve_checkpoint,
@@ -129,11 +138,20 @@ def _check_destination(src_dir: str, dst: str, out_dir: str) -> None:
         raise CheckpointError(f"--save {dst} is a file, not a directory.")
 
 
-def reshard(src: str, dst: str, tp=None, pp=None, vp_layers=SOURCE, dp=None, zero=None, ep=None) -> str:
+FORMATS = ("megalite", CKPT_FORMAT)
+
+
+def reshard(src: str, dst: str, tp=None, pp=None, vp_layers=SOURCE, dp=None, zero=None, ep=None,
+            to_format: str | None = None) -> str:
     """Write ``src``'s checkpoint under ``dst`` for the target layout; sizes left None are the
-    source's (``vp_layers``: the source's when PP is unchanged; None or 0: no interleaving)."""
+    source's (``vp_layers``: the source's when PP is unchanged; None or 0: no interleaving).
+    ``to_format``: megalite or torch_dcp (None: the source's)."""
     src_dir = resolve_checkpoint(src)
-    reader = PieceReader(src_dir)
+    dcp_source = is_dcp_checkpoint(src_dir)
+    reader = DcpReader(src_dir) if dcp_source else PieceReader(src_dir)
+    to_format = to_format or (CKPT_FORMAT if dcp_source else "megalite")
+    if to_format not in FORMATS:
+        raise ConfigError(f"--to-format {to_format!r}: the formats are {', '.join(FORMATS)}.")
     meta = reader.metadata
     try:  # the fields read below, present and of the right kind
         then, saved = meta["layout"], meta["config"]
@@ -161,7 +179,11 @@ def reshard(src: str, dst: str, tp=None, pp=None, vp_layers=SOURCE, dp=None, zer
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        files = _write_ranks(reader, config, layout, tmp, zero, model, with_optim=not meta.get("weights_only"))
+        with_optim = not meta.get("weights_only")
+        if to_format == CKPT_FORMAT:
+            files = _write_dcp(reader, tmp, model, with_optim)
+        else:
+            files = _write_ranks(reader, config, layout, tmp, zero, model, with_optim)
         # The folders the metadata refers to: an HF import's tokenizer and generation config,
         # and the tokenizer the run trained with (its record stays in the metadata).
         for folder in (CARRIED, TOKENIZER_DIR):
@@ -171,6 +193,9 @@ def reshard(src: str, dst: str, tp=None, pp=None, vp_layers=SOURCE, dp=None, zer
         new_meta.update({"format_version": FORMAT_VERSION, "config": config.to_dict(),
                          "layout": layout.record(), "zero_stage": zero, "files": files,
                          "resharded_from": os.path.abspath(src_dir)})
+        new_meta.pop("ckpt_format", None)
+        if to_format == CKPT_FORMAT:
+            new_meta["ckpt_format"] = CKPT_FORMAT
         write_json_atomic(os.path.join(tmp, "metadata.json"), new_meta)
         fsync_path(tmp)
         os.rename(tmp, out_dir)
@@ -230,6 +255,19 @@ def _write_ranks(reader, config, layout: GridLayout, out_dir: str, zero: int, mo
     return files
 
 
+def _write_dcp(reader, out_dir: str, model, with_optim: bool) -> list:
+    """DCP's files holding every full tensor of the source (vocabulary rows unpadded): the
+    weights, the Adam moments unless weights-only, the FP8 scaling state. No rank files."""
+    tensors = {}
+    for kind in KINDS if with_optim else ("weight",):
+        for name in reader.names("weight"):
+            tensors[f"{kind}/{name}"] = reader.full_tensor(name, kind, model.vocab_size)
+    for name in reader.names("fp8"):
+        tensors[f"fp8/{name}"] = reader.full_tensor(name, "fp8")
+    write_full_checkpoint(out_dir, tensors)
+    return []
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="reshard_checkpoint", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -244,6 +282,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-data-parallel-size", type=int, default=None, help="DP" + src)
     p.add_argument("--target-zero-stage", type=int, default=None, choices=[0, 1, 2, 3], help="ZeRO stage" + src)
     p.add_argument("--target-expert-model-parallel-size", type=int, default=None, help="EP" + src)
+    p.add_argument("--to-format", choices=FORMATS, default=None,
+                   help="the result's format: megalite (safetensors pieces) or torch_dcp "
+                        "(torch.distributed.checkpoint)" + src)
     return p
 
 
@@ -260,7 +301,7 @@ def main(argv=None) -> int:
         out = reshard(a.load, a.save, a.target_tensor_model_parallel_size, a.target_pipeline_model_parallel_size,
                       SOURCE if a.target_num_layers_per_virtual_pipeline_stage is None
                       else a.target_num_layers_per_virtual_pipeline_stage, a.target_data_parallel_size,
-                      a.target_zero_stage, a.target_expert_model_parallel_size)
+                      a.target_zero_stage, a.target_expert_model_parallel_size, a.to_format)
     except (CheckpointError, ConfigError, OSError) as e:
         print(f"reshard_checkpoint: {e}", file=sys.stderr)
         raise SystemExit(2)

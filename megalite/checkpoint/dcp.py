@@ -30,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -44,22 +45,16 @@ from megalite import __version__
 from megalite.checkpoint.core import (KINDS, _barrier, _coords, _owns, _param_ranges, _prune, _split_of,
                                       check_config, rng_note)
 from megalite.checkpoint.dcp_boxes import global_shape, piece_boxes
+from megalite.checkpoint.dcp_offline import CKPT_FORMAT, read_dcp_index
 from megalite.checkpoint.format import (FORMAT_VERSION, VOCAB_PARAMS, CheckpointError, fsync_path, iteration_dir,
                                         resolve_checkpoint, same_layout, write_json_atomic, write_tokenizer)
 from megalite.checkpoint.settings import carry_forward
 from megalite.layers.fp8 import fp8_state, load_fp8_state
 from megalite.parallel.random import get_rng_tracker
 
-CKPT_FORMAT = "torch_dcp"
-
-
-def is_dcp_checkpoint(directory: str) -> bool:
-    """Whether an iteration directory was written in the torch_dcp format."""
-    try:
-        with open(os.path.join(directory, "metadata.json")) as f:
-            return json.load(f).get("ckpt_format") == CKPT_FORMAT
-    except (OSError, ValueError, AttributeError):
-        return os.path.isfile(os.path.join(directory, ".metadata"))
+# DCP's planner warns on every ShardedTensor it meets (deprecated in favour of DTensor, which
+# cannot hold a flat range: see above). A process-wide filter, as the async writer is a thread.
+warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor.*", category=FutureWarning)
 
 
 def dcp_group(grid):
@@ -76,9 +71,9 @@ def sharded(shape, boxes, rank: int, group) -> ShardedTensor:
     spec = ChunkShardingSpec(dim=0, placements=["rank:0/cpu"])  # unused by DCP: it reads the shards
     st = ShardedTensorBase.__new__(ShardedTensor, spec, *shape, dtype=torch.float32, layout=torch.strided,
                                    pin_memory=False, requires_grad=False)
-    st._prepare_init(process_group=group)
+    # What ShardedTensor._prepare_init sets, without its default-group lookup (no world: group None).
+    st._init_rrefs, st._sharded_tensor_id, st._process_group, st._remote_shards = False, None, group, {}
     st._local_shards = [Shard(t, ShardMetadata(list(g), list(t.shape), f"rank:{rank}/cpu")) for g, t in boxes]
-    st._post_init()
     return st
 
 
@@ -194,13 +189,9 @@ def _read_metadata(directory: str) -> tuple[dict, dict]:
         with open(os.path.join(directory, "metadata.json")) as f:
             meta = json.load(f)
     except (OSError, ValueError) as e:
-        raise CheckpointError(f"{directory}/metadata.json: unreadable ({e}): the checkpoint's metadata is corrupt.")
-    try:
-        stored = dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
-    except Exception as e:  # noqa: BLE001 - any failure to read DCP's index is a broken checkpoint
-        raise CheckpointError(f"{directory}/.metadata: DCP's index cannot be read ({type(e).__name__}: {e}): "
-                              f"the checkpoint is incomplete or corrupt.") from e
-    return meta, stored
+        raise CheckpointError(f"{directory}/metadata.json: unreadable ({e}): the checkpoint's metadata is "
+                              f"corrupt.") from None
+    return meta, read_dcp_index(directory)
 
 
 def load_dcp_checkpoint(root: str, optimizer, scaler, config, grid, load_optimizer: bool = True,
@@ -272,3 +263,11 @@ def _finish(meta, directory, state, rng_keys, fp8_keys, optimizer, scaler, confi
     meta["rng_note"] = rng_note(meta, c["layout"], load_rng, bool(rng), "--finetune" if finetune else "--no-load-rng")
     meta["directory"] = directory
     return meta
+
+
+def __getattr__(name):
+    if name == "AsyncDcpSaver":  # defined beside, in dcp_async (it imports this module)
+        from megalite.checkpoint.dcp_async import AsyncDcpSaver
+
+        return AsyncDcpSaver
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -43,6 +43,34 @@ def test_fault_specs_parse_and_bad_ones_name_the_rule():
         assert why in str(e.value)
 
 
+def test_a_fault_on_a_rank_that_does_not_exist_is_a_config_error(capsys):
+    assert main(BASE + ["--inject-fault", "kill@3:4"]) == 2
+    assert "--inject-fault kill@3:4: rank 4 does not exist in a world of 1 ranks" in capsys.readouterr().err
+
+
+def test_a_slow_fault_sleeps_the_device_on_a_gpu(monkeypatch):
+    """On a GPU the device sleeps (CUDA events see it): a calibrated torch.cuda._sleep."""
+    slept = []
+
+    class Event:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            self.t = len(slept)
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return 5.0  # ms for the 10^7-cycle calibration: a 2 GHz clock
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: slept.append(cycles))
+    FaultInjector([parse_fault("slow@3=0.5")], 0, first_attempt=True).slow_compute(3, torch.device("cuda", 0))
+    assert slept == [10_000_000, 1_000_000_000]
+
+
 def test_a_fault_strikes_once_and_only_on_its_rank_in_the_first_attempt():
     faults = [parse_fault("spike@2:1=10"), parse_fault("nan@2")]
     assert not FaultInjector(faults, 0, first_attempt=False)

@@ -135,8 +135,7 @@ class FaultInjector:
             return
         seconds = self.value(fault)
         if device.type == "cuda":
-            rate = torch.cuda.get_device_properties(device).clock_rate * 1e3  # kHz -> cycles per second
-            torch.cuda._sleep(int(seconds * rate))
+            torch.cuda._sleep(int(seconds * _cycles_per_second()))
         else:
             time.sleep(seconds)
 
@@ -161,6 +160,17 @@ class FaultInjector:
         the commit of iteration ``iteration``'s checkpoint."""
         if self.take("kill-during-save", iteration) is not None:
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _cycles_per_second() -> float:
+    """The GPU's clock, measured: ``torch.cuda._sleep`` counts cycles, and torch exposes no
+    clock rate without pynvml. One calibration sleep of 10^7 cycles, timed by CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    return 1e7 / max(start.elapsed_time(end) / 1e3, 1e-6)
 
 
 # The process's injector, set by pretrain (the checkpoint writer reaches it from here).

@@ -254,10 +254,8 @@ class TrainLoop:
         r, a = self.r, self.r.args
         extra = {"skipped_batches": [list(w) for w in r.stream.windows], "data_batches": r.stream.batches_read}
         save = r.saver.save if r.saver is not None else r.save_fn
-        import inspect  # TEMPORARY until core.save_checkpoint takes extra_meta (helper "async")
-        kw = {"extra_meta": extra} if "extra_meta" in inspect.signature(save).parameters else {}
         path = save(a.save, iteration, r.optimizer, r.scaler, r.config, r.grid, r.stream.consumed_samples,
-                    a.keep_last, r.tokenizer, **kw)
+                    a.keep_last, r.tokenizer, extra_meta=extra)
         if r.saver is not None:
             r.say(f"checkpoint {os.path.abspath(path)}: written in the background")
         else:

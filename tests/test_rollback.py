@@ -16,7 +16,7 @@ from megalite.pretrain import main, pretrain
 from megalite.resilience.fault_injection import Fault, FaultInjector, parse_fault
 from megalite.resilience.flags import parse_skip_batches
 from megalite.resilience.rollback import BadStep, LossSentinel, agree
-from megalite.testing import run_world
+from megalite.testing import WorldError, run_world
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 
@@ -153,6 +153,17 @@ def test_rollback_equals_a_run_that_skipped_the_window_from_the_start(tmp_path, 
     assert len(events) == 1 and events[0]["restored_iteration"] == 5 and events[0]["skipped_batches"] == [7, 7]
     import plot_log  # the log's readers skip the event and keep the replayed iterations
     assert _losses(plot_log.load(str(log))) == rolled
+
+
+def test_a_resume_after_a_rollback_does_not_replay_the_skipped_batch(tmp_path):
+    argv = BASE + ["--save-interval", "5", "--max-rollbacks", "1", "--inject-fault", "nan@7"]
+    full = _losses(pretrain(argv + ["--save", str(tmp_path / "a")]))
+    with pytest.raises(WorldError, match="died"):
+        run_world(_run, 1, argv + ["--save", str(tmp_path / "b"), "--inject-fault", "kill@11"])
+    meta = json.loads((tmp_path / "b" / "iter_0000010" / "metadata.json").read_text())
+    assert meta["skipped_batches"] == [[7, 7]] and meta["data_batches"] == 11 and meta["consumed_samples"] == 44
+    resumed = _losses(pretrain(BASE + ["--load", str(tmp_path / "b"), "--save", str(tmp_path / "b")]))
+    assert resumed == full[10:]
 
 
 def test_exhausted_rollbacks_stop_with_one_message(tmp_path, capsys):

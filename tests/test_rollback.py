@@ -138,7 +138,8 @@ def _run(rank, world, argv):
     return _losses(pretrain(argv))
 
 
-@pytest.mark.parametrize("fault,flags", [("nan@7", []), ("spike@7", ["--check-for-spiky-loss", "--spiky-loss-window", "4"])])
+@pytest.mark.parametrize("fault,flags", [("nan@7", []), ("spike@7", ["--check-for-spiky-loss", "--spiky-loss-window", "4"]),
+                                         ("nan@7", ["--async-save"])])
 def test_rollback_equals_a_run_that_skipped_the_window_from_the_start(tmp_path, capsys, fault, flags):
     common = BASE + ["--save-interval", "5", "--max-rollbacks", "1"] + flags
     reference = _losses(pretrain(common + ["--save", str(tmp_path / "ref"), "--skip-batches", "7"]))

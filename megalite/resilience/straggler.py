@@ -188,7 +188,7 @@ class StragglerMonitor:
         raw = name.encode()[:HOST_BYTES]
         mine[:len(raw)] = torch.tensor(list(raw), dtype=torch.uint8)
         out = torch.empty(self.world * HOST_BYTES, dtype=torch.uint8)
-        dist.all_gather_into_tensor(out, mine, group=self.grid.control_group)
+        comm._all_gather_flat(out, mine, group=self.grid.control_group)
         rows = out.view(self.world, HOST_BYTES).tolist()
         return [bytes(b for b in row if b).decode(errors="replace") for row in rows]
 
@@ -245,7 +245,7 @@ class StragglerMonitor:
         mine = torch.tensor([self.mean_compute_ms()], dtype=torch.float64)
         if self._distributed:
             out = torch.empty(self.world, dtype=torch.float64)
-            dist.all_gather_into_tensor(out, mine, group=self.grid.control_group)
+            comm._all_gather_flat(out, mine, group=self.grid.control_group)
             compute_ms = out.tolist()
         else:
             compute_ms = mine.tolist() * self.world

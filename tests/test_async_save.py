@@ -110,3 +110,89 @@ def _serial(rank, world, tmp):
     saver = AsyncCheckpointSaver(grid)
     saver.save(tmp, 2, optimizer, scaler, config, grid, 16)
     return saver.wait()
+
+
+# -- through pretrain (--async-save) ---------------------------------------------------------
+def _run(rank, world, argv):
+    from megalite.pretrain import pretrain
+    return [(r["iteration"], r["loss"], r["grad_norm"]) for r in pretrain(argv)]
+
+
+DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]  # the RNG streams matter
+
+
+@pytest.mark.slow
+def test_async_checkpoints_equal_sync_ones_and_resume_exactly(tmp_path):
+    """An --async-save run trains as a synchronous one and writes the same bytes (every file of
+    every checkpoint); resumed from its middle checkpoint it repeats the uninterrupted losses."""
+    argv = BASE + DROPOUT + ["--zero-stage", "2", "--train-iters", "8", "--save-interval", "4"]
+    sync = run_world(_run, 2, argv + ["--save", str(tmp_path / "sync")])[0]
+    full = run_world(_run, 2, argv + ["--save", str(tmp_path / "async"), "--async-save"])[0]
+    assert full == sync
+    assert sorted(os.listdir(tmp_path / "async")) == ["iter_0000004", "iter_0000008", "latest"]
+    for it in ("iter_0000004", "iter_0000008"):
+        assert _same_files(tmp_path / "sync" / it, tmp_path / "async" / it) == []
+    resumed = run_world(_run, 2, argv + ["--load", str(tmp_path / "async"), "--ckpt-step", "4", "--async-save",
+                                         "--save", str(tmp_path / "resumed")])[0]
+    assert [r[0] for r in resumed] == [5, 6, 7, 8] and resumed == full[4:]  # bit for bit
+
+
+@pytest.mark.slow
+def test_kill_during_background_write_keeps_previous_checkpoint(tmp_path):
+    """Both ranks die in the writer thread of iteration 8's save (files written, not committed)
+    while training goes on: 'latest' stays 4, the partial iter_8.tmp is ignored by --load, and a
+    resumed run saves over it."""
+    argv = BASE + ["--train-iters", "12", "--save-interval", "4", "--async-save", "--save", str(tmp_path)]
+    with pytest.raises(WorldError, match="died"):
+        run_world(_run, 2, argv + ["--inject-fault", "kill-during-save@8"])
+    assert (tmp_path / "latest").read_text() == "4"
+    assert (tmp_path / "iter_0000008.tmp").exists() and not (tmp_path / "iter_0000008").exists()
+    resumed = run_world(_run, 2, argv[:argv.index("12")] + ["10"] + argv[argv.index("12") + 1:]
+                        + ["--load", str(tmp_path)])[0]
+    assert [r[0] for r in resumed] == [5, 6, 7, 8, 9, 10]
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000004", "iter_0000008", "iter_0000010", "latest"]
+    assert (tmp_path / "latest").read_text() == "10"
+
+
+@pytest.mark.slow
+def test_sigterm_during_a_background_write_finishes_it(tmp_path):
+    """--save-interval 1: a write is in flight (or just done) at every step, so SIGTERM meets one;
+    the run commits it and the stop's own save, exits 0, and leaves no partial directory. The
+    stop's checkpoint resumes exactly."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sched = ["--lr-decay-iters", "200"]
+    log, ckpt = tmp_path / "log.jsonl", tmp_path / "ckpt"
+    proc = subprocess.Popen([sys.executable, os.path.join(root, "pretrain_gpt.py"), *BASE, *sched, "--train-iters",
+                             "100000", "--save", str(ckpt), "--save-interval", "1", "--async-save", "--log-json",
+                             str(log)], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 60
+    while time.time() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 3):
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err.decode()[-2000:]
+    out = out.decode()
+    saved = int((ckpt / "latest").read_text())
+    assert f"SIGTERM: saved iteration {saved} and stopping" in out
+    started = [line.split("iter_")[1][:7] for line in out.splitlines() if "written in the background" in line]
+    committed = [line.split("iter_")[1][:7] for line in out.splitlines() if line.startswith("saved checkpoint")]
+    assert started == committed and int(started[-1]) == saved  # every write started was committed
+    assert not [d for d in os.listdir(ckpt) if d.endswith(".tmp")]
+    logged = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [r["iteration"] for r in logged] == list(range(1, saved + 1))
+    argv = BASE + sched + ["--train-iters", str(saved + 2)]
+    full = run_world(_run, 1, argv)[0]
+    resumed = run_world(_run, 1, argv + ["--load", str(ckpt)])[0]
+    assert [r[0] for r in resumed] == [saved + 1, saved + 2] and resumed == full[saved:]
+
+
+def test_async_save_without_save_is_one_clear_message(capsys):
+    from megalite.pretrain import main
+    assert main(BASE + ["--train-iters", "2", "--async-save"]) == 2
+    err = capsys.readouterr().err
+    assert "--async-save is set without --save: there is nothing to save. Fix: add --save DIR" in err

@@ -36,6 +36,7 @@ waiting and fail too. Errors are raised on the training thread, at the next ``po
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -57,6 +58,16 @@ def _copy_json(value):
     if isinstance(value, (list, tuple)):
         return [_copy_json(v) for v in value]
     return value
+
+
+def _lower_priority(niceness: int = 10) -> None:
+    """Run this (writer) thread at a lower CPU priority: where the host's cores are busy
+    (training on the CPU, data workers), the scheduler gives them to the training thread first,
+    and the write takes what is left. Linux sets niceness per thread; elsewhere, nothing."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
+    except (AttributeError, OSError):
+        pass
 
 
 class AsyncCheckpointSaver:
@@ -178,6 +189,7 @@ class AsyncCheckpointSaver:
     # -- the writer thread -----------------------------------------------------------------
     def _write(self, job: dict) -> None:
         try:
+            _lower_priority()
             if job["ready"] is not None:
                 job["ready"].synchronize()
             write_rank_files(job["tmp"], self.rank, self.buffers, job["pieces"])

@@ -1,0 +1,202 @@
+"""--ckpt-format torch_dcp: checkpoints through torch.distributed.checkpoint.
+
+A rank's pieces (flat ranges of its TP shard) are boxes of the global tensors; DCP's own
+tools read the result as full tensors under megalite's names; any layout loads any other,
+with the values megalite's own format gives, bit for bit.
+"""
+import json
+import math
+import os
+import random
+
+import pytest
+import torch
+
+from megalite.checkpoint import PieceReader, is_dcp_checkpoint, load_serial_model
+from megalite.checkpoint.dcp_boxes import global_shape, piece_boxes
+from megalite.checkpoint.names import global_pieces
+from megalite.parallel.sharding import TPSplit, shard_tensor
+from megalite.testing import WorldError, run_world
+
+BASE = ["--mock-data", "--vocab-size", "300", "--num-layers", "2", "--hidden-size", "32",
+        "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
+        "--global-batch-size", "8", "--lr", "3e-3", "--log-interval", "100",
+        "--hidden-dropout", "0", "--attention-dropout", "0"]
+DCP = ["--ckpt-format", "torch_dcp"]
+TP2PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
+DP2_ZERO1 = ["--use-distributed-optimizer"]
+KINDS = ("weight", "exp_avg", "exp_avg_sq")
+
+
+def _pretrain(rank, world, *runs):
+    from megalite.pretrain import pretrain
+    return [[r["loss"] for r in pretrain(argv)] for argv in runs]
+
+
+def _full_state(directory) -> dict:
+    """DCP's own conversion: one torch.save file of full tensors (loaded back here)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    out = os.path.join(str(directory) + "_full.pt")
+    dcp_to_torch_save(str(directory), out)
+    return torch.load(out, weights_only=True)
+
+
+def _logits(path):
+    tokens = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return load_serial_model(str(path))(tokens)
+
+
+def _assert_same_state(full: dict, reader: PieceReader) -> int:
+    """DCP's full tensors equal megalite's assembled ones, bit for bit, and nothing else is there."""
+    names = reader.names("weight")
+    for kind in KINDS:
+        for name in names:
+            assert torch.equal(full[f"{kind}/{name}"], reader.full_tensor(name, kind, 300)), (kind, name)
+    params = {k for k in full if not k.startswith("rng/")}
+    assert params == {f"{kind}/{name}" for kind in KINDS for name in names}
+    return len(params)
+
+
+def test_flat_ranges_map_to_global_boxes_exactly_once():
+    """Random shapes, splits (sections: fused QKV), TP sizes and cuts: every box's view equals
+    the global tensor's values there, and the boxes of all ranks cover it exactly once
+    (vocabulary padding rows excluded)."""
+    rng = random.Random(0)
+    for trial in range(300):
+        tp, sections, nd = rng.choice([1, 2, 4]), rng.choice([1, 3]), rng.randint(1, 3)
+        dim = rng.randrange(nd)
+        shape = [rng.randint(1, 4) for _ in range(nd)]
+        shape[dim] = sections * tp * rng.randint(1, 3)
+        name, split, vocab = "x", [dim, sections], 0
+        if trial % 3 == 0:  # a vocabulary parameter: padded rows, split on rows
+            name, split = "word_embeddings.weight", [0, 1]
+            shape[0] = tp * rng.randint(1, 3)
+            vocab = rng.randint(1, shape[0])
+        full = torch.arange(math.prod(shape), dtype=torch.float32).view(shape)
+        cover = torch.zeros(shape)
+        for r in range(tp):
+            local = shard_tensor(full, TPSplit(*split), r, tp)
+            n = local.numel()
+            cuts = sorted({0, n} | {rng.randint(0, n) for _ in range(3)})  # ZeRO-like flat ranges
+            for a, z in zip(cuts, cuts[1:]):
+                for g, view in piece_boxes(name, list(local.shape), split, r, tp, a, z, vocab,
+                                           local.reshape(-1)[a:z].clone()):
+                    box = tuple(slice(o, o + s) for o, s in zip(g, view.shape))
+                    assert torch.equal(full[box], view), trial
+                    cover[box] += 1
+        expected = global_shape(name, list(local.shape), split, tp, vocab)
+        rows = vocab if vocab else shape[0]
+        assert expected == [rows] + shape[1:]
+        assert (cover[:rows] == 1).all() and (cover[rows:] == 0).all(), trial
+
+
+def test_single_process_save_equals_megalite_format_and_resumes_alike(tmp_path):
+    """One process (no process group): the same run saved in both formats gives the same
+    tensors (DCP's dcp_to_torch_save vs megalite's pieces), the same serial logits, and a
+    resume from either continues with the same losses; metadata.json marks the format."""
+    from megalite.pretrain import pretrain
+    base = BASE + ["--hidden-dropout", "0.1"]  # dropout: the RNG streams are restored too
+    pretrain(base + ["--train-iters", "2", "--save", str(tmp_path / "meg")])
+    pretrain(base + DCP + ["--train-iters", "2", "--save", str(tmp_path / "dcp")])
+    directory = tmp_path / "dcp" / "iter_0000002"
+    assert (tmp_path / "dcp" / "latest").read_text() == "2" and is_dcp_checkpoint(str(directory))
+    assert sorted(os.listdir(directory)) == [".metadata", "__0_0.distcp", "metadata.json"]
+    meta = json.loads((directory / "metadata.json").read_text())
+    assert meta["ckpt_format"] == "torch_dcp" and meta["optimizer_step"] == 2 and meta["consumed_samples"] == 16
+    full = _full_state(directory)
+    assert _assert_same_state(full, PieceReader(str(tmp_path / "meg" / "iter_0000002"))) == 84  # 3 x 28 tensors
+    assert torch.equal(_logits(tmp_path / "dcp"), _logits(tmp_path / "meg"))
+    resumed = [[r["loss"] for r in pretrain(base + ["--train-iters", "3", "--load", str(tmp_path / d)])]
+               for d in ("meg", "dcp")]
+    assert resumed[0] == resumed[1] and len(resumed[0]) == 1
+
+
+@pytest.mark.slow
+def test_zero1_dp2_save_equals_megalite_format_and_loads_serially(tmp_path):
+    """DP2 with ZeRO-1: each rank's flat ranges become boxes; the same run saved in both
+    formats gives the same tensors (DCP's dcp_to_torch_save vs megalite's pieces) and the
+    same serial logits; metadata.json marks the format and 'latest' is written."""
+    argv = BASE + DP2_ZERO1 + ["--train-iters", "2"]
+    run_world(_pretrain, 2, argv + ["--save", str(tmp_path / "meg")], argv + DCP + ["--save", str(tmp_path / "dcp")])
+    directory = tmp_path / "dcp" / "iter_0000002"
+    assert (tmp_path / "dcp" / "latest").read_text() == "2" and is_dcp_checkpoint(str(directory))
+    assert sorted(os.listdir(directory)) == [".metadata", "__0_0.distcp", "__1_0.distcp", "metadata.json"]
+    meta = json.loads((directory / "metadata.json").read_text())
+    assert meta["ckpt_format"] == "torch_dcp" and meta["optimizer_step"] == 2 and meta["zero_stage"] == 1
+    full = _full_state(directory)
+    assert _assert_same_state(full, PieceReader(str(tmp_path / "meg" / "iter_0000002"))) == 84  # 3 x 28 tensors
+    assert {k for k in full if k.startswith("rng/")} >= {"rng/rank00000/cpu", "rng/rank00001/cpu"}
+    assert torch.equal(_logits(tmp_path / "dcp"), _logits(tmp_path / "meg"))
+
+
+@pytest.fixture(scope="module")
+def tp2pp2(tmp_path_factory):
+    """A TP2 x PP2 run saved in both formats (same seeds, so the same state)."""
+    root = tmp_path_factory.mktemp("tp2pp2")
+    argv = BASE + TP2PP2 + ["--train-iters", "3"]
+    run_world(_pretrain, 4, argv + DCP + ["--save", str(root / "dcp")], argv + ["--save", str(root / "meg")])
+    return root
+
+
+@pytest.mark.slow
+def test_tp2pp2_dcp_loads_at_dp2_and_serially_with_the_same_logits(tp2pp2, tmp_path):
+    """Saved at TP2 x PP2 in torch_dcp, loaded at DP2 (ZeRO-1: other boxes, flat ranges) and
+    serially: the logits equal those of the megalite-format save of the same state, and training
+    at DP2 continues exactly as from the megalite-format checkpoint."""
+    dcp_root, meg_root = tp2pp2 / "dcp", tp2pp2 / "meg"
+    ref = _logits(meg_root)
+    assert torch.equal(_logits(dcp_root), ref)  # serially (DCP reads full tensors)
+    argv = BASE + DP2_ZERO1 + ["--train-iters", "5"]
+    # At DP2 through the training loader, written back in megalite's format: same tensors, same logits.
+    run_world(_pretrain, 2, argv + ["--load", str(dcp_root), "--save", str(tmp_path / "dp2"), "--save-interval", "3",
+                                    "--train-iters", "3"])
+    from_dcp, from_meg = (run_world(_pretrain, 2, argv + ["--load", str(r)])[0][0] for r in (dcp_root, meg_root))
+    assert from_dcp == from_meg and len(from_dcp) == 2  # iterations 4 and 5, bit for bit
+
+
+@pytest.mark.slow
+def test_dcp_to_torch_save_equals_the_serial_export(tp2pp2):
+    """DCP's own tool gives full tensors under megalite's names equal to the serial model's
+    parameters (vocabulary rows unpadded) and to megalite's assembled optimizer state."""
+    full = _full_state(tp2pp2 / "dcp" / "iter_0000003")
+    model = load_serial_model(str(tp2pp2 / "meg"))
+    count = 0
+    for name, p in model.named_parameters():
+        for global_name, start, numel, shape in global_pieces(name, p):
+            stored = full[f"weight/{global_name}"]
+            expected = p.detach()[:300] if name in ("word_embeddings.weight", "output_layer.weight") \
+                else p.detach().reshape(-1)[start: start + numel].view(shape)
+            assert torch.equal(stored, expected), name
+            count += 1
+    assert count == len(PieceReader(str(tp2pp2 / "meg" / "iter_0000003")).names("weight"))
+    _assert_same_state(full, PieceReader(str(tp2pp2 / "meg" / "iter_0000003")))
+
+
+@pytest.mark.slow
+def test_async_dcp_save_equals_sync_and_a_kill_during_the_write_keeps_the_previous(tmp_path):
+    """--async-save --ckpt-format torch_dcp writes the tensors the synchronous save writes;
+    a rank killed during the background write leaves 'latest' on the previous checkpoint,
+    the partial one uncommitted, and training resumes from the previous one."""
+    argv = BASE + DCP + ["--train-iters", "4", "--save-interval", "2"]
+    run_world(_pretrain, 2, argv + ["--save", str(tmp_path / "sync")], argv + ["--async-save", "--save",
+                                                                               str(tmp_path / "async")])
+    for it in ("iter_0000002", "iter_0000004"):
+        a, b = _full_state(tmp_path / "sync" / it), _full_state(tmp_path / "async" / it)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), it
+        ma, mb = (json.loads((tmp_path / d / it / "metadata.json").read_text()) for d in ("sync", "async"))
+        assert {k: v for k, v in ma.items() if k != "config"} == {k: v for k, v in mb.items() if k != "config"}
+    killed = tmp_path / "killed"
+    with pytest.raises(WorldError, match="died"):
+        run_world(_pretrain, 2, argv + ["--async-save", "--save", str(killed), "--inject-fault", "kill-during-save@4"])
+    assert (killed / "latest").read_text() == "2"
+    assert (killed / "iter_0000004.tmp").exists() and not (killed / "iter_0000004").exists()
+    resumed = run_world(_pretrain, 2, argv + ["--load", str(killed)])[0][0]
+    assert len(resumed) == 2
+
+
+def test_unknown_format_is_one_clear_message(capsys):
+    from megalite.pretrain import main
+    assert main(BASE + ["--train-iters", "1", "--ckpt-format", "zarr"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--ckpt-format: invalid choice: 'zarr'" in err[0] and "torch_dcp" in err[0], err

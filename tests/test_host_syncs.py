@@ -156,7 +156,7 @@ def test_dynamic_loss_scale_on_the_device():
 
 def test_pipeline_trace_takes_the_device_clock(monkeypatch):
     """On a GPU the trace's marks are CUDA events (host timestamps time only the launches)."""
-    from megalite.pretrain import step_trace
+    from megalite.train_loop import step_trace
 
     class Event:
         def __init__(self, enable_timing=False):

@@ -34,8 +34,8 @@ def test_resume_after_kill_is_bit_identical(tmp_path, world, layout):
     argv = BASE + layout + ["--train-iters", "20", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
     full = run_world(_run, world, argv + ["--save", str(tmp_path / "a"), "--save-interval", "10"])[0]
     with pytest.raises(WorldError, match="died"):
-        run_world(_run, world, argv + ["--save", str(tmp_path / "b"), "--save-interval", "10"],
-                  env={"MEGALITE_TEST_KILL_AT_ITERATION": "15"})
+        run_world(_run, world, argv + ["--save", str(tmp_path / "b"), "--save-interval", "10",
+                                       "--inject-fault", "kill@15"])
     assert (tmp_path / "b" / "latest").read_text() == "10"
     resumed = run_world(_run, world, argv + ["--load", str(tmp_path / "b"), "--save", str(tmp_path / "b")])[0]
     assert [r[0] for r in resumed] == list(range(11, 21))

@@ -30,8 +30,8 @@ def test_median_and_threshold():
     r = _report([20.0, 512.0, 21.0, 22.0])
     assert r["median_ms"] == 21.5 and r["iteration"] == 30 and r["threshold"] == 0.5
     assert [s["rank"] for s in r["stragglers"]] == [1]
-    s = r["stragglers"][0]
-    assert s == {"rank": 1, "compute_ms": 512.0, "median_ms": 21.5, "slower_by": round(512 / 21.5 - 1, 4),
+    s = r["stragglers"][0]  # the reference is the lower median (21 of 20, 21, 22, 512)
+    assert s == {"rank": 1, "compute_ms": 512.0, "median_ms": 21.0, "slower_by": round(512 / 21 - 1, 4),
                  "role": "role1", "host": "h"}
     # just under / over the threshold; nobody is named in a uniform world or a world of one
     assert _report([10.0, 14.9, 10.0, 10.0])["stragglers"] == []
@@ -49,8 +49,13 @@ def test_stage_medians():
     assert _report([10, 10, 10, 10, 30, 30, 30, 30], 0.2, stages)["stragglers"] == []
     # ...but a slow rank inside a stage is.
     assert [s["rank"] for s in _report([10, 10, 10, 10, 30, 30, 90, 30], 0.2, stages)["stragglers"]] == [6]
-    # stages of fewer than 3 ranks: the median of all ranks
-    assert references([10, 10, 30, 30], [0, 0, 1, 1]) == [20] * 4
+    # stages of two ranks: the faster one is the reference, so a slow one's excess counts whole
+    assert references([10, 11, 30, 90], [0, 0, 1, 1]) == [10, 10, 30, 30]
+    assert [s["rank"] for s in _report([10, 11, 30, 90], 0.2, [0, 0, 1, 1])["stragglers"]] == [3]
+    # a stage of one rank (PP alone): the lower median of all ranks
+    assert references([10, 20, 30, 40], [0, 1, 2, 3]) == [20] * 4
+    # DP2: the slow rank against the other one
+    assert _report([20.0, 1020.0])["stragglers"][0]["slower_by"] == 50.0
 
 
 def test_role_text():

@@ -28,9 +28,13 @@ and per step, and per report ONE all-gather of one float per rank on ``grid.cont
 (gloo, host values). The host names travel once, when the monitor is built.
 
 Who is a straggler. Ranks of one pipeline stage do the same work; stages need not (the first
-holds the embedding, the last the output layer and loss). A rank is compared with the median
-compute of its own stage when that stage has at least 3 ranks, else with the median of all
-ranks, and named when ``compute > (1 + threshold) * median``.
+holds the embedding, the last the output layer and loss, and a 2-core test machine shows the
+last stage 50% slower). So a rank is compared with the median compute of its own stage, and
+named when ``compute > (1 + threshold) * median``. The median is the lower one of an even
+count (``statistics.median_low``): in a stage of two ranks the reference is the faster one, so
+a slow rank's excess is measured whole rather than halved into the mean. A stage of one rank
+(pipeline parallelism alone) has no peer doing its work: it is compared with the lower median
+of all ranks.
 """
 from __future__ import annotations
 
@@ -44,7 +48,6 @@ import torch.distributed as dist
 from megalite.parallel import comm
 
 HOST_BYTES = 64  # a host name is sent as this many UTF-8 bytes (longer names are cut)
-MIN_STAGE_RANKS = 3  # a stage's own median is used from this many ranks up
 
 
 class BlockedTimer:
@@ -113,13 +116,13 @@ def role_text(layout, rank: int) -> str:
 
 
 def references(compute_ms: list[float], stages: list[int]) -> list[float]:
-    """Each rank's reference time: the median of its stage (>= MIN_STAGE_RANKS ranks) or of all."""
-    overall = statistics.median(compute_ms)
+    """Each rank's reference time: the lower median of its stage, or of all ranks where the
+    stage is the rank alone (module docstring)."""
+    overall = statistics.median_low(compute_ms)
     by_stage: dict[int, list[float]] = {}
     for ms, stage in zip(compute_ms, stages):
         by_stage.setdefault(stage, []).append(ms)
-    return [statistics.median(by_stage[s]) if len(by_stage[s]) >= MIN_STAGE_RANKS else overall
-            for s in stages]
+    return [statistics.median_low(by_stage[s]) if len(by_stage[s]) > 1 else overall for s in stages]
 
 
 def build_report(iteration: int, compute_ms: list[float], threshold: float, stages: list[int],

@@ -268,6 +268,8 @@ def pretrain(argv=None) -> list[dict]:
         log_lines = TrainLoop(run).run()
     finally:
         monitor.close()
+        if run.straggler is not None:
+            run.straggler.close()  # its timer of blocked time is process-wide
         if watchdog is not None:
             watchdog.stop()
         if run.profiler:

@@ -40,6 +40,7 @@ from megalite.faults import hang_report, looks_like_timeout
 from megalite.monitor import attended_length, memory_line
 from megalite.parallel.comm import count_collectives
 from megalite.pipeline.schedules import Trace
+from megalite.resilience.straggler import StragglerMonitor
 from megalite.resilience.rollback import LossSentinel, agree, exhausted, no_checkpoint
 from megalite.step_log import PendingStep
 from megalite.timers import Clock
@@ -337,5 +338,4 @@ def checkpoint_saver(args, grid):
 def straggler_monitor(args, grid, device):
     if not args.straggler_report_interval:
         return None
-    from megalite.resilience.straggler import StragglerMonitor
     return StragglerMonitor(grid, args.straggler_report_interval, args.straggler_threshold, device)

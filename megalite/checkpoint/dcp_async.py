@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from megalite.checkpoint.core import _coords
-from megalite.checkpoint.dcp import checkpoint_metadata, commit, dcp_state_dict, prepare_tmp
+from megalite.checkpoint.dcp_state import checkpoint_metadata, commit, dcp_state_dict, prepare_tmp
 from megalite.checkpoint.format import iteration_dir
 
 

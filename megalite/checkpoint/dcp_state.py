@@ -1,0 +1,131 @@
+"""The save side of the torch_dcp format (see :mod:`megalite.checkpoint.dcp`): this rank's
+state dict of ShardedTensors, megalite's metadata.json, the commit. Shared by the synchronous
+save and :class:`megalite.checkpoint.dcp_async.AsyncDcpSaver`."""
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch.distributed._shard.metadata import ShardMetadata
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+from torch.distributed._shard.sharded_tensor.api import ShardedTensorBase
+from torch.distributed._shard.sharding_spec import ChunkShardingSpec
+
+from megalite import __version__
+from megalite.checkpoint.core import KINDS, _barrier, _owns, _param_ranges, _prune, _split_of
+from megalite.checkpoint.dcp_boxes import global_shape, piece_boxes
+from megalite.checkpoint.dcp_offline import CKPT_FORMAT
+from megalite.checkpoint.format import FORMAT_VERSION, fsync_path, write_json_atomic, write_tokenizer
+from megalite.checkpoint.settings import carry_forward
+from megalite.layers.fp8 import fp8_state
+from megalite.parallel.random import get_rng_tracker
+
+warnings.filterwarnings("ignore", message=".*deprecating ShardedTensor.*", category=FutureWarning)
+
+
+def dcp_group(grid):
+    """The process group DCP coordinates on: the grid's gloo control group (host values, so
+    under NCCL too); None without a world (DCP then runs without collectives)."""
+    if grid is None or not dist.is_initialized():
+        return None
+    return getattr(grid, "control_group", None) or dist.group.WORLD
+
+
+def sharded(shape, boxes, rank: int, group) -> ShardedTensor:
+    """A ShardedTensor of global ``shape`` whose local shards are ``boxes`` ([(offsets, cpu
+    tensor)]), built without the cross-rank checks (see the module docstring)."""
+    spec = ChunkShardingSpec(dim=0, placements=["rank:0/cpu"])  # unused by DCP: it reads the shards
+    st = ShardedTensorBase.__new__(ShardedTensor, spec, *shape, dtype=torch.float32, layout=torch.strided,
+                                   pin_memory=False, requires_grad=False)
+    # What ShardedTensor._prepare_init sets, without its default-group lookup (no world: group None).
+    st._init_rrefs, st._sharded_tensor_id, st._process_group, st._remote_shards = False, None, group, {}
+    st._local_shards = [Shard(t, ShardMetadata(list(g), list(t.shape), f"rank:{rank}/cpu")) for g, t in boxes]
+    return st
+
+
+def _rank_boxes(optimizer, c, vocab: int, kinds, owned_only: bool):
+    """{(kind, name): (global shape, [(offsets, view of the optimizer state)])} for this rank."""
+    states = {"weight": optimizer.master, "exp_avg": optimizer.exp_avg, "exp_avg_sq": optimizer.exp_avg_sq}
+    out: dict = {}
+    for i, p, name, shape, (a, z), offset in _param_ranges(optimizer):
+        if owned_only and not _owns(p, c, optimizer.stage):
+            continue
+        split = _split_of(p)
+        for kind in kinds:
+            values = states[kind][i][offset: offset + z - a]
+            gshape = global_shape(name, shape, split, c["tp_size"], vocab)
+            entry = out.setdefault((kind, name), (gshape, []))
+            entry[1].extend(piece_boxes(name, list(shape), split, c["tp_rank"], c["tp_size"], a, z, vocab, values))
+    return out
+
+
+def dcp_state_dict(optimizer, c, vocab: int, group, buffers: dict | None = None) -> dict:
+    """The state dict this rank saves: copies of its boxes (into ``buffers``, reused across
+    saves, when given), its FP8 state (the stage's TP/CP/DP rank 0) and its RNG streams."""
+    rank = c["rank"]
+    buffers = {} if buffers is None else buffers
+    state = {}
+    for (kind, name), (gshape, boxes) in _rank_boxes(optimizer, c, vocab, KINDS, owned_only=True).items():
+        copies = []
+        for g, view in boxes:
+            key = (kind, name, tuple(g))
+            buf = buffers.get(key)
+            if buf is None or buf.shape != view.shape:
+                buf = buffers[key] = torch.empty(view.shape, dtype=torch.float32,
+                                                 pin_memory=torch.cuda.is_available())
+            buf.copy_(view, non_blocking=False)
+            copies.append((g, buf))
+        if copies:
+            state[f"{kind}/{name}"] = sharded(gshape, copies, dist.get_rank() if group else rank, group)
+    if c["tp_rank"] == c["cp_rank"] == c["dp_rank"] == 0:
+        for chunk in optimizer.chunks:
+            for name, t in fp8_state(chunk).items():
+                state[f"fp8/{name}"] = t.detach().float().cpu().clone()
+    for key, value in get_rng_tracker().state_dict().items():
+        state[f"rng/rank{rank:05d}/{key}"] = value.detach().cpu().clone()
+    return state
+
+
+def checkpoint_metadata(iteration, optimizer, scaler, config, c, consumed_samples, extra_meta=None) -> dict:
+    """megalite's metadata.json for a torch_dcp checkpoint (taken at the save, not at the commit)."""
+    return {"format_version": FORMAT_VERSION, "ckpt_format": CKPT_FORMAT, "megalite_version": __version__,
+            "iteration": iteration, "consumed_samples": consumed_samples, "config": config.to_dict(),
+            "layout": c["layout"], "zero_stage": optimizer.stage, "optimizer_step": optimizer.step_count,
+            "loss_scaler": scaler.state_dict() if scaler is not None else None, "files": [],
+            "weights_only": False, **(extra_meta or {})}
+
+
+def commit(root: str, tmp: str, final: str, meta: dict, config, tokenizer=None, keep_last=None) -> None:
+    """Rank 0, after every rank's files and DCP's .metadata: metadata.json, rename, latest, prune."""
+    meta = dict(meta)
+    if tokenizer is not None:
+        meta["tokenizer"] = write_tokenizer(tmp, tokenizer)
+    meta["source"] = carry_forward(config, tmp)
+    write_json_atomic(os.path.join(tmp, "metadata.json"), meta)
+    fsync_path(tmp)
+    shutil.rmtree(final, ignore_errors=True)
+    os.rename(tmp, final)
+    fsync_path(root)
+    write_json_latest(root, meta["iteration"])
+    if keep_last:
+        _prune(root, keep_last)
+
+
+def write_json_latest(root: str, iteration: int) -> None:
+    with open(os.path.join(root, "latest.tmp"), "w") as f:
+        f.write(str(iteration))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(os.path.join(root, "latest.tmp"), os.path.join(root, "latest"))
+
+
+def prepare_tmp(final: str, rank: int, grid) -> str:
+    tmp = final + ".tmp"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    _barrier(grid)
+    return tmp

@@ -8,11 +8,12 @@ import json
 import math
 import os
 import random
+import shutil
 
 import pytest
 import torch
 
-from megalite.checkpoint import PieceReader, is_dcp_checkpoint, load_serial_model
+from megalite.checkpoint import CheckpointError, PieceReader, is_dcp_checkpoint, load_serial_model
 from megalite.checkpoint.dcp_boxes import global_shape, piece_boxes
 from megalite.checkpoint.names import global_pieces
 from megalite.parallel.sharding import TPSplit, shard_tensor
@@ -110,6 +111,14 @@ def test_single_process_save_equals_megalite_format_and_resumes_alike(tmp_path):
     resumed = [[r["loss"] for r in pretrain(base + ["--train-iters", "3", "--load", str(tmp_path / d)])]
                for d in ("meg", "dcp")]
     assert resumed[0] == resumed[1] and len(resumed[0]) == 1
+    # A missing data file or a corrupt index: one CheckpointError, no DCP internals.
+    for damage in ("__0_0.distcp", ".metadata"):
+        broken = tmp_path / f"broken{damage}"
+        shutil.copytree(tmp_path / "dcp", broken)
+        target = broken / "iter_0000002" / damage
+        target.write_bytes(target.read_bytes()[:50]) if damage == ".metadata" else target.unlink()
+        with pytest.raises(CheckpointError, match="incomplete or corrupt"):
+            load_serial_model(str(broken))
 
 
 @pytest.mark.slow

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megalite.checkpoint.core import KINDS, _barrier, _coords, _param_ranges, check_config, rng_note
 from megalite.checkpoint.dcp_async import AsyncDcpSaver
-from megalite.checkpoint.dcp_offline import read_dcp_index
+from megalite.checkpoint.dcp_offline import read_dcp_index, read_errors
 from megalite.checkpoint.dcp_state import (_rank_boxes, checkpoint_metadata, commit, dcp_group, dcp_state_dict,
                                            prepare_tmp, sharded)
 from megalite.checkpoint.format import (VOCAB_PARAMS, CheckpointError, iteration_dir, resolve_checkpoint,
@@ -115,7 +115,8 @@ def load_dcp_checkpoint(root: str, optimizer, scaler, config, grid, load_optimiz
     fp8_keys = [k for k in stored if k.startswith("fp8/")] if config.model.fp8_format is not None else []
     for k in list(rng_keys.values()) + fp8_keys:
         state[k] = torch.empty(list(stored[k].size), dtype=stored[k].properties.dtype)
-    dcp.load(state, storage_reader=dcp.FileSystemReader(directory), process_group=group, no_dist=group is None)
+    with read_errors(directory):
+        dcp.load(state, storage_reader=dcp.FileSystemReader(directory), process_group=group, no_dist=group is None)
     states = {"weight": optimizer.master, "exp_avg": optimizer.exp_avg, "exp_avg_sq": optimizer.exp_avg_sq}
     for i, _, name, _, (a, z), offset in _param_ranges(optimizer):
         if name in VOCAB_PARAMS:  # the padding rows (in no box) are zero, as in core's load

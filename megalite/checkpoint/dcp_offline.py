@@ -9,12 +9,14 @@ from the stored chunks, one tensor per read, so memory stays near one full tenso
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from megalite.checkpoint.format import FORMAT_VERSION, VOCAB_PARAMS, CheckpointError, resolve_checkpoint
@@ -62,8 +64,24 @@ def read_tensors(directory: str, shapes: dict, reader=None) -> dict:
     """Full tensors ``{key: tensor}`` for ``shapes`` ({key: (shape, dtype)}), read by DCP in
     this process (``reader``: a FileSystemReader of ``directory`` to reuse)."""
     state = {k: torch.empty(list(shape), dtype=dtype) for k, (shape, dtype) in shapes.items()}
-    dcp.load(state, storage_reader=reader or dcp.FileSystemReader(directory), no_dist=True)
+    with read_errors(directory):
+        dcp.load(state, storage_reader=reader or dcp.FileSystemReader(directory), no_dist=True)
     return state
+
+
+@contextlib.contextmanager
+def read_errors(directory: str):
+    """DCP's read failures (a missing or truncated ``.distcp`` file) as one CheckpointError.
+    DCP's files carry no checksums: a flipped bit that still parses is not detected."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's is a BaseException
+        first = [line for line in str(e).strip().splitlines() if line.strip()]
+        raise CheckpointError(f"checkpoint {directory!r}: DCP could not read its files ({type(e).__name__}: "
+                              f"{first[-1] if first else e}): the checkpoint is incomplete or corrupt. Fix: load an "
+                              f"earlier iteration (iter_* directories) or re-save.") from e
 
 
 class DcpReader:

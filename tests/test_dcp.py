@@ -94,12 +94,14 @@ def test_flat_ranges_map_to_global_boxes_exactly_once():
 
 def test_single_process_save_equals_megalite_format_and_resumes_alike(tmp_path):
     """One process (no process group): the same run saved in both formats gives the same
-    tensors (DCP's dcp_to_torch_save vs megalite's pieces), the same serial logits, and a
-    resume from either continues with the same losses; metadata.json marks the format."""
+    tensors (DCP's dcp_to_torch_save vs megalite's pieces; --async-save too), the same serial
+    logits, and a resume from either continues with the same losses; metadata.json marks the
+    format; a damaged DCP checkpoint is one CheckpointError."""
     from megalite.pretrain import pretrain
     base = BASE + ["--hidden-dropout", "0.1"]  # dropout: the RNG streams are restored too
     pretrain(base + ["--train-iters", "2", "--save", str(tmp_path / "meg")])
     pretrain(base + DCP + ["--train-iters", "2", "--save", str(tmp_path / "dcp")])
+    pretrain(base + DCP + ["--train-iters", "2", "--save", str(tmp_path / "async"), "--async-save"])
     directory = tmp_path / "dcp" / "iter_0000002"
     assert (tmp_path / "dcp" / "latest").read_text() == "2" and is_dcp_checkpoint(str(directory))
     assert sorted(os.listdir(directory)) == [".metadata", "__0_0.distcp", "metadata.json"]
@@ -107,6 +109,8 @@ def test_single_process_save_equals_megalite_format_and_resumes_alike(tmp_path):
     assert meta["ckpt_format"] == "torch_dcp" and meta["optimizer_step"] == 2 and meta["consumed_samples"] == 16
     full = _full_state(directory)
     assert _assert_same_state(full, PieceReader(str(tmp_path / "meg" / "iter_0000002"))) == 84  # 3 x 28 tensors
+    background = _full_state(tmp_path / "async" / "iter_0000002")  # dcp.async_save: the same tensors
+    assert background.keys() == full.keys() and all(torch.equal(background[k], full[k]) for k in full)
     assert torch.equal(_logits(tmp_path / "dcp"), _logits(tmp_path / "meg"))
     resumed = [[r["loss"] for r in pretrain(base + ["--train-iters", "3", "--load", str(tmp_path / d)])]
                for d in ("meg", "dcp")]
@@ -137,6 +141,22 @@ def test_zero1_dp2_save_equals_megalite_format_and_loads_serially(tmp_path):
     assert _assert_same_state(full, PieceReader(str(tmp_path / "meg" / "iter_0000002"))) == 84  # 3 x 28 tensors
     assert {k.split("/")[1] for k in full if k.startswith("rng/")} == {"rank00000", "rank00001"}  # each its own
     assert torch.equal(_logits(tmp_path / "dcp"), _logits(tmp_path / "meg"))
+
+
+@pytest.mark.slow
+def test_experts_ep4_zero1_are_stored_per_global_expert_and_load_at_ep1(tmp_path):
+    """MoE at EP4 with ZeRO-1: each expert is its own global tensor
+    (weight/layers.0.mlp.experts.2.fc1.weight), equal to megalite's format; loaded at DP2
+    without expert parallelism, training continues exactly as from megalite's format."""
+    argv = BASE + ["--num-experts", "4", "--expert-model-parallel-size", "4", "--use-distributed-optimizer",
+                   "--train-iters", "2"]
+    run_world(_pretrain, 4, argv + ["--save", str(tmp_path / "meg")], argv + DCP + ["--save", str(tmp_path / "dcp")])
+    full = _full_state(tmp_path / "dcp" / "iter_0000002")
+    assert "weight/layers.0.mlp.experts.2.fc1.weight" in full
+    assert _assert_same_state(full, PieceReader(str(tmp_path / "meg" / "iter_0000002"))) == 114
+    argv = BASE + ["--num-experts", "4", "--train-iters", "3"]
+    losses = [run_world(_pretrain, 2, argv + ["--load", str(tmp_path / d)])[0][0] for d in ("meg", "dcp")]
+    assert losses[0] == losses[1] and len(losses[0]) == 1
 
 
 @pytest.fixture(scope="module")

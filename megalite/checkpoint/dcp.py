@@ -105,8 +105,8 @@ def load_dcp_checkpoint(root: str, optimizer, scaler, config, grid, load_optimiz
         if list(md.size) != list(gshape):
             raise CheckpointError(f"parameter {name!r}: the checkpoint's {kind} has shape {tuple(md.size)}, "
                                   f"the model's is {tuple(gshape)}.")
-        fresh = [(g, torch.empty(view.shape)) for g, view in boxes]
-        fills.extend(zip([v for _, v in boxes], [t for _, t in fresh]))
+        fresh = [(g, torch.empty(view.shape)) for g, view in boxes]  # DCP reads into these, then we copy
+        fills += [(view, t) for (_, view), (_, t) in zip(boxes, fresh)]
         state[key] = sharded(gshape, fresh, rank, group)
     rng_keys = {}
     prefix = f"rng/rank{c['rank']:05d}/"

@@ -66,6 +66,7 @@ def dcp_state_dict(optimizer, c, vocab: int, group, buffers: dict | None = None)
     """The state dict this rank saves: copies of its boxes (into ``buffers``, reused across
     saves, when given), its FP8 state (the stage's TP/CP/DP rank 0) and its RNG streams."""
     rank = c["rank"]
+    pin = buffers is not None and torch.cuda.is_available()  # reused buffers are worth pinning
     buffers = {} if buffers is None else buffers
     state = {}
     for (kind, name), (gshape, boxes) in _rank_boxes(optimizer, c, vocab, KINDS, owned_only=True).items():
@@ -74,8 +75,7 @@ def dcp_state_dict(optimizer, c, vocab: int, group, buffers: dict | None = None)
             key = (kind, name, tuple(g))
             buf = buffers.get(key)
             if buf is None or buf.shape != view.shape:
-                buf = buffers[key] = torch.empty(view.shape, dtype=torch.float32,
-                                                 pin_memory=torch.cuda.is_available())
+                buf = buffers[key] = torch.empty(view.shape, dtype=torch.float32, pin_memory=pin)
             buf.copy_(view, non_blocking=False)
             copies.append((g, buf))
         if copies:
@@ -109,12 +109,12 @@ def commit(root: str, tmp: str, final: str, meta: dict, config, tokenizer=None, 
     shutil.rmtree(final, ignore_errors=True)
     os.rename(tmp, final)
     fsync_path(root)
-    write_json_latest(root, meta["iteration"])
+    write_latest(root, meta["iteration"])
     if keep_last:
         _prune(root, keep_last)
 
 
-def write_json_latest(root: str, iteration: int) -> None:
+def write_latest(root: str, iteration: int) -> None:
     with open(os.path.join(root, "latest.tmp"), "w") as f:
         f.write(str(iteration))
         f.flush()

@@ -231,3 +231,41 @@ def test_unknown_format_is_one_clear_message(capsys):
     assert main(BASE + ["--train-iters", "1", "--ckpt-format", "zarr"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--ckpt-format: invalid choice: 'zarr'" in err[0] and "torch_dcp" in err[0], err
+
+
+def _tiny_run():
+    """(config, grid, optimizer, scaler) of a one-process run, no training."""
+    from megalite.parallel.random import model_parallel_seed
+    from megalite.pipeline.partition import build_model_chunks
+    from megalite.pretrain import setup
+    from megalite.training import LossScaler, build_data_parallel_optimizer
+    _, config, _, grid, device = setup(BASE + ["--train-iters", "1"])
+    model_parallel_seed(config.train.seed, grid, device)
+    chunks = build_model_chunks(config, grid, device)
+    for chunk in chunks:
+        chunk.init_weights(config.train.seed)
+    return config, grid, build_data_parallel_optimizer(chunks, config.train, grid), LossScaler(False, 0, None)
+
+
+def test_async_saver_reports_each_commit_once_and_reraises_a_writer_error(tmp_path, monkeypatch):
+    """poll() reports a committed directory once; save() waits for the write in flight (whose
+    directory the next poll reports); an error in the writer thread is raised on the caller's
+    thread at the next wait, and that save stays uncommitted."""
+    import megalite.checkpoint.dcp_async as dcp_async
+    from megalite.checkpoint import AsyncDcpSaver
+    config, grid, optimizer, scaler = _tiny_run()
+    saver = AsyncDcpSaver(grid)
+    first = saver.save(str(tmp_path), 1, optimizer, scaler, config, grid, 8, extra_meta={"data_batches": 1})
+    second = saver.save(str(tmp_path), 2, optimizer, scaler, config, grid, 16, keep_last=1)
+    assert saver.wait() == [first, second] and not saver.in_flight and saver.poll() == []
+    assert (tmp_path / "latest").read_text() == "2" and not os.path.exists(first)  # keep_last 1 pruned it
+    assert json.loads((tmp_path / "iter_0000002" / "metadata.json").read_text())["consumed_samples"] == 16
+
+    def disk_full(*args, **kwargs):
+        raise OSError("No space left on device")
+    monkeypatch.setattr(dcp_async, "commit", disk_full)
+    saver.save(str(tmp_path), 3, optimizer, scaler, config, grid, 24)
+    with pytest.raises(OSError, match="No space left"):
+        saver.wait()
+    assert (tmp_path / "latest").read_text() == "2" and (tmp_path / "iter_0000003.tmp").is_dir()
+    saver.close()

@@ -27,6 +27,9 @@ DCP = ["--ckpt-format", "torch_dcp"]
 TP2PP2 = ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"]
 DP2_ZERO1 = ["--use-distributed-optimizer"]
 KINDS = ("weight", "exp_avg", "exp_avg_sq")
+# megalite.checkpoint.dcp* silence these process-wide at import; pytest restores filters per test.
+pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+              pytest.mark.filterwarnings("ignore:.*deprecating ShardedTensor:FutureWarning")]
 
 
 def _pretrain(rank, world, *runs):

@@ -19,6 +19,14 @@ _SKIPS: list[tuple[str, str]] = []
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# Imported once here, before any test forks a world: building a model on meta (every pretrain
+# does, for its parameter count) runs nn.init.normal_ through torch's reference ops, whose
+# dynamo-disabled wrapper imports torch._dynamo (about 1.3 s of one core, sympy included) on
+# first use. A forked rank of megalite.testing.run_world inherits the parent's modules, so
+# without this line each rank of each world paid that import whenever no earlier test in the
+# session had made the parent import it (a file or -k selection run on its own).
+import torch._dynamo  # noqa: E402,F401
+
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one; scripts/gpu_check.sh "

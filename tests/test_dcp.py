@@ -115,6 +115,11 @@ def test_single_process_save_equals_megalite_format_and_resumes_alike(tmp_path):
     background = _full_state(tmp_path / "async" / "iter_0000002")  # dcp.async_save: the same tensors
     assert background.keys() == full.keys() and all(torch.equal(background[k], full[k]) for k in full)
     assert torch.equal(_logits(tmp_path / "dcp"), _logits(tmp_path / "meg"))
+    from megalite.checkpoint.convert import export_hf  # Hugging Face export reads either format
+    from safetensors.torch import load_file
+    hf = [load_file(os.path.join(export_hf(str(tmp_path / d), str(tmp_path / f"hf_{d}"), progress=False),
+                                 "model.safetensors")) for d in ("meg", "dcp")]
+    assert hf[0].keys() == hf[1].keys() and all(torch.equal(hf[0][k], hf[1][k]) for k in hf[0])
     resumed = [[r["loss"] for r in pretrain(base + ["--train-iters", "3", "--load", str(tmp_path / d)])]
                for d in ("meg", "dcp")]
     assert resumed[0] == resumed[1] and len(resumed[0]) == 1

@@ -30,6 +30,7 @@ import torch
 
 from megalite.checkpoint import hf as gpt2
 from megalite.checkpoint import hf_llama as llama
+from megalite.checkpoint.dcp_offline import DcpReader, is_dcp_checkpoint
 from megalite.checkpoint.format import CheckpointError, PieceReader
 from megalite.checkpoint.hf_io import HFReader, HFShardWriter, check_export_target
 from megalite.checkpoint.settings import CARRIED, GENERATION_CONFIG, read_files, write_files
@@ -90,7 +91,7 @@ def export_hf(load: str, hf_dir: str, model_type: str | None = None, dtype: str 
     bar of the units converted on stderr, when stderr is a terminal. ``force``: write into a
     non-empty folder (never the one the checkpoint was imported from)."""
     directory = _checkpoint_dir(load)
-    reader = PieceReader(directory)
+    reader = DcpReader(directory) if is_dcp_checkpoint(directory) else PieceReader(directory)
     meta = reader.metadata
     cfg = model_config_from(meta["config"]["model"])
     source = meta.get("source") or {}

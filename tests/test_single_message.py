@@ -53,12 +53,14 @@ def test_configuration_error_is_one_message(tmp_path):
     _check_one_message(code, text, "world size (2) must be divisible by TP*CP*PP = 3*1*1 = 3")
 
 
+@pytest.mark.slow  # the same path as the configuration error's (fast tier), another failure
 def test_missing_data_file_is_one_message(tmp_path):
     code, text = _torchrun(tmp_path, "--data-path", str(tmp_path / "corpus"), "--tokenizer-type", "NullTokenizer",
                            *SMALL)
     _check_one_message(code, text, f"Dataset file '{tmp_path / 'corpus'}.idx' does not exist")
 
 
+@pytest.mark.slow  # the same path as the configuration error's (fast tier), another failure
 def test_corrupt_checkpoint_is_one_message(tmp_path):
     save = tmp_path / "ckpt"
     assert main(["--mock-data", *SMALL, "--save", str(save)]) == 0
@@ -76,6 +78,24 @@ def test_plain_python_prints_one_line(tmp_path):
     assert run.stdout == "" and run.stderr.splitlines() == [
         "megalite: configuration error: world size (1) must be divisible by TP*CP*PP = 3*1*1 = 3; the data-parallel "
         "size is world/(TP*CP*PP). Fix: launch a multiple of 3 processes, or choose sizes whose product divides 1."]
+
+
+def test_input_errors_are_one_line_in_one_process(tmp_path, capsys):
+    """The fast tier's check of the two torchrun cases above (slow): the same errors reach
+    main's handler as one "megalite: input error" line and exit status 2."""
+    assert main(["--data-path", str(tmp_path / "corpus"), "--tokenizer-type", "NullTokenizer", *SMALL]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith(
+        f"megalite: input error: Dataset file '{tmp_path / 'corpus'}.idx' does not exist"), err
+    save = tmp_path / "ckpt"
+    assert main(["--mock-data", *SMALL, "--save", str(save)]) == 0
+    capsys.readouterr()
+    shard = save / "iter_0000002" / "rank00000.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-64] + b"\0" * 64)
+    assert main(["--mock-data", *SMALL, "--train-iters", "3", "--load", str(save)]) == 2
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and err.startswith("megalite: input error: ") \
+        and f"{shard}: checksum mismatch" in err, err
 
 
 def test_a_bug_keeps_its_traceback(monkeypatch):

@@ -196,3 +196,28 @@ def test_async_save_without_save_is_one_clear_message(capsys):
     assert main(BASE + ["--train-iters", "2", "--async-save"]) == 2
     err = capsys.readouterr().err
     assert "--async-save is set without --save: there is nothing to save. Fix: add --save DIR" in err
+
+
+def test_safetensors_writer_writes_save_files_bytes(tmp_path):
+    """megalite's writer (which releases the GIL and hashes as it writes) gives the bytes of
+    safetensors' own save_file, for every dtype a checkpoint holds, and their SHA-256."""
+    from safetensors.torch import save_file
+
+    from megalite.checkpoint.format import sha256_file, write_safetensors
+    g = torch.Generator().manual_seed(0)
+    tensors = {"weight/b/tp0/0": torch.randn(7, 3, generator=g).t(), "rng/default.cpu": torch.randint(0, 255, (40,), dtype=torch.uint8),
+               "fp8/x": torch.tensor(2.5), "empty": torch.zeros(0), "i64": torch.arange(5), "bf16": torch.randn(4).bfloat16(),
+               "flag": torch.tensor([True, False])}
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "a"), metadata={"format": "x"})
+    sha = write_safetensors(str(tmp_path / "b"), tensors, {"format": "x"})
+    assert (tmp_path / "a").read_bytes() == (tmp_path / "b").read_bytes() and sha == sha256_file(str(tmp_path / "b"))
+
+
+@pytest.mark.slow
+def test_bench_checkpoint_runs():
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tools.bench_checkpoint import main
+    res = run_world(lambda rank, world: main(["--hidden", "32", "--layers", "1", "--vocab", "64", "--seq", "8",
+                                              "--rounds", "1"]), 1)[0]
+    assert res["blocked_s_async"] > 0 and res["blocked_s_sync"] > 0 and res["checkpoint_bytes"] > 0

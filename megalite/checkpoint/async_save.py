@@ -86,7 +86,7 @@ class AsyncCheckpointSaver:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.buffers: dict[str, torch.Tensor] = {}
         self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._error: tuple[dict, BaseException] | None = None
         self._committed: list[str] = []
         self._lock = threading.Lock()
         self._stream = None
@@ -177,9 +177,13 @@ class AsyncCheckpointSaver:
         self._raise()
 
     def _raise(self) -> None:
-        error, self._error = self._error, None
-        if error is not None:
-            raise CheckpointError(f"asynchronous checkpoint save failed on rank {self.rank}: {error}") from error
+        failed, self._error = self._error, None
+        if failed is not None:
+            job, error = failed
+            raise CheckpointError(
+                f"the asynchronous save of iteration {job['iteration']} ({job['final']}) failed on rank {self.rank}: "
+                f"{type(error).__name__}: {error}. Checkpoints committed before it are intact ('latest' names the "
+                f"newest); fix the cause (space, permissions of --save) and resume with --load.") from error
 
     def _take(self) -> list[str]:
         with self._lock:
@@ -208,7 +212,7 @@ class AsyncCheckpointSaver:
             with self._lock:
                 self._committed.append(job["final"])
         except BaseException as e:  # noqa: BLE001 - handed to the training thread
-            self._error = e
+            self._error = (job, e)
             if self._store is not None:
                 try:
                     self._store.set(f"{job['key']}/failed", f"rank {self.rank}: {e}")

@@ -6,6 +6,10 @@ writes ``metadata.json``, fsyncs, renames the directory to ``iter_N``, then rewr
 any point leaves ``latest`` on the previous complete checkpoint. Given the run's tokenizer,
 rank 0 also copies its files into ``iter_N.tmp/tokenizer`` and records it in metadata.json
 (:func:`megalite.checkpoint.format.write_tokenizer`), so the checkpoint generates text alone.
+A save is staging (:func:`rank_state`, :func:`checkpoint_metadata`) then writing
+(:func:`~megalite.checkpoint.format.write_rank_files`) and committing (:func:`commit_checkpoint`);
+:func:`save_checkpoint` runs them in turn, :mod:`megalite.checkpoint.async_save` runs the
+writing and committing on a background thread (``--async-save``), with the same bytes.
 
 Load (``--load DIR``: its 'latest'; ``--load DIR --ckpt-step N`` or ``--load DIR/iter_N``:
 that iteration, see :func:`megalite.checkpoint.format.resolve_checkpoint`): every rank fills

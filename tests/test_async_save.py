@@ -30,7 +30,7 @@ def _build(argv):
     from megalite.pipeline.partition import build_model_chunks
     from megalite.pretrain import setup
     from megalite.training import LossScaler, build_data_parallel_optimizer
-    args, config, tokenizer, grid, device = setup(argv)
+    _, config, tokenizer, grid, device = setup(argv)
     t = config.train
     model_parallel_seed(t.seed, grid, device)
     model = build_model_chunks(config, grid, device)
@@ -84,7 +84,8 @@ def _saver_unit(rank, world, tmp, flags):
 
 @pytest.mark.parametrize("world,flags", [
     (2, ["--zero-stage", "2"]),
-    pytest.param(4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], marks=pytest.mark.slow)])
+    pytest.param(4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+                 marks=pytest.mark.slow)])
 def test_saver_writes_the_sync_bytes_reuses_buffers_and_reports_errors(tmp_path, world, flags):
     out = run_world(_saver_unit, world, str(tmp_path), flags)
     a, b = tmp_path / "sync" / "iter_0000003", tmp_path / "async" / "iter_0000003"
@@ -106,7 +107,7 @@ def test_saver_single_rank(tmp_path):
 
 def _serial(rank, world, tmp):
     from megalite.checkpoint.async_save import AsyncCheckpointSaver
-    config, tokenizer, grid, optimizer, scaler = _build(BASE + ["--train-iters", "2", "--save", tmp])
+    config, _, grid, optimizer, scaler = _build(BASE + ["--train-iters", "2", "--save", tmp])
     saver = AsyncCheckpointSaver(grid)
     saver.save(tmp, 2, optimizer, scaler, config, grid, 16)
     return saver.wait()
@@ -205,8 +206,9 @@ def test_safetensors_writer_writes_save_files_bytes(tmp_path):
 
     from megalite.checkpoint.format import sha256_file, write_safetensors
     g = torch.Generator().manual_seed(0)
-    tensors = {"weight/b/tp0/0": torch.randn(7, 3, generator=g).t(), "rng/default.cpu": torch.randint(0, 255, (40,), dtype=torch.uint8),
-               "fp8/x": torch.tensor(2.5), "empty": torch.zeros(0), "i64": torch.arange(5), "bf16": torch.randn(4).bfloat16(),
+    tensors = {"weight/b/tp0/0": torch.randn(7, 3, generator=g).t(),  # not contiguous
+               "rng/default.cpu": torch.randint(0, 255, (40,), dtype=torch.uint8), "fp8/x": torch.tensor(2.5),
+               "empty": torch.zeros(0), "i64": torch.arange(5), "bf16": torch.randn(4).bfloat16(),
                "flag": torch.tensor([True, False])}
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp_path / "a"), metadata={"format": "x"})
     sha = write_safetensors(str(tmp_path / "b"), tensors, {"format": "x"})

@@ -144,8 +144,8 @@ def main(argv=None):
         print(f"{'step during write (ms)':28s}{'':10s}{1e3 * res['step_s_during_write']:10.1f}"
               f"   {100 * res['step_slowdown_during_write']:+.1f}% (goal within 10%; median of the rounds' "
               f"ratios to the steps right after)")
-        print(f"{'training thread CPU/step (ms)':28s}{1e3 * res['cpu_s_no_save']:10.1f}{1e3 * res['cpu_s_during_write']:10.1f}"
-              f"   (no save | during write)")
+        print(f"{'training thread CPU/step (ms)':28s}{1e3 * res['cpu_s_no_save']:10.1f}"
+              f"{1e3 * res['cpu_s_during_write']:10.1f}   (no save | during write)")
     print(f"{'write, save to commit (s)':28s}{'':10s}{res['async_write_s']:10.3f}"
           f"   {res['steps_per_write']:.0f} steps ran during it")
     if args.json:

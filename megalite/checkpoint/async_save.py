@@ -43,8 +43,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from megalite.checkpoint.core import (_coords, checkpoint_metadata, commit_checkpoint, prepare_save,
-                                      rank_state)
+from megalite.checkpoint.core import _coords, checkpoint_metadata, commit_checkpoint, prepare_save, rank_state
 from megalite.checkpoint.format import CheckpointError, write_rank_files
 from megalite.resilience.fault_injection import active as active_faults
 

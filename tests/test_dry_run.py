@@ -15,9 +15,13 @@ import torch.distributed as dist
 from megalite.config import ConfigError
 from megalite.pretrain import pretrain
 
-MODEL = ["--mock-data", "--vocab-size", "500", "--num-layers", "8", "--hidden-size", "64",
+# 4 layers (2 per stage at PP 2, 1 per virtual chunk) and a global batch of 16: at DP 4 that is
+# 2 micro-batches per step, the pipeline's depth, so 1F1B and the interleaved schedule reach
+# their steady state; a meta op costs Python time, so the time of a rank's dry run is about
+# layers x micro-batches.
+MODEL = ["--mock-data", "--vocab-size", "500", "--num-layers", "4", "--hidden-size", "64",
          "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "2",
-         "--global-batch-size", "32", "--train-iters", "2", "--eval-interval", "2", "--eval-iters", "1",
+         "--global-batch-size", "16", "--train-iters", "2", "--eval-interval", "2", "--eval-iters", "1",
          "--log-interval", "1"]
 LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
          "--num-query-groups", "2", "--untie-embeddings-and-output-weights", "--disable-bias-linear"]
@@ -26,7 +30,7 @@ LLAMA = ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--s
 # first / middle / last pipeline stage, TP and CP positions, DP position.
 LAYOUTS = {
     "tp2-pp2-dp4-zero1-virtual": (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                                   "--zero-stage", "1", "--num-layers-per-virtual-pipeline-stage", "2",
+                                   "--zero-stage", "1", "--num-layers-per-virtual-pipeline-stage", "1",
                                    "--overlap-grad-reduce"], [0, 1, 6, 8, 15]),
     "tp2-cp2-pp2-dp2-sp": (["--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
                             "--pipeline-model-parallel-size", "2", "--sequence-parallel",
@@ -200,7 +204,7 @@ def test_no_cpu_tensor_meets_a_meta_one_in_the_step(monkeypatch, layout):
         with Watch():
             return step(*args, **kwargs)
 
-    monkeypatch.setattr("megalite.pretrain.train_step", watched)
+    monkeypatch.setattr("megalite.train_loop.train_step", watched)
     dry_run(monkeypatch, 16, 15, LAYOUTS[layout][0])
     assert seen == [], sorted(set(seen))
 
@@ -221,7 +225,7 @@ def test_the_cpu_tensor_watch_catches_a_cpu_scalar_in_device_math(monkeypatch):
         with Watch():
             return step(*args, **kwargs)
 
-    monkeypatch.setattr("megalite.pretrain.train_step", watched)
+    monkeypatch.setattr("megalite.train_loop.train_step", watched)
     dry_run(monkeypatch, 16, 0, LAYOUTS["tp4-dp4-zero3"][0])
     assert "aten.add.Tensor" in seen, seen
 

@@ -40,18 +40,19 @@ def test_scaling_table_and_thresholds():
 
 
 @pytest.mark.slow
-def test_scaling_tool_runs_at_1_2_4_ranks(tmp_path):
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "scaling_efficiency.py"), "--ranks", "1", "2", "4",
-                          "--json", str(tmp_path / "s.json"), "--plot", str(tmp_path / "s.png"),
-                          *scaling_efficiency.DEFAULT[:-5], "--train-iters", "4",
-                          "--log-interval", "1000"],
-                         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert out.returncode == 0, out.stderr[-2000:]
+def test_scaling_tool_runs_at_1_2_4_ranks(tmp_path, monkeypatch, capsys):
+    """The tool's main in this process (its worlds fork from here, with torch already imported;
+    every tool also runs as __main__ in test_tools_bad_input_one_line)."""
+    monkeypatch.setattr(sys, "argv", ["scaling_efficiency.py", "--ranks", "1", "2", "4",
+                                      "--json", str(tmp_path / "s.json"), "--plot", str(tmp_path / "s.png"),
+                                      *scaling_efficiency.DEFAULT[:-5], "--train-iters", "4", "--log-interval", "1000"])
+    scaling_efficiency.main()
+    out = capsys.readouterr().out
     rows = json.loads((tmp_path / "s.json").read_text())
     assert [r["ranks"] for r in rows] == [1, 2, 4] and rows[0]["efficiency"] == 1.0
-    assert "efficiency" in out.stdout and "demonstration" in out.stdout
+    assert "efficiency" in out and "demonstration" in out
     if importlib.util.find_spec("matplotlib") is not None:
-        assert "chart:" in out.stdout
+        assert "chart:" in out
         check_png(tmp_path / "s.png")
 
 
@@ -79,16 +80,17 @@ def write_log(path, scale, mfu=False, dry_run_lines=0):
 
 
 @pytest.mark.slow
-def test_plot_log_png_and_svg(tmp_path):
+def test_plot_log_png_and_svg(tmp_path, capsys):
+    """In this process (the tool runs as a program in test_plot_log_missing_or_unreadable_file)."""
     pytest.importorskip("matplotlib")
+    import plot_log
     write_log(tmp_path / "a.jsonl", 1.0)
     write_log(tmp_path / "b.jsonl", 1.5, dry_run_lines=3)
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "plot_log.py"), str(tmp_path / "a.jsonl"),
-                          str(tmp_path / "b.jsonl"), "--labels", "run A", "run B", "--smooth", "5",
-                          "-o", str(tmp_path / "p.png"), "--format", "png", "svg"], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    assert "run A: 30 iterations, loss 4.85 -> 2.005" in out.stdout
-    assert "wrote " + str(tmp_path / "p.svg") in out.stdout
+    assert plot_log.main([str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl"), "--labels", "run A", "run B",
+                          "--smooth", "5", "-o", str(tmp_path / "p.png"), "--format", "png", "svg"]) is None
+    out = capsys.readouterr().out
+    assert "run A: 30 iterations, loss 4.85 -> 2.005" in out
+    assert "wrote " + str(tmp_path / "p.svg") in out
     check_png(tmp_path / "p.png", 600, 1000)
     assert_texts(svg_texts(tmp_path / "p.svg"), "Training log: run A, run B", "Loss against iteration",
                  "Loss against tokens seen", "tokens seen", "iteration", "loss (cross-entropy, nats/token)",
@@ -361,14 +363,17 @@ def test_tools_bad_input_one_line(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("index", [3, 4, 6, 13])  # a checkpoint tool, the planner, the dry run, a benchmark
-def test_tool_bad_input_own_process(tmp_path, index):
+def test_tool_bad_input_own_process(tmp_path):
     """Some of the same cases as the user meets them, each tool in its own process (a fresh
-    interpreter, the tool's own imports); every case runs as __main__ in the test above."""
-    tool, argv, wanted = _bad_inputs(tmp_path)[index]
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "tools", tool), *argv],
-                         capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
-    _assert_one_line(tool, argv, wanted, run.returncode, run.stderr)
+    interpreter, the tool's own imports); every case runs as __main__ in the test above. The
+    four processes run at once (each is one interpreter starting: on two cores, two at a time)."""
+    every = _bad_inputs(tmp_path)
+    cases = [every[i] for i in (3, 4, 6, 13)]  # a checkpoint tool, the planner, the dry run, a benchmark
+    procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", tool), *argv], stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, cwd=str(tmp_path)) for tool, argv, _ in cases]
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    for (tool, argv, wanted), p, err in zip(cases, procs, errs):
+        _assert_one_line(tool, argv, wanted, p.returncode, err)
 
 
 def test_tool_bug_keeps_its_traceback(tmp_path, monkeypatch):

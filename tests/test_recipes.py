@@ -9,7 +9,8 @@ tests/test_planner_truth.py and tests/test_moe_planning.py hold the planner to.
 
 The flags come from the scripts themselves (ACTION=print and ACTION=print-dry-run), so what is
 tested is what a launch runs. The dry run of one GPU count per recipe (the cheapest) is in the
-default run; the other counts' dry runs and the SFT recipe's prepare step are marked slow.
+default run (with its layout check, and the counts where nothing fits); the other counts' dry
+runs and layout checks, and the SFT recipe's prepare step, are marked slow.
 
 Cost: a meta dry run takes time in proportion to the micro-batches of a step, M = global batch /
 (micro batch x DP). Every recipe has PP 1, so one micro-batch's activations are in flight
@@ -195,7 +196,10 @@ def recommendation(argv: list[str], tmp_path, capsys) -> dict | None:
     return json.loads(out.read_text())["recommendation"]
 
 
-PLANS = [(r, g) for r, (sizes, _, no_fit, _) in RECIPES.items() for g in sizes + no_fit]
+# The default run checks each recipe's dry-run count and every count where nothing fits; the
+# other counts are slow (as their dry runs are).
+PLANS = [pytest.param(r, g, marks=[] if g == default or g in no_fit else [pytest.mark.slow], id=f"{r}-{g}")
+         for r, (sizes, default, no_fit, _) in RECIPES.items() for g in sizes + no_fit]
 
 
 @pytest.mark.parametrize("recipe,gpus", PLANS)

@@ -56,7 +56,7 @@ def _slurm_env(rank, ntasks, port, **overrides):
     return {k: v for k, v in env.items() if v is not None}
 
 
-def test_incomplete_launch_environment_names_the_missing_variable(tmp_path):
+def test_incomplete_launch_environment_names_the_missing_variable(monkeypatch, capsys):
     from megalite.config import ConfigError
     from megalite.launch import detect_launch, first_host
 
@@ -66,10 +66,17 @@ def test_incomplete_launch_environment_names_the_missing_variable(tmp_path):
         detect_launch({"RANK": "0", "WORLD_SIZE": "2"})
     assert detect_launch({}).source == "single"
     assert first_host("gpu[03-05,9],cpu1") == "gpu03" and first_host("node7") == "node7"
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), *BASE, "--train-iters", "1"],
-                         env=_slurm_env(0, 2, 1234, SLURM_JOB_NODELIST=None), capture_output=True, text=True,
-                         timeout=60)
-    assert run.returncode == 2 and "megalite: configuration error: SLURM_JOB_NODELIST missing" in run.stderr
+    # pretrain_gpt.py's main, in this process (the program's own exit status and one line:
+    # tests/test_single_message.py::test_plain_python_prints_one_line).
+    from megalite.pretrain import main
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
+                "SLURM_JOB_NODELIST"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in _slurm_env(0, 2, 1234, SLURM_JOB_NODELIST=None).items():
+        if key.startswith("SLURM_") or key == "MASTER_PORT":
+            monkeypatch.setenv(key, value)
+    assert main([*BASE, "--train-iters", "2"]) == 2
+    assert "megalite: configuration error: SLURM_JOB_NODELIST missing" in capsys.readouterr().err
 
 
 # -- elastic continuation -----------------------------------------------------------------------------

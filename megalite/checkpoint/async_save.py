@@ -6,10 +6,10 @@ A save has two steps (:mod:`megalite.checkpoint.core`):
    empty ``iter_N.tmp`` (rank 0, then a host barrier: every rank is at the same save point,
    so this is an ordinary collective on the main thread), then copy this rank's tensors
    (:func:`~megalite.checkpoint.core.rank_state`: fp32 master weights and Adam moments of its
-   shard, FP8 state, RNG streams) into host buffers and take metadata.json's values. The
-   buffers are allocated at the first save and reused by every later one (page-locked on a
-   GPU, copied on a side stream; the training stream waits for that copy before its next
-   optimizer step changes the states, the host does not);
+   shard, FP8 state, RNG streams) into a host buffer and take metadata.json's values. The
+   buffer is allocated at the first save and reused by every later one (one allocation, laid
+   out as the file's bytes; page-locked on a GPU, copied on a side stream: the training stream
+   waits for that copy before its next optimizer step changes the states, the host does not);
 2. writing and committing, on a writer thread: this rank's safetensors file and description
    (:func:`~megalite.checkpoint.format.write_rank_files`), then, once every rank's files are
    there, rank 0 commits (:func:`~megalite.checkpoint.core.commit_checkpoint`: metadata.json,
@@ -36,6 +36,7 @@ waiting and fail too. Errors are raised on the training thread, at the next ``po
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -44,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.checkpoint.core import _coords, checkpoint_metadata, commit_checkpoint, prepare_save, rank_state
-from megalite.checkpoint.format import CheckpointError, write_rank_files
+from megalite.checkpoint.format import CheckpointError, safetensors_order, write_rank_files
 from megalite.resilience.fault_injection import active as active_faults
 
 _PREFIX = "megalite/async_ckpt"
@@ -74,9 +75,9 @@ class AsyncCheckpointSaver:
 
     ``save`` returns the directory it will commit; ``poll`` (non-blocking) and ``wait``
     (blocking) return the directories committed since the last call; ``in_flight`` says
-    whether a write is running. Host memory: one buffer per tensor this rank writes, i.e. the
-    size of its checkpoint files (12 bytes per parameter element of its optimizer shard, more
-    under FP8), held from the first save until ``close``.
+    whether a write is running. Host memory: one buffer the size of this rank's checkpoint file
+    (12 bytes per parameter element of its optimizer shard, plus RNG and FP8 state), held from
+    the first save until ``close``.
     """
 
     def __init__(self, grid, timeout_s: float = 1800.0, poll_s: float = 0.01):
@@ -84,6 +85,8 @@ class AsyncCheckpointSaver:
         self.rank = _coords(grid)["rank"]
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.buffers: dict[str, torch.Tensor] = {}
+        self._flat: torch.Tensor | None = None
+        self._layout: list | None = None
         self._thread: threading.Thread | None = None
         self._error: tuple[dict, BaseException] | None = None
         self._committed: list[str] = []
@@ -139,20 +142,17 @@ class AsyncCheckpointSaver:
         try:
             self._join()
         finally:
-            self.buffers.clear()
-            self._stream = None
+            self.buffers, self._flat, self._layout, self._stream = {}, None, None, None
 
     # -- the training thread -------------------------------------------------------------
     def _stage(self, tensors: dict[str, torch.Tensor]):
-        """Copy ``tensors`` into the reused host buffers (``self.buffers``); return a CUDA
-        event the writer waits for, or None (host tensors: copied already)."""
-        for key in [k for k in self.buffers if k not in tensors]:
-            del self.buffers[key]
+        """Copy ``tensors`` into the reused host buffer (``self.buffers``: views of one flat
+        buffer, laid out in the order of the file's bytes, so the writer writes and hashes it in
+        one run); return a CUDA event the writer waits for, or None (host tensors: copied)."""
         on_gpu = any(t.is_cuda for t in tensors.values())
-        for key, t in tensors.items():
-            buf = self.buffers.get(key)
-            if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-                self.buffers[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=on_gpu)
+        layout = [(k, tuple(tensors[k].shape), tensors[k].dtype) for k in safetensors_order(tensors)]
+        if layout != self._layout or (on_gpu and not self._flat.is_pinned()):
+            self._allocate(layout, pinned=on_gpu)
         if not on_gpu:
             for key, t in tensors.items():
                 self.buffers[key].copy_(t)
@@ -168,6 +168,18 @@ class AsyncCheckpointSaver:
             ready.record(self._stream)
         main.wait_stream(self._stream)  # the next optimizer step changes the states after the copy
         return ready
+
+    def _allocate(self, layout: list, pinned: bool) -> None:
+        """One buffer for every tensor (page-locked on a GPU: one allocation, not one per
+        tensor). The file's order puts the widest dtypes first, so each view is aligned."""
+        sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for _, shape, dtype in layout]
+        self.buffers, self._layout = {}, None
+        self._flat = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=pinned)
+        offset = 0
+        for (key, shape, dtype), size in zip(layout, sizes):
+            self.buffers[key] = self._flat[offset: offset + size].view(dtype).view(shape)
+            offset += size
+        self._layout = layout
 
     def _join(self) -> None:
         if self._thread is not None:

@@ -28,6 +28,7 @@ padding depends on TP) and padded with zeros at load. Nothing is pickled.
 """
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
@@ -91,16 +92,46 @@ _ST_DTYPES = {torch.int64: "I64", torch.float64: "F64", torch.float32: "F32", to
 _ST_ORDER = {name: i for i, name in enumerate(_ST_DTYPES.values())}
 
 
+def safetensors_order(tensors: dict[str, torch.Tensor]) -> list[str]:
+    """The order of the tensors' bytes in a safetensors file (by dtype, widest first, then by
+    name): what :func:`write_safetensors` writes, and how a staging buffer lays them out."""
+    return sorted(tensors, key=lambda k: (_ST_ORDER[_ST_DTYPES[tensors[k].dtype]], k))
+
+
+def _byte_runs(tensors: dict[str, torch.Tensor], order: list[str]):
+    """The tensors' bytes in ``order``, as memoryviews; tensors that lie one after the other in
+    one host buffer (an asynchronous save's staging buffer) come as one run, so a background
+    writer drops and takes back the GIL a few times per file, not a few times per tensor."""
+    run = None  # [start address, end address, tensors kept alive]
+    for key in order:
+        t = tensors[key].detach()
+        if t.numel() == 0:
+            continue
+        t = t.cpu().contiguous()
+        start = t.data_ptr()
+        end = start + t.numel() * t.element_size()
+        if run is not None and run[1] == start:
+            run[1] = end
+            run[2].append(t)
+            continue
+        if run is not None:
+            yield memoryview((ctypes.c_ubyte * (run[1] - run[0])).from_address(run[0]))
+        run = [start, end, [t]]
+    if run is not None:
+        yield memoryview((ctypes.c_ubyte * (run[1] - run[0])).from_address(run[0]))
+
+
 def write_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
     """Write ``tensors`` as a safetensors file (the bytes ``safetensors.torch.save_file``
     writes: an 8-byte header length, the JSON header padded with spaces to 8 bytes, then each
     tensor's bytes, sorted by dtype and name), fsync it, and return its SHA-256.
 
     Why not ``save_file``: it holds the GIL while it serializes, so a background writer
-    (:mod:`megalite.checkpoint.async_save`) would stall the training thread; here each tensor
-    goes to the file (and the hash) straight from its memory, and ``write`` and ``update``
-    release the GIL. Device tensors are copied to the host one at a time."""
-    order = sorted(tensors, key=lambda k: (_ST_ORDER[_ST_DTYPES[tensors[k].dtype]], k))
+    (:mod:`megalite.checkpoint.async_save`) would stall the training thread; here the bytes go
+    to the file (and the hash) straight from the tensors' memory, in runs as long as the
+    memory allows, and ``write`` and ``update`` release the GIL. Device tensors are copied to
+    the host one at a time."""
+    order = safetensors_order(tensors)
     header, offset = {"__metadata__": dict(sorted(metadata.items()))}, 0
     for key in order:
         t = tensors[key]
@@ -114,11 +145,7 @@ def write_safetensors(path: str, tensors: dict[str, torch.Tensor], metadata: dic
         for chunk in (len(text).to_bytes(8, "little"), text):
             f.write(chunk)
             digest.update(chunk)
-        for key in order:
-            t = tensors[key].detach()
-            if t.numel() == 0:
-                continue
-            data = memoryview(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+        for data in _byte_runs(tensors, order):
             f.write(data)
             digest.update(data)
         f.flush()

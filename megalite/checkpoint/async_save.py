@@ -164,6 +164,8 @@ class AsyncCheckpointSaver:
         with torch.cuda.stream(self._stream):
             for key, t in tensors.items():
                 self.buffers[key].copy_(t, non_blocking=True)
+                if t.is_cuda:
+                    t.record_stream(self._stream)  # a temporary (a cast state) lives until its copy is done
             ready = torch.cuda.Event()
             ready.record(self._stream)
         main.wait_stream(self._stream)  # the next optimizer step changes the states after the copy

@@ -225,3 +225,16 @@ def test_bench_checkpoint_runs():
     res = run_world(lambda rank, world: main(["--hidden", "32", "--layers", "1", "--vocab", "64", "--seq", "8",
                                               "--rounds", "1"]), 1)[0]
     assert res["blocked_s_async"] > 0 and res["blocked_s_sync"] > 0 and res["checkpoint_bytes"] > 0
+
+
+def test_an_exception_waits_for_the_write_in_flight(tmp_path, capsys):
+    """A run that stops on an error (a NaN, no --max-rollbacks) commits the checkpoint still
+    being written before the error goes on; nothing partial is left."""
+    from megalite.pretrain import main
+    assert main(BASE + ["--train-iters", "8", "--save", str(tmp_path), "--save-interval", "2", "--async-save",
+                        "--inject-fault", "nan@5"]) == 3
+    out, err = capsys.readouterr()
+    assert "training stopped: iteration 5: loss nan" in err
+    assert f"saved checkpoint {tmp_path / 'iter_0000004'}" in out
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "iter_0000004", "latest"]
+    assert (tmp_path / "latest").read_text() == "4"

@@ -379,17 +379,18 @@ def test_bad_backend_flag_exits_with_clear_message(capsys):
 
 @pytest.mark.slow
 def test_gpt_trains_with_triton_kernels_like_torch():
-    """20 iterations, fp32, no dropout: --attention-backend triton --fused-kernels (Triton
-    attention, LayerNorm, cross-entropy) gives the torch backend's loss at every step."""
+    """10 iterations, fp32, no dropout: --attention-backend triton --fused-kernels (Triton
+    attention, LayerNorm, cross-entropy) gives the torch backend's loss at every step (a wrong
+    gradient shows from the second step on; each kernel against its reference: the tests above)."""
     from megalite.pretrain import pretrain
 
     argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
             "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "2",
             "--hidden-dropout", "0", "--attention-dropout", "0", "--lr", "1e-2",
-            "--mock-data", "--vocab-size", "200", "--train-iters", "20", "--log-interval", "100"]
+            "--mock-data", "--vocab-size", "200", "--train-iters", "10", "--log-interval", "100"]
     torch_log = pretrain(argv + ["--attention-backend", "torch"])
     triton_log = pretrain(argv + ["--attention-backend", "triton", "--fused-kernels"])
-    assert len(triton_log) == 20
+    assert len(triton_log) == 10
     for a, b in zip(torch_log, triton_log):
         assert abs(a["loss"] - b["loss"]) / a["loss"] < 1e-5, (a["iteration"], a["loss"], b["loss"])
         assert abs(a["grad_norm"] - b["grad_norm"]) / a["grad_norm"] < 1e-4

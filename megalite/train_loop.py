@@ -27,6 +27,7 @@ import json
 import math
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.checkpoint import load_checkpoint
-from megalite.checkpoint.format import resolve_checkpoint
+from megalite.checkpoint.format import CheckpointError, resolve_checkpoint
 from megalite.device import to_device
 from megalite.faults import hang_report, looks_like_timeout
 from megalite.monitor import attended_length, memory_line
@@ -197,16 +198,24 @@ class TrainLoop:
                 if save_now:
                     self.save(iteration)
                 if stop:
-                    r.say(f"SIGTERM: saved iteration {iteration} and stopping")
+                    r.say(f"SIGTERM: saving iteration {iteration} and stopping" if r.saver is not None
+                          else f"SIGTERM: saved iteration {iteration} and stopping")
                     break
             finished = bool(r.log_lines) and r.log_lines[-1]["iteration"] == t.train_iters
             if a.save and finished and not (a.save_interval and t.train_iters % a.save_interval == 0):
                 self.save(t.train_iters)
         finally:
             if r.saver is not None:  # a stop, the end and an exception: the write in flight completes
-                for path in r.saver.wait():
-                    r.say(f"saved checkpoint {os.path.abspath(path)}")
-                r.saver.close()
+                failing = sys.exc_info()[0] is not None  # an exception is on its way out
+                try:
+                    for path in r.saver.wait():
+                        r.say(f"saved checkpoint {os.path.abspath(path)}")
+                except CheckpointError as e:
+                    if not failing:
+                        raise
+                    r.say(f"(and the asynchronous save failed: {e})")  # the first error stays the one reported
+                finally:
+                    r.saver.close()
             if self.term is not None:
                 self.term.restore()
         return r.log_lines
@@ -332,7 +341,7 @@ def checkpoint_saver(args, grid):
         from megalite.checkpoint.dcp import AsyncDcpSaver
         return AsyncDcpSaver(grid)
     from megalite.checkpoint.async_save import AsyncCheckpointSaver
-    return AsyncCheckpointSaver(grid)
+    return AsyncCheckpointSaver(grid, timeout_s=60 * args.distributed_timeout_minutes)  # as long as a collective
 
 
 def straggler_monitor(args, grid, device):

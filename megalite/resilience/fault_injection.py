@@ -107,7 +107,7 @@ class FaultInjector:
 
     def take(self, kind: str, iteration: int) -> Fault | None:
         """The fault of ``kind`` due at ``iteration``, removed (it strikes once), or None."""
-        for f in self.pending:
+        for f in list(self.pending):  # a copy: the checkpoint writer's thread takes its kind concurrently
             if f.kind == kind and f.iteration == iteration:
                 self.pending.remove(f)
                 self.struck.append(f)

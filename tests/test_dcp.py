@@ -152,12 +152,15 @@ def test_zero1_dp2_save_equals_megalite_format_and_loads_serially(tmp_path):
 
 
 @pytest.mark.slow
-def test_experts_ep4_zero1_are_stored_per_global_expert_and_load_at_ep1(tmp_path):
-    """MoE at EP4 with ZeRO-1: each expert is its own global tensor
-    (weight/layers.0.mlp.experts.2.fc1.weight), equal to megalite's format; loaded at DP2
-    without expert parallelism, training continues exactly as from megalite's format."""
-    argv = BASE + ["--num-experts", "4", "--expert-model-parallel-size", "4", "--use-distributed-optimizer",
-                   "--train-iters", "2"]
+@pytest.mark.parametrize("layout", [["--expert-model-parallel-size", "4"],
+                                    ["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
+                                     "--sequence-parallel"]])
+def test_experts_ep4_zero1_are_stored_per_global_expert_and_load_at_ep1(tmp_path, layout):
+    """MoE at EP4 (and TP2 x EP2, where TP rank 1 writes the experts it holds) with ZeRO-1:
+    each expert is its own global tensor (weight/layers.0.mlp.experts.2.fc1.weight), equal to
+    megalite's format; loaded at DP2 without expert parallelism, training continues exactly as
+    from megalite's format."""
+    argv = BASE + ["--num-experts", "4", "--use-distributed-optimizer", "--train-iters", "2"] + layout
     run_world(_pretrain, 4, argv + ["--save", str(tmp_path / "meg")], argv + DCP + ["--save", str(tmp_path / "dcp")])
     full = _full_state(tmp_path / "dcp" / "iter_0000002")
     assert "weight/layers.0.mlp.experts.2.fc1.weight" in full

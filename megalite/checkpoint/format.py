@@ -301,13 +301,19 @@ class PieceReader:
         """The full (unsharded) tensor, assembled from every piece; vocab rows unpadded."""
         entries = self.index.get((name, kind))
         if not entries:
+            if self.metadata.get("ckpt_format") == "torch_dcp":
+                raise CheckpointError(f"checkpoint {self.directory!r} is in the torch_dcp format: read it through "
+                                      f"megalite.checkpoint (load_checkpoint, load_serial_model) or convert it with "
+                                      f"tools/reshard_checkpoint.py --to-format megalite.")
             raise CheckpointError(f"checkpoint {self.directory!r} has no {kind!r} for parameter {name!r}.")
         by_tp: dict[int, torch.Tensor] = {}
         filled: dict[int, int] = defaultdict(int)
         split = tp_size = None
         for file_name, piece in entries:
-            tp_rank, tp_size = piece["tp_rank"], piece["tp_size"]
             split = piece["split"]
+            # Not TP-split: whichever TP rank wrote it (experts under TP x EP are written by the
+            # rank that holds them, TP rank 1 included) holds the whole tensor.
+            tp_rank, tp_size = (piece["tp_rank"], piece["tp_size"]) if split else (0, 1)
             shape = piece["local_shape"]
             if tp_rank not in by_tp:
                 by_tp[tp_rank] = torch.zeros(int(torch.tensor(shape).prod()) if shape else 1)

@@ -160,6 +160,17 @@ def setup(argv=None):
     return args, config, tokenizer, grid, device
 
 
+def build_training_state(config, grid, device):
+    """This rank's pipeline chunks (one without PP), seeded and initialized as every layout
+    initializes them, their data-parallel optimizer and the loss scaler."""
+    t = config.train
+    model_parallel_seed(t.seed, grid, device)
+    model = build_model_chunks(config, grid, device)
+    for chunk in model:
+        chunk.init_weights(t.seed)
+    return model, build_data_parallel_optimizer(model, t, grid), LossScaler(t.fp16, t.initial_loss_scale, t.loss_scale)
+
+
 def pretrain(argv=None) -> list[dict]:
     args, config, tokenizer, grid, device = setup(argv)
     m, t = config.model, config.train
@@ -192,13 +203,8 @@ def pretrain(argv=None) -> list[dict]:
     say(f"batch: global {t.global_batch_size} = micro {t.micro_batch_size} x DP {dp} x "
         f"{num_micro} accumulation steps; {t.train_iters} iterations")
 
-    model_parallel_seed(t.seed, grid, device)
     release_tp_comm_buffers = tp_comm_overlap(config)  # TE userbuffers (only with --tp-comm-overlap)
-    model = build_model_chunks(config, grid, device)  # this rank's pipeline chunks (one without PP)
-    for chunk in model:
-        chunk.init_weights(t.seed)
-    optimizer = build_data_parallel_optimizer(model, t, grid)
-    scaler = LossScaler(t.fp16, t.initial_loss_scale, t.loss_scale)
+    model, optimizer, scaler = build_training_state(config, grid, device)
     start_iteration, consumed, windows = 0, 0, list(args.skip_windows)
     if args.load and not args.fresh_start:
         meta = load_checkpoint(args.load_dir, optimizer, scaler, config, grid, load_optimizer=not args.no_load_optim,

@@ -26,20 +26,12 @@ def _same_files(a, b):
 
 def _build(argv):
     """A model and its optimizer as pretrain builds them (no training)."""
-    from megalite.parallel.random import model_parallel_seed
-    from megalite.pipeline.partition import build_model_chunks
-    from megalite.pretrain import setup
-    from megalite.training import LossScaler, build_data_parallel_optimizer
+    from megalite.pretrain import build_training_state, setup
     _, config, tokenizer, grid, device = setup(argv)
-    t = config.train
-    model_parallel_seed(t.seed, grid, device)
-    model = build_model_chunks(config, grid, device)
-    for chunk in model:
-        chunk.init_weights(t.seed)
-    optimizer = build_data_parallel_optimizer(model, t, grid)
+    _, optimizer, scaler = build_training_state(config, grid, device)
     for i, m in enumerate(optimizer.exp_avg):  # moments that differ from the weights
         m.copy_(torch.randn(m.shape, generator=torch.Generator().manual_seed(i)))
-    return config, tokenizer, grid, optimizer, LossScaler(t.fp16, t.initial_loss_scale, t.loss_scale)
+    return config, tokenizer, grid, optimizer, scaler
 
 
 def _saver_unit(rank, world, tmp, flags):

@@ -39,22 +39,14 @@ from tools.tool_errors import one_line_errors, positive, writable  # noqa: E402
 def build(args, save_dir):
     from megalite.data import build_data_iterators
     from megalite.device import to_device
-    from megalite.parallel.random import model_parallel_seed
-    from megalite.pipeline.partition import build_model_chunks
-    from megalite.pretrain import setup
-    from megalite.training import LossScaler, build_data_parallel_optimizer
+    from megalite.pretrain import build_training_state, setup
     argv = ["--mock-data", "--vocab-size", str(args.vocab), "--num-layers", str(args.layers), "--hidden-size",
             str(args.hidden), "--num-attention-heads", "8", "--seq-length", str(args.seq), "--micro-batch-size",
             "1", "--global-batch-size", "1", "--lr", "1e-4", "--train-iters", "100000", "--save", save_dir,
             "--device", args.device]
     _, config, _, grid, device = setup(argv)
     t = config.train
-    model_parallel_seed(t.seed, grid, device)
-    model = build_model_chunks(config, grid, device)
-    for chunk in model:
-        chunk.init_weights(t.seed)
-    optimizer = build_data_parallel_optimizer(model, t, grid)
-    scaler = LossScaler(t.fp16, t.initial_loss_scale, t.loss_scale)
+    model, optimizer, scaler = build_training_state(config, grid, device)
     train_iter, _, _ = build_data_iterators(
         data_prefix=None, mock=True, split="100,0,0", vocab_size=args.vocab, seq_length=args.seq, seed=t.seed,
         micro_batch_size=1, dp_rank=0, dp_size=1, train_samples=100000, valid_samples=0, test_samples=0)

@@ -224,6 +224,22 @@ def _local_values(reader: PieceReader, p, name: str, shape, kind: str, vocab_siz
     return local.reshape(-1)
 
 
+def finish_optimizer_load(meta: dict, optimizer, scaler, with_optim: bool) -> None:
+    """After the shards are filled (either format): the optimizer's step count and the loss
+    scale, or, loading weights only, zero Adam moments and step 0; then the weights go to the
+    model (``publish``: fp32 masters cast into the model's dtype, ZeRO shards all-gathered)."""
+    if with_optim:
+        optimizer.step_count = meta["optimizer_step"]
+        if scaler is not None and meta.get("loss_scaler"):
+            scaler.load_state_dict(meta["loss_scaler"])
+    else:
+        for m, v in zip(optimizer.exp_avg, optimizer.exp_avg_sq):
+            m.zero_()
+            v.zero_()
+        optimizer.step_count = 0
+    optimizer.publish()
+
+
 def load_checkpoint(root: str, optimizer, scaler, config, grid, load_optimizer: bool = True,
                     load_rng: bool = True, iteration: int | None = None, finetune: bool = False) -> dict:
     """Fill the optimizer (and through it the model) from a checkpoint; return its metadata.
@@ -241,16 +257,7 @@ def load_checkpoint(root: str, optimizer, scaler, config, grid, load_optimizer: 
         for kind in KINDS if with_optim else ("weight",):
             values = _local_values(reader, p, name, shape, kind, vocab, c)
             states[kind][i][offset: offset + z - a] = values[a:z].to(states[kind][i].device)
-    if with_optim:
-        optimizer.step_count = meta["optimizer_step"]
-        if scaler is not None and meta.get("loss_scaler"):
-            scaler.load_state_dict(meta["loss_scaler"])
-    else:
-        for m, v in zip(optimizer.exp_avg, optimizer.exp_avg_sq):
-            m.zero_()
-            v.zero_()
-        optimizer.step_count = 0
-    optimizer.publish()
+    finish_optimizer_load(meta, optimizer, scaler, with_optim)
     fp8_names = reader.names("fp8")
     if fp8_names and config.model.fp8_format is not None:  # any layout: the state is the stage's
         saved = {n: reader.full_tensor(n, "fp8") for n in fp8_names}

@@ -35,7 +35,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from megalite.checkpoint.core import KINDS, _barrier, _coords, _param_ranges, check_config, rng_note
+from megalite.checkpoint.core import (KINDS, _barrier, _coords, _param_ranges, check_config, finish_optimizer_load,
+                                      rng_note)
 from megalite.checkpoint.dcp_async import AsyncDcpSaver
 from megalite.checkpoint.dcp_offline import read_dcp_index, read_errors
 from megalite.checkpoint.dcp_state import (_rank_boxes, checkpoint_metadata, commit, dcp_group, dcp_state_dict,
@@ -130,16 +131,7 @@ def load_dcp_checkpoint(root: str, optimizer, scaler, config, grid, load_optimiz
 
 def _finish(meta, directory, state, rng_keys, fp8_keys, optimizer, scaler, config, c, with_optim, load_rng,
             finetune) -> dict:
-    if with_optim:
-        optimizer.step_count = meta["optimizer_step"]
-        if scaler is not None and meta.get("loss_scaler"):
-            scaler.load_state_dict(meta["loss_scaler"])
-    else:
-        for m, v in zip(optimizer.exp_avg, optimizer.exp_avg_sq):
-            m.zero_()
-            v.zero_()
-        optimizer.step_count = 0
-    optimizer.publish()
+    finish_optimizer_load(meta, optimizer, scaler, with_optim)
     if fp8_keys:
         saved = {k[len("fp8/"):]: state[k] for k in fp8_keys}
         meta["fp8_modules_restored"] = sum(load_fp8_state(chunk, saved) for chunk in optimizer.chunks)

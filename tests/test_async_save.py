@@ -230,3 +230,24 @@ def test_an_exception_waits_for_the_write_in_flight(tmp_path, capsys):
     assert f"saved checkpoint {tmp_path / 'iter_0000004'}" in out
     assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "iter_0000004", "latest"]
     assert (tmp_path / "latest").read_text() == "4"
+
+
+@pytest.mark.gpu
+def test_cuda_staging_copies_the_state_before_the_next_step_changes_it(tmp_path):
+    """On a GPU the state goes to the page-locked buffer on a side stream and save() returns at
+    once; states changed right after it (the next optimizer step) must not reach the files:
+    they equal a synchronous save of the same state, byte for byte."""
+    from megalite.checkpoint import save_checkpoint
+    from megalite.checkpoint.async_save import AsyncCheckpointSaver
+    config, _, grid, optimizer, scaler = _build(BASE + ["--train-iters", "2", "--save", str(tmp_path),
+                                                        "--device", "cuda"])
+    save_checkpoint(str(tmp_path / "sync"), 2, optimizer, scaler, config, grid, 16)
+    saver = AsyncCheckpointSaver(grid)
+    saver.save(str(tmp_path / "async"), 2, optimizer, scaler, config, grid, 16)
+    for states in (optimizer.master, optimizer.exp_avg, optimizer.exp_avg_sq):
+        for s in states:
+            s.add_(1.0)  # queued on the training stream right after the save returned
+    assert saver.wait() == [str(tmp_path / "async" / "iter_0000002")]
+    saver.close()
+    assert _same_files(tmp_path / "sync", tmp_path / "async") == []
+    assert saver._flat.is_pinned()

@@ -188,6 +188,13 @@ def test_rollback_needs_save(capsys):
     assert "--max-rollbacks 2 needs --save DIR" in capsys.readouterr().err
 
 
+def test_a_dry_run_cannot_save(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "1")
+    assert main(BASE + ["--fake-process-group", "--device", "meta", "--save", "ck", "--async-save"]) == 2
+    assert "--save ck with --fake-process-group: a dry run plays one rank" in capsys.readouterr().err
+
+
 def _world_run(rank, world, argv):
     return _losses(pretrain(argv))
 

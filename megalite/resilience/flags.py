@@ -60,6 +60,10 @@ def parse_skip_batches(texts) -> list[tuple[int, int]]:
 def check_resilience_args(args: argparse.Namespace) -> None:
     """One message per rule, naming the value and the fix. Sets ``args.faults`` and
     ``args.skip_windows``."""
+    if args.save and getattr(args, "fake_process_group", False):
+        raise ConfigError(f"--save {args.save} with --fake-process-group: a dry run plays one rank of the world, "
+                          f"and a checkpoint needs every rank's files and rank 0's commit. Fix: drop --save "
+                          f"(the dry run measures memory and traffic; a real run saves).")
     if args.async_save and not args.save:
         raise ConfigError("--async-save is set without --save: there is nothing to save. Fix: add --save DIR "
                           "(with --save-interval N), or drop --async-save.")

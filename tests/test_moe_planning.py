@@ -178,9 +178,11 @@ def test_cli_plans_an_moe_model(capsys):
 
 # -- (b), (c) the meta dry run of 16-rank MoE layouts against the planner ----------------------------
 
+# Global batch 8: at DP 4, 2 micro-batches per step, the pipeline's depth (1F1B's peak; the
+# traffic formulas below scale with the count); a meta step's time grows with the count.
 MODEL = ["--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024", "--vocab-size", "1000",
          "--swiglu", "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--disable-bias-linear",
-         "--moe-aux-loss-coeff", "1e-2", "--micro-batch-size", "1", "--global-batch-size", "16", "--bf16",
+         "--moe-aux-loss-coeff", "1e-2", "--micro-batch-size", "1", "--global-batch-size", "8", "--bf16",
          "--num-layers", "4", "--num-experts", "8", "--moe-router-topk", "2", "--mock-data"]
 DRY_RUNS = {
     # EP groups of 4 ranks across TP 2 x DP 2 (SP), two pipeline stages, ZeRO-1 (experts over EDP 2)

@@ -194,7 +194,8 @@ ZB_LAYOUTS = {
     "llama-tp2-pp4-dp2-zbv-sp-bf16": (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "4",
                                        "--pipeline-schedule", "zbv", "--sequence-parallel", "--bf16",
                                        "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
-                                       "--num-query-groups", "2", "--disable-bias-linear"], [0, 5, 15]),
+                                       "--num-query-groups", "2", "--disable-bias-linear",
+                                       "--num-layers", "8"], [0, 5, 15]),  # zbv: 2 x PP chunks
 }
 
 
@@ -216,7 +217,7 @@ def test_zero_bubble_meta_dry_run_every_role(monkeypatch, layout):
         with Watch():
             return step(*args, **kwargs)
 
-    monkeypatch.setattr("megalite.pretrain.train_step", watched)
+    monkeypatch.setattr("megalite.train_loop.train_step", watched)
     for rank in ranks:
         log = dry_run(monkeypatch, 16, rank, flags)
         assert [r["iteration"] for r in log] == [1, 2] and log[-1]["comm_bytes"], (layout, rank)

@@ -269,7 +269,11 @@ class GPTModel(nn.Module):
                     self.word_embeddings.weight.embedding_copy = True
         if pre_process:
             if cfg.position_embedding_type == "learned_absolute":
-                self.position_embeddings = nn.Embedding(cfg.max_position_embeddings, cfg.hidden_size)
+                # On meta (as pretrain builds) nn.Embedding's own normal_ init is skipped: init_weights
+                # draws every parameter, and normal_ on meta imports torch._dynamo (~1.3 s per process).
+                shape = (cfg.max_position_embeddings, cfg.hidden_size)
+                weight = torch.empty(shape) if torch.get_default_device().type == "meta" else None
+                self.position_embeddings = nn.Embedding(*shape, _weight=weight)
                 mark_deferred(self.position_embeddings.weight)
                 if sequence_parallel:
                     mark_sequence_parallel(self.position_embeddings.weight)

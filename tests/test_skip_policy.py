@@ -4,6 +4,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.skip_policy import disallowed
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,6 +35,7 @@ def _run(tmp_path, ci: str | None) -> subprocess.CompletedProcess:
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow  # two pytest processes (8 s): the policy is CI's, and CI runs the slow tier
 def test_a_missing_reference_fails_the_run_under_ci(tmp_path):
     local = _run(tmp_path, None)
     assert local.returncode == 0, local.stdout + local.stderr  # a developer's machine: a skip

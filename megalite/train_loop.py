@@ -286,6 +286,8 @@ class TrainLoop:
         directory = self._rollback_checkpoint(bad)
         meta = load_checkpoint(directory, r.optimizer, r.scaler, r.config, r.grid)
         back_to = meta["iteration"]
+        if back_to >= bad.iteration:  # --save holds another run's later checkpoint
+            raise no_checkpoint(bad, a.save, a.spiky_loss_factor, a.spiky_loss_window)
         batches = meta.get("data_batches", meta["consumed_samples"] // t.global_batch_size)
         for w in meta.get("skipped_batches", []):
             r.stream.skip(*w)
@@ -313,12 +315,13 @@ class TrainLoop:
 
     def _rollback_checkpoint(self, bad) -> str:
         a = self.r.args
-        for root in (a.save, a.load_dir):
+        resumed = a.load_dir if self.r.start_iteration > 0 else None  # not a --finetune / weights-only start
+        for root in (a.save, resumed):
             if not root:
                 continue
             try:
                 directory = resolve_checkpoint(root, None)
-            except Exception:  # noqa: BLE001 - nothing saved there yet
+            except CheckpointError:  # nothing saved there yet
                 continue
             return directory
         raise no_checkpoint(bad, a.save, a.spiky_loss_factor, a.spiky_loss_window)

@@ -183,6 +183,16 @@ def test_a_fault_before_the_first_checkpoint_says_there_is_nothing_to_roll_back_
     assert "there is no checkpoint to roll back to yet" in capsys.readouterr().err
 
 
+def test_a_finetune_start_is_not_a_state_to_roll_back_to(tmp_path, capsys):
+    """--finetune starts at iteration 0 from another run's weights: before its own first
+    checkpoint there is nothing of this run to go back to."""
+    pretrain(BASE + ["--train-iters", "5", "--save", str(tmp_path / "base")])
+    argv = BASE + ["--load", str(tmp_path / "base"), "--finetune", "--save", str(tmp_path / "ft"),
+                   "--save-interval", "5", "--max-rollbacks", "1", "--inject-fault", "nan@3"]
+    assert main(argv) == 3
+    assert "there is no checkpoint to roll back to yet" in capsys.readouterr().err
+
+
 def test_rollback_needs_save(capsys):
     assert main(BASE + ["--max-rollbacks", "2"]) == 2
     assert "--max-rollbacks 2 needs --save DIR" in capsys.readouterr().err

@@ -131,7 +131,7 @@ class TrainLoop:
 
     # -- one iteration -------------------------------------------------------------------
     def step(self, iteration: int):
-        """Run iteration ``iteration`` (1-based); returns its PendingStep and traffic."""
+        """Run iteration ``iteration`` (1-based); returns its PendingStep and its pipeline trace (or None)."""
         r, t = self.r, self.t
         if r.profiler:
             r.profiler.step(iteration)

@@ -18,7 +18,8 @@ def test_only_the_machines_reasons_are_allowed():
     assert disallowed(skips) == [skips[1]]
 
 
-def _run(tmp_path, ci: str | None) -> subprocess.CompletedProcess:
+def _start(tmp_path, ci: str | None) -> subprocess.Popen:
+    """A pytest process over a copy of the skip policy and three tests, CI set or not."""
     (tmp_path / "tests").mkdir(exist_ok=True)
     (tmp_path / "tests" / "__init__.py").write_text("")
     (tmp_path / "tests" / "conftest.py").write_text((REPO / "tests" / "conftest.py").read_text())
@@ -31,15 +32,17 @@ def _run(tmp_path, ci: str | None) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "CI"}
     if ci is not None:
         env["CI"] = ci
-    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests"],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    return subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "tests"],
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-@pytest.mark.slow  # two pytest processes (8 s): the policy is CI's, and CI runs the slow tier
+@pytest.mark.slow  # two pytest processes: the policy is CI's, and CI runs the slow tier
 def test_a_missing_reference_fails_the_run_under_ci(tmp_path):
-    local = _run(tmp_path, None)
-    assert local.returncode == 0, local.stdout + local.stderr  # a developer's machine: a skip
-    ci = _run(tmp_path, "true")
-    assert ci.returncode == 1, ci.stdout + ci.stderr
-    assert "test_refs.py::test_reference: could not import 'no_such_reference_package'" in ci.stdout
-    assert "test_gpu" not in ci.stdout.split("CI=true:")[1]  # no GPU is the machine's reason
+    (tmp_path / "local").mkdir()
+    (tmp_path / "ci").mkdir()
+    runs = [_start(tmp_path / "local", None), _start(tmp_path / "ci", "true")]  # side by side
+    (local_out, local_err), (ci_out, ci_err) = [p.communicate(timeout=120) for p in runs]
+    assert runs[0].returncode == 0, local_out + local_err  # a developer's machine: a skip
+    assert runs[1].returncode == 1, ci_out + ci_err
+    assert "test_refs.py::test_reference: could not import 'no_such_reference_package'" in ci_out
+    assert "test_gpu" not in ci_out.split("CI=true:")[1]  # no GPU is the machine's reason

@@ -22,7 +22,7 @@ from megalite.checkpoint.format import complete_iterations, resolve_checkpoint
 from megalite.checkpoint.settings import adopt_checkpoint_model, checkpoint_config, describe_layout_change
 from megalite.config import ConfigError, validate
 from megalite.data import build_data_iterators
-from megalite.data.batch_stream import BatchStream
+from megalite.data.batch_stream import BatchStream, batches_in, merge_windows
 from megalite.data.blended import describe_data, parse_data_path
 from megalite.data.indexed_dataset import DatasetError
 from megalite.data.tokenizer import build_tokenizer
@@ -229,8 +229,8 @@ def pretrain(argv=None) -> list[dict]:
         return []
 
     global_batch = t.global_batch_size
-    skips = BatchStream(None, num_micro, global_batch, consumed // global_batch, windows)
-    reserve = skips.reserve() + args.max_rollbacks * args.rollback_skip_batches  # batches read, not trained
+    windows = merge_windows(windows)
+    reserve = batches_in(windows) + args.max_rollbacks * args.rollback_skip_batches  # batches read, not trained
     num_evals = t.train_iters // t.eval_interval + 1
     train_iter, valid_iter, _ = build_data_iterators(
         data_prefix=config.data.data_path, mock=config.data.mock_data, split=config.data.split,
@@ -241,7 +241,7 @@ def pretrain(argv=None) -> list[dict]:
         test_samples=t.eval_iters * global_batch, consumed_train_samples=consumed,
         eod_token=tokenizer.eod, reset_position_ids=config.data.reset_position_ids,
         reset_attention_mask=config.data.reset_attention_mask, eod_mask_loss=config.data.eod_mask_loss)
-    stream = BatchStream(train_iter, num_micro, global_batch, consumed // global_batch, skips.windows)
+    stream = BatchStream(train_iter, num_micro, global_batch, consumed // global_batch, windows)
     for line in describe_data(getattr(train_iter, "dataset", None)):
         say(line)
     if valid_iter is not None:  # continue validation where the interrupted run was

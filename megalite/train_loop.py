@@ -34,7 +34,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from megalite.checkpoint import load_checkpoint
+from megalite.checkpoint import load_checkpoint, save_checkpoint
+from megalite.checkpoint.async_save import AsyncCheckpointSaver
+from megalite.checkpoint.dcp import AsyncDcpSaver, save_dcp_checkpoint
 from megalite.checkpoint.format import CheckpointError, resolve_checkpoint
 from megalite.device import to_device
 from megalite.faults import hang_report, looks_like_timeout
@@ -129,6 +131,10 @@ class TrainLoop:
         self.batch_of: dict[int, int] = {}  # iteration -> the global batch it trained on
         self.memory = ""  # the memory column of the latest step's log line
 
+    def prints(self, iteration: int) -> bool:
+        """Whether iteration ``iteration`` has a log line (every --log-interval, and the first)."""
+        return iteration % self.t.log_interval == 0 or iteration == self.r.start_iteration + 1
+
     # -- one iteration -------------------------------------------------------------------
     def step(self, iteration: int):
         """Run iteration ``iteration`` (1-based); returns its PendingStep and its pipeline trace (or None)."""
@@ -163,8 +169,7 @@ class TrainLoop:
             if report is not None:
                 r.say(r.straggler.format(report))
                 extra["straggler"] = report
-        print_line = iteration % t.log_interval == 0 or iteration == r.start_iteration + 1
-        self.memory, memory_stats = memory_line(r.optimizer, reset_peak=print_line, device=r.device)
+        self.memory, memory_stats = memory_line(r.optimizer, reset_peak=self.prints(iteration), device=r.device)
         return PendingStep(iteration, result, step_start, traffic, self.memory, memory_stats,
                            r.tracker.summary() if r.tracker is not None else None, attended, extra), trace
 
@@ -177,7 +182,7 @@ class TrainLoop:
                 iteration += 1
                 pending, trace = self.step(iteration)
                 r.steps.add(pending)
-                print_line = iteration % t.log_interval == 0 or iteration == r.start_iteration + 1
+                print_line = self.prints(iteration)
                 evaluate_now = r.valid_iter is not None and iteration % t.eval_interval == 0
                 stop = self.term is not None and self.term.agreed(r.grid)
                 save_now = bool(a.save and ((a.save_interval and iteration % a.save_interval == 0) or stop))
@@ -329,11 +334,7 @@ class TrainLoop:
 
 def checkpoint_writer(args):
     """The synchronous save of ``--ckpt-format``."""
-    if args.ckpt_format == "torch_dcp":
-        from megalite.checkpoint.dcp import save_dcp_checkpoint
-        return save_dcp_checkpoint
-    from megalite.checkpoint import save_checkpoint
-    return save_checkpoint
+    return save_dcp_checkpoint if args.ckpt_format == "torch_dcp" else save_checkpoint
 
 
 def checkpoint_saver(args, grid):
@@ -341,9 +342,7 @@ def checkpoint_saver(args, grid):
     if not args.async_save:
         return None
     if args.ckpt_format == "torch_dcp":
-        from megalite.checkpoint.dcp import AsyncDcpSaver
         return AsyncDcpSaver(grid)
-    from megalite.checkpoint.async_save import AsyncCheckpointSaver
     return AsyncCheckpointSaver(grid, timeout_s=60 * args.distributed_timeout_minutes)  # as long as a collective
 
 

@@ -25,6 +25,11 @@ def merge_windows(windows) -> list[tuple[int, int]]:
     return [(a, b) for a, b in merged]
 
 
+def batches_in(windows) -> int:
+    """Batches the (merged) skip windows take beyond the trained ones."""
+    return sum(b - a + 1 for a, b in windows)
+
+
 class BatchStream:
     def __init__(self, micro_batches, num_micro: int, global_batch_size: int, batches_read: int = 0,
                  windows=()):
@@ -59,5 +64,4 @@ class BatchStream:
         self.batches_read = batches_read
 
     def reserve(self) -> int:
-        """Batches the skip windows take beyond the trained ones."""
-        return sum(b - a + 1 for a, b in self.windows)
+        return batches_in(self.windows)

@@ -160,7 +160,6 @@ def test_a_cycle_is_found_and_named(tmp_path):
                 from megalite.moe import MoE
             """,
         "megalite/moe.py": "import megalite.model\n",
-        "kernels/__init__.py": "",
         "kernels/flash.py": "from megalite.kernels import _utils\n",
         "kernels/_utils.py": "",
     })

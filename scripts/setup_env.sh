@@ -2,14 +2,34 @@
 # Create .venv (if missing) and install megalite for this CPU machine.
 # setup.py and requirements.txt state ranges (a GPU machine keeps its own CUDA torch); here
 # constraints.txt pins torch==2.13.0 (the local CPU wheel: anything looser pulls a multi-GB CUDA
-# build) and triton==3.9.0. Use pip: uv and poetry do not see the local torch wheel.
+# build) and every other dependency at the version the suite last passed with, so CI does not
+# change under the project overnight. Use pip: uv and poetry do not see the local torch wheel.
+#
+#   ./scripts/setup_env.sh            .venv, pinned (what CI and the demo use)
+#   ./scripts/setup_env.sh --latest   .venv-latest, the newest releases of everything but torch:
+#                                     see what a new release breaks before CI does
+#                                     (./scripts/test.sh --latest runs the suite in it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
-if [ ! -x .venv/bin/python ]; then
-  "$PYTHON" -m venv .venv
+VENV=.venv
+CONSTRAINTS=constraints.txt
+UPGRADE=()
+if [ "${1:-}" = "--latest" ]; then
+  VENV=.venv-latest
+  CONSTRAINTS="$(mktemp)"
+  trap 'rm -f "$CONSTRAINTS"' EXIT
+  # Only the machine's pins: every line above constraints.txt's 'reproducible' marker.
+  sed '/^# ---- reproducible/,$d' constraints.txt > "$CONSTRAINTS"
+  UPGRADE=(--upgrade --upgrade-strategy eager)
+elif [ $# -gt 0 ]; then
+  echo "setup_env: unknown argument '$1' (the only option is --latest)" >&2
+  exit 2
 fi
-PIP=(.venv/bin/python -m pip install -q --disable-pip-version-check -c constraints.txt)
+if [ ! -x "$VENV/bin/python" ]; then
+  "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip install -q --disable-pip-version-check -c "$CONSTRAINTS")
 pip_install() {  # pip's output without the local-mirror warnings; a failed install stops here, loudly
   local log rc=0
   log="$(mktemp)"
@@ -22,8 +42,11 @@ pip_install() {  # pip's output without the local-mirror warnings; a failed inst
     exit "$rc"
   fi
 }
-pip_install -r requirements-dev.txt
+pip_install "${UPGRADE[@]}" -r requirements-dev.txt
 pip_install -e .
 # Every package the tests rely on, references included: a missing one must stop here, not turn
 # into skipped tests (under CI=true a skip that is not the machine's fails the run anyway).
-.venv/bin/python -c "import torch, triton, sentencepiece, safetensors, numpy, tqdm, pytest, transformers, tokenizers, matplotlib, tensorboard, wandb, megalite; print('megalite env ready: torch', torch.__version__, '| triton', triton.__version__, '| transformers', transformers.__version__)"
+"$VENV/bin/python" -c "import torch, triton, sentencepiece, safetensors, numpy, tqdm, pytest, transformers, tokenizers, huggingface_hub, kernels, matplotlib, tensorboard, wandb, megalite"
+# Run from the repository root: the check above and this line import the installed `kernels`,
+# never the checkout's folder (tests/test_import_shadowing.py).
+echo "megalite env ready ($VENV): $("$VENV/bin/python" -m tests.dependency_versions)"

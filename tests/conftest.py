@@ -36,6 +36,13 @@ def pytest_configure(config):
                                        "tier already covers")
 
 
+def pytest_report_header(config):
+    """Every dependency's resolved version, in the header of any pytest run (CI logs included)."""
+    from tests.dependency_versions import line
+
+    return line()
+
+
 def pytest_collection_modifyitems(config, items):
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:

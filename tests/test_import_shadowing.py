@@ -194,6 +194,7 @@ def test_the_checker_names_a_planted_clash(tmp_path):
     ], found
 
 
+@pytest.mark.slow  # a subprocess importing transformers (5 s); the static check above is fast
 def test_transformers_imports_the_real_kernels_package_from_the_repository_root():
     """The direct case: from the repository root, transformers' hub-kernels integration imports,
     with Hugging Face's ``kernels`` distribution installed (constraints.txt pins it), and
@@ -237,6 +238,7 @@ def _kernels_file(cwd: Path, *flags: str, pythonpath: Path | None = None) -> Pat
     return Path(json.loads(result.stdout.strip().splitlines()[-1])).resolve()
 
 
+@pytest.mark.slow  # builds a wheel, three interpreters (3 s)
 def test_megalite_kernels_is_found_by_every_install(tmp_path):
     """``megalite.kernels`` (a folder without ``__init__.py``) is found from outside the checkout
     by a plain checkout on PYTHONPATH (megalite/__init__.py registers it), by the editable install

@@ -36,6 +36,17 @@ def pytest_configure(config):
                                        "tier already covers")
 
 
+@pytest.fixture(autouse=True)
+def _leave_the_process_as_found():
+    """torch.backends flags, the default dtype and the RNG streams are restored after every
+    test (tests/process_state.py): no test's TF32 or seed changes the next one's numbers."""
+    from tests import process_state
+
+    saved = process_state.save()
+    yield
+    process_state.restore(saved)
+
+
 def pytest_report_header(config):
     """Every dependency's resolved version, in the header of any pytest run (CI logs included)."""
     from tests.dependency_versions import line

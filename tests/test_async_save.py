@@ -248,6 +248,7 @@ def test_cuda_staging_copies_the_state_before_the_next_step_changes_it(tmp_path)
         for s in states:
             s.add_(1.0)  # queued on the training stream right after the save returned
     assert saver.wait() == [str(tmp_path / "async" / "iter_0000002")]
+    assert saver._flat.is_pinned()  # before close(), which frees the buffer
     saver.close()
+    assert saver._flat is None
     assert _same_files(tmp_path / "sync", tmp_path / "async") == []
-    assert saver._flat.is_pinned()

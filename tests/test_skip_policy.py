@@ -23,7 +23,8 @@ def _start(tmp_path, ci: str | None) -> subprocess.Popen:
     (tmp_path / "tests").mkdir(exist_ok=True)
     (tmp_path / "tests" / "__init__.py").write_text("")
     (tmp_path / "tests" / "conftest.py").write_text((REPO / "tests" / "conftest.py").read_text())
-    (tmp_path / "tests" / "skip_policy.py").write_text((REPO / "tests" / "skip_policy.py").read_text())
+    for helper in ("skip_policy.py", "process_state.py", "dependency_versions.py"):  # what conftest imports
+        (tmp_path / "tests" / helper).write_text((REPO / "tests" / helper).read_text())
     (tmp_path / "tests" / "test_refs.py").write_text(
         "import pytest\n"
         "def test_reference():\n    pytest.importorskip('no_such_reference_package')\n"

@@ -13,7 +13,22 @@ import re
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FILES = ("requirements.txt", "requirements-dev.txt", "constraints.txt")
-_NAME = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)")
+_REQUIREMENT = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:==(\S+))?")
+
+
+def requirements(text: str) -> list[tuple[str, str | None]]:
+    """(name, ``==`` pin or None) of each requirement line; comments and '-r'/'-c'/'-e' lines skipped."""
+    found = []
+    for line in text.splitlines():
+        match = _REQUIREMENT.match(line.split("#", 1)[0].strip())
+        if match:
+            found.append((match.group(1), match.group(2)))
+    return found
+
+
+def canonical(name: str) -> str:
+    """One spelling per distribution (``huggingface_hub`` = ``huggingface-hub``)."""
+    return name.lower().replace("_", "-")
 
 
 def dependency_names(root: pathlib.Path = ROOT) -> list[str]:
@@ -21,13 +36,9 @@ def dependency_names(root: pathlib.Path = ROOT) -> list[str]:
     names: dict[str, str] = {}
     for file in FILES:
         path = root / file
-        if not path.exists():
-            continue
-        for line in path.read_text().splitlines():
-            line = line.split("#", 1)[0].strip()
-            match = _NAME.match(line)  # '-r', '-c', '-e' lines do not match
-            if match:
-                names.setdefault(match.group(1).lower().replace("_", "-"), match.group(1))
+        if path.exists():
+            for name, _ in requirements(path.read_text()):
+                names.setdefault(canonical(name), name)
     return list(names.values())
 
 

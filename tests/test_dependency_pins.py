@@ -3,23 +3,18 @@ passed with; ``scripts/setup_env.sh --latest`` keeps only the machine's pin (tor
 import re
 import subprocess
 
-from tests.dependency_versions import ROOT, dependency_names
+from tests.dependency_versions import ROOT, canonical, dependency_names, requirements
 
 MARKER = "# ---- reproducible"
 
 
 def _pins(text: str) -> dict[str, str]:
-    pins = {}
-    for line in text.splitlines():
-        match = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==(\S+)", line.split("#", 1)[0].strip())
-        if match:
-            pins[match.group(1).lower().replace("_", "-")] = match.group(2)
-    return pins
+    return {canonical(name): pin for name, pin in requirements(text) if pin is not None}
 
 
 def test_every_named_dependency_is_pinned():
     pins = _pins((ROOT / "constraints.txt").read_text())
-    unpinned = [n for n in dependency_names() if n.lower().replace("_", "-") not in pins]
+    unpinned = [n for n in dependency_names() if canonical(n) not in pins]
     assert not unpinned, (f"{unpinned}: named in requirements*.txt but not pinned with == in constraints.txt; "
                           "CI would install whatever release is newest that day. Pin the version the suite "
                           "passes with (scripts/setup_env.sh prints the installed ones).")

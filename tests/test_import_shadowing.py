@@ -15,7 +15,6 @@ file and the distributions (or the standard library) it hides.
 """
 from __future__ import annotations
 
-import ast
 import importlib.metadata
 import json
 import os
@@ -27,6 +26,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_import_cycles import package_dirs
+
 ROOT = Path(__file__).resolve().parents[1]
 SKIP_DIRS = {".git", ".venv", "__pycache__", "build", "dist", "node_modules"}
 EXTENSION_SUFFIXES = (".so", ".pyd")
@@ -35,13 +36,7 @@ EXTENSION_SUFFIXES = (".so", ".pyd")
 def mapped_folders(root: Path) -> set[Path]:
     """Folders setup.py's ``package_dir`` installs under another name (``kernels`` ->
     ``megalite.kernels``): never run as scripts, never on ``sys.path`` themselves."""
-    setup = root / "setup.py"
-    folders = set()
-    if setup.exists():
-        for node in ast.walk(ast.parse(setup.read_text())):
-            if isinstance(node, ast.keyword) and node.arg == "package_dir":
-                folders |= {root / folder for name, folder in ast.literal_eval(node.value).items() if name}
-    return folders
+    return {folder for name, folder in package_dirs(root).items() if folder != root / name.replace(".", "/")}
 
 
 def path_folders(root: Path) -> list[Path]:
@@ -94,7 +89,6 @@ def installed_names(own_distribution: str = "megalite") -> dict[str, list[str]]:
 
 _WHERE = """
 import sys
-import zipfile
 first = sys.path.pop(0)  # this probe's own imports must not come from the folder it probes
 import json
 sys.path.insert(0, first)

@@ -232,23 +232,61 @@ def test_an_exception_waits_for_the_write_in_flight(tmp_path, capsys):
     assert (tmp_path / "latest").read_text() == "4"
 
 
-@pytest.mark.gpu
-def test_cuda_staging_copies_the_state_before_the_next_step_changes_it(tmp_path):
-    """On a GPU the state goes to the page-locked buffer on a side stream and save() returns at
-    once; states changed right after it (the next optimizer step) must not reach the files:
-    they equal a synchronous save of the same state, byte for byte."""
+def _stage_then_update(tmp_path, device: str):
+    """Save asynchronously, then take the next optimizer step at once; returns the saver and the
+    optimizer's update, after checking the files equal a synchronous save of the state before
+    the update, byte for byte."""
     from megalite.checkpoint import save_checkpoint
     from megalite.checkpoint.async_save import AsyncCheckpointSaver
     config, _, grid, optimizer, scaler = _build(BASE + ["--train-iters", "2", "--save", str(tmp_path),
-                                                        "--device", "cuda"])
+                                                        "--device", device])
     save_checkpoint(str(tmp_path / "sync"), 2, optimizer, scaler, config, grid, 16)
-    saver = AsyncCheckpointSaver(grid)
+    saver = AsyncCheckpointSaver(grid, device=torch.device("cuda", 1) if device == "cpu" else None)
     saver.save(str(tmp_path / "async"), 2, optimizer, scaler, config, grid, 16)
-    for states in (optimizer.master, optimizer.exp_avg, optimizer.exp_avg_sq):
-        for s in states:
-            s.add_(1.0)  # queued on the training stream right after the save returned
+    before = [s.clone() for s in optimizer.exp_avg]
+    optimizer.step(1e-2)  # queued on the training stream right after save() returned
+    assert not all(torch.equal(a, b) for a, b in zip(before, optimizer.exp_avg))  # the update changed them
+    optimizer.step(1e-2)  # the step after it has nothing to wait for
     assert saver.wait() == [str(tmp_path / "async" / "iter_0000002")]
-    assert saver._flat.is_pinned()  # before close(), which frees the buffer
+    assert saver._flat is not None and saver._pinned  # page-locked, until close() frees it
+    size = saver._flat.numel()
     saver.close()
-    assert saver._flat is None
+    assert saver._flat is None and not saver._pinned
     assert _same_files(tmp_path / "sync", tmp_path / "async") == []
+    return size
+
+
+def test_staging_order_on_a_gpu_with_cuda_recorded(tmp_path, monkeypatch):
+    """The GPU branch of the staging, with torch.cuda's stream, event, device and page-locking
+    calls recorded (tests/fake_cuda.py; tensors stay on the host): the side stream waits for
+    the training stream before it copies; the training stream does not wait for the copy when
+    save() returns (the next forward and backward run beside it), only the next optimizer update
+    does, and only once; the writer thread sets the training device before it waits for the copy
+    (else a rank > 0 opens a context on GPU 0); the host buffer is page-locked at its exact size
+    (not torch's power-of-two pinned blocks), once, and unregistered at close()."""
+    from tests.fake_cuda import FakeCuda
+    fake = FakeCuda.install(monkeypatch)
+    import megalite.data_parallel.adamw as adamw
+    original = adamw.FlatAdamW.step
+    monkeypatch.setattr(adamw.FlatAdamW, "step", lambda self, *a, **k: (fake.record("update"), original(self, *a, **k)))
+    size = _stage_then_update(tmp_path, "cpu")
+    log = fake.log
+    ready = next(e[1] for e in log if e[0] == "event" and e[2] == "recorded on")
+    assert fake.index(("side", "wait_stream", "main")) < fake.index(("enter", "side"))
+    assert ("event", ready, "recorded on", "side") in log and not any(e[:2] == ("main", "wait_stream") for e in log)
+    assert fake.index(("main", "wait_event", ready)) < fake.index(("update",))
+    assert [e for e in log if e[0] == "main"] == [("main", "wait_event", ready)]  # once
+    waits = [e for e in log if e[:3] == ("event", ready, "synchronize")]
+    assert waits == [("event", ready, "synchronize", "other-thread", "cuda:1")]
+    assert fake.index(("set_device", "cuda:1", "other-thread")) < fake.index(waits[0])
+    registered = [e for e in log if e[0] == "cudaHostRegister"]
+    assert len(registered) == 1 and registered[0][2] == size and size & (size - 1) != 0  # exact, not 2**k
+    assert ("cudaHostUnregister", registered[0][1]) in log
+
+
+@pytest.mark.gpu
+def test_cuda_staging_copies_the_state_before_the_next_update_changes_it(tmp_path):
+    """On a GPU the state goes to the page-locked buffer on a side stream and save() returns at
+    once; the optimizer update queued right after it must not reach the files: they equal a
+    synchronous save of the same state, byte for byte."""
+    _stage_then_update(tmp_path, "cuda")

@@ -8,8 +8,13 @@ A save has two steps (:mod:`megalite.checkpoint.core`):
    (:func:`~megalite.checkpoint.core.rank_state`: fp32 master weights and Adam moments of its
    shard, FP8 state, RNG streams) into a host buffer and take metadata.json's values. The
    buffer is allocated at the first save and reused by every later one (one allocation, laid
-   out as the file's bytes; page-locked on a GPU, copied on a side stream: the training stream
-   waits for that copy before its next optimizer step changes the states, the host does not);
+   out as the file's bytes). On a GPU the buffer is page-locked and filled on a side stream
+   that first waits for the training stream (the states as of the end of the step). Only the
+   optimizer states are read there (the RNG and FP8 states are host copies already), and only
+   the optimizer step changes them, so the training stream waits for the copy just before its
+   next optimizer step (:meth:`DistributedOptimizer.wait_before_next_update`), not before the
+   next forward: the copy (about 12 bytes per parameter) runs beside the next forward and
+   backward. The host waits for nothing;
 2. writing and committing, on a writer thread: this rank's safetensors file and description
    (:func:`~megalite.checkpoint.format.write_rank_files`), then, once every rank's files are
    there, rank 0 commits (:func:`~megalite.checkpoint.core.commit_checkpoint`: metadata.json,
@@ -70,6 +75,19 @@ def _lower_priority(niceness: int = 10) -> None:
         pass
 
 
+def _register_host_memory(buffer: torch.Tensor) -> None:
+    """Page-lock ``buffer``'s memory in place (portable: usable from every CUDA context)."""
+    code = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 1))
+    if code != 0:
+        raise CheckpointError(f"could not page-lock the {buffer.numel() / 2**20:.0f} MiB host buffer of the "
+                              f"asynchronous save (cudaHostRegister error {code}): the host's locked-memory limit "
+                              f"(ulimit -l) may be too low; raise it, or save without --async-save")
+
+
+def _unregister_host_memory(buffer: torch.Tensor) -> None:
+    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+
+
 class AsyncCheckpointSaver:
     """Saves checkpoints in the background, one write at a time (see the module docstring).
 
@@ -80,12 +98,14 @@ class AsyncCheckpointSaver:
     the first save until ``close``.
     """
 
-    def __init__(self, grid, timeout_s: float = 1800.0, poll_s: float = 0.01):
-        self.grid, self.timeout_s, self.poll_s = grid, timeout_s, poll_s
+    def __init__(self, grid, timeout_s: float = 1800.0, poll_s: float = 0.01, device: torch.device | None = None):
+        """``device``: the training device (None: the optimizer's, at the first save)."""
+        self.grid, self.timeout_s, self.poll_s, self.device = grid, timeout_s, poll_s, device
         self.rank = _coords(grid)["rank"]
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.buffers: dict[str, torch.Tensor] = {}
         self._flat: torch.Tensor | None = None
+        self._pinned = False  # self._flat registered with CUDA (page-locked)
         self._layout: list | None = None
         self._thread: threading.Thread | None = None
         self._error: tuple[dict, BaseException] | None = None
@@ -111,9 +131,13 @@ class AsyncCheckpointSaver:
         """Stage iteration ``iteration``'s checkpoint and start writing it; returns the
         directory it will be committed as. Waits for the write in flight first."""
         self._join()
+        if self.device is None:
+            self.device = optimizer.device
         final, tmp = prepare_save(root, iteration, grid)
         tensors, pieces = rank_state(optimizer, grid)
         ready = self._stage(tensors)
+        if ready is not None:  # the next update changes the states: it waits for their copy (on the device)
+            optimizer.wait_before_next_update(ready)
         meta = checkpoint_metadata(iteration, optimizer, scaler, config, grid, consumed_samples) \
             if self.rank == 0 else None
         job = dict(root=root, final=final, tmp=tmp, iteration=iteration, pieces=pieces, ready=ready, meta=meta,
@@ -142,25 +166,25 @@ class AsyncCheckpointSaver:
         try:
             self._join()
         finally:
-            self.buffers, self._flat, self._layout, self._stream = {}, None, None, None
+            self._free()
 
     # -- the training thread -------------------------------------------------------------
     def _stage(self, tensors: dict[str, torch.Tensor]):
         """Copy ``tensors`` into the reused host buffer (``self.buffers``: views of one flat
         buffer, laid out in the order of the file's bytes, so the writer writes and hashes it in
-        one run); return a CUDA event the writer waits for, or None (host tensors: copied)."""
-        on_gpu = any(t.is_cuda for t in tensors.values())
+        one run); return a CUDA event the writer (and the next optimizer step) waits for, or
+        None (training on the host: copied here)."""
+        on_gpu = self.device.type == "cuda"
         layout = [(k, tuple(tensors[k].shape), tensors[k].dtype) for k in safetensors_order(tensors)]
-        if layout != self._layout or (on_gpu and not self._flat.is_pinned()):
+        if layout != self._layout or on_gpu != self._pinned:
             self._allocate(layout, pinned=on_gpu)
         if not on_gpu:
             for key, t in tensors.items():
                 self.buffers[key].copy_(t)
             return None
         if self._stream is None:
-            self._stream = torch.cuda.Stream()
-        main = torch.cuda.current_stream()
-        self._stream.wait_stream(main)  # the states as of the end of the step
+            self._stream = torch.cuda.Stream(device=self.device)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))  # the states as of the end of the step
         with torch.cuda.stream(self._stream):
             for key, t in tensors.items():
                 self.buffers[key].copy_(t, non_blocking=True)
@@ -168,20 +192,32 @@ class AsyncCheckpointSaver:
                     t.record_stream(self._stream)  # a temporary (a cast state) lives until its copy is done
             ready = torch.cuda.Event()
             ready.record(self._stream)
-        main.wait_stream(self._stream)  # the next optimizer step changes the states after the copy
+        # No wait of the training stream here: the next forward and backward run beside the copy.
         return ready
 
     def _allocate(self, layout: list, pinned: bool) -> None:
-        """One buffer for every tensor (page-locked on a GPU: one allocation, not one per
-        tensor). The file's order puts the widest dtypes first, so each view is aligned."""
+        """One buffer for every tensor, of exactly the file's size. On a GPU it is page-locked
+        by registering ordinary host memory with CUDA (``cudaHostRegister``), not through
+        ``pin_memory=True``: torch's caching host allocator rounds each block up to a power of
+        two (a 5 GiB checkpoint would hold 8 GiB of page-locked memory) and keeps it cached after
+        it is freed. The file's order puts the widest dtypes first, so each view is aligned."""
         sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for _, shape, dtype in layout]
-        self.buffers, self._layout = {}, None
-        self._flat = torch.empty(sum(sizes), dtype=torch.uint8, pin_memory=pinned)
+        self._free()
+        self._flat = torch.empty(sum(sizes), dtype=torch.uint8)
+        if pinned and self._flat.numel():
+            _register_host_memory(self._flat)
+            self._pinned = True
         offset = 0
         for (key, shape, dtype), size in zip(layout, sizes):
             self.buffers[key] = self._flat[offset: offset + size].view(dtype).view(shape)
             offset += size
         self._layout = layout
+
+    def _free(self) -> None:
+        """Drop the host buffer (unregistered from CUDA first, where it was registered)."""
+        if self._pinned:
+            _unregister_host_memory(self._flat)
+        self.buffers, self._flat, self._layout, self._pinned, self._stream = {}, None, None, False, None
 
     def _join(self) -> None:
         if self._thread is not None:
@@ -208,6 +244,9 @@ class AsyncCheckpointSaver:
         try:
             _lower_priority()
             if job["ready"] is not None:
+                # A new thread's current CUDA device is 0: without this, every rank > 0 of a node
+                # would open a context (hundreds of MiB) on GPU 0 at its first CUDA call.
+                torch.cuda.set_device(self.device)
                 job["ready"].synchronize()
             write_rank_files(job["tmp"], self.rank, self.buffers, job["pieces"])
             active_faults().during_save(job["iteration"])  # kill-during-save: files written, not committed

@@ -135,6 +135,7 @@ class DistributedOptimizer:
         self.adamw = FlatAdamW(self.master, self.exp_avg, self.exp_avg_sq, self.decay_ranges,
                                betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay)
         self.param_groups = [{"lr": t.lr}]  # for schedulers and logging
+        self._update_waits: list = []  # CUDA events the next update waits for (wait_before_next_update)
         self.sharded = ShardedParameters(self.chunks, self.sync, self.group) if stage == 3 else None
 
     # -- the train-step protocol ------------------------------------------------------------------
@@ -228,11 +229,21 @@ class DistributedOptimizer:
         (:mod:`megalite.data_parallel.adamw`). The weights are published either way (a
         skipped step publishes the unchanged masters)."""
         grads = self._host_grads() if self.offload else [self.sync.shard_grad(b) for b in self.sync.buckets]
+        for event in self._update_waits:  # an asynchronous save still copying the states
+            torch.cuda.current_stream(self.device).wait_event(event)
+        self._update_waits.clear()
         grad_scale = 1.0 / clip_coeff if isinstance(clip_coeff, torch.Tensor) else (
             None if clip_coeff == 1.0 else torch.full((), 1.0 / clip_coeff, device=self.state_device))  # no H2D copy
         self.adamw.step(grads, lr, grad_scale, found_inf)
         self.param_groups[0]["lr"] = lr
         self.publish()
+
+    def wait_before_next_update(self, event) -> None:
+        """Make the next :meth:`step`, the first thing that changes the master weights and
+        the moments, wait on the device for ``event``: an asynchronous save copying those states
+        on a side stream (:mod:`megalite.checkpoint.async_save`). The forward and backward before
+        that step do not wait, and the host never does."""
+        self._update_waits.append(event)
 
     @property
     def step_count(self) -> int:

@@ -49,26 +49,36 @@ def test_a_fault_on_a_rank_that_does_not_exist_is_a_config_error(capsys):
 
 
 def test_a_slow_fault_sleeps_the_device_on_a_gpu(monkeypatch):
-    """On a GPU the device sleeps (CUDA events see it): a calibrated torch.cuda._sleep."""
-    slept = []
+    """On a GPU the device sleeps (CUDA events see it) for a calibrated torch.cuda._sleep: the
+    clock is the slope of two timed sleeps (a window's fixed launch latency cancels, which one
+    window's cycles / time would count as sleep), measured once per device, not at every fault."""
+    from megalite.resilience import fault_injection
+    slept, syncs = [], []
+    launch_ms, clock_hz = 0.02, 2e9  # each window also holds the sleep kernel's launch
 
-    class Event:
+    class Event:  # a window's time: launch latency + the cycles slept since the start event
         def __init__(self, enable_timing=False):
-            self.t = None
+            self.at = None
 
         def record(self):
-            self.t = len(slept)
+            self.at = (len(slept), sum(slept))
 
         def synchronize(self):
-            pass
+            syncs.append(1)
 
         def elapsed_time(self, end):
-            return 5.0  # ms for the 10^7-cycle calibration: a 2 GHz clock
+            assert end.at[0] == self.at[0] + 1  # one sleep inside the window
+            return launch_ms + (end.at[1] - self.at[1]) / clock_hz * 1e3
 
     monkeypatch.setattr(torch.cuda, "Event", Event)
     monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: slept.append(cycles))
-    FaultInjector([parse_fault("slow@3=0.5")], 0, first_attempt=True).slow_compute(3, torch.device("cuda", 0))
-    assert slept == [10_000_000, 1_000_000_000]
+    monkeypatch.setattr(fault_injection, "_CLOCKS", {})
+    faults = [parse_fault("slow@3=0.5"), parse_fault("slow@4=0.25")]
+    injector = FaultInjector(faults, 0, first_attempt=True)
+    injector.slow_compute(3, torch.device("cuda", 0))
+    injector.slow_compute(4, torch.device("cuda", 0))
+    assert slept[-2:] == [1_000_000_000, 500_000_000]  # 0.5 s and 0.25 s at 2 GHz exactly
+    assert len(slept) == 4 and len(syncs) == 1  # calibrated (two sleeps, one sync) once
 
 
 def test_a_fault_strikes_once_and_only_on_its_rank_in_the_first_attempt():

@@ -135,7 +135,7 @@ class FaultInjector:
             return
         seconds = self.value(fault)
         if device.type == "cuda":
-            torch.cuda._sleep(int(seconds * _cycles_per_second()))
+            torch.cuda._sleep(int(seconds * _cycles_per_second(device)))
         else:
             time.sleep(seconds)
 
@@ -162,15 +162,27 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-def _cycles_per_second() -> float:
-    """The GPU's clock, measured: ``torch.cuda._sleep`` counts cycles, and torch exposes no
-    clock rate without pynvml. One calibration sleep of 10^7 cycles, timed by CUDA events."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    torch.cuda._sleep(10_000_000)
-    end.record()
-    end.synchronize()
-    return 1e7 / max(start.elapsed_time(end) / 1e3, 1e-6)
+_CLOCKS: dict[int, float] = {}  # cycles per second, per GPU index: calibrated once per process
+
+
+def _cycles_per_second(device: torch.device) -> float:
+    """The GPU's clock, measured once per device: ``torch.cuda._sleep`` counts cycles, and torch
+    exposes no clock rate without pynvml. Two sleeps, of 2x10^6 and 10^7 cycles, each between
+    CUDA events: each timed window also holds the sleep kernel's launch (microseconds, which a
+    single short window would count as sleep), so the rate is the *difference* in cycles over
+    the difference in time, in which the fixed launch cost cancels. One host sync, at the first
+    ``slow`` fault only (later faults reuse the rate)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CLOCKS:
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        for k, cycles in enumerate((2_000_000, 10_000_000)):
+            events[2 * k].record()
+            torch.cuda._sleep(cycles)
+            events[2 * k + 1].record()
+        events[3].synchronize()
+        short, long = events[0].elapsed_time(events[1]), events[2].elapsed_time(events[3])  # ms
+        _CLOCKS[index] = 8_000_000 / max((long - short) / 1e3, 1e-6)
+    return _CLOCKS[index]
 
 
 # The process's injector, set by pretrain (the checkpoint writer reaches it from here).

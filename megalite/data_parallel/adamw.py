@@ -18,7 +18,10 @@ separate torch ops. Its two device-side inputs keep the step free of host syncs:
   by the global norm needs no host value of the norm;
 - ``found_inf``: a nonzero value skips the whole update (weights, moments); the step count
   is incremented before and decremented by ``found_inf`` after, so a skipped step does not
-  count, as a host-side ``if`` would have it.
+  count, as a host-side ``if`` would have it. The kernel skips only on *exactly* 1.0 (any
+  other nonzero value would update, and move the count by a fraction), so ``found_inf`` is
+  made 0.0 or 1.0 on the device first: a caller's inf count or a 2.0 from a summed flag skips
+  too, as this docstring promises.
 
 The decayed and the undecayed ranges of a shard go to two calls (the decay is one scalar per
 call), as lists of views of the flat shards: no copies. 16-bit gradients (training without
@@ -75,7 +78,7 @@ class FlatAdamW:
         """One update from the flat gradient shards ``grads`` (one per master shard)."""
         device = self.steps.device
         grad_scale = None if grad_scale is None else grad_scale.to(device, torch.float32)
-        found_inf = None if found_inf is None else found_inf.to(device, torch.float32)
+        found_inf = None if found_inf is None else (found_inf != 0).to(device, torch.float32)  # exactly 0 or 1
         for i, grad in enumerate(grads):  # the fused kernel's meta version does not check this
             if grad.device != self.masters[i].device:
                 raise RuntimeError(f"AdamW: gradient shard {i} on device {grad.device} is not on the expected "

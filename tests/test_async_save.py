@@ -248,10 +248,10 @@ def _stage_then_update(tmp_path, device: str):
     assert not all(torch.equal(a, b) for a, b in zip(before, optimizer.exp_avg))  # the update changed them
     optimizer.step(1e-2)  # the step after it has nothing to wait for
     assert saver.wait() == [str(tmp_path / "async" / "iter_0000002")]
-    assert saver._flat is not None and saver._pinned  # page-locked, until close() frees it
-    size = saver._flat.numel()
+    assert saver._host.flat is not None and saver._host.pinned  # page-locked, until close() frees it
+    size = saver._host.flat.numel()
     saver.close()
-    assert saver._flat is None and not saver._pinned
+    assert saver._host.flat is None and not saver._host.pinned
     assert _same_files(tmp_path / "sync", tmp_path / "async") == []
     return size
 

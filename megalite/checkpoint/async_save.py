@@ -8,8 +8,9 @@ A save has two steps (:mod:`megalite.checkpoint.core`):
    (:func:`~megalite.checkpoint.core.rank_state`: fp32 master weights and Adam moments of its
    shard, FP8 state, RNG streams) into a host buffer and take metadata.json's values. The
    buffer is allocated at the first save and reused by every later one (one allocation, laid
-   out as the file's bytes). On a GPU the buffer is page-locked and filled on a side stream
-   that first waits for the training stream (the states as of the end of the step). Only the
+   out as the file's bytes: :mod:`~megalite.checkpoint.host_buffer`). On a GPU the buffer is
+   page-locked and filled on a side stream that first waits for the training stream (the
+   states as of the end of the step). Only the
    optimizer states are read there (the RNG and FP8 states are host copies already), and only
    the optimizer step changes them, so the training stream waits for the copy just before its
    next optimizer step (:meth:`DistributedOptimizer.wait_before_next_update`), not before the
@@ -41,7 +42,6 @@ waiting and fail too. Errors are raised on the training thread, at the next ``po
 """
 from __future__ import annotations
 
-import math
 import os
 import threading
 import time
@@ -51,6 +51,7 @@ import torch.distributed as dist
 
 from megalite.checkpoint.core import _coords, checkpoint_metadata, commit_checkpoint, prepare_save, rank_state
 from megalite.checkpoint.format import CheckpointError, safetensors_order, write_rank_files
+from megalite.checkpoint.host_buffer import HostBuffer
 from megalite.resilience.fault_injection import active as active_faults
 
 _PREFIX = "megalite/async_ckpt"
@@ -75,19 +76,6 @@ def _lower_priority(niceness: int = 10) -> None:
         pass
 
 
-def _register_host_memory(buffer: torch.Tensor) -> None:
-    """Page-lock ``buffer``'s memory in place (portable: usable from every CUDA context)."""
-    code = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel() * buffer.element_size(), 1))
-    if code != 0:
-        raise CheckpointError(f"could not page-lock the {buffer.numel() / 2**20:.0f} MiB host buffer of the "
-                              f"asynchronous save (cudaHostRegister error {code}): the host's locked-memory limit "
-                              f"(ulimit -l) may be too low; raise it, or save without --async-save")
-
-
-def _unregister_host_memory(buffer: torch.Tensor) -> None:
-    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
-
-
 class AsyncCheckpointSaver:
     """Saves checkpoints in the background, one write at a time (see the module docstring).
 
@@ -103,10 +91,8 @@ class AsyncCheckpointSaver:
         self.grid, self.timeout_s, self.poll_s, self.device = grid, timeout_s, poll_s, device
         self.rank = _coords(grid)["rank"]
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        self.buffers: dict[str, torch.Tensor] = {}
-        self._flat: torch.Tensor | None = None
-        self._pinned = False  # self._flat registered with CUDA (page-locked)
-        self._layout: list | None = None
+        self._host = HostBuffer()  # the staged state, reused from save to save
+        self.buffers: dict[str, torch.Tensor] = {}  # its views, by checkpoint key
         self._thread: threading.Thread | None = None
         self._error: tuple[dict, BaseException] | None = None
         self._committed: list[str] = []
@@ -176,8 +162,7 @@ class AsyncCheckpointSaver:
         None (training on the host: copied here)."""
         on_gpu = self.device.type == "cuda"
         layout = [(k, tuple(tensors[k].shape), tensors[k].dtype) for k in safetensors_order(tensors)]
-        if layout != self._layout or on_gpu != self._pinned:
-            self._allocate(layout, pinned=on_gpu)
+        self.buffers = self._host.views(layout, pinned=on_gpu)  # widest dtypes first: each view aligned
         if not on_gpu:
             for key, t in tensors.items():
                 self.buffers[key].copy_(t)
@@ -195,29 +180,9 @@ class AsyncCheckpointSaver:
         # No wait of the training stream here: the next forward and backward run beside the copy.
         return ready
 
-    def _allocate(self, layout: list, pinned: bool) -> None:
-        """One buffer for every tensor, of exactly the file's size. On a GPU it is page-locked
-        by registering ordinary host memory with CUDA (``cudaHostRegister``), not through
-        ``pin_memory=True``: torch's caching host allocator rounds each block up to a power of
-        two (a 5 GiB checkpoint would hold 8 GiB of page-locked memory) and keeps it cached after
-        it is freed. The file's order puts the widest dtypes first, so each view is aligned."""
-        sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for _, shape, dtype in layout]
-        self._free()
-        self._flat = torch.empty(sum(sizes), dtype=torch.uint8)
-        if pinned and self._flat.numel():
-            _register_host_memory(self._flat)
-            self._pinned = True
-        offset = 0
-        for (key, shape, dtype), size in zip(layout, sizes):
-            self.buffers[key] = self._flat[offset: offset + size].view(dtype).view(shape)
-            offset += size
-        self._layout = layout
-
     def _free(self) -> None:
-        """Drop the host buffer (unregistered from CUDA first, where it was registered)."""
-        if self._pinned:
-            _unregister_host_memory(self._flat)
-        self.buffers, self._flat, self._layout, self._pinned, self._stream = {}, None, None, False, None
+        self._host.free()
+        self.buffers, self._stream = {}, None
 
     def _join(self) -> None:
         if self._thread is not None:

@@ -2,8 +2,8 @@
 
 :class:`AsyncDcpSaver` has :class:`megalite.checkpoint.async_save.AsyncCheckpointSaver`'s
 interface (``save``/``poll``/``wait``/``close``/``in_flight``). ``save`` copies this rank's
-state (its boxes of the global tensors, RNG, FP8) into host buffers reused from save to save
-(pinned on CUDA), on the main thread, then hands the copy to ``dcp.async_save`` (DCP's
+state (its boxes of the global tensors, RNG, FP8) into one host buffer reused from save to save
+(page-locked on CUDA at its exact size: :mod:`megalite.checkpoint.host_buffer`), on the main thread, then hands the copy to ``dcp.async_save`` (DCP's
 thread executor: the write is file I/O and pickling, which release the GIL, and a thread
 shares the staged buffers without a copy into another process). Staging is ours, so DCP's
 stager is told to pass the state through.
@@ -30,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 from megalite.checkpoint.core import _coords
 from megalite.checkpoint.dcp_state import checkpoint_metadata, commit, dcp_state_dict, prepare_tmp
 from megalite.checkpoint.format import iteration_dir
+from megalite.checkpoint.host_buffer import HostBuffer
 
 
 class _PassThrough:
@@ -55,7 +56,7 @@ class AsyncDcpSaver:
         self.grid = grid
         distributed = grid is not None and dist.is_initialized()
         self._group = dist.new_group(backend="gloo") if distributed else None
-        self._buffers: dict = {}  # reused host copies of this rank's boxes
+        self._buffers = HostBuffer()  # reused host copies of this rank's boxes
         self._event: threading.Event | None = None
         self._final: str | None = None
         self._error: BaseException | None = None
@@ -91,7 +92,10 @@ class AsyncDcpSaver:
         return self._report()
 
     def close(self) -> None:
-        self.wait()
+        try:
+            self.wait()
+        finally:
+            self._buffers.free()
 
     def save(self, root: str, iteration: int, optimizer, scaler, config, grid, consumed_samples: int,
              keep_last: int | None = None, tokenizer=None, extra_meta: dict | None = None) -> str:

@@ -19,6 +19,7 @@ from megalite.checkpoint.core import KINDS, _barrier, _owns, _param_ranges, _pru
 from megalite.checkpoint.dcp_boxes import global_shape, piece_boxes
 from megalite.checkpoint.dcp_offline import CKPT_FORMAT
 from megalite.checkpoint.format import FORMAT_VERSION, fsync_path, write_json_atomic, write_tokenizer
+from megalite.checkpoint.host_buffer import HostBuffer
 from megalite.checkpoint.settings import carry_forward
 from megalite.layers.fp8 import fp8_state
 from megalite.parallel.random import get_rng_tracker
@@ -62,24 +63,33 @@ def _rank_boxes(optimizer, c, vocab: int, kinds, owned_only: bool):
     return out
 
 
-def dcp_state_dict(optimizer, c, vocab: int, group, buffers: dict | None = None) -> dict:
-    """The state dict this rank saves: copies of its boxes (into ``buffers``, reused across
-    saves, when given), its FP8 state (the stage's TP/CP/DP rank 0) and its RNG streams."""
+def _box_views(boxes: dict):
+    """((kind, name, offsets), view) for every box, in a fixed order."""
+    for (kind, name), (_, pieces) in boxes.items():
+        for g, view in pieces:
+            yield (kind, name, tuple(g)), view
+
+
+def dcp_state_dict(optimizer, c, vocab: int, group, buffers: HostBuffer | None = None) -> dict:
+    """The state dict this rank saves: copies of its boxes (into ``buffers``, one host buffer
+    reused across saves and page-locked on a GPU, when given), its FP8 state (the stage's
+    TP/CP/DP rank 0) and its RNG streams."""
     rank = c["rank"]
-    pin = buffers is not None and torch.cuda.is_available()  # reused buffers are worth pinning
-    buffers = {} if buffers is None else buffers
+    boxes = _rank_boxes(optimizer, c, vocab, KINDS, owned_only=True)
+    if buffers is None:
+        copies = {key: torch.empty(view.shape, dtype=torch.float32) for key, view in _box_views(boxes)}
+    else:
+        layout = [(key, tuple(view.shape), torch.float32) for key, view in _box_views(boxes)]
+        copies = buffers.views(layout, pinned=optimizer.device.type == "cuda")
     state = {}
-    for (kind, name), (gshape, boxes) in _rank_boxes(optimizer, c, vocab, KINDS, owned_only=True).items():
-        copies = []
-        for g, view in boxes:
-            key = (kind, name, tuple(g))
-            buf = buffers.get(key)
-            if buf is None or buf.shape != view.shape:
-                buf = buffers[key] = torch.empty(view.shape, dtype=torch.float32, pin_memory=pin)
+    for (kind, name), (gshape, pieces) in boxes.items():
+        staged = []
+        for g, view in pieces:
+            buf = copies[(kind, name, tuple(g))]
             buf.copy_(view, non_blocking=False)
-            copies.append((g, buf))
-        if copies:
-            state[f"{kind}/{name}"] = sharded(gshape, copies, dist.get_rank() if group else rank, group)
+            staged.append((g, buf))
+        if staged:
+            state[f"{kind}/{name}"] = sharded(gshape, staged, dist.get_rank() if group else rank, group)
     if c["tp_rank"] == c["cp_rank"] == c["dp_rank"] == 0:
         for chunk in optimizer.chunks:
             for name, t in fp8_state(chunk).items():

@@ -8,7 +8,7 @@ A save has two steps (:mod:`megalite.checkpoint.core`):
    (:func:`~megalite.checkpoint.core.rank_state`: fp32 master weights and Adam moments of its
    shard, FP8 state, RNG streams) into a host buffer and take metadata.json's values. The
    buffer is allocated at the first save and reused by every later one (one allocation, laid
-   out as the file's bytes: :mod:`~megalite.checkpoint.host_buffer`). On a GPU the buffer is
+   out as the file's bytes: :mod:`~megalite.host_memory`). On a GPU the buffer is
    page-locked and filled on a side stream that first waits for the training stream (the
    states as of the end of the step). Only the
    optimizer states are read there (the RNG and FP8 states are host copies already), and only
@@ -51,7 +51,7 @@ import torch.distributed as dist
 
 from megalite.checkpoint.core import _coords, checkpoint_metadata, commit_checkpoint, prepare_save, rank_state
 from megalite.checkpoint.format import CheckpointError, safetensors_order, write_rank_files
-from megalite.checkpoint.host_buffer import HostBuffer
+from megalite.host_memory import HostBuffer
 from megalite.resilience.fault_injection import active as active_faults
 
 _PREFIX = "megalite/async_ckpt"

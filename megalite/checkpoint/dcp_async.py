@@ -3,7 +3,7 @@
 :class:`AsyncDcpSaver` has :class:`megalite.checkpoint.async_save.AsyncCheckpointSaver`'s
 interface (``save``/``poll``/``wait``/``close``/``in_flight``). ``save`` copies this rank's
 state (its boxes of the global tensors, RNG, FP8) into one host buffer reused from save to save
-(page-locked on CUDA at its exact size: :mod:`megalite.checkpoint.host_buffer`), on the main thread, then hands the copy to ``dcp.async_save`` (DCP's
+(page-locked on CUDA at its exact size: :mod:`megalite.host_memory`), on the main thread, then hands the copy to ``dcp.async_save`` (DCP's
 thread executor: the write is file I/O and pickling, which release the GIL, and a thread
 shares the staged buffers without a copy into another process). Staging is ours, so DCP's
 stager is told to pass the state through.
@@ -30,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 from megalite.checkpoint.core import _coords
 from megalite.checkpoint.dcp_state import checkpoint_metadata, commit, dcp_state_dict, prepare_tmp
 from megalite.checkpoint.format import iteration_dir
-from megalite.checkpoint.host_buffer import HostBuffer
+from megalite.host_memory import HostBuffer
 
 
 class _PassThrough:

@@ -19,7 +19,7 @@ from megalite.checkpoint.core import KINDS, _barrier, _owns, _param_ranges, _pru
 from megalite.checkpoint.dcp_boxes import global_shape, piece_boxes
 from megalite.checkpoint.dcp_offline import CKPT_FORMAT
 from megalite.checkpoint.format import FORMAT_VERSION, fsync_path, write_json_atomic, write_tokenizer
-from megalite.checkpoint.host_buffer import HostBuffer
+from megalite.host_memory import HostBuffer
 from megalite.checkpoint.settings import carry_forward
 from megalite.layers.fp8 import fp8_state
 from megalite.parallel.random import get_rng_tracker

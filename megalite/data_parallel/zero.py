@@ -33,6 +33,7 @@ from megalite.config import TrainConfig
 from megalite.data_parallel.adamw import FlatAdamW
 from megalite.data_parallel.ddp import GradSync, group_by_size
 from megalite.data_parallel.sharded_params import ShardedParameters
+from megalite.host_memory import HostBuffer
 from megalite.memory_tracker import category
 from megalite.pipeline.checks import ZERO_BUBBLE
 from megalite.parallel import comm
@@ -111,6 +112,7 @@ class DistributedOptimizer:
         # index ranges (no per-element masks: those would cost 4 bytes per parameter each).
         self.decay_ranges, self.norm_ranges, self.sp_ranges = [], [], []
         self._host_grad, self._host_weight = [], []  # offload: pinned staging buffers
+        self._host_staging = HostBuffer()  # offload: the one allocation they are views of
         for b in self.sync.buckets:
             lo, hi = b.shard  # the fp32 master shard, straight from the (still fp32) weights
             master = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
@@ -125,11 +127,14 @@ class DistributedOptimizer:
             self.norm_ranges.append(_shard_ranges(b, b.shard, lambda p: not getattr(p, "embedding_copy", False)
                                                   and (is_tensor_parallel(p) or is_expert(p) or tp_rank == 0)))
             self.sp_ranges.append(_shard_ranges(b, b.shard, lambda p: getattr(p, "sequence_parallel", False)))
-            if offload:
-                self._host_grad.append(torch.empty(hi - lo, dtype=grad_dtype, device=self.state_device,
-                                                   pin_memory=pinned))
-                self._host_weight.append(torch.empty(hi - lo, dtype=param_dtype, device=self.state_device,
-                                                     pin_memory=pinned))
+        if offload:  # page-locked on a GPU, exactly their size (megalite.host_memory), views of one buffer
+            layout = [(f"{kind}/{i}", (b.shard[1] - b.shard[0],), dtype) for i, b in enumerate(self.sync.buckets)
+                      for kind, dtype in (("grad", grad_dtype), ("weight", param_dtype))]
+            layout.sort(key=lambda entry: -torch.empty((), dtype=entry[2]).element_size())  # widest first: aligned
+            views = self._host_staging.views(layout, pinned=pinned) if self.state_device.type == "cpu" else {
+                key: torch.empty(shape, dtype=dtype, device=self.state_device) for key, shape, dtype in layout}
+            self._host_grad = [views[f"grad/{i}"] for i in range(len(self.sync.buckets))]
+            self._host_weight = [views[f"weight/{i}"] for i in range(len(self.sync.buckets))]
         for p in params:  # the model now holds its weights in the training dtype
             p.data = p.data.to(param_dtype)
         self.adamw = FlatAdamW(self.master, self.exp_avg, self.exp_avg_sq, self.decay_ranges,

@@ -1,9 +1,9 @@
-"""One reusable host allocation for a checkpoint's staged tensors (asynchronous saves).
+"""Host memory the GPU copies to and from: one reusable, page-locked allocation, exact size.
 
-An asynchronous save copies the state into host memory once per save, so the buffer is
-allocated at the first save and reused while the layout (keys, shapes, dtypes, in order) stays
-the same. Every staged tensor is a view of one flat byte buffer: one allocation, and laid out in
-a file's order the writer can write it in one run.
+Used where host buffers live long and are copied to or from the GPU often: an asynchronous
+save's staged state (allocated at the first save, reused while the layout stays the same, laid
+out in the file's order so the writer writes it in one run) and the gradient and weight staging
+buffers of optimizer offload. Every tensor is a view of one flat byte buffer (one allocation).
 
 On a GPU the buffer is page-locked, so device-to-host copies run asynchronously at full
 bandwidth. It is locked by registering ordinary host memory with CUDA (``cudaHostRegister``,
@@ -19,19 +19,19 @@ import math
 
 import torch
 
-from megalite.checkpoint.format import CheckpointError
 
 
 def _register(flat: torch.Tensor) -> None:
     code = int(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.numel(), 1))  # 1: portable
     if code != 0:
-        raise CheckpointError(f"could not page-lock the {flat.numel() / 2**20:.0f} MiB host buffer of the "
-                              f"asynchronous save (cudaHostRegister error {code}): the host's locked-memory limit "
-                              f"(ulimit -l) may be too low; raise it, or save without --async-save")
+        raise RuntimeError(f"could not page-lock {flat.numel() / 2**20:.0f} MiB of host memory (cudaHostRegister "
+                           f"error {code}) for an asynchronous save or optimizer offload: the host's locked-memory "
+                           f"limit (ulimit -l) may be too low; raise it, or run without --async-save / "
+                           f"--offload-optimizer")
 
 
 class HostBuffer:
-    """``views(layout, pinned)``: ``{key: tensor}`` views of one host buffer for ``layout``
+    """Views of one host allocation. ``views(layout, pinned)``: ``{key: tensor}`` views of one host buffer for ``layout``
     ([(key, shape, dtype)], in the order the bytes are laid out), reallocated only when the
     layout or ``pinned`` changes. ``free()`` releases it (unregistered from CUDA first)."""
 

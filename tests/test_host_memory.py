@@ -1,8 +1,8 @@
-"""The asynchronous saves' host buffer (megalite/checkpoint/host_buffer.py), its page-locking
+"""The asynchronous saves' host buffer (megalite/host_memory.py), its page-locking
 recorded through tests/fake_cuda.py (no GPU needed: the order and sizes are the point)."""
 import torch
 
-from megalite.checkpoint.host_buffer import HostBuffer
+from megalite.host_memory import HostBuffer
 from tests.fake_cuda import FakeCuda
 
 LAYOUT = [("a", (3, 5), torch.float32), ("b", (7,), torch.float32), ("c", (3,), torch.int16)]

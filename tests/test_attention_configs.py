@@ -13,7 +13,10 @@ Under the CPU interpreter (TRITON_INTERPRET=1, conftest.py):
 (c) head dims 96 and 256, forward and backward, against the reference.
 (d) pruning by shared memory, in plain Python: configs over a limit are dropped.
 Marked ``gpu`` (skipped here; scripts/gpu_check.sh runs them): the autotuned kernels in bf16
-against torch SDPA at a few sizes, including the model's fused-qkv views.
+against torch SDPA at a few sizes, including the model's fused-qkv views. Their ``cpu`` cases
+(tests/device_twins.py) run the same checks here in fp16 on small ragged shapes: the
+interpreter's one config, a shared-memory limit of an sm_86 GPU given to the check of the
+picked configs.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from megalite.kernels import _utils
 from megalite.kernels import flash_attention as fa
 from megalite.kernels import flash_attention_bwd as fb
 from megalite.kernels.attention_reference import attention_reference
+from tests.device_twins import device_cases, kernel_device, synchronize
 
 TOL = 1e-5
 WIDTHS = (64, 128, 256)
@@ -331,19 +335,29 @@ GPU_SHAPES = [
     (1, 4, 4, 600, 256, True),       # head dim 256
 ]
 BF16_TOL = 1.6e-2  # about 4x a bf16 output's rounding (tests/test_gpu.py)
+# the CPU case (interpreter tiles of 32): fp16, GQA with partial tiles and a padded head dim; no mask
+CPU_SHAPES = [
+    (1, 4, 2, 45, 24, True),
+    (1, 2, 2, 37, 16, False),
+]
 
 
 @pytest.fixture
-def cuda():
-    if _utils.INTERPRET:
-        pytest.skip("TRITON_INTERPRET=1 was set when megalite.kernels was imported. Run with "
-                    "TRITON_INTERPRET=0 (scripts/gpu_check.sh does).")
-    torch.manual_seed(0)
-    return torch.device("cuda", torch.cuda.current_device())
+def low_precision(monkeypatch):
+    """(device, dtype) of a case: cuda, the kernels compiled, bf16; cpu, the interpreter, fp16
+    (it cannot hold bf16), and an sm_86 GPU's shared-memory limit for the check of the configs."""
+    def pick(device: str):
+        dev = kernel_device(device)
+        torch.manual_seed(0)
+        if dev.type == "cuda":
+            return dev, torch.bfloat16
+        monkeypatch.setattr(_utils, "shared_memory_limit", lambda index: SM86)
+        return dev, torch.float16
+    return pick
 
 
 def sdpa_reference(q, k, v, dout, causal):
-    """torch SDPA in fp32 on copies of the bf16 inputs (output and gradients)."""
+    """torch SDPA in fp32 on copies of the 16-bit inputs (output and gradients)."""
     import torch.nn.functional as F
 
     leaves = [x.detach().float().requires_grad_() for x in (q, k, v)]
@@ -356,9 +370,9 @@ def check_against_sdpa(q, k, v, dout, causal):
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
     out = fa.flash_attention(*leaves, causal=causal)
     out.backward(dout)
-    torch.cuda.synchronize()
+    synchronize(q.device)
     ref, *ref_grads = sdpa_reference(q, k, v, dout, causal)
-    assert out.dtype == torch.bfloat16 and not torch.isnan(out).any()
+    assert out.dtype == q.dtype and not torch.isnan(out).any()
     assert err(out, ref) < BF16_TOL, err(out, ref)
     for name, x, r in zip(("dq", "dk", "dv"), leaves, ref_grads):
         assert err(x.grad, r) < BF16_TOL, (name, err(x.grad, r))
@@ -370,32 +384,36 @@ def chosen(tuned) -> list:
     return list(tuned.cache.values()) if len(tuned.configs) > 1 else list(tuned.configs)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_autotuned_bf16_attention_matches_sdpa_on_cuda(cuda, shape):
+@pytest.mark.parametrize("device,shape", device_cases([(s,) for s in CPU_SHAPES], [(s,) for s in GPU_SHAPES],
+                                                      ids=lambda c: "x".join(map(str, c[0]))))
+def test_autotuned_bf16_attention_matches_sdpa_on_cuda(low_precision, device, shape):
+    dev, dt = low_precision(device)
     b, h, g, s, d, causal = shape
-    q, dout = (torch.randn(b, h, s, d, device=cuda).bfloat16() for _ in range(2))
-    k, v = (torch.randn(b, g, s, d, device=cuda).bfloat16() for _ in range(2))
+    q, dout = (torch.randn(b, h, s, d, device=dev).to(dt) for _ in range(2))
+    k, v = (torch.randn(b, g, s, d, device=dev).to(dt) for _ in range(2))
     check_against_sdpa(q, k, v, dout, causal)
-    limit = _utils.shared_memory_limit(cuda.index)
+    limit = _utils.shared_memory_limit(dev.index)
     width = _utils.block_d(d)
-    for tuned, nbytes in ((fa._tuned_fwd(d, torch.bfloat16), fa.fwd_shared_bytes),
-                          (fb._tuned("dkdv", d, torch.bfloat16), fb.dkdv_shared_bytes),
-                          (fb._tuned("dq", d, torch.bfloat16), fb.dq_shared_bytes)):
+    for tuned, nbytes in ((fa._tuned_fwd(d, dt), fa.fwd_shared_bytes),
+                          (fb._tuned("dkdv", d, dt), fb.dkdv_shared_bytes),
+                          (fb._tuned("dq", d, dt), fb.dq_shared_bytes)):
         picked = chosen(tuned)
         print(f"{shape}: {tuned.base_fn.__name__} picked {picked}")
         assert picked and all(nbytes(c, width, 2) <= limit for c in picked)
 
 
-@pytest.mark.gpu
-def test_autotuned_bf16_attention_on_fused_qkv_views_on_cuda(cuda):
-    """The model's layout: k, v (and q, with one group) are views of a fused (s, b, ...) qkv."""
-    b, s, groups, per_group, d = 2, 1000, 4, 2, 128
-    qkv = torch.randn(s, b, groups * (per_group + 2) * d, device=cuda).bfloat16()
+@pytest.mark.parametrize("device,b,s,groups,d", device_cases([(1, 45, 2, 16)], [(2, 1000, 4, 128)],
+                                                              ids=lambda c: "b{}-s{}-g{}-d{}".format(*c)))
+def test_autotuned_bf16_attention_on_fused_qkv_views_on_cuda(low_precision, device, b, s, groups, d):
+    """The model's layout: k, v (and q, with one group) are views of a fused (s, b, ...) qkv.
+    (GPU: batch 2, s 1000, 4 groups, head dim 128, bf16; CPU: 1, 45, 2, 16, fp16.)"""
+    dev, dt = low_precision(device)
+    per_group = 2
+    qkv = torch.randn(s, b, groups * (per_group + 2) * d, device=dev).to(dt)
     qkv = qkv.view(s, b, groups, per_group + 2, d).permute(1, 2, 3, 0, 4)
-    q = torch.randn(s, b, groups * per_group, d, device=cuda).bfloat16().permute(1, 2, 0, 3)
+    q = torch.randn(s, b, groups * per_group, d, device=dev).to(dt).permute(1, 2, 0, 3)
     k, v = qkv[:, :, per_group], qkv[:, :, per_group + 1]
-    dout = torch.randn(s, b, groups * per_group, d, device=cuda).bfloat16().permute(1, 2, 0, 3)
+    dout = torch.randn(s, b, groups * per_group, d, device=dev).to(dt).permute(1, 2, 0, 3)
     assert not k.is_contiguous() and k.stride(-1) == 1
     check_against_sdpa(q, k, v, dout, True)
     out_view, _ = fa.flash_attention_forward(q, k, v, True)

@@ -6,11 +6,13 @@ the causal-alignment rule) is tested here against two stand-ins of flash-attn's 
 with the 2.3-2.6 and the 2.7-2.8 signatures, whose numbers come from megalite's torch block
 functions with flash-attn's documented semantics ((b, s, h, d) layout, bottom-right causal
 alignment, delta computed inside the backward, results written into dq/dk/dv). The real
-flash-attn is tested by the ``gpu`` test at the end wherever it is installed, and its real
+flash-attn is tested by the ``gpu`` test at the end wherever it is installed (its CPU case runs
+the same body on the stand-in), and its real
 Python interface of each 2.5-2.8 release (custom ops from 2.7) over a fake of the compiled
 extension by tests/test_flash_attn_real_interface.py.
 """
 import functools
+import sys
 import types
 
 import pytest
@@ -20,6 +22,7 @@ from megalite.context_parallel.flash_blocks import flash_block_backward, flash_b
 from megalite.kernels.attention_reference import (attention_block_backward, attention_block_delta,
                                                   attention_block_forward, attention_reference)
 from megalite.testing import run_world
+from tests.device_twins import DEVICES, kernel_device
 
 
 def _megalite(t):  # (b, s, h, d) -> (b, h, s, d)
@@ -159,15 +162,29 @@ def test_ring_attention_through_the_adapter_equals_full_attention(which):
         assert max(max(e) for e in errors) < 1e-6, errors
 
 
-@pytest.mark.gpu
-def test_real_flash_attn_blocks_match_the_triton_blocks():
+@pytest.mark.parametrize("device", DEVICES)
+def test_real_flash_attn_blocks_match_the_triton_blocks(device, monkeypatch):
     """On a GPU with flash-attn: the adapter around the real library, bf16, against megalite's
-    Triton block functions (forward, LSE and the three gradients from a global out/LSE)."""
+    Triton block functions (forward, LSE and the three gradients from a global out/LSE).
+
+    flash-attn cannot be installed without CUDA, so the CPU case runs this body with the
+    2.7-2.8 stand-in above installed as ``flash_attn`` and the Triton blocks in the interpreter,
+    fp32, small shapes: it checks the test's own logic, not the real library."""
+    if device == "cpu":
+        kernel_device("cpu")
+        api = v27()
+        package = types.ModuleType("flash_attn")
+        package.__version__, package.flash_attn_interface = "2.8.3 (stand-in)", api
+        monkeypatch.setitem(sys.modules, "flash_attn", package)
+        monkeypatch.setitem(sys.modules, "flash_attn.flash_attn_interface", api)
+        dtype, shape = torch.float32, dict(s_q=24, s_k=24, heads=2, groups=1, d=16)
+    else:
+        dtype, shape = torch.bfloat16, dict(s_q=256, s_k=256, heads=8, groups=2, d=128)
     pytest.importorskip("flash_attn", reason="flash-attn is not installed (it builds only on a CUDA machine)")
     from megalite.kernels.flash_attention import flash_attention_forward
     from megalite.kernels.flash_attention_bwd import flash_attention_backward
 
-    q, k, v, dout = (t.to("cuda", torch.bfloat16) for t in _inputs(s_q=256, s_k=256, heads=8, groups=2, d=128))
+    q, k, v, dout = (t.to(device, dtype) for t in _inputs(**shape))
     for causal in (True, False):
         out, lse = flash_block_forward(q, k, v, causal=causal)
         ref_out, ref_lse = flash_attention_forward(q, k, v, causal=causal)

@@ -1,4 +1,4 @@
-"""GPU acceptance tests, marked ``gpu``: skipped without CUDA (tests/conftest.py).
+"""GPU acceptance tests: their ``cuda`` cases are marked ``gpu``, skipped without CUDA (tests/conftest.py).
 
     TRITON_INTERPRET=0 python3 -m pytest -m gpu tests/        (scripts/gpu_check.sh runs this)
 
@@ -16,9 +16,18 @@
    from the default one and leaves it undisturbed, re-seeding reproduces both, and
    ``state_dict``/``load_state_dict`` restore both bit-exactly.
 3. A serial fp32 run on CUDA with TF32 off matches the CPU run's losses within 1e-4 for 10
-   iterations (each run in its own process: device flags and TF32 are process-wide).
+   iterations (each run in its own process: device flags and TF32 are process-wide); a GPU run
+   killed and resumed repeats the uninterrupted one bit for bit.
 
-On a CPU machine everything here is skipped.
+Each test takes its device as a parameter (tests/device_twins.py): the ``cuda`` case is
+marked ``gpu`` (skipped without CUDA) and is what the list above describes; the ``cpu`` case
+runs the same test body here, so a slip in the test's own logic fails on the CPU first:
+1. the kernels in the Triton interpreter, fp16 only (the interpreter stores bf16 as raw
+   uint16), on small shapes with the same features (partial tiles, GQA/MQA, offsets, rows
+   without keys, wide and padded vocabularies), same error bounds;
+2. the dropout streams on the CPU generator (the tracker's CUDA state is the GPU case's);
+3. (slow tier) the same subprocess runs with ``--device cpu``: a CPU run against the CPU
+   reference run, and the kill/resume on the CPU.
 """
 from __future__ import annotations
 
@@ -34,7 +43,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-pytestmark = pytest.mark.gpu
+from tests.device_twins import CUDA, DEVICES, cpu, device_cases, kernel_device, synchronize
 
 REPO = Path(__file__).resolve().parent.parent
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -50,17 +59,16 @@ def err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return (a - ref).abs().max().item() / max(1.0, ref.abs().max().item())
 
 
-@pytest.fixture
-def compiled():
-    """The kernels compiled for the GPU (not the CPU interpreter, which conftest.py selects by
-    default: it would run them on host copies of the CUDA tensors)."""
-    from megalite.kernels._utils import INTERPRET
-
-    if INTERPRET:
-        pytest.skip("TRITON_INTERPRET=1 was set when megalite.kernels was imported: the kernels run in "
-                    "the CPU interpreter. Run with TRITON_INTERPRET=0 (scripts/gpu_check.sh does).")
+def compiled(device: str) -> torch.device:
+    """cuda: the kernels compiled for the GPU (not the CPU interpreter, which conftest.py selects
+    by default: it would run them on host copies of the CUDA tensors); cpu: the interpreter."""
+    dev = kernel_device(device)
     torch.manual_seed(0)
-    return torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def shape_id(shape) -> str:
+    return "x".join(map(str, shape))
 
 
 # -- 1. kernels ------------------------------------------------------------------------------------
@@ -75,22 +83,31 @@ ATTENTION_SHAPES = [
     (1, 2, 2, 40, 30, 64, True, 0, 25),         # the first 25 queries see no key
     (1, 8, 8, 1024, 1024, 128, True, 0, 0),     # many tiles per program
 ]
+# the CPU case (interpreter tiles of 32 x 32): fp16
+CPU_ATTENTION_SHAPES = [
+    (1, 4, 2, 45, 45, 24, True, 0, 0),          # GQA, partial tiles, head dim 24 (padded to 32)
+    (1, 2, 1, 37, 50, 16, False, 0, 0),         # multi-query, no mask, s_q != s_k
+    (1, 3, 3, 21, 40, 16, True, 12, 5),         # offsets
+    (1, 2, 2, 40, 30, 16, True, 0, 25),         # the first 25 queries see no key
+]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", ATTENTION_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_flash_attention_16bit_forward_backward_on_cuda(compiled, dtype, shape):
+@pytest.mark.parametrize("device,dtype,shape",
+                         device_cases([("fp16", s) for s in CPU_ATTENTION_SHAPES],
+                                      [(dt, s) for s in ATTENTION_SHAPES for dt in DTYPES],
+                                      ids=lambda c: f"{c[0]}-{shape_id(c[1])}"))
+def test_flash_attention_16bit_forward_backward_on_cuda(device, dtype, shape):
     from megalite.kernels.attention_reference import attention_reference
     from megalite.kernels.flash_attention import flash_attention
 
     b, h, g, sq, sk, d, causal, q_off, k_off = shape
-    dev, dt = compiled, DTYPES[dtype]
+    dev, dt = compiled(device), DTYPES[dtype]
     q, dout = (torch.randn(b, h, sq, d, device=dev).to(dt) for _ in range(2))
     k, v = (torch.randn(b, g, sk, d, device=dev).to(dt) for _ in range(2))
     leaves = [x.clone().requires_grad_() for x in (q, k, v)]
     out, lse = flash_attention(*leaves, causal, q_off, k_off, return_lse=True)
     out.backward(dout)
-    torch.cuda.synchronize()
+    synchronize(dev)
     ref64 = [x.double().requires_grad_() for x in (q, k, v)]
     ref_out, ref_lse = attention_reference(*ref64, causal, q_off, k_off)
     ref_out.backward(dout.double())
@@ -106,13 +123,19 @@ def test_flash_attention_16bit_forward_backward_on_cuda(compiled, dtype, shape):
         assert err(x.grad, r.grad) < OUT_TOL[dtype], (name, err(x.grad, r.grad))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+NORM_SHAPES = [(4096, 1024), (3, 77, 1000), (17, 5120), (8, 8192)]
+CPU_NORM_SHAPES = [(3, 7, 100), (37, 64)]  # the CPU case, fp16: a padded row, several row tiles
+
+
 @pytest.mark.parametrize("kind", ["layer", "rms"])
-@pytest.mark.parametrize("shape", [(4096, 1024), (3, 77, 1000), (17, 5120), (8, 8192)], ids=str)
-def test_fused_norms_16bit_on_cuda(compiled, dtype, kind, shape):
+@pytest.mark.parametrize("device,dtype,shape",
+                         device_cases([("fp16", s) for s in CPU_NORM_SHAPES],
+                                      [(dt, s) for s in NORM_SHAPES for dt in DTYPES],
+                                      ids=lambda c: f"{c[0]}-{c[1]}"))
+def test_fused_norms_16bit_on_cuda(device, dtype, kind, shape):
     from megalite.kernels.norms import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 
-    dev, dt, n = compiled, DTYPES[dtype], shape[-1]
+    dev, dt, n = compiled(device), DTYPES[dtype], shape[-1]
     x = (torch.randn(*shape, device=dev) * 2 + 0.5).to(dt)
     w = (1 + 0.1 * torch.randn(n, device=dev)).to(dt)
     bias = torch.randn(n, device=dev).to(dt) if kind == "layer" else None
@@ -121,7 +144,7 @@ def test_fused_norms_16bit_on_cuda(compiled, dtype, kind, shape):
     leaves = [p.clone().requires_grad_() for p in params]
     y = layer_norm(*leaves, 1e-5) if kind == "layer" else rms_norm(*leaves, 1e-5)
     y.backward(dy)
-    torch.cuda.synchronize()
+    synchronize(dev)
     ref64 = [p.double().requires_grad_() for p in params]
     ref = (layer_norm_reference(*ref64, 1e-5) if kind == "layer" else rms_norm_reference(*ref64, 1e-5))
     ref.backward(dy.double())
@@ -131,16 +154,21 @@ def test_fused_norms_16bit_on_cuda(compiled, dtype, kind, shape):
         assert leaf.grad.dtype == dt and err(leaf.grad, r.grad) < OUT_TOL[dtype], (name, err(leaf.grad, r.grad))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,vocab,vocab_size", [(1000, 50304, 50257), (64, 128256, None), (7, 1000, 999)],
-                         ids=str)
-def test_cross_entropy_16bit_on_cuda(compiled, dtype, rows, vocab, vocab_size):
+CE_SHAPES = [(1000, 50304, 50257), (64, 128256, None), (7, 1000, 999)]
+CPU_CE_SHAPES = [(9, 200, 190), (5, 130, None)]  # the CPU case, fp16: 4 slices with padding; 1 slice
+
+
+@pytest.mark.parametrize("device,dtype,rows,vocab,vocab_size",
+                         device_cases([("fp16", *s) for s in CPU_CE_SHAPES],
+                                      [(dt, *s) for s in CE_SHAPES for dt in DTYPES],
+                                      ids=lambda c: f"{c[0]}-{c[1:]}"))
+def test_cross_entropy_16bit_on_cuda(device, dtype, rows, vocab, vocab_size):
     """The autograd loss with padding columns and an ignored target, and the per-slice
     statistics of 4 vocabulary slices combined as tensor-parallel ranks combine them."""
     from megalite.kernels.cross_entropy import (cross_entropy, cross_entropy_grad, cross_entropy_reference,
                                                 cross_entropy_stats)
 
-    dev, dt = compiled, DTYPES[dtype]
+    dev, dt = compiled(device), DTYPES[dtype]
     real = vocab_size or vocab
     logits = (torch.randn(rows, vocab, device=dev) * 3).to(dt)
     target = torch.randint(0, real, (rows,), device=dev)
@@ -152,7 +180,7 @@ def test_cross_entropy_16bit_on_cuda(compiled, dtype, rows, vocab, vocab_size):
     ref64 = logits.double().requires_grad_()
     ref = cross_entropy_reference(ref64, target, vocab_size=vocab_size)
     ref.backward(grad.double())
-    torch.cuda.synchronize()
+    synchronize(dev)
     assert loss.dtype == torch.float32 and loss[0] == 0 and (leaf.grad[0] == 0).all()
     assert err(loss, ref) < 1e-4
     assert leaf.grad.dtype == dt and err(leaf.grad, ref64.grad) < CE_GRAD_TOL[dtype]
@@ -174,56 +202,73 @@ def test_cross_entropy_16bit_on_cuda(compiled, dtype, rows, vocab, vocab_size):
 
 # -- 2. CUDA dropout streams -----------------------------------------------------------------------
 
-def _seed(seed: int):
-    """model_parallel_seed for a serial run on the current GPU: every stream gets a CUDA state."""
+def _device(device: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
+
+
+def _seed(seed: int, dev: torch.device):
+    """model_parallel_seed for a serial run on ``dev``: on a GPU every stream gets a CUDA state."""
     from megalite.parallel.random import model_parallel_seed
 
-    return model_parallel_seed(seed, None, device=torch.device("cuda", torch.cuda.current_device()))
+    return model_parallel_seed(seed, None, device=dev)
 
 
-def _mask(n: int = 1 << 16) -> torch.Tensor:
-    return F.dropout(torch.ones(n, device="cuda"), p=0.5, training=True) != 0
+def _mask(dev: torch.device, n: int = 1 << 16) -> torch.Tensor:
+    return F.dropout(torch.ones(n, device=dev), p=0.5, training=True) != 0
 
 
-def test_cuda_dropout_streams_differ_and_reseeding_reproduces_them():
-    tracker = _seed(1234)
-    d1 = _mask()
+def _manual_seed(dev: torch.device, seed: int) -> None:
+    """Re-seed the generator the masks on ``dev`` draw from (only that one)."""
+    if dev.type == "cuda":
+        torch.cuda.manual_seed(seed)
+    else:
+        torch.default_generator.manual_seed(seed)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cuda_dropout_streams_differ_and_reseeding_reproduces_them(device):
+    dev = _device(device)
+    tracker = _seed(1234, dev)
+    d1 = _mask(dev)
     with tracker.fork("tensor-parallel"):
-        t1 = _mask()
+        t1 = _mask(dev)
     with tracker.fork("tensor-parallel"):
-        t2 = _mask()
-    d2 = _mask()
-    assert d1.device.type == "cuda" and 0.45 < d1.float().mean().item() < 0.55
+        t2 = _mask(dev)
+    d2 = _mask(dev)
+    assert d1.device.type == dev.type and 0.45 < d1.float().mean().item() < 0.55
     assert not torch.equal(d1, t1), "the tensor-parallel stream must differ from the default stream"
     assert not torch.equal(t1, t2) and not torch.equal(d1, d2), "each stream must advance"
 
-    tracker = _seed(1234)
-    assert torch.equal(_mask(), d1)
-    assert torch.equal(_mask(), d2), "fork() must leave the default CUDA stream where it was"
+    tracker = _seed(1234, dev)
+    assert torch.equal(_mask(dev), d1)
+    assert torch.equal(_mask(dev), d2), "fork() must leave the default stream where it was"
     with tracker.fork("tensor-parallel"):
-        assert torch.equal(_mask(), t1) and torch.equal(_mask(), t2)
-    tracker = _seed(4321)
-    assert not torch.equal(_mask(), d1), "another seed, other masks"
+        assert torch.equal(_mask(dev), t1) and torch.equal(_mask(dev), t2)
+    tracker = _seed(4321, dev)
+    assert not torch.equal(_mask(dev), d1), "another seed, other masks"
 
 
-def test_cuda_rng_state_dict_round_trip_is_bit_exact():
-    tracker = _seed(99)
-    _mask()
+@pytest.mark.parametrize("device", DEVICES)
+def test_cuda_rng_state_dict_round_trip_is_bit_exact(device):
+    dev = _device(device)
+    tracker = _seed(99, dev)
+    _mask(dev)
     with tracker.fork("tensor-parallel"):
-        _mask()
+        _mask(dev)
     state = copy.deepcopy(tracker.state_dict())
-    want_default = _mask()
+    assert ("default.cuda" in state) == (dev.type == "cuda")
+    want_default = _mask(dev)
     with tracker.fork("tensor-parallel"):
-        want_tp = _mask()
-    torch.cuda.manual_seed(12345)  # scramble both streams on the GPU (and go on drawing)
+        want_tp = _mask(dev)
+    _manual_seed(dev, 12345)  # scramble both streams on the device (and go on drawing)
     with tracker.fork("tensor-parallel"):
-        torch.cuda.manual_seed(54321)
-        _mask()
-    _mask()
+        _manual_seed(dev, 54321)
+        _mask(dev)
+    _mask(dev)
     tracker.load_state_dict(state)
-    assert torch.equal(_mask(), want_default), "load_state_dict must restore the default CUDA stream"
+    assert torch.equal(_mask(dev), want_default), "load_state_dict must restore the default stream"
     with tracker.fork("tensor-parallel"):
-        assert torch.equal(_mask(), want_tp), "load_state_dict must restore the tensor-parallel CUDA stream"
+        assert torch.equal(_mask(dev), want_tp), "load_state_dict must restore the tensor-parallel stream"
 
 
 # -- 3. CUDA fp32 run = CPU run --------------------------------------------------------------------
@@ -250,28 +295,35 @@ def cpu_losses(tmp_path_factory):
     return _losses(tmp_path_factory.mktemp("cpu"), "cpu", ["--device", "cpu"], interpret="1")
 
 
-@pytest.mark.parametrize("backend", ["torch", "auto"])  # auto: the Triton attention in fp32 ("ieee" dots)
-def test_fp32_cuda_run_matches_cpu_losses(cpu_losses, tmp_path, backend):
-    cuda = _losses(tmp_path, f"cuda-{backend}", ["--device", "cuda", "--disable-tf32", "--attention-backend",
-                                                 backend], interpret="0")
-    print(f"cpu  losses: {cpu_losses}\ncuda losses ({backend}): {cuda}")
+# auto: the Triton attention in fp32 ("ieee" dots). The CPU case: a second CPU run with the same
+# flags against the first (one backend: on a CPU auto resolves to torch)
+@pytest.mark.parametrize("device,backend", device_cases([pytest.param("torch", marks=pytest.mark.slow)],
+                                                       [("torch",), ("auto",)], ids=lambda c: c[0]))
+def test_fp32_cuda_run_matches_cpu_losses(cpu_losses, tmp_path, backend, device):
+    interpret = "0" if device == "cuda" else "1"
+    cuda = _losses(tmp_path, f"{device}-{backend}", ["--device", device, "--disable-tf32", "--attention-backend",
+                                                    backend], interpret=interpret)
+    print(f"cpu  losses: {cpu_losses}\n{device} losses ({backend}): {cuda}")
     diffs = [abs(a - b) for a, b in zip(cpu_losses, cuda)]
-    assert max(diffs) < 1e-4, [f"iter {i + 1}: cpu {a:.6f} cuda {b:.6f}" for i, (a, b) in enumerate(zip(cpu_losses, cuda))]
+    assert max(diffs) < 1e-4, [f"iter {i + 1}: cpu {a:.6f} {device} {b:.6f}" for i, (a, b) in enumerate(zip(cpu_losses, cuda))]
 
 
 # -- 4. A GPU resume is bit-exact (CUDA dropout streams saved and restored) --------------------------
 
-def test_cuda_resume_after_kill_is_bit_identical(tmp_path):
+@pytest.mark.parametrize("device", [cpu(pytest.mark.slow), CUDA])
+def test_cuda_resume_after_kill_is_bit_identical(tmp_path, device):
     """Dropout on (so the CUDA generator states matter), killed after iteration 5 with a
-    checkpoint at 4, resumed: iterations 5-8 repeat the uninterrupted run bit for bit."""
+    checkpoint at 4, resumed: iterations 5-8 repeat the uninterrupted run bit for bit. (The CPU
+    case: the same runs with --device cpu, the CPU generator's states.)"""
     flags = ["--mock-data", "--vocab-size", "512", "--num-layers", "2", "--hidden-size", "64",
              "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "4", "--seed", "1234",
-             "--device", "cuda", "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
+             "--device", device, "--hidden-dropout", "0.1", "--attention-dropout", "0.1",
              "--attention-backend", "torch", "--train-iters", "8", "--save-interval", "4"]
+    interpret = "0" if device == "cuda" else "1"
 
     def run(name, extra, env=None):
         log = tmp_path / f"{name}.jsonl"
-        run_env = dict(os.environ, TRITON_INTERPRET="0", **(env or {}),
+        run_env = dict(os.environ, TRITON_INTERPRET=interpret, **(env or {}),
                        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
         done = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), *flags, *extra, "--log-json", str(log)],
                               cwd=REPO, env=run_env, capture_output=True, text=True, timeout=300)

@@ -5,13 +5,15 @@ grouped_linear calls against megalite.moe.experts.grouped_mlp (dx, dw1, dw2).
 Error measure as in test_kernels.py: max |a - ref| / max(0.1, max |ref|) against float64.
 Targets: fp32 1e-5, fp16 2e-3. The interpreter tiles are 32 x 32 x 32: K = 40 and Nout = 72
 give ragged column tiles and a ragged reduction, a group of 37 rows spans two row tiles.
-The last test (marked gpu) runs the compiled kernels in bf16 and fp16.
+The last test runs the compiled kernels in bf16 and fp16 on a GPU (its ``cuda`` cases, marked
+gpu) and, here, the same checks in the interpreter in fp16 on small ragged groups (``cpu``).
 """
 import pytest
 import torch
 
 from megalite.kernels.grouped_gemm import (group_offsets, grouped_linear, grouped_linear_reference,
                                            grouped_matmul, grouped_weight_grad)
+from tests.device_twins import device_cases, kernel_device
 
 FP32, FP16 = 1e-5, 2e-3
 
@@ -142,18 +144,21 @@ def test_dtype_mismatch_is_an_error():
         grouped_linear(x, w.half(), [4, 4])
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1.6e-2), (torch.float16, 2e-3)])
-def test_compiled_kernels_on_the_gpu(dtype, tol):
-    from megalite.kernels._utils import INTERPRET
+GPU_GROUPS = [([0, 300, 17, 0, 1000, 129], 264, 520), ([0, 0, 777, 0], 128, 256), ([0, 0], 64, 64)]
+CPU_GROUPS = [([0, 35, 3, 0], 24, 40), ([0, 0], 16, 16)]  # the CPU case: tiles of 32, ragged
 
-    if INTERPRET:
-        pytest.skip("TRITON_INTERPRET=1: run with TRITON_INTERPRET=0 (scripts/gpu_check.sh does).")
-    for counts, k, n_out in [([0, 300, 17, 0, 1000, 129], 264, 520), ([0, 0, 777, 0], 128, 256),
-                             ([0, 0], 64, 64)]:
-        x, w, dy = inputs(counts, k, n_out, dtype, "cuda")
+
+@pytest.mark.parametrize("device,dtype,tol", device_cases([(torch.float16, 2e-3)],
+                                                          [(torch.bfloat16, 1.6e-2), (torch.float16, 2e-3)],
+                                                          ids=lambda c: str(c[0]).split(".")[-1]))
+def test_compiled_kernels_on_the_gpu(device, dtype, tol):
+    """cuda: the compiled kernels in bf16 and fp16, host and device group counts; cpu: the
+    interpreter in fp16 on smaller groups (a CPU tensor of counts takes the same path)."""
+    dev = kernel_device(device)
+    for counts, k, n_out in (GPU_GROUPS if dev.type == "cuda" else CPU_GROUPS):
+        x, w, dy = inputs(counts, k, n_out, dtype, dev)
         ry, rdx, rdw = reference(x, w, dy, counts)
-        for groups in (counts, torch.tensor(counts, device="cuda")):  # host and device counts
+        for groups in (counts, torch.tensor(counts, device=dev)):  # host and device counts
             y, dx, dw = run(grouped_linear, x, w, dy, groups)
             assert y.dtype == dtype and err(y, ry) < tol
             assert err(dx, rdx) < tol and err(dw, rdw) < tol

@@ -23,6 +23,7 @@ from megalite.step_values import LossScaler, resolve_steps
 from megalite.testing import run_world
 from megalite.training import train_step
 
+from tests.device_twins import DEVICES, FakeSyncDebugMode
 from tests.test_zero import global_batch
 
 
@@ -172,14 +173,18 @@ def test_pipeline_trace_takes_the_device_clock(monkeypatch):
     assert step_trace(args, 1, t, torch.device("cuda", 0)) is None  # only the last iteration
 
 
-@pytest.mark.gpu
-def test_dense_step_makes_no_device_sync_on_cuda():
+@pytest.mark.parametrize("device", DEVICES)
+def test_dense_step_makes_no_device_sync_on_cuda(device, monkeypatch):
     """On a GPU, torch's sync debug mode raises on any synchronizing CUDA call, those made
     inside torch's C++ code included (which the CPU count cannot see): a bf16 step with the
-    DP optimizer (clipping on, skip and clip decided on the device) makes none."""
+    DP optimizer (clipping on, skip and clip decided on the device) makes none. The CPU case
+    runs the same bf16 steps (torch's CPU ops) under a fake sync debug mode that raises on
+    megalite's host reads (megalite.host_syncs), the reads a GPU would sync on."""
+    if device == "cpu":
+        fake = FakeSyncDebugMode.install(monkeypatch)
     config = make_config()
     config.train.bf16 = True
-    device = torch.device("cuda", torch.cuda.current_device())
+    device = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     chunks = build_model_chunks(config, build_grid(config.parallel, 1, 0), device)
     for c in chunks:
         c.init_weights(7)
@@ -195,6 +200,8 @@ def test_dense_step_makes_no_device_sync_on_cuda():
         torch.cuda.set_sync_debug_mode(0)
     resolve_steps(results)
     assert all(math.isfinite(r.loss) and not r.skipped for r in results), [r.loss for r in results]
+    if device.type == "cpu":
+        assert fake.modes == ["error", 0] and fake.reads == [] and fake.synchronized == 1
 
 
 def test_a_result_of_host_numbers_reads_nothing():

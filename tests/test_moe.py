@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from megalite.moe import MoELayer, TopKRouter, grouped_mlp
 from megalite.moe.router import capacity
 from megalite.testing import run_world
+from tests.device_twins import device_cases
 
 H, FFN, E, K, T = 16, 12, 8, 2, 20  # T tokens per rank (not a power of two)
 SEED, STD = 1234, 0.3
@@ -320,19 +321,24 @@ def test_grouped_gemm_layer_matches_the_loop(swiglu):
         _err(f"grouped gemm/{name}", fused["grads"][name], grad)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("grouped", [False, True])
-def test_moe_layer_on_cuda_matches_cpu(grouped):
+# the CPU case with the grouped GEMM (~1 s in the interpreter) is in the slow tier: the fast tier
+# has its numbers in test_grouped_gemm_layer_matches_the_loop and this body in the loop's CPU case
+@pytest.mark.parametrize("device,grouped", device_cases([(False,), pytest.param(True, marks=pytest.mark.slow)],
+                                                        [(False,), (True,)], ids=lambda c: str(c[0])))
+def test_moe_layer_on_cuda_matches_cpu(grouped, device):
     """On a GPU (scripts/gpu_check.sh): the layer on CUDA in fp32 gives the CPU's numbers, with the
-    loop and with the Triton grouped GEMM; everything it makes lives on the GPU."""
+    loop and with the Triton grouped GEMM; everything it makes lives on the GPU. The CPU case
+    runs the same comparison with a second copy of the layer on the CPU (grouped: the
+    interpreter's kernels against the loop's numbers)."""
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     x, g = _data(T)
     cpu = _run(_layer(cf=1.0), x, g)
-    layer = _layer(cf=1.0).cuda()
+    layer = _layer(cf=1.0).to(dev)
     layer.experts.grouped_gemm = grouped
-    gpu = _run(layer, x.cuda(), g.cuda())
-    assert gpu["out"].is_cuda and layer.experts.w1.grad.is_cuda
+    gpu = _run(layer, x.to(dev), g.to(dev))
+    assert gpu["out"].device.type == dev.type and layer.experts.w1.grad.device.type == dev.type
     assert torch.equal(gpu["kept"].cpu(), cpu["kept"])
     for key in ("out", "dx", "aux", "z"):
-        _err(f"cuda/{key}", gpu[key].cpu(), cpu[key], tol=1e-4)
+        _err(f"{device}/{key}", gpu[key].cpu(), cpu[key], tol=1e-4)
     for name, grad in cpu["grads"].items():
-        _err(f"cuda/{name}", gpu["grads"][name].cpu(), grad, tol=1e-4)
+        _err(f"{device}/{name}", gpu["grads"][name].cpu(), grad, tol=1e-4)

@@ -23,6 +23,10 @@
 
    A sync inside a torch op (``nonzero``, ``repeat_interleave`` without ``output_size``) is not
    seen here; the GPU test at the end runs the layer under ``torch.cuda.set_sync_debug_mode``.
+
+The two ``gpu`` tests at the end have ``cpu`` cases (tests/device_twins.py) that run the same
+bodies here: the sync-debug test with a fake ``set_sync_debug_mode`` that counts megalite's host
+reads instead (the interpreter's grouped GEMM), the fake-group test on CPU tensors in this process.
 """
 from __future__ import annotations
 
@@ -38,6 +42,7 @@ from megalite.moe.dispatch import expert_major_permutation
 from megalite.moe.router import TopKRouter
 from megalite.host_syncs import count_host_syncs
 from megalite.testing import run_world
+from tests.device_twins import CUDA, DEVICES, FakeSyncDebugMode, cpu
 
 H, FFN, E, K, T = 16, 12, 8, 2, 20
 SEED, STD = 1234, 0.3
@@ -241,12 +246,22 @@ def test_host_syncs_ep2():
 
 # -- on a GPU ----------------------------------------------------------------------------------------
 
-@pytest.mark.gpu
-def test_no_device_sync_ep1_dropless_grouped_gemm_on_cuda():
+def _device(device: str) -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device(device)
+
+
+# cpu: two passes of the interpreter's grouped GEMM, ~1.3 s: slow tier (the fast tier counts the
+# same layer's host reads in test_host_syncs_ep1)
+@pytest.mark.parametrize("device", [cpu(pytest.mark.slow), CUDA])
+def test_no_device_sync_ep1_dropless_grouped_gemm_on_cuda(device, monkeypatch):
     """EP=1, dropless, Triton grouped GEMM: forward and backward without one device->host sync
-    (torch raises on any synchronizing CUDA call under sync debug mode "error")."""
-    layer = _layer(grouped=True).cuda()
-    x, g = (t.cuda() for t in _data(T))
+    (torch raises on any synchronizing CUDA call under sync debug mode "error"). The CPU case:
+    the interpreter's kernels, and a fake sync debug mode that raises on megalite's host reads."""
+    dev = _device(device)
+    if dev.type == "cpu":
+        fake = FakeSyncDebugMode.install(monkeypatch)
+    layer = _layer(grouped=True).to(dev)
+    x, g = (t.to(dev) for t in _data(T))
     x.requires_grad_(True)
     out, loss = layer(x)  # warm-up: the Triton autotuner times its configs (syncs) on first calls
     ((out * g).sum() + loss).backward()
@@ -259,25 +274,30 @@ def test_no_device_sync_ep1_dropless_grouped_gemm_on_cuda():
     finally:
         torch.cuda.set_sync_debug_mode(0)
     assert torch.isfinite(out).all()
+    if dev.type == "cpu":
+        assert fake.modes == ["error", 0] and fake.reads == [] and fake.synchronized == 1
 
 
-@pytest.mark.gpu
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("cf", [None, 1.0])
-def test_fake_group_rank_on_cuda(cf):
+def test_fake_group_rank_on_cuda(cf, device):
     """One rank of a fake EP4 group on CUDA tensors (in this process: a forked worker cannot
-    use CUDA once the parent has): forward and backward run and give finite numbers."""
+    use CUDA once the parent has): forward and backward run and give finite numbers. The CPU
+    case: the same on CPU tensors, in this process too."""
     if dist.is_initialized():
         pytest.skip("a process group is already running in this process")
     import torch.testing._internal.distributed.fake_pg  # noqa: F401  (registers "fake")
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    dev = _device(device)
     dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
     try:
-        layer = _layer(dist.group.WORLD, cf, dist.group.WORLD if cf else None).cuda()
-        x, g = (t.cuda() for t in _data(T))
+        layer = _layer(dist.group.WORLD, cf, dist.group.WORLD if cf else None).to(dev)
+        x, g = (t.to(dev) for t in _data(T))
         x.requires_grad_(True)
         out, loss = layer(x)
         ((out * g).sum() + loss).backward()
         assert torch.isfinite(out).all() and torch.isfinite(x.grad).all()
+        assert out.device.type == dev.type
     finally:
         dist.destroy_process_group()

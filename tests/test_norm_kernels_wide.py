@@ -4,8 +4,10 @@ interpreter. Small chunks are forced to make several chunks and a ragged last on
 import pytest
 import torch
 
+from megalite.kernels import norms
 from megalite.kernels.norms import (CHUNK, WHOLE_ROW_MAX, _chunk, layer_norm, layer_norm_reference, norm_backward, norm_forward,
                                     rms_norm, rms_norm_reference)
+from tests.device_twins import DEVICES, kernel_device
 
 
 def _reference(x, w, b, dy, rms):
@@ -46,20 +48,25 @@ def test_wide_rows_take_the_chunked_path_through_autograd():
         assert (x.grad.double() - ref[1]).abs().max() / ref[1].abs().max() < 1e-5
 
 
-@pytest.mark.gpu
-def test_chunked_kernels_compiled_on_the_gpu():
+@pytest.mark.parametrize("device", DEVICES)
+def test_chunked_kernels_compiled_on_the_gpu(device, monkeypatch):
     """On a GPU (scripts/gpu_check.sh): the compiled chunked kernels in bf16 (a ragged last chunk,
-    6 rows: fewer rows than programs) against float64, LayerNorm and RMSNorm (4 variants)."""
-    from megalite.kernels._utils import INTERPRET
-
-    if INTERPRET:
-        pytest.skip("TRITON_INTERPRET=1: run with TRITON_INTERPRET=0 (scripts/gpu_check.sh does).")
-    n = 12296  # above WHOLE_ROW_MAX, not a multiple of CHUNK
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = (torch.randn(6, n, device="cuda", generator=g) * 2 + 0.5).bfloat16()
-    w = (1 + 0.1 * torch.randn(n, device="cuda", generator=g)).bfloat16()
-    b = torch.randn(n, device="cuda", generator=g).bfloat16()
-    dy = torch.randn(6, n, device="cuda", generator=g).bfloat16()
+    6 rows: fewer rows than programs) against float64, LayerNorm and RMSNorm (4 variants). The
+    CPU case: the interpreter in fp16, with WHOLE_ROW_MAX and CHUNK lowered (128, 64) so that a
+    row of 200 takes the same chunked path through autograd, its last chunk ragged."""
+    dev = kernel_device(device)
+    if dev.type == "cuda":
+        n, dtype = 12296, torch.bfloat16  # above WHOLE_ROW_MAX, not a multiple of CHUNK
+    else:
+        monkeypatch.setattr(norms, "WHOLE_ROW_MAX", 128)
+        monkeypatch.setattr(norms, "CHUNK", 64)
+        n, dtype = 200, torch.float16
+    assert norms._chunk(n, None) is not None and n % norms.CHUNK  # the chunked kernels, a ragged chunk
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = (torch.randn(6, n, device=dev, generator=g) * 2 + 0.5).to(dtype)
+    w = (1 + 0.1 * torch.randn(n, device=dev, generator=g)).to(dtype)
+    b = torch.randn(n, device=dev, generator=g).to(dtype)
+    dy = torch.randn(6, n, device=dev, generator=g).to(dtype)
     for rms in (False, True):
         leaves = [t.clone().requires_grad_() for t in ((x, w) if rms else (x, w, b))]
         y = rms_norm(*leaves) if rms else layer_norm(*leaves)
@@ -68,4 +75,4 @@ def test_chunked_kernels_compiled_on_the_gpu():
         for name, got, want in zip(("y", "dx", "dw", "db"), (y, *(t.grad for t in leaves)), ref):
             if want is not None:
                 err = ((got.double() - want).abs().max() / want.abs().max().clamp_min(1.0)).item()
-                assert got.dtype == torch.bfloat16 and err < 1.6e-2, (rms, name, err)
+                assert got.dtype == dtype and err < 1.6e-2, (rms, name, err)

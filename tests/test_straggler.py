@@ -18,6 +18,7 @@ from megalite.resilience.straggler import (
     role_text,
 )
 from megalite.testing import run_world
+from tests.device_twins import DEVICES, FakeCudaClock
 
 # -- the rule ------------------------------------------------------------------------------------
 
@@ -154,12 +155,16 @@ def test_monitor_off_costs_nothing():
     assert monitor.report(10) is None and comm._BLOCKED is None
 
 
-@pytest.mark.gpu
-def test_cuda_events_exclude_blocked_time():
+@pytest.mark.parametrize("device", DEVICES)
+def test_cuda_events_exclude_blocked_time(device, monkeypatch):
     """The GPU path: compute is the stream's time between the step's events less the time it
-    spent in blocked() pairs; nothing is read before the report."""
+    spent in blocked() pairs; nothing is read before the report. The CPU case takes the same
+    GPU path on a simulated stream (tests/device_twins.FakeCudaClock: ``_sleep`` advances its
+    clock, events stamp it, and reading an event before a synchronization raises)."""
     from megalite.parallel.grid import GridLayout, ProcessGrid
 
+    if device == "cpu":
+        FakeCudaClock.install(monkeypatch)
     device = torch.device("cuda")
     rate = torch.cuda.get_device_properties(device).clock_rate * 1e3  # cycles per second
     monitor = StragglerMonitor(ProcessGrid(GridLayout(), 0), 2, 0.2, device)

@@ -5,7 +5,8 @@ against ``tests/te_standin.py``, a stand-in with TE 2.x's interface and document
 (its own TP/SP communication over real gloo groups, full sizes divided by TP, deferred init on
 meta, FP8 delayed-scaling state). What these tests prove is megalite's side: the sharding
 marks, the parameter names, the block wiring, the amax group and the FP8 checkpoint state.
-The ``gpu`` tests at the end run the real library wherever it is installed.
+The ``gpu`` tests at the end run the real library wherever it is installed; their ``cpu`` cases
+run the same bodies on the stand-in.
 """
 import dataclasses
 
@@ -16,6 +17,7 @@ from megalite.config import ModelConfig
 from megalite.model.gpt import GPTModel
 from megalite.testing import run_world
 from tests import te_standin
+from tests.device_twins import CUDA, DEVICES, cpu
 from tests.test_tensor_parallel import PRETRAIN
 
 TE = ["--transformer-impl", "transformer_engine"]
@@ -219,29 +221,37 @@ def test_fp8_autocast_signature_of_te_before_2_9(monkeypatch):
 
 
 # -- the real transformer-engine, on a GPU ------------------------------------------------------
-def _real_te():
-    from megalite.layers.backends import te_missing
-    why = te_missing()
+# transformer-engine cannot be installed without CUDA and cuDNN: the CPU cases run the same test
+# bodies with the stand-in installed (so they check the tests' own logic, not the real library),
+# on smaller models.
+def _real_te(device="cuda", monkeypatch=None):
+    from megalite.layers import backends
+    if device == "cpu":
+        te_standin.install(monkeypatch)
+        monkeypatch.setattr(backends, "te_missing", lambda: None)
+    why = backends.te_missing()
     if why:
         pytest.skip(why)
 
 
-@pytest.mark.gpu
-def test_real_te_matches_local_layers_on_gpu():
-    _real_te()
-    cfg = ModelConfig(num_layers=2, hidden_size=256, num_attention_heads=4, vocab_size=512, seq_length=128,
-                      hidden_dropout=0.0, attention_dropout=0.0, **VARIANTS["llama"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_real_te_matches_local_layers_on_gpu(device, monkeypatch):
+    _real_te(device, monkeypatch)
+    size = dict(hidden_size=256, seq_length=128, vocab_size=512) if device == "cuda" else \
+        dict(hidden_size=64, seq_length=32, vocab_size=128)
+    cfg = ModelConfig(num_layers=2, num_attention_heads=4, hidden_dropout=0.0, attention_dropout=0.0, **size,
+                      **VARIANTS["llama"])
     results = []
     for impl in ("local", "transformer_engine"):
         c = dataclasses.replace(cfg, transformer_impl=impl)
         with torch.device("meta"):
             model = GPTModel(c)
         from megalite.model.gpt import materialize
-        model = materialize(model, torch.device("cuda"))
+        model = materialize(model, torch.device(device))
         model.init_weights(7)
         model = model.to(torch.bfloat16)
-        x = torch.randint(0, c.vocab_size, (4, c.seq_length + 1), device="cuda",
-                          generator=torch.Generator("cuda").manual_seed(3))
+        x = torch.randint(0, c.vocab_size, (4, c.seq_length + 1), device=device,
+                          generator=torch.Generator(device).manual_seed(3))
         loss = model(x[:, :-1], labels=x[:, 1:]).float().mean()
         loss.backward()
         results.append((loss.item(), {n: p.grad.float() for n, p in model.named_parameters()}))
@@ -252,18 +262,21 @@ def test_real_te_matches_local_layers_on_gpu():
         assert err < 5e-2, (name, err)
 
 
-@pytest.mark.gpu
-def test_real_te_fp8_trains_and_its_state_round_trips(tmp_path):
-    _real_te()
+@pytest.mark.parametrize("device", [cpu(pytest.mark.slow), CUDA])  # cpu: two bf16 CPU runs, ~1.5 s
+def test_real_te_fp8_trains_and_its_state_round_trips(tmp_path, device, monkeypatch):
+    _real_te(device, monkeypatch)
     import transformer_engine.pytorch as te
     if hasattr(te, "is_fp8_available") and not te.is_fp8_available():
         pytest.skip("this GPU has no FP8")
     from megalite.pretrain import pretrain
-    args = ["--mock-data", "--vocab-size", "512", "--num-layers", "2", "--hidden-size", "256",
-            "--num-attention-heads", "4", "--seq-length", "128", "--micro-batch-size", "4", "--global-batch-size", "8",
+    size = ["--hidden-size", "256", "--seq-length", "128"] if device == "cuda" else \
+        ["--hidden-size", "128", "--seq-length", "16", "--device", "cpu"]
+    args = ["--mock-data", "--vocab-size", "512", "--num-layers", "2", *size,
+            "--num-attention-heads", "4", "--micro-batch-size", "4", "--global-batch-size", "8",
             "--train-iters", "6", "--lr", "1e-3", "--bf16", "--log-interval", "100"] + TE + FP8
     full = [r["loss"] for r in pretrain(args + ["--save", str(tmp_path), "--save-interval", "3"])]
-    resumed = [r["loss"] for r in pretrain(args + ["--load", str(tmp_path)])]
+    # from iteration 3: the run saved at 3 and at 6 too, and "latest" (6) would leave nothing to train
+    resumed = [r["loss"] for r in pretrain(args + ["--load", str(tmp_path), "--ckpt-step", "3"])]
     assert all(torch.isfinite(torch.tensor(full))) and full[-1] < full[0]
     assert resumed == pytest.approx(full[3:], rel=1e-3)
 

@@ -46,15 +46,19 @@ def test_plan_runs_without_torch_and_fits_480_s(tmp_path):
     text = subprocess.run(["bash", str(SCRIPT), "--plan"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=60)
     assert text.returncode == 0, text.stdout + text.stderr
-    for part in ("probe", "a", "b", "c-triton", "c-torch", "d"):
+    for part in ("probe", "a", "b", "e", "c-triton", "f", "c-torch", "d"):
         assert re.search(rf"^  {re.escape(part)} +\d+ s", text.stdout, re.M), (part, text.stdout)
+    assert "ZB-H1" in text.stdout and "ZBV" in text.stdout and "a2a and allgather" in text.stdout
+    assert "bench_checkpoint.py --device cuda" in text.stdout and "preflight" in text.stdout
     total = int(re.search(r"^  total +(\d+) s", text.stdout, re.M).group(1))
     assert total <= 480 and not (tmp_path / "out").exists()
 
     plan = json.loads(subprocess.run(["bash", str(SCRIPT), "--plan", "--json"], env=env, capture_output=True,
                                      text=True, timeout=60, check=True).stdout)
     parts = {p["part"]: p for p in plan["parts"]}
-    assert parts["a"]["stage"] == parts["b"]["stage"]  # side by side
+    assert parts["a"]["stage"] == parts["b"]["stage"] == parts["e"]["stage"]  # side by side
+    assert parts["e"]["budget_s"] <= parts["a"]["budget_s"]  # (e) adds no plan time
+    assert parts["f"]["beside"] == [] and parts["f"]["mode"] == "required"  # it times: alone
     stages = {}
     for p in plan["parts"]:
         if p["mode"] != "extra" and not p.get("unavailable"):
@@ -62,6 +66,7 @@ def test_plan_runs_without_torch_and_fits_480_s(tmp_path):
     assert plan["total_s"] == sum(stages.values()) == total
     assert plan["total_s"] + plan["reserve_s"] <= plan["limit_s"] == 480
     assert parts["c-te-bf16"]["mode"] == "extra" and parts["d"]["mode"] == "stretch"
+    assert parts["c-torch"]["mode"] == "extra" and not parts["c-torch"]["unavailable"]  # shortened to fit (f)
 
 
 def test_the_real_parts_commands(tmp_path):
@@ -69,7 +74,7 @@ def test_the_real_parts_commands(tmp_path):
     stages = gpu_check.build_stages(sys.executable, ["--quick"])
     parts = {p.key: p for stage in stages for p in stage}
     cmds = {k: p.commands(tmp_path) for k, p in parts.items()}
-    for key in ("a", "b", "c-triton", "c-torch"):
+    for key in ("a", "b", "e", "c-triton", "c-torch", "f"):
         assert all(c.env["MEGALITE_KERNEL_TUNING"] == "fixed" for c in cmds[key]), key
     assert cmds["d"][0].env["MEGALITE_KERNEL_TUNING"] == "autotune" and "--quick" in cmds["d"][0].argv
     k = gpu_check.SHARDS
@@ -80,7 +85,8 @@ def test_the_real_parts_commands(tmp_path):
     for cmd in (c for cs in cmds.values() for c in cs):
         script = next((a for a in cmd.argv[1:] if str(a).endswith(".py")), None)
         assert script is None or (REPO / script).is_file(), script
-    assert [[p.key for p in s] for s in stages][0] == ["a", "b"]
+    assert [[p.key for p in s] for s in stages][0] == ["a", "b", "e"]
+    assert len(cmds["e"]) == len(gpu_check.DRY_LAYOUTS) and cmds["f"][0].argv[1] == "tools/bench_checkpoint.py"
 
 
 # -- the runner, with stand-in parts (real processes) ------------------------------------------------

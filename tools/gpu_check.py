@@ -1,5 +1,9 @@
 """The GPU acceptance check (scripts/gpu_check.sh): its parts, their budgets, the probe, the CLI.
 
+The probe (one python process: what torch sees) is followed by the preflight
+(tools/gpu_check_preflight.py: Triton's C compiler and cache folder, nvcc, driver, free memory),
+which stops the check with the fix before any part when every Triton kernel would fail.
+
     python tools/gpu_check.py --plan [--json]     # the parts, budgets and total; no torch import
     python tools/gpu_check.py [--out DIR]         # run (one CUDA GPU), results in DIR/
 
@@ -26,6 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from tools import gpu_check_preflight as check_preflight  # noqa: E402
 from tools import gpu_check_results as results  # noqa: E402
 from tools.gpu_check_runner import (  # noqa: E402
     RESERVE_S,
@@ -34,19 +39,20 @@ from tools.gpu_check_runner import (  # noqa: E402
     Run,
     plan_total,
     stage_budget,
+    write_json_atomic,
 )
 
 LIMIT_S = 480          # the whole check, probe included: 15 min of device time = a failed start + one rerun
 PROBE_S = 20
 SHARDS = 5             # part (a): pytest processes side by side
 FAKE_RANKS = (0, 7)
-FIXED = {"MEGALITE_KERNEL_TUNING": "fixed"}        # one tile config per kernel: parts a, b, c
+FIXED = {"MEGALITE_KERNEL_TUNING": "fixed"}        # one tile config per kernel: parts a, b, c, e, f
 AUTOTUNE = {"MEGALITE_KERNEL_TUNING": "autotune"}  # every config timed: part d only
 
-FAKE = ["--fake-process-group", "--device", "cuda", "--mock-data", "--vocab-size", "1024", "--num-layers", "4",
-        "--hidden-size", "256", "--num-attention-heads", "8", "--seq-length", "256", "--micro-batch-size", "2",
-        "--global-batch-size", "8", "--train-iters", "2", "--bf16", "--hidden-dropout", "0",
-        "--attention-dropout", "0"]  # ring attention (CP) has no attention dropout
+SMALL = ["--mock-data", "--vocab-size", "1024", "--num-layers", "4", "--hidden-size", "256", "--num-attention-heads",
+         "8", "--seq-length", "256", "--micro-batch-size", "2", "--global-batch-size", "8", "--bf16",
+         "--hidden-dropout", "0", "--attention-dropout", "0"]  # ring attention (CP) has no attention dropout
+FAKE = ["--fake-process-group", "--device", "cuda", *SMALL, "--train-iters", "2"]
 LAYOUTS = {
     "tp2pp2dp2_zero1": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--zero-stage", "1"],
     "tp2cp2dp2": ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2"],
@@ -61,13 +67,30 @@ GPT = ["--device", "cuda", "--bf16", "--mock-data", "--vocab-size", "50257", "--
        "--attention-dropout", "0"]  # values are read once per log interval: the last one is the window
 GPT_RUNS = {  # name -> (flags, mode); transformer-engine runs are extras (only with TE, only spare time)
     "triton": (["--attention-backend", "triton"], "required"),
-    "torch": (["--attention-backend", "torch"], "required"),
+    "torch": (["--attention-backend", "torch"], "extra"),  # shortened to fit (f): scripts/gpu_check.sh
     "te_bf16": (["--transformer-impl", "transformer_engine"], "extra"),
     "te_fp8": (["--transformer-impl", "transformer_engine", "--fp8-format", "hybrid", "--fp8-amax-history-len",
                 "1024", "--fp8-amax-compute-algo", "max"], "extra"),
 }
+# part (e): tools/dry_run.py --device cuda, one process per layout of 8 fake ranks, every pipeline
+# stage's role in it (one iteration each): the zero-bubble executor and the CP a2a / allgather blocks
+DRY_LAYOUTS = {
+    "tp2pp2dp2_zb-h1": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                        "--pipeline-schedule", "zb-h1", "--zero-stage", "2", "--overlap-grad-reduce"],
+    "tp2pp2dp2_zbv": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                      "--pipeline-schedule", "zbv", "--sequence-parallel"],  # 4 layers = 2 ranks x 2 chunks
+    "tp2cp2dp2_a2a": ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2", "--cp-comm-type", "a2a"],
+    "tp2cp2dp2_allgather": ["--tensor-model-parallel-size", "2", "--context-parallel-size", "2",
+                            "--cp-comm-type", "allgather"],
+}
+DRY_WORLD = 8
+CKPT_BENCH = ["--device", "cuda", "--rounds", "3"]  # part (f): 42M parameters, a 481 MiB checkpoint
 # seconds per part: the arithmetic behind each is in scripts/gpu_check.sh
-BUDGETS = {"a": 120, "b": 90, "c": 45, "d": 245}
+# C, the cold cost of one kernel variant: triton.compile (tools/compile_kernels.py) + the C launcher build
+# (tools/gpu_check_launcher.py, gcc -O3 of Triton 3.6's generated launcher), measured here on 2 cores
+C_COMPILE, C_LAUNCHER = 0.6, 0.4
+C = C_COMPILE + C_LAUNCHER
+BUDGETS = {"a": 120, "b": 90, "e": 60, "c": 45, "f": 40, "d": 245}
 
 
 def installed(module: str) -> bool:
@@ -93,9 +116,18 @@ def build_stages(py: str, bench_args: list) -> list:
                         dict(FIXED, WORLD_SIZE="8", RANK=str(rank), OMP_NUM_THREADS="2"))  # 16 cores, shared with (a)
                 for name, flags in LAYOUTS.items() for rank in FAKE_RANKS]
 
+    def dry_runs(out: Path) -> list:
+        return [Command([py, "tools/dry_run.py", "--world-size", str(DRY_WORLD), "--device", "cuda", *SMALL, *flags,
+                         "--json", f"{out}/e_{name}.json"], f"e_{name}.log", dict(FIXED, OMP_NUM_THREADS="1"))
+                for name, flags in DRY_LAYOUTS.items()]
+
     def gpt(name: str, flags: list):
         return lambda out: [Command([py, "pretrain_gpt.py", *GPT, "--log-json", f"{out}/c_gpt1p3b_{name}.jsonl", *flags],
                                     f"c_gpt1p3b_{name}.log", dict(FIXED))]
+
+    def checkpoint_bench(out: Path) -> list:
+        return [Command([py, "tools/bench_checkpoint.py", *CKPT_BENCH, "--json", f"{out}/f_bench_checkpoint.json"],
+                        "f_bench_checkpoint.txt", dict(FIXED))]
 
     def bench(out: Path) -> list:
         return [Command([py, "tools/gpu_check_bench.py", f"{out}/d_bench_rows.jsonl", *bench_args, "--json",
@@ -103,29 +135,44 @@ def build_stages(py: str, bench_args: list) -> list:
 
     te = None if installed("transformer_engine") else "transformer-engine is not installed"
     a = Part("a", "pytest -m gpu tests/", BUDGETS["a"], pytest_shards, results.judge_pytest,
-             f"{SHARDS} pytest shards side by side, fixed tiles: ~170 kernel variants x 0.6 s + 6 training "
-             f"processes x 10 s + 5 x 15 s start = ~235 CPU-s; the longest shard (3 runs in a row) ~75 s")
+             f"{SHARDS} pytest shards side by side, fixed tiles: ~175 kernel variants x {C:.1f} s + 6 training "
+             f"processes x 10 s + 5 x 15 s start = ~310 CPU-s; the longest shard (3 runs in a row) ~90 s")
     b = Part("b", f"fake process group on CUDA, ranks {' and '.join(map(str, FAKE_RANKS))} of "
              "TP2xPP2xDP2 ZeRO-1, TP2xCP2xDP2, TP4xDP2 ZeRO-3, MoE TP2xDP4 EP4", BUDGETS["b"], fake_ranks,
-             results.judge_fake, "8 processes at once beside (a): 10 s start + ~12 variants x 0.6 s + 2 "
-             "iterations, ~25 s")
-    stages = [[a, b]]
+             results.judge_fake, f"8 processes at once beside (a): 10 s start + ~12 variants x {C:.1f} s + 2 "
+             "iterations, ~30 s")
+    e = Part("e", "fake process group on CUDA, tools/dry_run.py --device cuda, every stage's role of TP2xPP2xDP2 "
+             "ZB-H1 ZeRO-2 and ZBV SP, TP2xCP2xDP2 CP a2a and allgather", BUDGETS["e"], dry_runs,
+             results.judge_dry_runs, f"4 processes at once beside (a) and (b): 10 s start + ~12 variants x {C:.1f} s "
+             "+ 1-2 roles x (build + 1 tracked iteration, ~3 s), ~30 s")
+    stages = [[a, b, e]]
     for name, (flags, mode) in GPT_RUNS.items():
         title = f"GPT ~1.3B bf16 (24 x 2048, seq 2048, micro 4), {results.GPT_ITERS} iterations, {' '.join(flags)}"
+        why = (f"10 s start + ~9 s drawing 1.3B weights on the CPU + ~8 variants x {C:.1f} s + 12 x ~0.3 s "
+               "iterations + set-up, ~34 s" + ("; an extra since (f) came (issue 36): it runs when the parts "
+                                              "before it leave 45 s beyond (d)'s budget" if name == "torch" else ""))
         stages.append([Part(f"c-{name}".replace("_", "-"), title, BUDGETS["c"], gpt(name, flags),
-                            results.gpt_judge(name), "10 s start + ~9 s drawing 1.3B weights on the CPU + ~8 "
-                            "variants x 0.6 s + 12 x ~0.3 s iterations + set-up, ~31 s",
-                            mode=mode, unavailable=te if mode == "extra" else None)])
+                            results.gpt_judge(name), why, mode=mode,
+                            unavailable=te if name.startswith("te") else None)])
+        if name == "triton":  # (f) before the extras: it is required
+            stages.append([Part("f", f"tools/bench_checkpoint.py {' '.join(CKPT_BENCH)}: blocked time of the "
+                                "async save vs the sync save", BUDGETS["f"], checkpoint_bench,
+                                results.judge_checkpoint_bench, f"alone (it times): 10 s start + ~8 fp32 variants x "
+                                f"{C:.1f} s + 3 rounds x (6 steps + a sync and an async save of 481 MiB + the steps "
+                                "during the write, ~3 s), ~30 s")])
     stages.append([Part("d", f"tools/bench_kernels.py {' '.join(bench_args)}".rstrip(), BUDGETS["d"], bench,
-                        results.judge_bench, "full autotuning: 132 attention configs x (0.6 s compile + 0.13 s "
-                        "timing) + torch.compile baselines ~65 s + the rest, ~215 s", mode="stretch")])
+                        results.judge_bench, f"full autotuning: 132 attention configs x ({C_COMPILE} s compile + "
+                        f"0.13 s timing; configs share their kernel's launcher) + 22 norm/cross-entropy variants x "
+                        f"{C:.1f} s + torch.compile baselines ~65 s + the rest, ~230 s", mode="stretch")])
     return stages
 
 
 def print_plan(stages: list, as_json: bool) -> None:
     """Each part, its budget and why; the total (probe + each stage's longest part)."""
-    rows = [dict(part="probe", title="GPU name and versions", budget_s=PROBE_S, mode="required",
-                 why="one python process: import torch + CUDA init (~10 s assumed) and nvidia-smi")]
+    rows = [dict(part="probe", title="GPU name and versions; preflight: Triton's C compiler, its cache folder, nvcc, "
+                 "driver, free GPU memory", budget_s=PROBE_S, mode="required",
+                 why="one python process: import torch + CUDA init (~10 s assumed) and nvidia-smi; then the "
+                     "compiler builds a launcher-like Python extension (~0.4 s); stops here without one")]
     for i, stage in enumerate(stages):
         for p in stage:
             rows.append(dict(part=p.key, title=p.title, budget_s=p.budget_s, mode=p.mode, why=p.why, stage=i + 1,
@@ -152,8 +199,14 @@ def print_plan(stages: list, as_json: bool) -> None:
 
 
 PROBE = r"""
-import importlib.util, json, platform
-info = {"python": platform.python_version()}
+import importlib.util, json, os, platform, sys, sysconfig
+info = {"python": platform.python_version(), "python_executable": sys.executable}
+try:  # the folder of Python.h, as triton/runtime/build.py finds it (for the preflight)
+    scheme = sysconfig.get_default_scheme()
+    include = sysconfig.get_paths(scheme="posix_prefix" if scheme == "posix_local" else scheme)["include"]
+    info.update(python_include=include, python_h=os.path.isfile(os.path.join(include, "Python.h")))
+except Exception as e:
+    info["python_include_error"] = f"{type(e).__name__}: {e}"
 try:
     import torch
     info.update(torch=torch.__version__, cuda_version=torch.version.cuda, cuda=torch.cuda.is_available())
@@ -162,6 +215,7 @@ try:
         info.update(gpu=p.name, capability=f"{p.major}.{p.minor}", sms=p.multi_processor_count,
                     memory_gib=round(p.total_memory / 2**30, 1), devices=torch.cuda.device_count())
         torch.zeros(1, device="cuda")
+        info["memory_free_gib"] = round(torch.cuda.mem_get_info(0)[0] / 2**30, 1)
     import triton
     info["triton"] = triton.__version__
 except Exception as e:
@@ -215,9 +269,10 @@ def say_to(out: Path | None):
 
 
 def run_check(stages: list, out: Path, info: dict, smi: str, started: float, limit_s: float = LIMIT_S,
-              **run_options) -> int:
+              preflight: dict | None = None, **run_options) -> int:
     """Run the stages on a GPU the probe found: summary.txt (header, one line per part, verdict) and
-    summary.json in ``out``; 0 if every required part passed."""
+    summary.json in ``out``; 0 if every required part passed. A ``preflight`` with problems
+    (tools/gpu_check_preflight.py) stops the check before any part, with the fix."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.txt").write_text("")
     say = say_to(out)
@@ -227,11 +282,18 @@ def run_check(stages: list, out: Path, info: dict, smi: str, started: float, lim
     say(f"python {info.get('python')} | torch {info.get('torch')} (CUDA {info.get('cuda_version')}) | "
         f"triton {info.get('triton')} | flash-attn {'yes' if info.get('flash_attn') else 'no'} | "
         f"transformer-engine {'yes' if info.get('transformer_engine') else 'no'}")
-    say(f"plan: {PROBE_S + plan_total(stages):.0f} s in a {limit_s:.0f} s limit; the probe took "
+    header = dict(started=now, host=platform.node(), gpu=info, nvidia_smi=smi, out=str(out))
+    if preflight is not None:
+        header["preflight"] = preflight
+        say(check_preflight.describe(preflight))
+        for line in preflight["warnings"]:
+            say(f"preflight warning: {line}")
+        if preflight["problems"]:
+            return preflight_failed(stages, out, preflight, say, dict(header, limit_s=limit_s), started)
+    say(f"plan: {PROBE_S + plan_total(stages):.0f} s in a {limit_s:.0f} s limit; the probe and preflight took "
         f"{time.monotonic() - started:.0f} s")
     env = dict(os.environ, TRITON_INTERPRET="0",
                PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    header = dict(started=now, host=platform.node(), gpu=info, nvidia_smi=smi, out=str(out))
     run = Run(stages, out, limit_s, started, say, header=header, env=env, **run_options)
     run.summary.update(plan_total_s=PROBE_S + plan_total(stages), probe_s=round(time.monotonic() - started, 1))
     ok = run.run()
@@ -240,6 +302,21 @@ def run_check(stages: list, out: Path, info: dict, smi: str, started: float, lim
         say(f"all parts PASS in {took:.0f} s; results in {out}/")
         return 0
     say(f"FAILED parts: {' '.join(run.summary['failed_parts'])}; {took:.0f} s; results in {out}/")
+    return 1
+
+
+def preflight_failed(stages: list, out: Path, preflight: dict, say, header: dict, started: float) -> int:
+    """Stop before any part: summary.json with the preflight, every part skipped; the fix said."""
+    for line in preflight["problems"]:
+        say(f"preflight FAILED: {line}")
+    note = "not run: the preflight failed (see preflight.problems)"
+    parts = [dict(part=p.key, title=p.title, budget_s=p.budget_s, mode=p.mode, status="skipped", summary=note)
+             for stage in stages for p in stage]
+    write_json_atomic(out / "summary.json", dict(header, parts=parts,
+                                                 plan_total_s=PROBE_S + plan_total(stages), finished=True,
+                                                 overall="fail", failed_parts=["preflight"],
+                                                 elapsed_s=round(time.monotonic() - started, 1)))
+    say(f"FAILED: preflight; nothing else ran ({time.monotonic() - started:.0f} s); results in {out}/")
     return 1
 
 
@@ -267,7 +344,7 @@ def main(argv=None) -> int:
         say(f"nvidia-smi sees '{smi}' but torch in '{py}' sees no CUDA device (a CPU-only torch?"
             f"{' ' + info['error'] if info.get('error') else ''}): FAIL")
         return 1
-    return run_check(stages, Path(args.out).resolve(), info, smi, started)
+    return run_check(stages, Path(args.out).resolve(), info, smi, started, preflight=check_preflight.preflight(info))
 
 
 if __name__ == "__main__":

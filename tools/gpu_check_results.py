@@ -181,3 +181,62 @@ def judge_bench(out: Path, outcomes: list) -> tuple:
             f"fwd/bwd best: triton {pair('triton')}, sdpa-flash {pair('sdpa-flash')}"
             + (f"; triton failed: {', '.join(bad)}" if bad else ""))
     return outcomes[0].rc == 0 and complete and not bad, figures, f"({line}; table d_bench_kernels.txt)"
+
+
+def _json_arg(outcome) -> Path | None:
+    """The path a command was told to write with ``--json PATH``."""
+    argv = [str(a) for a in outcome.command.argv]
+    return Path(argv[argv.index("--json") + 1]) if "--json" in argv[:-1] else None
+
+
+def _read_json(path: Path | None) -> dict | None:
+    try:
+        return json.loads(path.read_text()) if path is not None and path.is_file() else None
+    except ValueError:
+        return None  # cut off mid-write
+
+
+def judge_dry_runs(out: Path, outcomes: list) -> tuple:
+    """Part (e): each layout's tools/dry_run.py exited 0 and its --json holds every role, each of
+    which fits (the tiny model always should). Figures per layout: the roles' tracked peak (the
+    memory tracker's storages) beside ``torch.cuda.max_memory_allocated`` and the planner's."""
+    layouts, failed = {}, []
+    for o in outcomes:
+        name = o.command.log.removeprefix("e_").removesuffix(".log")
+        data = _read_json(_json_arg(o)) or {}
+        roles = data.get("roles", [])
+        gib = lambda v: None if v is None else round(v / 2**30, 3)  # noqa: E731
+        layouts[name] = dict(rc=o.rc, seconds=o.seconds, roles=[dict(
+            role=r.get("role"), ranks=r.get("ranks"), tracked_peak_gib=gib(r.get("measured_bytes")),
+            planned_gib=gib(r.get("planned_bytes")), cuda_max_allocated_gib=gib(r.get("cuda_max_memory_allocated")),
+            comm_bytes=r.get("comm_bytes")) for r in roles])
+        if o.rc != 0 or not roles or not all(r.get("fits") for r in roles):
+            failed.append(name)
+    n_roles = sum(len(v["roles"]) for v in layouts.values())
+    figures = dict(layouts=layouts, failed=failed, roles=n_roles)
+    line = (f"({len(outcomes) - len(failed)}/{len(outcomes)} layouts, {n_roles} roles ran on CUDA"
+            f"{'; failed: ' + ' '.join(failed) if failed else ''}; logs e_*.log)")
+    return bool(outcomes) and not failed, figures, line
+
+
+def judge_checkpoint_bench(out: Path, outcomes: list) -> tuple:
+    """Part (f): tools/bench_checkpoint.py's JSON. Passes when it ran to the end with finite
+    figures; the goals (async blocked <= a tenth of sync; steps during the write within 10%)
+    are reported, not enforced: this is their first measurement on a GPU (issue 36)."""
+    res = _read_json(_json_arg(outcomes[0])) if outcomes else None
+    if not res:
+        return False, {}, "(no results: see f_bench_checkpoint.txt)"
+    keys = ("blocked_s_sync", "blocked_s_async", "blocked_ratio", "step_s_no_save", "async_write_s")
+    finite = all(isinstance(res.get(k), (int, float)) and math.isfinite(res[k]) for k in keys)
+    figures = dict(res, blocked_goal_met=finite and res["blocked_ratio"] <= 0.1)
+    slow = res.get("step_slowdown_during_write")
+    if finite:
+        goal = "met" if figures["blocked_goal_met"] else "MISSED"
+        line = (f"blocked per save: sync {res['blocked_s_sync']:.3f} s, async {res['blocked_s_async']:.3f} s "
+                f"(async/sync {res['blocked_ratio']:.3f}, goal <= 0.1 {goal})"
+                f"; step {1e3 * res['step_s_no_save']:.1f} ms"
+                + (f", {100 * slow:+.1f}% during the write" if isinstance(slow, (int, float)) else "")
+                + f"; {res.get('checkpoint_bytes', 0) / 2**20:.0f} MiB on {res.get('device')}")
+    else:
+        line = "figures missing or not finite"
+    return outcomes[0].rc == 0 and finite, figures, f"({line}; f_bench_checkpoint.txt)"

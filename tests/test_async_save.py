@@ -288,5 +288,6 @@ def test_staging_order_on_a_gpu_with_cuda_recorded(tmp_path, monkeypatch):
 def test_cuda_staging_copies_the_state_before_the_next_update_changes_it(tmp_path):
     """On a GPU the state goes to the page-locked buffer on a side stream and save() returns at
     once; the optimizer update queued right after it must not reach the files: they equal a
-    synchronous save of the same state, byte for byte."""
+    synchronous save of the same state, byte for byte. CPU twin: test_staging_order_on_a_gpu_with_cuda_recorded
+    (the same steps, _stage_then_update, with torch.cuda's calls recorded)."""
     _stage_then_update(tmp_path, "cuda")

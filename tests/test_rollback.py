@@ -166,6 +166,35 @@ def test_rollback_equals_a_run_that_skipped_the_window_from_the_start(tmp_path, 
     assert _losses(plot_log.load(str(log))) == rolled
 
 
+@pytest.mark.parametrize("second,log_interval,windows,restored", [
+    ("nan@12", "100", ["3", "8", "14"], 10),  # the second rollback goes to a checkpoint saved after the first
+    ("nan@9", "1", ["3", "8", "11"], 5)])     # the second goes back to the first's checkpoint again
+def test_a_rollback_skips_the_faulty_iteration_s_batch_after_an_earlier_window(tmp_path, second, log_interval,
+                                                                                windows, restored):
+    """Batch 3 skipped from the start, so from iteration 3 on iteration k trains on batch k+1
+    (k+2 after the first rollback): a NaN at iteration 7 must skip batch 8, not batch 7, and the
+    second fault's iteration maps past both windows. The run equals one given all three windows
+    from the start: losses, gradient norms and the final checkpoint's bytes (weights, moments,
+    RNG). Guards the iteration -> batch lookup of TrainLoop.rollback (the earlier rollback tests
+    have no window before the fault, where iteration = batch)."""
+    common = BASE + ["--train-iters", "15", "--save-interval", "5", "--max-rollbacks", "2",
+                     "--log-interval", log_interval]
+    reference = _losses(pretrain(common + ["--save", str(tmp_path / "ref"), "--skip-batches", *windows]))
+    log = tmp_path / "log.jsonl"
+    rolled = _losses(pretrain(common + ["--save", str(tmp_path / "b"), "--skip-batches", "3", "--inject-fault",
+                                        "nan@7", "--inject-fault", second, "--log-json", str(log)]))
+    assert [r[0] for r in rolled] == list(range(1, 16))
+    assert rolled == reference
+    events = [json.loads(x) for x in log.read_text().splitlines() if '"event"' in x]
+    skipped = int(windows[-1])
+    assert [(e["iteration"], e["restored_iteration"], e["skipped_batches"]) for e in events] == [
+        (7, 5, [8, 8]), (int(second.split("@")[1]), restored, [skipped, skipped])]
+    final = [tmp_path / run / "iter_0000015" for run in ("ref", "b")]
+    assert (final[0] / "rank00000.safetensors").read_bytes() == (final[1] / "rank00000.safetensors").read_bytes()
+    metas = [json.loads((d / "metadata.json").read_text()) for d in final]
+    assert metas[1]["skipped_batches"] == metas[0]["skipped_batches"] == [[3, 3], [8, 8], [skipped, skipped]]
+
+
 def test_a_resume_after_a_rollback_does_not_replay_the_skipped_batch(tmp_path):
     argv = BASE + ["--save-interval", "5", "--max-rollbacks", "1", "--inject-fault", "nan@7"]
     full = _losses(pretrain(argv + ["--save", str(tmp_path / "a")]))

@@ -120,9 +120,9 @@ def test_single_process_save_equals_megalite_format_and_resumes_alike(tmp_path):
     hf = [load_file(os.path.join(export_hf(str(tmp_path / d), str(tmp_path / f"hf_{d}"), progress=False),
                                  "model.safetensors")) for d in ("meg", "dcp")]
     assert hf[0].keys() == hf[1].keys() and all(torch.equal(hf[0][k], hf[1][k]) for k in hf[0])
-    resumed = [[r["loss"] for r in pretrain(base + ["--train-iters", "3", "--load", str(tmp_path / d)])]
+    resumed = [[r["loss"] for r in pretrain(base + ["--train-iters", "4", "--load", str(tmp_path / d)])]
                for d in ("meg", "dcp")]
-    assert resumed[0] == resumed[1] and len(resumed[0]) == 1
+    assert resumed[0] == resumed[1] and len(resumed[0]) == 2  # iteration 4 follows a step from the loaded moments
     # A missing data file or a corrupt index: one CheckpointError, no DCP internals.
     for damage in ("__0_0.distcp", ".metadata"):
         broken = tmp_path / f"broken{damage}"
@@ -131,6 +131,20 @@ def test_single_process_save_equals_megalite_format_and_resumes_alike(tmp_path):
         target.write_bytes(target.read_bytes()[:50]) if damage == ".metadata" else target.unlink()
         with pytest.raises(CheckpointError, match="incomplete or corrupt"):
             load_serial_model(str(broken))
+
+
+def test_dp2_resume_trains_on_exactly_as_the_uninterrupted_run(tmp_path):
+    """DP2 without ZeRO (rank 1 owns nothing: it writes no box and must still read every one):
+    resumed from iteration 2 of a torch_dcp run, three more iterations give every rank the
+    uninterrupted run's losses bit for bit. Iterations 4 and 5 come after optimizer steps taken
+    from the loaded state, so they see the Adam moments (a swapped exp_avg / exp_avg_sq) and
+    rank 1's weights (a load that fills only the boxes a rank owns) as well as the RNG streams
+    (dropout) and the data position."""
+    argv = BASE + DCP + ["--hidden-dropout", "0.1", "--train-iters", "5"]
+    runs = run_world(_pretrain, 2, argv + ["--save", str(tmp_path / "full"), "--save-interval", "2"],
+                     argv + ["--load", str(tmp_path / "full"), "--ckpt-step", "2"])
+    for rank, (full, resumed) in enumerate(runs):
+        assert len(full) == 5 and resumed == full[2:], rank
 
 
 @pytest.mark.slow
@@ -219,10 +233,11 @@ def test_dcp_to_torch_save_equals_the_serial_export(tp2pp2):
 def test_async_dcp_save_equals_sync_and_a_kill_during_the_write_keeps_the_previous(tmp_path):
     """--async-save --ckpt-format torch_dcp writes the tensors the synchronous save writes;
     a rank killed during the background write leaves 'latest' on the previous checkpoint,
-    the partial one uncommitted, and training resumes from the previous one."""
+    the partial one uncommitted, and training resumes from the previous one with the
+    uninterrupted run's losses."""
     argv = BASE + DCP + ["--train-iters", "4", "--save-interval", "2"]
-    run_world(_pretrain, 2, argv + ["--save", str(tmp_path / "sync")], argv + ["--async-save", "--save",
-                                                                               str(tmp_path / "async")])
+    uninterrupted = run_world(_pretrain, 2, argv + ["--save", str(tmp_path / "sync")],
+                              argv + ["--async-save", "--save", str(tmp_path / "async")])[0][0]
     for it in ("iter_0000002", "iter_0000004"):
         a, b = _full_state(tmp_path / "sync" / it), _full_state(tmp_path / "async" / it)
         assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), it
@@ -234,7 +249,7 @@ def test_async_dcp_save_equals_sync_and_a_kill_during_the_write_keeps_the_previo
     assert (killed / "latest").read_text() == "2"
     assert (killed / "iter_0000004.tmp").exists() and not (killed / "iter_0000004").exists()
     resumed = run_world(_pretrain, 2, argv + ["--load", str(killed)])[0][0]
-    assert len(resumed) == 2
+    assert len(uninterrupted) == 4 and resumed == uninterrupted[2:]  # iteration 4 follows a step from the load
 
 
 def test_unknown_format_is_one_clear_message(capsys):

@@ -12,9 +12,11 @@ import os
 
 import pytest
 
-from tests.skip_policy import disallowed, in_ci, skip_reason
-
-_SKIPS: list[tuple[str, str]] = []
+# Under CI=true a skip that is not the machine's fails the run, a whole module's skip at
+# collection included: the hooks live in tests/skip_policy.py, and naming them here is what makes
+# pytest call them (tests/test_skip_policy.py checks that they are these).
+from tests.skip_policy import (pytest_collectreport, pytest_runtest_logreport,  # noqa: F401
+                               pytest_sessionfinish)
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -65,22 +67,3 @@ def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
     for item in gpu_items:
         item.add_marker(skip)
-
-
-def pytest_runtest_logreport(report):
-    if report.skipped and not hasattr(report, "wasxfail"):
-        _SKIPS.append((report.nodeid, skip_reason(report)))
-
-
-def pytest_sessionfinish(session, exitstatus):
-    """Under CI, a skip other than the machine's (no GPU, ...) fails the run: tests/skip_policy.py."""
-    bad = disallowed(_SKIPS) if in_ci() else []
-    if not bad:
-        return
-    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-    lines = [f"CI=true: {len(bad)} test(s) skipped for a reason that is not the machine's (a reference "
-             f"package missing?); install what they need (scripts/setup_env.sh):"]
-    lines += [f"  {node}: {reason}" for node, reason in bad]
-    for line in lines:
-        reporter.write_line(line) if reporter else print(line)
-    session.exitstatus = pytest.ExitCode.TESTS_FAILED

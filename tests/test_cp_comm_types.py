@@ -100,6 +100,29 @@ def test_every_comm_type_matches_full_attention_and_its_traffic_formula(world, i
     assert all(v < TOL for v in worst.values()), {k: v for k, v in worst.items() if v >= TOL}
 
 
+GQA_A2A_CASES = [("a2a", True, 4, 2, 8, 8, "torch"), ("a2a", False, 8, 2, 8, 8, "torch"),
+                 ("a2a", True, 4, 1, 8, 8, "torch"), ("a2a+p2p", True, 4, 2, 8, 8, "torch")]
+
+
+def test_a2a_under_gqa_sends_key_value_groups_not_every_head():
+    """C = 2, GQA: the all-to-all hands its collective q and the output with H heads and K, V
+    with their own G' = G groups (G' = lcm(G, 2) = 2 when G = 1), forward and backward:
+    (2H + 2G') b L d e bytes each way, written out here and equal to context_parallel.traffic's
+    formula; and the result still equals full attention. K/V expanded to every head first
+    gives the same numbers with up to twice the bytes: only the count sees it."""
+    results = run_world(_worker, 2, 2, GQA_A2A_CASES)
+    for rank_results in results:
+        for case, (errs, counted) in zip(GQA_A2A_CASES, rank_results):
+            comm_type, _, heads, groups, seq, d, _ = case
+            kv_groups = groups if groups % 2 == 0 else 2  # whole groups on each of the 2 ranks
+            one_way = (2 * heads + 2 * kv_groups) * 2 * (seq // 2) * d * 4  # b = 2, L = s / 2, fp32
+            assert counted == {"forward": {"all_to_all": one_way}, "backward": {"all_to_all": one_way}}, case
+            theory = cp_attention_traffic(comm_type, batch=2, seq=seq, heads=heads, groups=groups, head_dim=d, cp=2,
+                                          element_size=4, inner=2)
+            assert counted == theory.handed, (case, theory.handed)
+            assert max(errs.values()) < TOL, (case, errs)
+
+
 def _overlap_worker(rank, world):
     from megalite.context_parallel import allgather as ag
     from megalite.context_parallel.ring_attention import BlockOps, block_ops

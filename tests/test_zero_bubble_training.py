@@ -1,11 +1,19 @@
 """The zero-bubble schedules inside training: pretrain's losses and gradient norms against one
-process (fp32, 1e-5 relative), with the data-parallel optimizer (DDP / ZeRO-1 / ZeRO-2 with
-overlapped reduction), context parallelism and full recomputation, mixture of experts with
-expert parallelism, tensor + sequence parallelism, fp16 loss scaling (against 1F1B, which
-runs the same arithmetic), and a checkpoint saved under zbv resumed under 1F1B.
+process (fp32, 1e-5 relative).
 
-One world per size runs every case in sequence (pretrain leaves the process group up). All of
-it is in the slow tier: the fast tier's zero-bubble checks are tests/test_zero_bubble.py's.
+Fast tier:
+- PP2 x DP2 under zb-h1 with ZeRO-1 (overlapped reduction) and under zbv with DDP. Every
+  zero-bubble run with the data-parallel optimizer passes its gradient hook the undefined
+  gradient a B leaves for its W: this is the case that sees the hook trip over it.
+- fp16 with a loss scale so large that the first steps overflow (PP2, zb-h1 and zbv): the same
+  steps are skipped as in one process, the scale halves as there, and the losses and norms
+  after the skips equal one process's (the skip path under zero-bubble, deferred W included).
+
+Slow tier (one world per size runs every case in sequence; pretrain leaves the process group
+up): ZeRO-2 with overlapped reduction, context parallelism and full recomputation, mixture of
+experts with expert parallelism, tensor + sequence parallelism, fp16 overflow under DP2 (against
+1F1B, which runs the same arithmetic), a checkpoint saved under zbv resumed under 1F1B, 8 ranks,
+and the meta dry run.
 """
 import functools
 
@@ -14,7 +22,6 @@ import torch
 
 from megalite.testing import run_world
 
-pytestmark = pytest.mark.slow
 
 TOL = 1e-5
 ITERS = "3"
@@ -87,10 +94,76 @@ def _overlap_check(rank, world, schedule, stage):
     return overlapped, not_early, len(log)
 
 
-RUNS4 = {
+# -- fast tier ----------------------------------------------------------------------------------
+FAST_DP_RUNS = {
     "pp2 dp2 zb-h1 zero-1 overlap": PP2 + ["--pipeline-schedule", "zb-h1", "--zero-stage", "1", "--overlap-grad-reduce"],
-    "pp2 dp2 zbv zero-2 overlap": PP2 + ["--pipeline-schedule", "zbv", "--zero-stage", "2", "--overlap-grad-reduce"],
     "pp2 dp2 zbv ddp": PP2 + ["--pipeline-schedule", "zbv"],
+}
+
+
+def test_zero_bubble_with_ddp_and_zero_matches_single_process():
+    """PP2 x DP2, zb-h1 with ZeRO-1 and overlapped reduction, zbv with DDP: three iterations'
+    losses and gradient norms equal one process's. Under the B/W split autograd still visits a
+    weight's AccumulateGrad in B, with an undefined gradient, and runs the data-parallel
+    optimizer's hook: a hook that does not pass over it crashes every such run, and this is the
+    fast tier's run that would."""
+    serial = serial_log()  # first: the ranks fork with pretrain imported
+    runs = [(name, BASE + flags + ["--train-iters", ITERS]) for name, flags in FAST_DP_RUNS.items()]
+    results = run_world(_world_worker, 4, runs)
+    for name in FAST_DP_RUNS:
+        worst = 0.0
+        for out in results:
+            assert [r[0] for r in out[name]] == [1, 2, 3], name
+            worst = max(worst, worst_rel([r[1:] for r in out[name]], serial))
+        assert worst < TOL, (name, worst)
+
+
+FP16_SCALE = 2.0**22  # above what this model's fp16 gradients hold: the first steps overflow
+FP16 = ["--fp16", "--initial-loss-scale", str(FP16_SCALE)]
+FP16_ITERS = ["--train-iters", "4"]
+
+
+def _fp16_pretrain(argv) -> list:
+    """Per iteration: (iteration, skipped, loss scale after the step, loss, grad norm), the norm
+    None on a skipped step (inf or nan there, which compares to nothing)."""
+    from megalite.pretrain import pretrain
+    return [(r["iteration"], r["skipped"], r["loss_scale"], r["loss"], None if r["skipped"] else r["grad_norm"])
+            for r in pretrain(argv)]
+
+
+def _fp16_worker(rank, world, runs):
+    return {name: _fp16_pretrain(argv) for name, argv in runs}
+
+
+def same_skips_worst_rel(log, ref) -> float:
+    """Assert the same iterations, skips and loss scales; return the largest relative difference
+    of the losses and of the norms of the steps applied."""
+    assert [r[:3] for r in log] == [r[:3] for r in ref], (log, ref)
+    return max(abs(a - b) / abs(b) for got, want in zip(log, ref) for a, b in zip(got[3:], want[3:])
+               if b is not None)
+
+
+def test_fp16_overflow_skips_the_same_steps_under_zero_bubble_as_one_process():
+    """fp16 with a loss scale the gradients overflow: PP2 under zb-h1 and zbv skips the steps
+    one process skips, halves the scale as it does, and after the skips applies the same
+    updates (losses and norms to 1e-5). PP2 x DP1 keeps each rank's micro-batch count, and so
+    the scaled gradients that overflow, the serial run's. A deferred weight gradient that
+    escaped the skip, or a skipped step that still moved a weight, changes a later loss."""
+    serial = _fp16_pretrain(BASE + FP16 + FP16_ITERS)  # first: the ranks fork with pretrain imported
+    skipped = [r[1] for r in serial]
+    # The premise: the first step overflows and halves the scale; the last two are applied (the
+    # update of the first applied step shows in the next loss).
+    assert skipped[0] and not any(skipped[-2:]) and serial[0][2] == FP16_SCALE / 2, serial
+    runs = [(s, BASE + PP2 + FP16 + FP16_ITERS + ["--pipeline-schedule", s]) for s in ("zb-h1", "zbv")]
+    for rank, out in enumerate(run_world(_fp16_worker, 2, runs)):
+        for schedule, _ in runs:
+            worst = same_skips_worst_rel(out[schedule], serial)
+            assert worst < TOL, (rank, schedule, worst)
+
+
+# -- slow tier ----------------------------------------------------------------------------------
+RUNS4 = {
+    "pp2 dp2 zbv zero-2 overlap": PP2 + ["--pipeline-schedule", "zbv", "--zero-stage", "2", "--overlap-grad-reduce"],
     "pp2 cp2 zbv full recompute": PP2 + ["--pipeline-schedule", "zbv", "--context-parallel-size", "2",
                                          "--recompute-granularity", "full"],
     "pp2 dp2 zb-h1 full recompute": PP2 + ["--pipeline-schedule", "zb-h1", "--recompute-granularity", "full"],
@@ -101,7 +174,8 @@ RUNS4 = {
 }
 MOE_RUNS4 = {"pp2 dp2 ep2 zb-h1 moe": PP2 + MOE + ["--pipeline-schedule", "zb-h1"],
              "pp2 dp2 ep2 zbv moe zero-1": PP2 + MOE + ["--pipeline-schedule", "zbv", "--zero-stage", "1"]}
-FP16 = PP2 + ["--fp16", "--initial-loss-scale", "1024"]
+# DP2 doubles what each rank's scaled gradients hold: 2^21 overflows here as 2^22 does in one process.
+FP16_DP2 = PP2 + ["--fp16", "--initial-loss-scale", str(FP16_SCALE / 2)]
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +183,7 @@ def world4(tmp_path_factory):
     ckpt = str(tmp_path_factory.mktemp("zb_resume"))
     iters = ["--train-iters", ITERS]
     runs = [(name, BASE + flags + iters) for name, flags in {**RUNS4, **MOE_RUNS4}.items()]
-    runs += [(f"fp16 {s}", BASE + FP16 + ["--pipeline-schedule", s] + iters) for s in ("1f1b", "zb-h1", "zbv")]
+    runs += [(f"fp16 {s}", BASE + FP16_DP2 + ["--pipeline-schedule", s] + iters) for s in ("1f1b", "zb-h1", "zbv")]
     evaluation = ["--train-iters", "2", "--eval-interval", "2", "--eval-iters", "2"]
     runs += [(f"eval {s}", BASE + PP2 + ["--pipeline-schedule", s] + evaluation) for s in ("1f1b", "zbv")]
     dropout = ["--hidden-dropout", "0.1"]  # the resume must restore the random streams too
@@ -118,9 +192,17 @@ def world4(tmp_path_factory):
              ("zbv resumed", BASE + zbv + dropout + iters + ["--load", ckpt + "/a", "--ckpt-step", "2"]),
              ("zbv saved, no dropout", BASE + zbv + iters + ["--save", ckpt + "/b", "--save-interval", "2"]),
              ("1f1b resumed, no dropout", BASE + PP2 + iters + ["--load", ckpt + "/b", "--ckpt-step", "2"])]
-    return run_world(_world_worker, 4, runs, [("zb-h1", 1), ("zbv", 2)], timeout=400)
+    return run_world(_fp16_world_worker, 4, runs, [("zb-h1", 1), ("zbv", 2)], timeout=400)
 
 
+def _fp16_world_worker(rank, world, runs, overlap_cases):
+    """The fp16 runs log their skips and scales (:func:`_fp16_pretrain`); the others as before."""
+    out = _world_worker(rank, world, [r for r in runs if not r[0].startswith("fp16")], overlap_cases)
+    out.update(_fp16_worker(rank, world, [r for r in runs if r[0].startswith("fp16")]))
+    return out
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(RUNS4) + list(MOE_RUNS4))
 def test_zero_bubble_pretrain_matches_single_process(world4, name):
     serial = serial_log(MOE_MODEL) if name in MOE_RUNS4 else serial_log()
@@ -132,13 +214,19 @@ def test_zero_bubble_pretrain_matches_single_process(world4, name):
     print(f"{name}: largest relative loss / grad-norm difference vs 1 process: {worst:.2e}")
 
 
-def test_fp16_loss_scaling_under_zero_bubble_equals_1f1b(world4):
-    """Same arithmetic in another order: the zero-bubble runs' losses and norms equal 1F1B's."""
+@pytest.mark.slow
+def test_fp16_overflow_under_zero_bubble_with_dp2_equals_1f1b(world4):
+    """PP2 x DP2 (the DDP reduction of fp16 gradients that overflow): the zero-bubble runs skip
+    the steps 1F1B skips, with its scales, losses and norms (same arithmetic in another order);
+    the first step overflows and a later one is applied."""
     for out in world4:
-        assert worst_rel([r[1:] for r in out["fp16 zb-h1"]], [r[1:] for r in out["fp16 1f1b"]]) < TOL
-        assert worst_rel([r[1:] for r in out["fp16 zbv"]], [r[1:] for r in out["fp16 1f1b"]]) < TOL
+        ref = out["fp16 1f1b"]
+        assert ref[0][1] and not ref[-1][1], ref
+        for schedule in ("zb-h1", "zbv"):
+            assert same_skips_worst_rel(out[f"fp16 {schedule}"], ref) < TOL, schedule
 
 
+@pytest.mark.slow
 def test_checkpoint_saved_under_zbv_resumes(world4):
     """A zbv run resumed from its iteration-2 checkpoint continues exactly, hidden dropout
     included (the random streams are restored). The V placement changes where layers live,
@@ -151,12 +239,14 @@ def test_checkpoint_saved_under_zbv_resumes(world4):
             assert worst_rel([r[1:] for r in out[resumed]], [r[1:] for r in out[saved][2:]]) < TOL
 
 
+@pytest.mark.slow
 def test_evaluation_under_zbv_equals_1f1b(world4):
     """Evaluation runs forward only through the V (rank 0 embeds and computes the loss)."""
     for out in world4:
         assert out["eval zbv"][-1][3] == pytest.approx(out["eval 1f1b"][-1][3], rel=TOL)
 
 
+@pytest.mark.slow
 def test_gradient_reduction_stays_overlapped(world4):
     for out in world4:
         for overlapped, not_early, launches in out["overlap"]:  # zb-h1 ZeRO-1, zbv ZeRO-2
@@ -199,6 +289,7 @@ ZB_LAYOUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", sorted(ZB_LAYOUTS))
 def test_zero_bubble_meta_dry_run_every_role(monkeypatch, layout):
     """One rank of each role of a 16-rank layout on meta tensors and the fake process group:

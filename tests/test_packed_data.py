@@ -1,6 +1,10 @@
 """Packed documents on the data side: position ids that restart after EOD, document bounds
 (doc_start/doc_end) for attention that stops at documents, --eod-mask-loss, mock documents,
-and the errors when there is no EOD token to find documents with."""
+and the errors when there is no EOD token to find documents with.
+
+The bounds are checked against values written by hand and, on mock documents, against
+:func:`documents_of` (a plain loop over the EOD positions, apart from data.packing); pretrain
+with the three flags against the same weights run document by document."""
 import numpy as np
 import pytest
 import torch
@@ -13,6 +17,28 @@ from megalite.data.packing import Packing, document_bounds
 
 E = 9  # the EOD id of the hand-made rows
 ALL = Packing(True, True, True, E)
+
+
+def documents_of(row, eod) -> list[tuple[int, int]]:
+    """(start, end) of each document of a window, by the EOD rule: an EOD closes the document
+    it ends (it belongs to it); what follows it starts the next one."""
+    spans, start = [], 0
+    for i, token in enumerate(row):
+        if token == eod:
+            spans.append((start, i + 1))
+            start = i + 1
+    if start < len(row):
+        spans.append((start, len(row)))
+    return spans
+
+
+def bounds_by_documents(row, eod) -> tuple[list[int], list[int]]:
+    """doc_start and doc_end of every position of a window, from :func:`documents_of`."""
+    starts, ends = [], []
+    for start, end in documents_of(row, eod):
+        starts += [start] * (end - start)
+        ends += [end] * (end - start)
+    return starts, ends
 
 # (row, doc_start, doc_end): EOD at the start, at the end, twice in a row, nowhere, and a
 # window that starts inside a document (its first partial document starts at 0)
@@ -106,11 +132,12 @@ def test_mock_documents_and_iterators():
         eod_token=49, reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)
     for batch in (next(train), next(valid)):
         tokens = batch["tokens"].numpy()
-        start, end = document_bounds(tokens, 49)
-        assert (batch["doc_start"].numpy() == start).all() and (batch["doc_end"].numpy() == end).all()
-        assert (batch["position_ids"].numpy() == np.arange(16) - start).all()
-        assert (batch["loss_mask"].numpy() == (tokens != 49)).all()
         assert (tokens == 49).any()
+        for i, row in enumerate(tokens.tolist()):
+            start, end = bounds_by_documents(row, 49)
+            assert batch["doc_start"][i].tolist() == start and batch["doc_end"][i].tolist() == end, row
+            assert batch["position_ids"][i].tolist() == [j - a for j, a in enumerate(start)], row
+            assert batch["loss_mask"][i].tolist() == [float(t != 49) for t in row], row
 
 
 def test_no_eod_token_is_one_clear_error(tmp_path):
@@ -139,11 +166,48 @@ def test_no_eod_token_is_one_clear_error(tmp_path):
                              eod_token=E, eod_mask_loss=True)
 
 
-def test_pretrain_with_the_three_flags_on_mock_documents():
+def loss_document_by_document(chunk, batch, eod) -> float:
+    """One micro-batch's loss computed without packing: each document of each window runs alone
+    through ``chunk`` (positions from 0, plain causal attention, no document bounds), its tokens'
+    losses are masked where the input is EOD, and the sum is divided by the trained tokens."""
+    total, trained = 0.0, 0
+    for tokens, labels in zip(batch["tokens"], batch["labels"]):
+        for start, end in documents_of(tokens.tolist(), eod):
+            doc = tokens[start:end].unsqueeze(0)
+            losses = chunk(doc, torch.arange(end - start).unsqueeze(0), labels=labels[start:end].unsqueeze(0))
+            mask = (doc != eod).float()
+            total += (losses.float() * mask).sum().item()
+            trained += int(mask.sum().item())
+    return total / trained
+
+
+def test_pretrain_with_the_three_flags_trains_each_document_as_if_alone(monkeypatch):
+    """pretrain with --reset-position-ids --reset-attention-mask --eod-mask-loss on mock
+    documents: each step's loss (the mean of its micro-batches') equals the loss of the same
+    weights run document by document (:func:`loss_document_by_document`), fp32 to 1e-5: the
+    bounds, the positions and the mask all reach the model as one document alone would see them."""
+    from megalite import train_loop
+    from megalite.data.tokenizer import build_tokenizer
     from megalite.pretrain import pretrain
+
+    eod = build_tokenizer("NullTokenizer", vocab_size=64).eod
+    real, seen = train_loop.train_step, []
+
+    def step_beside_its_reference(model, optimizer, micro_batches, *args, **kwargs):
+        (chunk,) = model
+        with torch.no_grad():
+            reference = sum(loss_document_by_document(chunk, b, eod) for b in micro_batches) / len(micro_batches)
+        assert any((b["tokens"] == eod).any() for b in micro_batches)  # there are documents to keep apart
+        result = real(model, optimizer, micro_batches, *args, **kwargs)
+        seen.append((float(result.loss), reference))
+        return result
+
+    monkeypatch.setattr(train_loop, "train_step", step_beside_its_reference)
     base = ["--mock-data", "--vocab-size", "64", "--num-layers", "1", "--hidden-size", "32",
             "--num-attention-heads", "2", "--seq-length", "16", "--micro-batch-size", "2",
             "--train-iters", "2", "--log-interval", "100", "--eval-interval", "1000",
             "--hidden-dropout", "0", "--attention-dropout", "0"]
     log = pretrain(base + ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"])
-    assert len(log) == 2 and all(np.isfinite(r["loss"]) for r in log)
+    assert [r["loss"] for r in log] == [loss for loss, _ in seen] and len(seen) == 2
+    for loss, reference in seen:
+        assert abs(loss - reference) <= 1e-5 * reference, (loss, reference)

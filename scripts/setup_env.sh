@@ -47,6 +47,15 @@ pip_install -e .
 # Every package the tests rely on, references included: a missing one must stop here, not turn
 # into skipped tests (under CI=true a skip that is not the machine's fails the run anyway).
 "$VENV/bin/python" -c "import torch, triton, sentencepiece, safetensors, numpy, tqdm, pytest, transformers, tokenizers, huggingface_hub, kernels, matplotlib, tensorboard, wandb, megalite"
+# The release archives some tests read as references (flash-attn's interface file, TE's wheels),
+# pinned with their sha256 in tests/reference_archives.json, into the cache the tests read
+# ($MEGALITE_TEST_REFERENCES, default ~/.cache/megalite/test-references): fetched here, never by
+# a test. Once they are cached a run only checks their sums (no network).
+if ! "$VENV/bin/python" tools/fetch_test_references.py; then
+  echo "setup_env: fetching the test references failed (see above); the tests that read them skip" \
+       "without them, and fail under CI=true. Fix the cause and run: python3 tools/fetch_test_references.py" >&2
+  exit 1
+fi
 # Run from the repository root: the check above and this line import the installed `kernels`,
 # never the checkout's folder (tests/test_import_shadowing.py).
 echo "megalite env ready ($VENV): $("$VENV/bin/python" -m tests.dependency_versions)"

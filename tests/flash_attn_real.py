@@ -1,70 +1,40 @@
 """flash-attn's real Python interface on a CPU: its ``flash_attn/flash_attn_interface.py`` of a
 given release with only the compiled extension (``flash_attn_2_cuda``) replaced by a torch fake.
 
-The interface file is fetched from the registry's source archive at test time (``pip
-download``, no GPU or build needed) and cached under ``~/.cache/megalite-tests/flash-attn/<v>/``
-(or ``$MEGALITE_TEST_CACHE/flash-attn/<v>/``); nothing of flash-attn is kept in this
-repository. Everything the adapter meets is the release's own: signatures, the
-``torch.library.custom_op`` wrapping of 2.7+ (whose CUDA-only kernel is registered for the CPU
-too, the same Python body), the tuples it unpacks and returns, ``flash_attn_func``'s autograd
-function. Only the C++ ``fwd``/``bwd`` are fakes: attention in torch with flash-attn's
-semantics ((b, s, h, d), bottom-right causal alignment, natural-log LSE (b, h, s_q) float32,
-delta computed inside bwd, dq/dk/dv written into the given buffers), taking the positional
-arguments and returning the tuple of that release's C++ API.
+The interface file comes from the release's source archive, pinned with its sha256 in
+tests/reference_archives.json and fetched before the tests by tools/fetch_test_references.py
+(scripts/setup_env.sh runs it; nothing is built); the tests read only that cache, and nothing of
+flash-attn is kept in this repository. Everything the adapter meets is the release's own:
+signatures, the ``torch.library.custom_op`` wrapping of 2.7+ (whose CUDA-only kernel is registered
+for the CPU too, the same Python body), the tuples it unpacks and returns, ``flash_attn_func``'s
+autograd function. Only the C++ ``fwd``/``bwd`` are fakes: attention in torch with flash-attn's
+semantics ((b, s, h, d), bottom-right causal alignment, natural-log LSE (b, h, s_q) float32, delta
+computed inside bwd, dq/dk/dv written into the given buffers), taking the positional arguments and
+returning the tuple of that release's C++ API.
 """
 from __future__ import annotations
 
 import contextlib
 import importlib.util
-import os
 import pathlib
-import subprocess
 import sys
-import tarfile
-import tempfile
 import types
 
-import pytest
 import torch
 
 from megalite.kernels.attention_reference import (attention_block_backward, attention_block_delta,
                                                   attention_block_forward)
+from tests.reference_cache import extracted_file
 
-# One release of each minor version setup.py allows (flash-attn>=2.5): the last of each line.
+# One release of each minor version setup.py allows (flash-attn>=2.5), the last of each line when
+# pinned (tests/reference_archives.json pins each with its sha256).
 VERSIONS = ("2.5.9.post1", "2.6.3", "2.7.4.post1", "2.8.3")
 
 
-def _cache_dir(version: str) -> pathlib.Path:
-    root = os.environ.get("MEGALITE_TEST_CACHE")
-    base = pathlib.Path(root) if root else pathlib.Path.home() / ".cache" / "megalite-tests"
-    return base / "flash-attn" / version
-
-
 def interface_file(version: str) -> pathlib.Path:
-    """The release's ``flash_attn_interface.py``, downloaded once (skips if it cannot be)."""
-    target = _cache_dir(version) / "flash_attn_interface.py"
-    if target.exists():
-        return target
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", f"flash-attn=={version}", "--no-deps",
-               "--no-binary", ":all:", "--no-build-isolation", "-d", tmp, "-q"]
-        try:
-            run = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300,
-                                 env={**os.environ, "FLASH_ATTENTION_SKIP_CUDA_BUILD": "TRUE"})
-        except (OSError, subprocess.TimeoutExpired) as exc:
-            pytest.skip(f"cannot download flash-attn=={version}'s source archive (no network?): {exc}")
-        archives = list(pathlib.Path(tmp).glob("flash_attn-*.tar.gz"))
-        if run.returncode != 0 or not archives:
-            last = (run.stderr.strip().splitlines() or ["?"])[-1]
-            pytest.skip(f"cannot download flash-attn=={version}'s source archive (no network?): {last}")
-        with tarfile.open(archives[0]) as tar:
-            member = next(m for m in tar.getmembers() if m.name.endswith("/flash_attn/flash_attn_interface.py"))
-            text = tar.extractfile(member).read()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_suffix(f".{os.getpid()}.part")
-    partial.write_bytes(text)
-    partial.replace(target)
-    return target
+    """The release's ``flash_attn/flash_attn_interface.py``, from the test-reference cache (its
+    sha256 checked; tests/reference_cache.py says what happens when it is not there)."""
+    return extracted_file("flash-attn", version, f"flash_attn-{version}/flash_attn/flash_attn_interface.py")
 
 
 def _minor(version: str) -> tuple[int, int]:

@@ -1,9 +1,11 @@
 """Every transformer-engine name and keyword megalite uses, checked against TE's own sources.
 
 transformer-engine cannot be imported here (its compiled parts need CUDA), but its Python
-layer is a pure wheel: ``pip download transformer-engine --no-deps`` (the newest) and
-``transformer-engine==2.8.0`` (the last before ``te.autocast``, 2.9) are fetched once into a
-cache (``$MEGALITE_TE_WHEELS``, default ``~/.cache/megalite/te-wheels``) and read with ``ast``.
+layer is a pure wheel: ``transformer-engine==2.8.0`` (the last before ``te.autocast``, 2.9) and
+2.20.2 (the newest release when pinned) are pinned with their sha256 in
+tests/reference_archives.json, fetched before the tests by tools/fetch_test_references.py
+(scripts/setup_env.sh runs it), unpacked from that cache (the sums checked again) and read with
+``ast``.
 
 The calls are recorded, not listed by hand: megalite runs against ``tests/te_standin.py``
 with every TE entry point wrapped, on the paths that reach them all (TE linears with and
@@ -16,40 +18,16 @@ signatures (they must use TE's argument names) are checked too.
 from __future__ import annotations
 
 import ast
-import os
-import subprocess
-import sys
-import zipfile
 from pathlib import Path
 
 import pytest
 
 from megalite.testing import run_world
 from tests import te_standin
+from tests.reference_cache import unpacked_wheel
 from tests.test_tensor_parallel import PRETRAIN
 
-CACHE = Path(os.environ.get("MEGALITE_TE_WHEELS", Path.home() / ".cache" / "megalite" / "te-wheels"))
-OLD, NEW = "2.8.0", "newest"
-
-
-def _wheel_root(version: str) -> Path:
-    """The unpacked wheel (downloaded once); skip when it cannot be had."""
-    where = CACHE / version
-    done = where / "unpacked"
-    if (done / "transformer_engine" / "pytorch" / "__init__.py").exists():
-        return done
-    spec = "transformer-engine" if version == NEW else f"transformer-engine=={version}"
-    wheels = sorted(where.glob("transformer_engine-*-py3-none-any.whl"))
-    if not wheels:
-        where.mkdir(parents=True, exist_ok=True)
-        r = subprocess.run([sys.executable, "-m", "pip", "download", spec, "--no-deps", "--only-binary", ":all:",
-                            "-d", str(where)], capture_output=True, text=True, timeout=300, check=False)
-        wheels = sorted(where.glob("transformer_engine-*-py3-none-any.whl"))
-        if r.returncode or not wheels:
-            pytest.skip(f"cannot download {spec} (needed to read TE's signatures): {r.stderr.strip()[-300:]}")
-    with zipfile.ZipFile(wheels[-1]) as z:
-        z.extractall(done)
-    return done
+OLD, NEW = "2.8.0", "2.20.2"  # NEW: the newest release on the registry when pinned (2026-12-06)
 
 
 class TESource:
@@ -221,15 +199,16 @@ def recorded():
 
 
 @pytest.fixture(scope="module")
-def sources():
-    return {OLD: TESource(_wheel_root(OLD)), NEW: TESource(_wheel_root(NEW))}
+def sources(tmp_path_factory):
+    return {v: TESource(unpacked_wheel("transformer-engine", v, tmp_path_factory.mktemp(f"te-{v}")))
+            for v in (OLD, NEW)}
 
 
 def test_the_wheels_are_the_versions_on_each_side_of_the_autocast_switch(sources):
     """2.8.0 exports only fp8_autocast, the newest also autocast: megalite's ``hasattr(te,
     "autocast")`` picks each one's, and the stand-in's ``version`` imitates both."""
     old, new = sources[OLD], sources[NEW]
-    assert old.version == "2.8.0" and tuple(map(int, new.version.split(".")[:2])) >= (2, 9), new.version
+    assert (old.version, new.version) == (OLD, NEW)
     assert old.resolve("transformer_engine.pytorch.fp8_autocast") is not None
     assert old.resolve("transformer_engine.pytorch.autocast") is None
     assert new.resolve("transformer_engine.pytorch.autocast") is not None

@@ -96,7 +96,8 @@ def _overlap_check(rank, world, schedule, stage):
 
 # -- fast tier ----------------------------------------------------------------------------------
 FAST_DP_RUNS = {
-    "pp2 dp2 zb-h1 zero-1 overlap": PP2 + ["--pipeline-schedule", "zb-h1", "--zero-stage", "1", "--overlap-grad-reduce"],
+    "pp2 dp2 zb-h1 zero-1 overlap": PP2 + ["--pipeline-schedule", "zb-h1", "--zero-stage", "1",
+                                           "--overlap-grad-reduce"],
     "pp2 dp2 zbv ddp": PP2 + ["--pipeline-schedule", "zbv"],
 }
 

@@ -52,10 +52,12 @@ class FakeSyncDebugMode:
     """``torch.cuda.set_sync_debug_mode`` and ``torch.cuda.synchronize`` for a CPU case.
 
     Mode ``"error"`` starts counting the host reads made from megalite's code
-    (:func:`megalite.host_syncs.count_host_syncs`: the reads that would synchronize a GPU);
-    mode 0 stops and raises ``RuntimeError`` naming them, where the real mode raises at the
-    synchronizing call itself. Syncs inside torch's C++ code (``nonzero``, ...) are not seen:
-    only the GPU case sees those. ``modes`` and ``synchronized`` record the calls."""
+    (:func:`megalite.host_syncs.count_host_syncs`: the reads that would synchronize a GPU,
+    the synchronizing operators of torch's C++ code such as ``nonzero`` included); mode 0
+    stops and raises ``RuntimeError`` naming them, where the real mode raises at the
+    synchronizing call itself. What the counter cannot see on a CPU (its module docstring:
+    an operator that syncs only in its CUDA code and is not on its list, a path taken on a
+    GPU only) only the GPU case sees. ``modes`` and ``synchronized`` record the calls."""
 
     def __init__(self):
         self.modes: list = []

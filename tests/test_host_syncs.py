@@ -1,10 +1,12 @@
 """No host sync in the train step; one per log line. The fused AdamW step equals the unfused one.
 
-Host reads of tensor values are counted by patching ``torch.Tensor`` (megalite.host_syncs):
-on a GPU each would wait for the kernels queued before it. The step decides the inf/NaN skip,
+Host reads of tensor values are counted by megalite.host_syncs (``torch.Tensor`` patches and a
+dispatch mode for the synchronizing operators; test_host_sync_counter.py shows it sees each
+kind): on a GPU each would wait for the kernels queued before it. The step decides the inf/NaN skip,
 the clip coefficient and the fp16 loss scale on the device, so a dense step reads nothing; an
 MoE layer with expert parallelism reads its all-to-all split sizes once per forward (they
-must be host ints), and none without it on the grouped GEMM. The training loop then reads
+must be host ints), and none without it on the grouped GEMM (whose kernels, in ``kernels/``,
+are megalite's code to the counter). The training loop then reads
 every pending step's values with one ``tolist()``.
 """
 import math
@@ -40,7 +42,8 @@ def make_config(tp=1, pp=1, cp=1, ep=1, layers=2, experts=0, fp16=False, grouped
 
 
 def _sync_worker(rank, world, case):
-    """Syncs per step (3 steps) of one layout, and of reading the three results at once."""
+    """Syncs per step (``steps``, 3 by default) of one layout, and of reading the results at once;
+    ``micro`` keeps the first micro-batches of each rank's share only."""
     config = make_config(**case.get("layout", {}))
     grid = build_grid(config.parallel, world, rank, experts=bool(config.model.num_experts))
     chunks = build_model_chunks(config, grid)
@@ -52,8 +55,8 @@ def _sync_worker(rank, world, case):
     scaler = LossScaler(fp16, initial_scale=2.0**8)
     dp, r = grid.layout.dp, grid.dp_rank
     per_step, results = [], []
-    for s in range(3):
-        mine = [b for i, b in enumerate(global_batch(config.model, s)) if i % dp == r]
+    for s in range(case.get("steps", 3)):
+        mine = [b for i, b in enumerate(global_batch(config.model, s)) if i % dp == r][:case.get("micro")]
         with count_host_syncs() as calls:
             results.append(train_step(chunks, opt, mine, config.train, s, scaler, grid))
         per_step.append(list(calls))
@@ -75,6 +78,16 @@ def test_dense_step_reads_nothing_and_the_log_reads_once(name):
         assert per_step == [[], [], []], per_step
         assert read == ["tolist"], read  # all three steps' values in one transfer
         assert all(math.isfinite(x) for x in losses)
+
+
+def test_moe_step_on_the_grouped_gemm_reads_nothing():
+    """A whole train step (router, Triton grouped GEMM forward and backward in the interpreter,
+    the optimizer) with one MoE layer, EP1: no read, from megalite/ or from kernels/. One step
+    of two micro-batches keeps it in the fast tier."""
+    [(per_step, read, losses, _)] = [_sync_worker(0, 1, {"layout": {"experts": 4, "grouped": True, "layers": 1},
+                                                         "steps": 1, "micro": 2})]
+    assert per_step == [[]] and read == ["tolist"], (per_step, read)
+    assert math.isfinite(losses[0])
 
 
 @pytest.mark.slow
@@ -103,9 +116,24 @@ def _unfused_adamw(master, m, v, grad, decay_ranges, step, lr, wd, betas, eps, c
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
 def test_fused_adamw_equals_the_unfused_step(grad_dtype, monkeypatch):
     """Three shards with decayed and undecayed ranges, clipping, a skipped step (found_inf)
-    that changes nothing and does not count; 16-bit gradients cast in bounded slices."""
+    that changes nothing and does not count; 16-bit gradients cast in bounded slices.
+
+    ``STEP_CHUNK`` is made 7 where it is read: by the step at run time, and as the default
+    ``max_len`` of ``segments`` (bound when the function was defined, so patching the module
+    constant alone never reached it). The 37-element decayed range is then cut in slices, and
+    every fused call's fp32 casts of 16-bit gradients stay under two chunks."""
     import megalite.data_parallel.adamw as adamw
-    monkeypatch.setattr(adamw, "STEP_CHUNK", 7)  # several slices per shard
+    chunk = 7
+    monkeypatch.setattr(adamw, "STEP_CHUNK", chunk)
+    monkeypatch.setattr(adamw.segments, "__defaults__", (chunk,))  # several slices per shard
+    applied = []
+    real_apply = adamw.FlatAdamW._apply
+
+    def apply(self, i, grad, batch, *a):
+        applied.append((grad.dtype, [z - a for a, z, _ in batch]))
+        return real_apply(self, i, grad, batch, *a)
+
+    monkeypatch.setattr(adamw.FlatAdamW, "_apply", apply)
     g = torch.Generator().manual_seed(0)
     sizes, ranges = [23, 5, 40], [[(0, 10), (14, 20)], [], [(3, 40)]]
     fused = [torch.randn(n, generator=g) for n in sizes]
@@ -126,6 +154,10 @@ def test_fused_adamw_equals_the_unfused_step(grad_dtype, monkeypatch):
         assert opt.step_count == step
         for a, b in zip(fused + m_f + v_f, ref + m_r + v_r):
             torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-7)
+    assert max(z - a for shard in opt.segments for a, z, _ in shard) == chunk  # (3, 40) cut in slices
+    assert max(n for _, slices in applied for n in slices) == chunk
+    if grad_dtype != torch.float32:  # a cast batch is flushed once it reaches a chunk
+        assert max(sum(slices) for _, slices in applied) < 2 * chunk, applied
 
 
 def test_segments_cover_the_shard_once():
@@ -176,7 +208,7 @@ def test_pipeline_trace_takes_the_device_clock(monkeypatch):
 @pytest.mark.parametrize("device", DEVICES)
 def test_dense_step_makes_no_device_sync_on_cuda(device, monkeypatch):
     """On a GPU, torch's sync debug mode raises on any synchronizing CUDA call, those made
-    inside torch's C++ code included (which the CPU count cannot see): a bf16 step with the
+    inside torch's C++ code included (the CPU count sees those on its list): a bf16 step with the
     DP optimizer (clipping on, skip and clip decided on the device) makes none. The CPU case
     runs the same bf16 steps (torch's CPU ops) under a fake sync debug mode that raises on
     megalite's host reads (megalite.host_syncs), the reads a GPU would sync on."""

@@ -1,8 +1,10 @@
 #!/usr/bin/env python
 """Host syncs per train step, counted on the CPU, for dense and MoE layouts.
 
-A read of a tensor value on the host (``.item()``, ``.tolist()``, ``bool(t)``, ...) stops a
-GPU's queue; :mod:`megalite.host_syncs` counts those made by megalite's code. For each
+A read of a tensor value on the host (``.item()``, ``.tolist()``, ``bool(t)``, an f-string of a
+tensor, ...) or an operator that syncs (``torch.nonzero``, ``torch.equal``, a boolean-mask
+index, ...) stops a GPU's queue; :mod:`megalite.host_syncs` counts those made by megalite's
+code, its ``kernels/`` included. For each
 layout this runs ``--steps`` steps of a small GPT with the DP/ZeRO optimizer (as
 ``pretrain_gpt.py`` does) and prints the reads per step and the reads of the log line (the
 loop reads all steps of a log interval at once). Multi-rank layouts run in a real gloo
@@ -84,8 +86,8 @@ def main():
         else:
             per_step, read, micro = run_world(worker, world, name, args.steps)[0]
         print(f"  {name:<42} {'/'.join(map(str, per_step)):>9} {read:>9}  {micro}")
-    print("(log read: one per log interval, for all its steps; EP > 1 reads the all-to-all split sizes "
-          "once per MoE layer forward)")
+    print("(log read: one per log interval, for all its steps; EP > 1 reads the all-to-all split sizes, "
+          "and the torch experts' loop its per-expert counts, once per MoE layer forward)")
 
 
 if __name__ == "__main__":

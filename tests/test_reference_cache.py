@@ -54,10 +54,12 @@ def test_a_damaged_file_is_refused_on_use(tmp_path, member):
     if member:
         version = flash_attn_real.VERSIONS[0]
         path = _copy_into(tmp_path, "flash-attn", version, INTERFACE.format(v=version))
-        use = lambda: reference_cache.extracted_file("flash-attn", version, INTERFACE.format(v=version), tmp_path)  # noqa: E731
+        def use():
+            return reference_cache.extracted_file("flash-attn", version, INTERFACE.format(v=version), tmp_path)
     else:
         path = _copy_into(tmp_path, "transformer-engine", test_te_real_signatures.OLD)
-        use = lambda: reference_cache.archive_path("transformer-engine", test_te_real_signatures.OLD, tmp_path)  # noqa: E731
+        def use():
+            return reference_cache.archive_path("transformer-engine", test_te_real_signatures.OLD, tmp_path)
     assert use() == path  # intact: the cached file itself
     pinned = refs.sha256_of(path)
     _flip_a_byte(path)

@@ -54,7 +54,8 @@ pip_install -e .
 if ! "$VENV/bin/python" tools/fetch_test_references.py; then
   echo "setup_env: fetching the test references failed (see above); the tests that read them skip" \
        "without them, and fail under CI=true. Fix the cause and run: python3 tools/fetch_test_references.py" >&2
-  exit 1
+  # The demo and training need none of them: only CI stops here.
+  case "${CI:-}" in 1|true|TRUE|True|yes) exit 1 ;; esac
 fi
 # Run from the repository root: the check above and this line import the installed `kernels`,
 # never the checkout's folder (tests/test_import_shadowing.py).

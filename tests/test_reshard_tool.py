@@ -143,3 +143,27 @@ def test_format_round_trip_megalite_dcp_megalite_is_bit_identical(src, tmp_path,
     assert is_dcp_checkpoint(str(tmp_path / "cli" / "iter_0000001"))
     code, err = _cli(capsys, "--load", str(src), "--save", str(tmp_path / "bad"), "--to-format", "zarr")
     assert code == 2 and "invalid choice: 'zarr'" in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("case", ["save inside the root", "save inside the root, load an iteration",
+                                  "save is the root", "load inside save"])
+def test_refuses_a_save_that_overlaps_the_load_root(src, tmp_path, capsys, case):
+    """--save inside the --load checkpoint root (even when --load names one of its iterations),
+    equal to it, or holding it, is refused before anything is read or written: one line that
+    names both paths, the rule and the fix, exit code 2. Writing there would put a second
+    layout's iter_N and 'latest' into (or around) the source run's checkpoints."""
+    outer = tmp_path / "outer"
+    shutil.copytree(src, outer / "ckpt")
+    root = outer / "ckpt"
+    load, save = {"save inside the root": (root, root / "resharded"),
+                  "save inside the root, load an iteration": (root / "iter_0000001", root / "resharded"),
+                  "save is the root": (root, root),
+                  "load inside save": (root, outer)}[case]
+    before = _digest(outer)
+    code, err = _cli(capsys, "--load", str(load), "--save", str(save), "--target-tensor-model-parallel-size", "2")
+    assert code == 2, (case, err)
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("reshard_checkpoint: "), err
+    assert f"--save {save}" in err and f"--load {load}" in err, err
+    assert "outside the source checkpoint" in err and "Fix: --save" in err, err
+    assert _digest(outer) == before and sorted(os.listdir(outer)) == ["ckpt"]

@@ -12,8 +12,8 @@ iteration directory (SRC/iter_0000010). The target layout is checked first, by t
 training applies (megalite.config.validate and the layers' own checks): a layout training would
 refuse is refused here, naming the rule and the numbers, before anything is written. The result
 is DST/iter_N (N: the source's iteration), written as a training save is (into iter_N.tmp,
-renamed when complete), then DST/latest. It never writes into its source and never replaces an
-existing iteration.
+renamed when complete), then DST/latest. DST must lie outside the source's checkpoint root (SRC,
+or the root of the iteration SRC names) and not hold it; an existing iteration is never replaced.
 
 For every rank of the target layout, one after another, it builds that rank's model shard
 on the meta device (shapes only), assembles each of its parameters' full tensors from the
@@ -125,12 +125,32 @@ def _inside(path: str, parent: str) -> bool:
     return os.path.commonpath([path, parent]) == parent
 
 
-def _check_destination(src_dir: str, dst: str, out_dir: str) -> None:
-    """Refuse a --save that would write into the source or replace an existing iteration."""
-    src_real, dst_real, out_real = (os.path.realpath(p) for p in (src_dir, dst, out_dir))
-    if _inside(dst_real, src_real) or _inside(src_real, out_real):
-        raise CheckpointError(f"--save {dst} would write {out_dir}, into the source checkpoint {src_dir}. "
-                              f"Fix: --save a new directory (the source is never modified).")
+def _source_root(load: str, src_dir: str) -> str:
+    """The checkpoint root --load belongs to: the parent of an iteration directory it names
+    (``ckpt/iter_0000010`` -> ``ckpt``), else --load itself."""
+    name = os.path.basename(src_dir.rstrip(os.sep))
+    named_iteration = os.path.realpath(load) == os.path.realpath(src_dir) and name.startswith("iter_")
+    return os.path.dirname(src_dir.rstrip(os.sep)) if named_iteration else load
+
+
+def _check_apart(load: str, dst: str, root: str) -> None:
+    """Refuse a --save that is the source checkpoint's root, lies inside it or holds it: the result's
+    iter_N and 'latest' would land among (or around) the source run's own checkpoints."""
+    root_real, dst_real = os.path.realpath(root), os.path.realpath(dst)
+    if _inside(dst_real, root_real):
+        relation = "is" if dst_real == root_real else "lies inside"
+    elif _inside(root_real, dst_real):
+        relation = "holds"
+    else:
+        return
+    beside = os.path.join(os.path.dirname(root_real), os.path.basename(root_real) + "_resharded")
+    raise CheckpointError(f"--save {dst} {relation} the checkpoint root {root} of --load {load}: the result must "
+                          f"lie outside the source checkpoint's root and not hold it (the source is never "
+                          f"modified). Fix: --save a directory beside it, e.g. --save {beside}.")
+
+
+def _check_destination(dst: str, out_dir: str) -> None:
+    """Refuse a --save that would replace an existing iteration or is a file."""
     if os.path.exists(out_dir):
         raise CheckpointError(f"{out_dir} already exists; reshard_checkpoint never replaces a checkpoint. "
                               f"Fix: --save another directory, or remove that one first.")
@@ -147,6 +167,7 @@ def reshard(src: str, dst: str, tp=None, pp=None, vp_layers=SOURCE, dp=None, zer
     source's (``vp_layers``: the source's when PP is unchanged; None or 0: no interleaving).
     ``to_format``: megalite or torch_dcp (None: the source's)."""
     src_dir = resolve_checkpoint(src)
+    _check_apart(src, dst, _source_root(src, src_dir))
     dcp_source = is_dcp_checkpoint(src_dir)
     reader = DcpReader(src_dir) if dcp_source else PieceReader(src_dir)
     to_format = to_format or (CKPT_FORMAT if dcp_source else "megalite")
@@ -169,7 +190,7 @@ def reshard(src: str, dst: str, tp=None, pp=None, vp_layers=SOURCE, dp=None, zer
     model = config.model
     layout = _layout(config, dp)
     out_dir = iteration_dir(dst, meta["iteration"])
-    _check_destination(src_dir, dst, out_dir)
+    _check_destination(dst, out_dir)
     batch = config.train.global_batch_size
     if batch and batch % (config.train.micro_batch_size * dp):
         print(f"reshard_checkpoint: note: the checkpoint's global batch {batch} is not a multiple of its micro "
@@ -273,7 +294,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--load", required=True, help="the source: a --save root (its 'latest') or an iter_N directory")
     p.add_argument("--save", required=True,
-                   help="the destination root (gets iter_N and 'latest'); not the source, not inside it")
+                   help="the destination root (gets iter_N and 'latest'): outside the source checkpoint's root, "
+                        "not holding it")
     src = " (default: the source's)"
     p.add_argument("--target-tensor-model-parallel-size", type=int, default=None, help="TP" + src)
     p.add_argument("--target-pipeline-model-parallel-size", type=int, default=None, help="PP" + src)

@@ -44,7 +44,8 @@ from megalite.monitor import attended_length, memory_line
 from megalite.parallel.comm import count_collectives
 from megalite.pipeline.schedules import Trace
 from megalite.resilience.straggler import StragglerMonitor
-from megalite.resilience.rollback import LossSentinel, agree, exhausted, no_checkpoint
+from megalite.resilience.rollback import (WARMUP_LOSSES, LossSentinel, agree, checkpoint_losses, exhausted,
+                                          no_checkpoint, recent_good_losses)
 from megalite.step_log import PendingStep
 from megalite.timers import Clock
 from megalite.training import evaluate, train_step
@@ -125,7 +126,10 @@ class TrainLoop:
         self.t = t
         self.num_micro = t.global_batch_size // (t.micro_batch_size * run.grid.layout.dp)
         self.term = TermSignal() if a.save else None
-        self.sentinel = LossSentinel(t.fp16, a.check_for_spiky_loss, a.spiky_loss_factor, a.spiky_loss_window)
+        resumed = a.load_dir if run.start_iteration > 0 else None  # not a --finetune / weights-only start
+        self.loaded_losses = checkpoint_losses(resumed)  # a resume: the spike check is armed from its first step
+        self.sentinel = LossSentinel(t.fp16, a.check_for_spiky_loss, a.spiky_loss_factor, a.spiky_loss_window,
+                                     history=self.loaded_losses)
         self.checked = a.check_for_spiky_loss or a.max_rollbacks > 0  # else StepLog stops on non-finite values
         self.rollbacks = 0
         self.batch_of: dict[int, int] = {}  # iteration -> the global batch it trained on
@@ -177,6 +181,8 @@ class TrainLoop:
     def run(self) -> list[dict]:
         r, t, a = self.r, self.t, self.r.args
         iteration = r.start_iteration
+        if a.check_for_spiky_loss:
+            r.say(self.sentinel.describe_arming(iteration))
         try:
             while iteration < t.train_iters:
                 iteration += 1
@@ -267,7 +273,9 @@ class TrainLoop:
     # -- checkpoints -----------------------------------------------------------------------
     def save(self, iteration: int) -> None:
         r, a = self.r, self.r.args
-        extra = {"skipped_batches": [list(w) for w in r.stream.windows], "data_batches": r.stream.batches_read}
+        extra = {"skipped_batches": [list(w) for w in r.stream.windows], "data_batches": r.stream.batches_read,
+                 "recent_losses": recent_good_losses(self.loaded_losses, r.log_lines, iteration,
+                                                     max(a.spiky_loss_window, WARMUP_LOSSES))}
         save = r.saver.save if r.saver is not None else r.save_fn
         path = save(a.save, iteration, r.optimizer, r.scaler, r.config, r.grid, r.stream.consumed_samples,
                     a.keep_last, r.tokenizer, extra_meta=extra)

@@ -122,7 +122,7 @@ def test_sentinel_finds_non_finite_values_and_spikes_against_the_recent_median()
     s = LossSentinel(fp16=False, spiky=True, factor=3.0, window=3)
     assert s.first_bad([rec(1, 5.0), rec(2, 4.0), rec(3, 13.0)]) is None  # the window is not full yet
     bad = s.first_bad([rec(4, 4.0), rec(5, 12.5), rec(6, 1.0)])
-    assert bad == BadStep(5, "spike", 12.5, 1.0, 4.0) and 6 not in s.history
+    assert bad == BadStep(5, "spike", 12.5, 1.0, 4.0, 3) and 6 not in s.history
     assert s.first_bad([rec(6, 4.0, float("inf"))]).kind == "non-finite"
     s.forget_after(2)
     assert sorted(s.history) == [1, 2]

@@ -22,10 +22,12 @@ def add_resilience_args(p: argparse.ArgumentParser) -> None:
                         "(readable by DCP's tools such as dcp_to_torch_save)")
     g.add_argument("--check-for-spiky-loss", action="store_true",
                    help="treat a loss above --spiky-loss-factor x the median of the last "
-                        "--spiky-loss-window losses as a fault (rolled back with --max-rollbacks, else a stop)")
+                        "--spiky-loss-window losses as a fault (rolled back with --max-rollbacks, else a stop); "
+                        "armed once 3 losses are known (their median until the window fills), and from the "
+                        "first iteration of a resume (the checkpoint records the losses before it)")
     g.add_argument("--spiky-loss-factor", type=float, default=3.0)
     g.add_argument("--spiky-loss-window", type=int, default=10,
-                   help="losses the median is taken over (checked once the window is full)")
+                   help="losses the median is taken over (fewer while the run warms up: at least 3)")
     g.add_argument("--max-rollbacks", type=int, default=0,
                    help="on a NaN/inf loss or gradient norm (bf16/fp32) or a spike: go back to the latest "
                         "checkpoint, skip the batches that led to it and go on, at most this many times "

@@ -9,6 +9,7 @@ divided by the GPU's peak (dense bf16), from ``--peak-tflops`` or the detected G
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 
@@ -128,6 +129,29 @@ def memory_line(optimizer, reset_peak: bool = False, device: torch.device | None
     return f"mem {sum(stats.values()) / 2**20:.1f} MiB (weights+grads+optimizer)", stats
 
 
+def per_device_unit(device: torch.device | None) -> str:
+    """The name of the log line's TFLOP/s per rank: per GPU on CUDA, per CPU process on the CPU
+    (a rank is a process there, sharing the machine's cores), per device elsewhere (meta).
+    ``device`` None: a GPU when CUDA is available, else the CPU."""
+    kind = device.type if device is not None else ("cuda" if torch.cuda.is_available() else "cpu")
+    return {"cuda": "TFLOP/s/GPU", "cpu": "TFLOP/s/CPU process"}.get(kind, "TFLOP/s/device")
+
+
+def mock_data_note(vocab_size: int) -> str:
+    """The one-time startup note of a ``--mock-data`` run: its tokens are uniform random ids,
+    which no model can predict, so the loss stays near ln(vocab), the loss of a uniform guess."""
+    return (f"mock data: random tokens, nothing to learn: the loss stays near ln(vocab) = "
+            f"ln({vocab_size}) = {math.log(vocab_size):.2f} (train on real data to see it fall: docs/data.md)")
+
+
+def clock_time(seconds: float | None) -> str:
+    """``seconds`` as h:mm:ss (hours not wrapped at a day), n/a for None."""
+    if seconds is None:
+        return "n/a"
+    whole = int(round(seconds))
+    return f"{whole // 3600}:{whole % 3600 // 60:02d}:{whole % 60:02d}"
+
+
 def _value(x, spec: str) -> str:
     """A logged value, or n/a where there is none (a meta dry run computes nothing)."""
     return "n/a" if x is None else format(x, spec)
@@ -166,6 +190,7 @@ class Monitor:
         if peak_tflops is None:
             peak_tflops = detect_peak_tflops(report_unknown=enabled, device=device)
         self.peak = peak_tflops
+        self.flops_unit = per_device_unit(device)
         self.enabled = enabled
         self.stream = stream or sys.stdout
         self.tty = enabled and is_terminal(self.stream)
@@ -201,11 +226,13 @@ class Monitor:
 
     def line(self, record: dict, memory: str) -> str:
         times = record.get("times_ms", {})
-        parts = [f"iter {record['iteration']:>5}/{self.train_iters}", f"loss {_value(record['loss'], '.4f')}",
+        parts = [f"iter {record['iteration']:>5}/{self.train_iters}",
+                 f"elapsed {clock_time(record.get('run_elapsed_s'))} ETA {clock_time(record.get('eta_s'))}",
+                 f"loss {_value(record['loss'], '.4f')}",
                  f"lr {record['lr']:.3e}", f"grad norm {_value(record['grad_norm'], '.3f')}",
                  f"scale {record['loss_scale']:g}", f"skipped {record['skipped_total']}",
                  f"{_value(record['tokens_per_sec'], ',.0f')} tok/s",
-                 f"{_value(record['tflops_per_gpu'], '.3g')} TFLOP/s/GPU"]
+                 f"{_value(record['tflops_per_gpu'], '.3g')} {self.flops_unit}"]
         if record.get("mfu") is not None:
             parts.append(f"MFU {100 * record['mfu']:.1f}%")
         if record.get("moe_aux_loss") is not None:  # expert load: min / max tokens per expert over the mean

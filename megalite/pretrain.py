@@ -39,7 +39,7 @@ from megalite.device import (cuda_allocator_environment, host_barrier, init_dist
 from megalite.launch import detect_launch
 from megalite.faults import CollectiveTimeout, HangWatchdog, TrainingDiverged, report_failure
 from megalite.memory_tracker import training_tracker
-from megalite.monitor import Monitor
+from megalite.monitor import Monitor, mock_data_note
 from megalite.preflight import check_datasets, check_output_paths, check_save_location
 from megalite.profiling import Profiler
 from megalite.resilience.fault_injection import FaultInjector, check_fault_ranks
@@ -63,6 +63,15 @@ def _tokenizer_for(args):
                 else "a sentencepiece .model from tools/train_tokenizer.py")
         raise ConfigError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model PATH ({what}).")
     return build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+
+
+def restart_note(finetune: bool) -> str:
+    """Why a run that loaded iteration N counts from 1: what ``--finetune`` (or a weights-only
+    checkpoint, e.g. one imported from Hugging Face) starts afresh."""
+    why = "--finetune takes the weights only" if finetune else "the checkpoint holds weights only"
+    return (f"; {why}: the iteration count (from 1), the optimizer state (moments and step), the loss "
+            f"scale, the LR schedule (warmup from iteration 1) and the data position (the first batch) "
+            f"start afresh")
 
 
 def _value(x, spec: str = ".4f") -> str:
@@ -214,7 +223,7 @@ def pretrain(argv=None) -> list[dict]:
         if args.finetune or meta.get("weights_only"):
             start_iteration, consumed, windows = 0, 0, list(args.skip_windows)
         say(f"loaded {meta['directory']} at iteration {meta['iteration']} (layout then {meta['layout']}; "
-            f"{meta['rng_note']})")
+            f"{meta['rng_note']})" + (restart_note(args.finetune) if args.finetune or meta.get("weights_only") else ""))
         if not (args.finetune or meta.get("weights_only")):
             change = describe_layout_change(meta, grid, t)
             if change:
@@ -244,6 +253,8 @@ def pretrain(argv=None) -> list[dict]:
     stream = BatchStream(train_iter, num_micro, global_batch, consumed // global_batch, windows)
     for line in describe_data(getattr(train_iter, "dataset", None)):
         say(line)
+    if config.data.mock_data:
+        say(mock_data_note(m.vocab_size))  # before the flat loss it explains
     if valid_iter is not None:  # continue validation where the interrupted run was
         for _ in range((start_iteration // t.eval_interval) * t.eval_iters * num_micro):
             next(valid_iter)

@@ -11,11 +11,21 @@ queueing the next steps' kernels.
 Times: without a sync per step, a step's host time is how long its launches took. The
 window from the first pending step's start to the flush's sync is the true time of the
 window's steps, so each record's ``elapsed_ms`` (and its tokens/s, TFLOP/s, MFU) is the
-window's mean; with ``--log-interval 1`` that is the step's own time, as before.
+window's mean; with ``--log-interval 1`` that is the step's own time, as before. Each record
+also carries ``run_elapsed_s`` (wall time since this run's first iteration began, evaluation
+and saves included) and ``eta_s`` (the iterations left to ``--train-iters`` times the mean
+step time of the last :data:`ETA_WINDOW` iterations): :class:`RunClock`.
+
+The ``--log-json`` file is strict JSON (:func:`json_line`): JSON has no NaN or Infinity, so a
+non-finite number is written as ``null`` and named, with its value as text, under the
+record's ``non_finite`` field (``{"loss": "nan", "grad_norm": "inf"}``).
 """
 from __future__ import annotations
 
+import json
+import math
 import time
+from collections import deque
 from dataclasses import dataclass
 
 from megalite.faults import bytes_by_group, check_finite
@@ -35,6 +45,55 @@ class PendingStep:
     extra: dict | None = None      # fields the loop adds to the record (a straggler report)
 
 
+ETA_WINDOW = 20  # the ETA's step time: the mean over this many most recent iterations
+
+
+def _finite_or_none(value, path: str, non_finite: dict):
+    """``value`` with each non-finite float replaced by None, its text kept in ``non_finite``
+    under its dotted path (``times_ms.forward``)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        non_finite[path] = "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+        return None
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v, f"{path}.{k}" if path else str(k), non_finite) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite_or_none(v, f"{path}.{i}", non_finite) for i, v in enumerate(value)]
+    return value
+
+
+def json_line(record: dict) -> str:
+    """One ``--log-json`` line of ``record``: strict JSON, which any parser reads (a bare
+    ``NaN`` is not JSON): non-finite numbers become ``null`` and are named under
+    ``non_finite``, e.g. ``"loss": null, ..., "non_finite": {"loss": "nan"}``."""
+    non_finite: dict[str, str] = {}
+    clean = _finite_or_none(record, "", non_finite)
+    if non_finite:
+        clean["non_finite"] = non_finite
+    return json.dumps(clean, allow_nan=False)
+
+
+class RunClock:
+    """Elapsed wall time of the run and its ETA: ``start`` at the first iteration's start,
+    then ``stamp`` each logged iteration with its step time and its end; the ETA is the
+    iterations left to ``train_iters`` times the mean step time of the last ``window``
+    iterations (so a slow start, or a change of speed, fades out of it)."""
+
+    def __init__(self, train_iters: int, window: int = ETA_WINDOW):
+        self.train_iters = train_iters
+        self.started: float | None = None
+        self.recent: deque[float] = deque(maxlen=window)
+
+    def start(self, when: float) -> None:
+        if self.started is None:
+            self.started = when
+
+    def stamp(self, iteration: int, step_seconds: float, end: float) -> dict:
+        """``run_elapsed_s`` (from the start to ``end``) and ``eta_s`` of iteration ``iteration``."""
+        self.recent.append(step_seconds)
+        mean = sum(self.recent) / len(self.recent)
+        return {"run_elapsed_s": end - self.started, "eta_s": mean * max(0, self.train_iters - iteration)}
+
+
 class StepLog:
     """Pending steps and their records; see the module docstring."""
 
@@ -43,8 +102,10 @@ class StepLog:
         self.check, self.fp16, self.meta = check, fp16, meta
         self.skipped_total = skipped_total
         self.pending: list[PendingStep] = []
+        self.clock = RunClock(monitor.train_iters)
 
     def add(self, step: PendingStep) -> None:
+        self.clock.start(step.start)
         self.pending.append(step)
 
     def flush(self) -> list[dict]:
@@ -56,14 +117,16 @@ class StepLog:
         resolve_steps([s.result for s in steps])
         elapsed = (time.perf_counter() - steps[0].start) / len(steps)
         records = []
-        for s in steps:
+        for k, s in enumerate(steps):
             r = s.result
             if self.check:  # a meta or fake-group run has no values / made-up collectives
                 check_finite(r, s.iteration, self.fp16)
             self.skipped_total += int(r.skipped)
             record = {"iteration": s.iteration, "loss": r.loss, "lr": r.lr, "grad_norm": r.grad_norm,
                       "loss_scale": r.loss_scale, "skipped": r.skipped, "skipped_total": self.skipped_total,
-                      "elapsed_ms": elapsed * 1e3, **self.monitor.metrics(elapsed, s.attended), "times_ms": r.times_ms,
+                      "elapsed_ms": elapsed * 1e3,
+                      **self.clock.stamp(s.iteration, elapsed, steps[0].start + (k + 1) * elapsed),
+                      **self.monitor.metrics(elapsed, s.attended), "times_ms": r.times_ms,
                       "comm_bytes": {k: v["bytes"] for k, v in s.traffic.items()}, "memory_bytes": s.memory_stats,
                       "comm_bytes_by_group": bytes_by_group(self.grid, s.traffic), **(r.moe or {})}
             if s.tracked is not None:

@@ -46,7 +46,7 @@ from megalite.pipeline.schedules import Trace
 from megalite.resilience.straggler import StragglerMonitor
 from megalite.resilience.rollback import (WARMUP_LOSSES, LossSentinel, agree, checkpoint_losses, exhausted,
                                           no_checkpoint, recent_good_losses)
-from megalite.step_log import PendingStep
+from megalite.step_log import PendingStep, json_line
 from megalite.timers import Clock
 from megalite.training import evaluate, train_step
 
@@ -267,7 +267,7 @@ class TrainLoop:
 
     def _write(self, record: dict) -> None:
         if self.r.log_file:
-            self.r.log_file.write(json.dumps(record) + "\n")
+            self.r.log_file.write(json_line(record) + "\n")  # strict JSON: null for a NaN
             self.r.log_file.flush()
 
     # -- checkpoints -----------------------------------------------------------------------

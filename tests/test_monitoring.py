@@ -105,7 +105,7 @@ def test_log_line_json_and_tensorboard(tmp_path, capsys):
                             "--tensorboard-dir", str(tmp_path / "tb"), "--eval-interval", "5", "--eval-iters", "1"])
     out = capsys.readouterr().out
     line = [x for x in out.splitlines() if x.startswith("iter     3/5")][0]
-    for part in ("loss", "lr", "grad norm", "scale 1", "skipped 0", "tok/s", "TFLOP/s/GPU", "MFU", "mem",
+    for part in ("loss", "lr", "grad norm", "scale 1", "skipped 0", "tok/s", "TFLOP/s/CPU process", "MFU", "mem",
                  "forward", "backward", "grad_sync", "optimizer"):
         assert part in line, (part, line)
     records = [json.loads(x) for x in open(tmp_path / "log.jsonl")]

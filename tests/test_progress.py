@@ -13,6 +13,7 @@ import torch.distributed as dist
 from megalite.checkpoint.convert import export_hf, import_hf
 from megalite.data.preprocess import preprocess
 from megalite.data.tokenizer import build_tokenizer
+from megalite.monitor import clock_time
 from megalite.pretrain import pretrain
 
 SMALL = ["--mock-data", "--vocab-size", "200", "--num-layers", "2", "--hidden-size", "32",
@@ -38,7 +39,8 @@ def test_training_on_a_terminal_keeps_the_bar_under_intact_log_lines(monkeypatch
     assert "training: 100%|" in out and "| 4/4 [" in out  # the bar, finished
     lines = screen_lines(out)
     for record in log:
-        assert any(x.startswith(f"iter {record['iteration']:>5}/4 | loss {record['loss']:.4f} |")
+        clock = f"elapsed {clock_time(record['run_elapsed_s'])} ETA {clock_time(record['eta_s'])}"
+        assert any(x.startswith(f"iter {record['iteration']:>5}/4 | {clock} | loss {record['loss']:.4f} |")
                    and x.endswith(" ms") for x in lines), record["iteration"]
     for iteration in (2, 4):  # lines printed by the driver between steps are not glued to the bar
         assert any(x.startswith(f"validation at iter {iteration}: loss") for x in lines)
@@ -60,7 +62,7 @@ def test_meta_dry_run_has_the_same_bar(monkeypatch):
     assert [r["iteration"] for r in log] == [1, 2, 3]
     out = stdout.getvalue()
     assert "training: 100%|" in out and "| 3/3 [" in out
-    assert any(x.startswith("iter     2/3 | loss n/a |") for x in screen_lines(out))
+    assert any(x.startswith("iter     2/3 | elapsed ") and "| loss n/a |" in x for x in screen_lines(out))
 
 
 def test_training_off_a_terminal_prints_no_bar(capsys):

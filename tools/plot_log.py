@@ -11,7 +11,10 @@ throughput (tokens/s over all ranks), TFLOP/s per GPU (MFU in % when every run l
 memory of the logging rank (GPU: peak allocated; CPU: the tensor accounting), and per run
 the time of each step split into forward / backward / grad sync / optimizer, stacked.
 Each run has one colour in every panel, named in the legend by its file name or --labels.
-Lines whose value is null (a meta dry run computes no loss) are skipped.
+Values that are null are skipped: a meta dry run computes no loss, and a non-finite value (a
+NaN loss) is written as null and named under the record's "non_finite" field (strict JSON; an
+older log's bare NaN or Infinity reads as null too); the summary line names the iterations
+whose loss was not finite.
 
 The format follows the output's extension (.png, .svg, .pdf; .png if none); --format png svg
 writes one file per format.
@@ -38,7 +41,7 @@ def load(path: str) -> list[dict]:
         lines = [line for line in f if line.strip()]
     for n, line in enumerate(lines):
         try:
-            records.append(json.loads(line))
+            records.append(json.loads(line, parse_constant=lambda constant: None))  # an old log's bare NaN
         except json.JSONDecodeError:
             if n != len(lines) - 1:
                 raise ValueError(f"{path}: line {n + 1} is not JSON (a --log-json file holds one JSON object "
@@ -272,6 +275,10 @@ def summary(label: str, records: list[dict]) -> str:
         text += f", last validation loss {valid[-1]:.4g}"
     if tps:
         text += f", median {statistics.median(tps):,.0f} tokens/s"
+    not_finite = [r["iteration"] for r in records if "loss" in (r.get("non_finite") or {})]
+    if not_finite:
+        text += (f"; loss not finite (null in the log, left out) at iteration{'s' if len(not_finite) > 1 else ''} "
+                 f"{', '.join(map(str, not_finite))}")
     return text
 
 

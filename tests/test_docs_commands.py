@@ -7,6 +7,9 @@ A command block runs when the line just before its ```bash fence is a marker:
     <!-- cpu-test slow as-written -->  run it without shortening --train-iters
     <!-- cpu-test slow batch=128 -->    also run it with --global-batch-size 128 (a dry run of
                                        a large layout: fewer micro-batches, same roles and peak)
+    <!-- cpu-test slow equality -->            a parallel run the guide says gives one process's
+    <!-- cpu-test slow equality-reference -->  losses, and that one process: both run as written,
+                                               in pairs, by tests/test_docs_equality.py, not here
 
 Each block runs as one bash script (stopping at the first failing line) in its own temporary
 directory, with the virtual environment's `python` and `torchrun` first on PATH, the repository on
@@ -27,6 +30,7 @@ REPO = Path(__file__).resolve().parent.parent
 MARKER = re.compile(r"^<!--\s*cpu-test((?:\s+[\w=-]+)*)\s*-->\s*$")
 REPO_PATHS = re.compile(r"(?<![\w/.-])(\./)?(pretrain_gpt\.py|tools/|scripts/|examples/)")
 TIMEOUT_S = 600
+EQUALITY = {"equality", "equality-reference"}
 
 
 def doc_files():
@@ -70,8 +74,10 @@ def collect():
     for path in doc_files():
         for lineno, opts, script in find_blocks(path):
             batch = [int(o.split("=", 1)[1]) for o in opts if re.fullmatch(r"batch=\d+", o)]
-            unknown = {o for o in opts if not re.fullmatch(r"batch=\d+", o)} - {"slow", "as-written"}
+            unknown = {o for o in opts if not re.fullmatch(r"batch=\d+", o)} - {"slow", "as-written", *EQUALITY}
             assert not unknown, f"{path.name}:{lineno}: unknown cpu-test option(s) {sorted(unknown)}"
+            if opts & EQUALITY:
+                continue  # tests/test_docs_equality.py runs these, as written, in pairs
             marks = [pytest.mark.slow] if "slow" in opts else []
             params.append(pytest.param(path, lineno, "as-written" in opts, script, batch[0] if batch else None,
                                        id=f"{path.relative_to(REPO)}:{lineno}", marks=marks))
@@ -96,17 +102,22 @@ def test_adapt_rewrites_paths_and_iters():
     assert "--global-batch-size 128 --bf16" in adapt("--global-batch-size 1024 --bf16", False, 128)
 
 
-@pytest.mark.parametrize("path,lineno,as_written,script,batch", BLOCKS)
-def test_doc_command(path, lineno, as_written, script, batch, tmp_path):
+def run_script(script, cwd):
+    """Run one adapted block as bash (stopping at the first failing line) in ``cwd``, with the
+    virtual environment first on PATH and the repository importable: (exit code, output)."""
     venv_bin = REPO / ".venv" / "bin"
     env = dict(os.environ)
     env["PATH"] = os.pathsep.join([str(venv_bin if venv_bin.is_dir() else Path(sys.executable).parent),
                                    env.get("PATH", "")])
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.update(TRITON_INTERPRET="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", adapt(script, as_written, batch)], cwd=tmp_path,
-                          env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=TIMEOUT_S)
-    assert proc.returncode == 0, (
-        f"{path.name}:{lineno} exited {proc.returncode}; command:\n{script}\n--- output (tail) ---\n"
-        + proc.stdout[-6000:])
+    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S)
+    return proc.returncode, proc.stdout
+
+
+@pytest.mark.parametrize("path,lineno,as_written,script,batch", BLOCKS)
+def test_doc_command(path, lineno, as_written, script, batch, tmp_path):
+    code, output = run_script(adapt(script, as_written, batch), tmp_path)
+    assert code == 0, (
+        f"{path.name}:{lineno} exited {code}; command:\n{script}\n--- output (tail) ---\n" + output[-6000:])

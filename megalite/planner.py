@@ -262,6 +262,19 @@ def model_state_bytes(psi: int, n: int, zero: int, prec: Precision) -> dict[str,
 
 # -- communication ---------------------------------------------------------------------------------
 
+# What the planner's communication figures count, said under every table that prints them.
+WIRE_MEASURE = ("wire bytes per rank per step: what one rank sends over its links in ring collectives, "
+                "(n-1)/n of the tensor for n ranks, twice for an all-reduce, all of a p2p send; "
+                "tools/dry_run.py prints the same measure as 'wire'")
+
+
+def format_communication(comm: dict) -> str:
+    """Each kind's wire bytes per rank per step in GiB with its link and time (no overlap), e.g.
+    ``DP 0.68 GiB on NVLink 2 ms``: the unit and measure of tools/dry_run.py's 'wire' column."""
+    return ", ".join(f"{k.upper()} {c['bytes'] / GiB:.2f} GiB on {c['link']} {c['seconds'] * 1e3:.0f} ms"
+                     for k, c in comm.items())
+
+
 def group_spans_nodes(layout: Layout, kind: str, gpus_per_node: int) -> bool:
     """Whether any group of this kind ('tp', 'cp', 'dp_cp', 'pp', 'ep', 'edp') has ranks on two nodes."""
     inner = layout.cp_inner if kind in ("cp_inner", "cp_outer") else 1

@@ -151,6 +151,43 @@ def planned_comm(config, layout: GridLayout, stage: int, gpus_per_node: int) -> 
     return {k: c["bytes"] for k, c in communication(m, plan_layout, psi, micro, num_micro, prec, hw, stage).items()}
 
 
+def wire_factor(kind: str, config, layout: GridLayout) -> float | None:
+    """The wire bytes per rank for each byte handed to one group's collectives, as the planner
+    counts them (ring collectives: (n-1)/n of the tensor for an all-gather, a reduce-scatter or an
+    all-to-all, twice that for an all-reduce; all of a p2p send), by the collective that carries
+    the group's traffic in this configuration; None for a group the planner does not count."""
+    zero, m = config.train.zero_stage, config.model
+    try:
+        n = len(layout.group_of(kind, 0))
+    except (KeyError, ValueError):
+        return None
+    ring = (n - 1) / n
+    if kind in ("dp", "dp_cp", "edp"):  # gradients: all-reduce under ZeRO-0, else reduce-scatter + all-gather
+        return 2 * ring if zero == 0 else ring
+    if kind == "tp":  # all-reduces, or the all-gather / reduce-scatter pairs of sequence parallelism
+        return ring if config.parallel.sequence_parallel else 2 * ring
+    if kind in ("pp", "cp_outer") or (kind == "cp" and m.cp_comm_type == "p2p"):
+        return 1.0  # p2p sends: every byte handed crosses the wire
+    if kind in ("cp", "cp_inner", "ep"):  # all-to-alls, or allgather's gather + reduce-scatter
+        return ring
+    return None
+
+
+# The dry run's group names against the planner's kinds (the gradient group of CP is dp_cp).
+PLANNER_KIND = {"dp_cp": "dp"}
+
+
+def wire_bytes(comm_bytes: dict, config, layout: GridLayout) -> dict:
+    """The measured bytes handed to each group's collectives as wire bytes per rank
+    (:func:`wire_factor`); groups the planner does not count are left out."""
+    out = {}
+    for kind, handed in comm_bytes.items():
+        factor = wire_factor(kind, config, layout)
+        if factor is not None:
+            out[kind] = handed * factor
+    return out
+
+
 def expert_wire_bytes(comm_bytes: dict, layout: GridLayout, zero: int) -> dict:
     """The measured bytes handed to the 'ep' (all-to-all) and 'edp' (expert gradients: all-reduce
     under ZeRO-0, reduce-scatter + all-gather otherwise) groups, as ring wire bytes per rank."""
@@ -174,12 +211,69 @@ def measure_layout(flags: list[str], config, layout: GridLayout, gpus_per_node: 
                   "difference": (tracked["peak"] - plan["total"]) / plan["total"],
                   "categories": tracked["peak_by_category"], "planned_categories": plan,
                   "comm_bytes": record["comm_bytes_by_group"], "fits": tracked["peak"] <= budget,
+                  "comm_wire_bytes": wire_bytes(record["comm_bytes_by_group"], config, layout),
                   "planned_comm_wire_bytes": planned_comm(config, layout, role["stage"], gpus_per_node),
                   "expert_comm_wire_bytes": expert_wire_bytes(record["comm_bytes_by_group"], layout,
                                                               config.train.zero_stage)}
         if "cuda_max_memory_allocated" in record:
             result["cuda_max_memory_allocated"] = record["cuda_max_memory_allocated"]
         yield result
+
+
+# -- the printed tables ------------------------------------------------------------------------------
+
+MEMORY_COLUMNS = (("weights", "parameters"), ("grads", "gradients"), ("optim", "optimizer state"),
+                  ("activ.", "activations"), ("comm", "communication"))
+COMMUNICATION_NOTE = ("handed: the bytes given to the group's collectives (all-reduce, reduce-scatter and all-to-all "
+                      "input, all-gather output, p2p sends); wire: what one rank sends over its links, the "
+                      "planner's measure (tools/plan_parallel.py): (n-1)/n of it for n ranks, twice for an "
+                      "all-reduce, all of a p2p send; planned: the planner's wire bytes for this rank "
+                      "(- where it counts none)")
+
+
+def ranks_text(role: dict) -> str:
+    return ",".join(map(str, role["ranks"]))
+
+
+def role_widths(all_roles: list[dict]) -> tuple[int, int]:
+    """The widths of the role and ranks columns: their longest entry (or heading)."""
+    return (max([len("role")] + [len(r["role"]) for r in all_roles]),
+            max([len("ranks")] + [len(ranks_text(r)) for r in all_roles]))
+
+
+def memory_header(widths: tuple[int, int]) -> str:
+    role, ranks = widths
+    return (f"{'role':<{role}}  {'ranks':<{ranks}} " + "".join(f"{h:>9}" for h, _ in MEMORY_COLUMNS)
+            + f"{'peak':>9}{'planned':>9}{'diff':>8}  fits   (GiB)")
+
+
+def memory_row(result: dict, widths: tuple[int, int]) -> str:
+    """One role's categories at the peak, the peak, the planner's figure and whether it fits, in GiB."""
+    role, ranks = widths
+    at_peak = result["categories"]
+    return (f"{result['role']:<{role}}  {ranks_text(result):<{ranks}} "
+            + "".join(f"{at_peak.get(k, 0) / GiB:9.2f}" for _, k in MEMORY_COLUMNS)
+            + f"{result['measured_bytes'] / GiB:9.2f}{result['planned_bytes'] / GiB:9.2f}"
+            f"{100 * result['difference']:+7.1f}%  {'yes' if result['fits'] else 'NO'}")
+
+
+def communication_table(results: list[dict], role_width: int) -> list[str]:
+    """Per role and group: the bytes handed to its collectives, the same as wire bytes, and the
+    planner's wire bytes, all per step per rank in GiB; the last line says what each counts."""
+    head = f"{'role':<{role_width}}  {'group':<8}{'handed':>9}{'wire':>9}{'planned':>9}{'diff':>8}"
+    rows = ["communication bytes per step per rank (GiB)", head]
+    for result in results:
+        planned_wire = result["planned_comm_wire_bytes"]
+        for i, (kind, handed) in enumerate(sorted(result["comm_bytes"].items())):
+            wire = result["comm_wire_bytes"].get(kind)
+            plan = planned_wire.get(PLANNER_KIND.get(kind, kind))
+            cells = [f"{handed / GiB:9.2f}", "-" if wire is None else f"{wire / GiB:9.2f}",
+                     "-" if plan is None else f"{plan / GiB:9.2f}",
+                     f"{100 * (wire - plan) / plan:+7.1f}%" if wire is not None and plan else "-"]
+            rows.append(f"{result['role'] if i == 0 else '':<{role_width}}  {kind:<8}"
+                        + "".join(f"{c:>9}" for c in cells[:3]) + f"{cells[3]:>8}")
+    rows.append(COMMUNICATION_NOTE)
+    return rows
 
 
 def main(argv=None) -> int:
@@ -226,31 +320,19 @@ def main(argv=None) -> int:
           f"{experts}, "
           f"{args.gpus_per_node} GPUs per node, {args.gpu_memory_gb:g} GiB each; one iteration per role on "
           f"{args.device}")
-    header = (f"{'role':<34} {'ranks':<12} {'weights':>8} {'grads':>8} {'optim':>8} {'activ.':>8} {'comm':>8} "
-              f"{'peak':>8} {'planned':>8} {'diff':>7}  fits   (GiB)")
     documents = documents_line(config, layout)
     if documents:
         print(documents)
     print(f"fits: the peak within {allowance}")
-    print(header)
+    widths = role_widths(roles(layout))
+    print(memory_header(widths))
     results = []
     for result in measure_layout(flags, config, layout, args.gpus_per_node, args.device, budget):
         results.append(result)
-        role, at_peak, diff = result, result["categories"], result["difference"]
-        tracked, record = {"peak": result["measured_bytes"]}, {"comm_bytes_by_group": result["comm_bytes"]}
-        plan = {"total": result["planned_bytes"]}
-        g = lambda k: at_peak.get(k, 0) / GiB  # noqa: E731
-        print(f"{role['role']:<34} {','.join(map(str, role['ranks'])):<12} {g('parameters'):8.2f} "
-              f"{g('gradients'):8.2f} {g('optimizer state'):8.2f} {g('activations'):8.2f} {g('communication'):8.2f} "
-              f"{tracked['peak'] / GiB:8.2f} {plan['total'] / GiB:8.2f} {100 * diff:+6.1f}%  "
-              f"{'yes' if result['fits'] else 'NO'}")
-        print(f"{'':<34} bytes per step: " + ", ".join(f"{k} {v / GiB:.2f} GiB"
-                                                     for k, v in sorted(record["comm_bytes_by_group"].items())))
-        if result["expert_comm_wire_bytes"]:
-            planned_wire = result["planned_comm_wire_bytes"]
-            print(f"{'':<34} experts, wire bytes per step, measured / planned: " + ", ".join(
-                f"{k} {v / GiB:.3f} / {planned_wire.get(k, 0) / GiB:.3f} GiB"
-                for k, v in sorted(result["expert_comm_wire_bytes"].items())))
+        print(memory_row(result, widths))
+    print()
+    for line in communication_table(results, widths[0]):
+        print(line)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"world_size": args.world_size, "layout": layout.record(), "roles": results}, f, indent=1)

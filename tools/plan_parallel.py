@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megalite.config import ModelConfig  # noqa: E402
 from megalite.moe.settings import moe_layers, parse_layer_freq  # noqa: E402
 from megalite.layout_search import plan  # noqa: E402
-from megalite.planner import DEFAULT_HEADROOM, GiB, Hardware, precision, total_parameters  # noqa: E402
+from megalite.planner import DEFAULT_HEADROOM, WIRE_MEASURE, GiB, Hardware, precision, total_parameters  # noqa: E402
 from megalite.planner_cp import CP_COMM_TYPES, cp_type_name  # noqa: E402
 from megalite.planner_documents import plan_lines as document_lines  # noqa: E402
 from megalite.planner_flags import grads_in_fp32, pretrain_flags, training_defaults  # noqa: E402
@@ -149,7 +149,8 @@ def table(estimates, usable: float) -> list[str]:
                     f"{mem['total'] / GiB:>6.1f} {mem['weights'] / GiB:>7.1f} {mem['gradients'] / GiB:>6.1f} "
                     f"{mem['master_and_optimizer'] / GiB:>6.1f} {mem['activations'] / GiB:>6.1f} "
                     f"{mem['buffers'] / GiB:>5.1f} | {e.num_micro:>4} {e.bubble:>6.1%} | {comm or '-'}")
-    rows.append(f"(GiB per GPU on the fullest pipeline stage; {usable / GiB:.1f} GiB usable)")
+    rows.append(f"(GiB per GPU on the fullest pipeline stage; {usable / GiB:.1f} GiB usable; comm: the time of the "
+                f"{WIRE_MEASURE.split(':')[0]} on its link, no overlap)")
     return rows
 
 
@@ -164,6 +165,19 @@ def dry_run_command(a, flags: list[str], world: int) -> str:
             f"--gpu-memory-gb {a.gpu_memory_gb:g} --headroom {a.headroom:g} " + " ".join(flags))
 
 
+def communication_line(e, results: list[dict]) -> str:
+    """The estimate's wire bytes per kind beside the dry run's, measured on a rank of the same
+    pipeline stage, both per step per rank in GiB (:data:`megalite.planner.WIRE_MEASURE`)."""
+    from tools.dry_run import PLANNER_KIND
+
+    role = next(r for r in results if r["stage"] == e.stage)
+    measured = {PLANNER_KIND.get(k, k): v for k, v in role["comm_wire_bytes"].items()}
+    pairs = [f"{k.upper()} {c['bytes'] / GiB:.2f} / {measured[k] / GiB:.2f}" if k in measured
+             else f"{k.upper()} {c['bytes'] / GiB:.2f} / -" for k, c in e.comm.items()]
+    return (f"communication (wire GiB per step per rank, planned / measured on stage {e.stage}): "
+            + (", ".join(pairs) or "none"))
+
+
 def verify(a, m, estimates) -> list[dict]:
     """Dry-run each layout with exactly its printed flags (one rank per role, meta tensors; the
     dry run adds --mock-data as it always does) and compare its peak with the stated estimate."""
@@ -174,7 +188,7 @@ def verify(a, m, estimates) -> list[dict]:
     from megalite.parallel.grid import GridLayout
 
     print("\nverified by a dry run (tools/dry_run.py with exactly the flags printed; one iteration per "
-          "pipeline stage on meta tensors):")
+          f"pipeline stage on meta tensors); communication in {WIRE_MEASURE}:")
     out = []
     for e in estimates:
         lay = e.layout
@@ -191,6 +205,7 @@ def verify(a, m, estimates) -> list[dict]:
         print(f"  {lay.describe():<48} stated {stated / GiB:7.2f} GiB, measured "
               f"{worst['measured_bytes'] / GiB:7.2f} GiB ({worst['role']}, {100 * diff:+.1f}%)\n"
               f"    flags: {' '.join(flags)}")
+        print(f"    {communication_line(e, results)}")
         out.append({"layout": lay, "flags": flags, "stated_bytes": stated, "measured_bytes": worst["measured_bytes"],
                     "role": worst["role"], "difference": diff})
     return out

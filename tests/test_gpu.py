@@ -286,7 +286,7 @@ def _losses(tmp_path: Path, name: str, flags: list[str], interpret: str) -> list
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, f"{name} run failed:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
     losses = [json.loads(line)["loss"] for line in log.read_text().splitlines()]
-    assert len(losses) == 10 and all(math.isfinite(x) for x in losses), (name, losses)
+    assert len(losses) == 10 and all(x is not None and math.isfinite(x) for x in losses), (name, losses)
     return losses
 
 

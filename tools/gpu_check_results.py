@@ -134,7 +134,7 @@ def gpt_judge(name: str):
         path, log = out / f"c_gpt1p3b_{name}.jsonl", outcomes[0].log
         records = json_lines(path)
         fig = gpt_figures(records, log.read_text(errors="replace") if log.is_file() else "")
-        finite = all(math.isfinite(r["loss"]) for r in records)
+        finite = all(r["loss"] is not None and math.isfinite(r["loss"]) for r in records)  # null: not finite
         if "tokens_per_sec" in fig:
             mfu = f"MFU {fig['mfu_pct']:.1f}%" if "mfu_pct" in fig else "MFU n/a (GPU not in the peak table)"
             line = (f"{fig['parameters'] or '?'} params: {fig['tokens_per_sec']:,} tokens/s, "

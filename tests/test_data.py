@@ -130,6 +130,28 @@ def test_preprocess_text_paragraphs(tmp_path):
     assert [ds[i].tolist() for i in range(len(ds))] == [[1, 2, 3, 4, 9], [5, 6, 9], [7, 9]]
 
 
+def test_preprocess_tool_creates_its_output_folder(tmp_path, capsys):
+    """tools/preprocess_data.py creates the folder of --output-prefix, parents too, as
+    pretrain_gpt.py creates --save, and writes there what the library writes; a path under a
+    file is refused in one line naming the flag, before any work."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tools"))
+    import preprocess_data
+
+    path = tmp_path / "c.txt"
+    path.write_text("1 2 3\n\n4 5\n", encoding="utf-8")
+    flags = ["--input", str(path), "--tokenizer-type", "NullTokenizer", "--vocab-size", "10", "--append-eod"]
+    prefix = tmp_path / "not" / "yet" / "there" / "c"
+    preprocess_data.main(flags + ["--output-prefix", str(prefix)])
+    ds = IndexedDataset(str(prefix))
+    assert [ds[i].tolist() for i in range(len(ds))] == [[1, 2, 3, 9], [4, 5, 9]]
+    with pytest.raises(SystemExit) as exit_:
+        preprocess_data.main(flags + ["--output-prefix", str(path / "under_a_file" / "c")])
+    err = capsys.readouterr().err.strip()
+    assert exit_.value.code == 2 and len(err.splitlines()) == 1, err
+    assert f"--output-prefix {path / 'under_a_file' / 'c'}: cannot create the folder" in err
+
+
 def test_builder_dtypes_and_ranges(tmp_path):
     assert best_dtype(65536) == np.uint16 and best_dtype(65537) == np.int32
     ds = write_dataset(tmp_path / "big", [[70000, 0], [], [5]], dtype=np.int32)

@@ -25,7 +25,18 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from megalite.data.preprocess import format_summary, preprocess  # noqa: E402
 from megalite.data.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
-from tools.tool_errors import one_line_errors, positive, writable  # noqa: E402
+from tools.tool_errors import one_line_errors, positive  # noqa: E402
+
+
+def make_output_folder(parser: argparse.ArgumentParser, prefix: str) -> None:
+    """Create the folder of ``--output-prefix`` (and its parents), as pretrain_gpt.py creates
+    its --save folder; a path that cannot be a folder is refused in one line before any work."""
+    folder = os.path.dirname(os.path.abspath(prefix))
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        parser.error(f"--output-prefix {prefix}: cannot create the folder {folder}: {e.strerror} "
+                     f"(give another path)")
 
 
 def main(argv=None) -> None:
@@ -34,7 +45,7 @@ def main(argv=None) -> None:
     parser.add_argument("--json-keys", nargs="+", default=["text"],
                         help="JSONL field holding the document (one key)")
     parser.add_argument("--output-prefix", required=True,
-                        help="writes PREFIX.bin and PREFIX.idx")
+                        help="writes PREFIX.bin and PREFIX.idx (creating their folder, as --save does)")
     parser.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES,
                         default="GPTSentencePieceTokenizer")
     parser.add_argument("--tokenizer-model", help="SentencePiece .model file, or for HuggingFaceTokenizer "
@@ -51,7 +62,7 @@ def main(argv=None) -> None:
         parser.error(f"--json-keys got {args.json_keys}; megalite writes one dataset per "
                      f"run, so pass one key and run once per key.")
     positive(parser, "--workers", args.workers)
-    writable(parser, "--output-prefix", args.output_prefix)
+    make_output_folder(parser, args.output_prefix)
     try:
         tokenizer = build_tokenizer(args.tokenizer_type, args.tokenizer_model, args.vocab_size)
         print(f"tokenizing {args.input} with {tokenizer}, {args.workers} worker(s)")

@@ -2,6 +2,8 @@
 startup, before any process group, model or step (one message per failure under torchrun:
 tests/test_single_message.py)."""
 import os
+import shlex
+import sys
 
 import numpy as np
 import pytest
@@ -9,6 +11,7 @@ import pytest
 from megalite.data import IndexedDatasetBuilder
 from megalite.pretrain import main
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 SMALL = ["--mock-data", "--vocab-size", "300", "--num-layers", "2", "--hidden-size", "32",
          "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2", "--train-iters", "2"]
 
@@ -121,3 +124,27 @@ def test_data_path_with_bin_extension_is_refused_at_startup_with_the_prefix(tmp_
     captured = capsys.readouterr()
     assert f"megalite: input error: Dataset file '{prefix}.bin.idx' does not exist" in captured.err
     assert captured.err.strip().endswith(f"Fix: --data-path {prefix}") and "grid:" not in captured.out
+
+
+@pytest.mark.parametrize("weights", ["model.safetensors", "pytorch_model.bin"])
+def test_a_hugging_face_folder_given_to_load_names_the_conversion_and_it_works(tmp_path, capsys, weights):
+    """--load at a Hugging Face model folder (config.json and its weights, no megalite metadata):
+    one input error naming the folder and the command that converts it; run as printed (the
+    safetensors folder: convert_hf reads no pickled .bin), the conversion loads."""
+    import convert_hf  # tools/
+
+    assert main(SMALL + ["--train-iters", "1", "--save", str(tmp_path / "run")]) == 0
+    hf = tmp_path / "hf"
+    assert convert_hf.main(["--direction", "export", "--load", str(tmp_path / "run"), "--hf-dir", str(hf)]) == 0
+    if weights != "model.safetensors":
+        (hf / "model.safetensors").rename(hf / weights)
+    capsys.readouterr()
+    assert main(SMALL + ["--load", str(hf)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"megalite: input error: '{hf}' is a Hugging Face model folder") and len(err.splitlines()) == 1
+    command = err[err.index("`") + 1: err.rindex("`")]
+    assert command == f"python tools/convert_hf.py --direction import --hf-dir {hf} --save {hf}-megalite", err
+    assert err.rstrip().endswith(f"then --load {hf}-megalite."), err
+    if weights == "model.safetensors":
+        assert convert_hf.main(shlex.split(command)[2:]) == 0
+        assert main(SMALL + ["--load", f"{hf}-megalite", "--finetune"]) == 0

@@ -24,6 +24,7 @@ import os
 import shutil
 
 import torch
+import torch.distributed as dist
 
 from megalite import __version__
 from megalite.checkpoint.format import (FORMAT_VERSION, VOCAB_PARAMS, CheckpointError, PieceReader,
@@ -240,6 +241,45 @@ def finish_optimizer_load(meta: dict, optimizer, scaler, with_optim: bool) -> No
     optimizer.publish()
 
 
+def files_to_read(reader: PieceReader, optimizer, kinds, fp8: bool, rng_file: str | None) -> list[str]:
+    """The files of the checkpoint this rank reads: those holding pieces of its parameters
+    (every TP rank's pieces of a split tensor: the full tensor is assembled, then cut), the
+    FP8 state's, and its own RNG file."""
+    files = {rng_file} if rng_file else set()
+    for _, _, name, _, _, _ in _param_ranges(optimizer):
+        for kind in kinds:
+            files.update(f for f, _ in reader.index.get((name, kind), ()))
+    for name in reader.names("fp8") if fp8 else ():
+        files.update(f for f, _ in reader.index[(name, "fp8")])
+    return sorted(files)
+
+
+def verify_files(reader: PieceReader, files: list[str]) -> str | None:
+    """The first fault of ``files`` (checksum, safetensors header), or None: each is checked
+    once, before any tensor is read."""
+    for name in files:
+        try:
+            reader._file(name)
+        except CheckpointError as e:
+            return str(e)
+    return None
+
+
+def agree_on_fault(fault: str | None, grid) -> None:
+    """One collective (an all-gather of each rank's fault, on the gloo control group): when any
+    rank found one, every rank raises the lowest rank's, so rank 0 reports it at once, and no
+    rank reports "loaded" while another cannot load. Without a world (or in a dry run's fake
+    one, where this process is the only rank), this rank's own."""
+    found = [fault]
+    if grid is not None and dist.is_initialized() and grid.layout.world_size > 1 and dist.get_backend() != "fake":
+        found = [None] * grid.layout.world_size
+        dist.all_gather_object(found, fault, group=grid.control_group)
+    faulty = [(rank, text) for rank, text in enumerate(found) if text]
+    if faulty:
+        rank, text = faulty[0]
+        raise CheckpointError(text + (f" (found by rank {rank})" if len(found) > 1 else ""))
+
+
 def load_checkpoint(root: str, optimizer, scaler, config, grid, load_optimizer: bool = True,
                     load_rng: bool = True, iteration: int | None = None, finetune: bool = False) -> dict:
     """Fill the optimizer (and through it the model) from a checkpoint; return its metadata.
@@ -253,18 +293,23 @@ def load_checkpoint(root: str, optimizer, scaler, config, grid, load_optimizer: 
     vocab = config.model.vocab_size
     states = {"weight": optimizer.master, "exp_avg": optimizer.exp_avg, "exp_avg_sq": optimizer.exp_avg_sq}
     with_optim = load_optimizer and not meta.get("weights_only")
+    kinds = KINDS if with_optim else ("weight",)
+    rng_file = f"rank{c['rank']:05d}.safetensors"
+    read_rng = load_rng and same_layout(meta["layout"], c["layout"]) and rng_file in reader.descriptions
+    fp8 = config.model.fp8_format is not None
+    agree_on_fault(verify_files(reader, files_to_read(reader, optimizer, kinds, fp8, rng_file if read_rng else None)),
+                   grid)  # every rank's files are sound, or every rank stops with the first fault found
     for i, p, name, shape, (a, z), offset in _param_ranges(optimizer):
-        for kind in KINDS if with_optim else ("weight",):
+        for kind in kinds:
             values = _local_values(reader, p, name, shape, kind, vocab, c)
             states[kind][i][offset: offset + z - a] = values[a:z].to(states[kind][i].device)
     finish_optimizer_load(meta, optimizer, scaler, with_optim)
     fp8_names = reader.names("fp8")
-    if fp8_names and config.model.fp8_format is not None:  # any layout: the state is the stage's
+    if fp8_names and fp8:  # any layout: the state is the stage's
         saved = {n: reader.full_tensor(n, "fp8") for n in fp8_names}
         meta["fp8_modules_restored"] = sum(load_fp8_state(chunk, saved) for chunk in optimizer.chunks)
     rng = {}
-    rng_file = f"rank{c['rank']:05d}.safetensors"
-    if load_rng and same_layout(meta["layout"], c["layout"]) and rng_file in reader.descriptions:
+    if read_rng:
         handle = reader._file(rng_file)
         rng = {k[len("rng/"):]: handle.get_tensor(k) for k in handle.keys() if k.startswith("rng/")}
     if rng:  # same layout: every rank continues its own random streams

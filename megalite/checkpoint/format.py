@@ -32,6 +32,7 @@ import ctypes
 import hashlib
 import json
 import os
+import re
 import shutil
 from collections import defaultdict
 
@@ -223,6 +224,13 @@ def resolve_checkpoint(path: str, iteration: int | None = None) -> str:
     if name.startswith("iter_") and name[5:].isdigit():  # an iteration directory without its metadata
         raise CheckpointError(f"{path!r} is not a complete checkpoint (no metadata.json: an interrupted save "
                               f"or a partial copy). {_available(parent)}")
+    files = os.listdir(path)
+    if "config.json" in files and any(f.endswith(".safetensors") or re.fullmatch(r"pytorch_model.*\.bin", f)
+                                      for f in files):  # config.json and weights: a Hugging Face model folder
+        folder = path.rstrip(os.sep)
+        raise CheckpointError(f"{path!r} is a Hugging Face model folder (config.json and its weights), not a megalite "
+                              f"checkpoint. Fix: convert it once with `python tools/convert_hf.py --direction import "
+                              f"--hf-dir {folder} --save {folder}-megalite`, then --load {folder}-megalite.")
     if iteration is None:
         iteration = read_latest(path)
         what = f"'latest' names iteration {iteration}, but"

@@ -13,7 +13,10 @@ Hugging Face import's carried ``huggingface/tokenizer.json`` otherwise);
 
 Greedy by default; ``--temperature/--top-k/--top-p`` sample (``--seed`` reproduces). Stops at
 an end-of-sequence id (the tokenizer's, else the checkpoint's Hugging Face config's) or
-after ``--max-new-tokens``. ``--json`` prints ``{"ids": [...], "text": "..."}``.
+after ``--max-new-tokens``. It prints the prompt followed by its continuation, as one text (the
+prompt as given, then what the new ids add to it; with ``--prompt-ids`` and no tokenizer, the
+prompt's ids, `` | ``, then the new ids). ``--json`` prints the new ids and their text alone:
+``{"ids": [...], "text": "..."}``.
 """
 import argparse
 import json
@@ -79,6 +82,23 @@ def recorded_tokenizer(directory: str, meta: dict):
     return tokenizer, None
 
 
+def continuation(tokenizer, prompt_ids: list[int], new: list[int]) -> str:
+    """The text the new ids add after the prompt: the decoding of prompt and new ids together
+    past the prompt's own decoding (a tokenizer that drops a word's leading space when it decodes
+    the new ids alone keeps it here), else the new ids decoded alone."""
+    before = tokenizer.detokenize(prompt_ids)
+    whole = tokenizer.detokenize(list(prompt_ids) + list(new))
+    return whole[len(before):] if whole.startswith(before) else tokenizer.detokenize(new)
+
+
+def echo(prompt: str | None, tokenizer, prompt_ids: list[int], new: list[int]) -> str:
+    """The prompt followed by its continuation (module docstring)."""
+    if tokenizer is None:
+        return ",".join(map(str, prompt_ids)) + " | " + ",".join(map(str, new))
+    shown = prompt if prompt is not None else tokenizer.detokenize(prompt_ids)
+    return shown + continuation(tokenizer, prompt_ids, new)
+
+
 def main(argv=None) -> int:
     a = build_parser().parse_args(argv)
     tokenizer = None
@@ -138,7 +158,7 @@ def main(argv=None) -> int:
     if a.json:
         print(json.dumps({"ids": new, "text": text}))
     else:
-        print(text if text is not None else ",".join(map(str, new)))
+        print(echo(a.prompt, tokenizer, ids, new))
     return 0
 
 

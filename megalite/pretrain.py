@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from megalite.arguments import build_parser, config_from_args, explicit_args
 from megalite.checkpoint import CheckpointError, load_checkpoint
-from megalite.checkpoint.format import complete_iterations, resolve_checkpoint
+from megalite.checkpoint.format import complete_iterations, is_hugging_face_folder, resolve_checkpoint
 from megalite.checkpoint.settings import adopt_checkpoint_model, checkpoint_config, describe_layout_change
 from megalite.config import ConfigError, validate
 from megalite.data import build_data_iterators
@@ -122,7 +122,8 @@ def setup(argv=None):
     if args.ckpt_step is not None and not args.load:
         raise ConfigError(f"--ckpt-step {args.ckpt_step} needs --load DIR (the checkpoint root to take it from).")
     args.fresh_start = bool(args.load and args.save and os.path.abspath(args.load) == os.path.abspath(args.save)
-                            and args.ckpt_step is None and not os.path.exists(os.path.join(args.load, "latest")))
+                            and args.ckpt_step is None and not os.path.exists(os.path.join(args.load, "latest"))
+                            and not is_hugging_face_folder(args.load))  # that one is refused: convert it first
     done = complete_iterations(args.load) if args.fresh_start and os.path.isdir(args.load) else []
     if done:  # no 'latest', but complete iterations: a fresh start's saves would overwrite them
         raise ConfigError(f"--load {args.load} --save {args.save}: there is no 'latest' file, but complete "

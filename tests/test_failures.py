@@ -141,6 +141,10 @@ def test_a_hugging_face_folder_given_to_load_names_the_conversion_and_it_works(t
     capsys.readouterr()
     assert main(SMALL + ["--load", str(hf)]) == 2
     err = capsys.readouterr().err
+    before = sorted(p.name for p in hf.iterdir())
+    # --save the same folder (an elastic job's --load D --save D) is no fresh start here: refused alike
+    assert main(SMALL + ["--load", str(hf), "--save", str(hf)]) == 2
+    assert capsys.readouterr().err == err and sorted(p.name for p in hf.iterdir()) == before
     assert err.startswith(f"megalite: input error: '{hf}' is a Hugging Face model folder") and len(err.splitlines()) == 1
     command = err[err.index("`") + 1: err.rindex("`")]
     assert command == f"python tools/convert_hf.py --direction import --hf-dir {hf} --save {hf}-megalite", err

@@ -205,6 +205,13 @@ def read_latest(root: str) -> int:
     return int(text)
 
 
+def is_hugging_face_folder(path: str) -> bool:
+    """A Hugging Face model folder: config.json beside its weights (safetensors or pytorch_model*.bin)."""
+    files = os.listdir(path) if os.path.isdir(path) else []
+    return "config.json" in files and any(f.endswith(".safetensors") or re.fullmatch(r"pytorch_model.*\.bin", f)
+                                          for f in files)
+
+
 def resolve_checkpoint(path: str, iteration: int | None = None) -> str:
     """The iteration directory that ``--load PATH [--ckpt-step N]`` names: PATH itself when it
     is one (it holds metadata.json), else PATH/iter_N, else the one PATH's 'latest' names."""
@@ -224,9 +231,7 @@ def resolve_checkpoint(path: str, iteration: int | None = None) -> str:
     if name.startswith("iter_") and name[5:].isdigit():  # an iteration directory without its metadata
         raise CheckpointError(f"{path!r} is not a complete checkpoint (no metadata.json: an interrupted save "
                               f"or a partial copy). {_available(parent)}")
-    files = os.listdir(path)
-    if "config.json" in files and any(f.endswith(".safetensors") or re.fullmatch(r"pytorch_model.*\.bin", f)
-                                      for f in files):  # config.json and weights: a Hugging Face model folder
+    if is_hugging_face_folder(path):
         folder = path.rstrip(os.sep)
         raise CheckpointError(f"{path!r} is a Hugging Face model folder (config.json and its weights), not a megalite "
                               f"checkpoint. Fix: convert it once with `python tools/convert_hf.py --direction import "

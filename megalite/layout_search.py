@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from megalite.config import ModelConfig
 from megalite.planner import (RECOMPUTE, Estimate, GiB, Hardware, Layout, Precision, check_layout, communication,
-                              estimate, model_state_bytes, precision, stage_parameters, total_parameters)
+                              estimate, format_communication, model_state_bytes, precision, stage_parameters, total_parameters)
 from megalite.planner_cp import cp_variants, describe_cp, explain_cp_type
 from megalite.planner_flags import grads_in_fp32
 from megalite.planner_pipeline import (compute_seconds, explain_schedule, flops_per_token, held_words, same_layout,
@@ -239,8 +239,7 @@ def explain(p: Plan) -> list[str]:
         why.append("full recomputation stores only each layer's input (~33% more compute)")
     if why:
         lines.append("Why: " + "; ".join(why) + ".")
-    comm = ", ".join(f"{k.upper()} {c['bytes'] / 1e9:.2f} GB on {c['link']} {c['seconds'] * 1e3:.0f} ms"
-                     for k, c in chosen.comm.items())
+    comm = format_communication(chosen.comm)  # GiB of wire bytes: the dry run's 'wire' column
     lines.append(f"Communication per step per GPU (no overlap): {comm or 'none'}.")
     lines += explain_cp_type(p)
     lines += explain_schedule(p)

@@ -152,7 +152,7 @@ def _links(e) -> str:
         if kind in KIND.values():
             on[c["link"]] += c["bytes"]
     seconds = sum(c["seconds"] for k, c in e.comm.items() if k in KIND.values())
-    return (f"{on['InfiniBand'] / 1e9:.2f} GB on InfiniBand + {on['NVLink'] / 1e9:.2f} GB on NVLink, "
+    return (f"{on['InfiniBand'] / GiB:.2f} GiB on InfiniBand + {on['NVLink'] / GiB:.2f} GiB on NVLink, "
             f"{seconds * 1e3:.0f} ms")
 
 

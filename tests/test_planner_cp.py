@@ -154,7 +154,7 @@ def test_a2a_is_chosen_inside_a_node():
     assert line.startswith("CP type a2a: the least CP time of this layout's types that fit")
     ring, gathered = _rival(p, "p2p"), _rival(p, "allgather")
     assert ring.fits and ring.comm["cp"]["bytes"] == 3 * p.choice.comm["cp"]["bytes"]  # 12 kv against 4 kv
-    assert f"p2p 0.00 GB on InfiniBand + {ring.comm['cp']['bytes'] / 1e9:.2f} GB on NVLink" in line
+    assert f"p2p 0.00 GiB on InfiniBand + {ring.comm['cp']['bytes'] / GiB:.2f} GiB on NVLink" in line
     extra = transient_bytes(long_mha(), gathered.layout, 1, 2)  # bf16 K/V, fp32 dK/dV and block gradients
     assert extra == 2 * 1 * (long_mha().num_query_groups // 4) * long_mha().seq_length * long_mha().head_dim * (2 + 4 + 4 * 3 / 4)
     assert not gathered.fits and f"{gathered.memory['total'] / GiB:.1f} GiB (with {extra / GiB:.2f} GiB of full-" in line
@@ -172,8 +172,8 @@ def test_across_nodes_the_hierarchical_type_and_the_rule_that_refuses_a2a():
     for kind, inner in (("a2a+p2p", 2), ("p2p", 1)):  # more bytes on InfiniBand than the chosen
         rival = _rival(p, kind, inner)
         assert rival.fits and ib(rival) > ib(p.choice) and rival.comm_seconds > p.choice.comm_seconds
-        assert f"{kind}{' 2x4' if inner == 2 else ''} {ib(rival) / 1e9:.2f} GB on InfiniBand" in line
-    assert f"a2a+p2p 4x2 {ib(p.choice) / 1e9:.2f} GB on InfiniBand" in line
+        assert f"{kind}{' 2x4' if inner == 2 else ''} {ib(rival) / GiB:.2f} GiB on InfiniBand" in line
+    assert f"a2a+p2p 4x2 {ib(p.choice) / GiB:.2f} GiB on InfiniBand" in line
     assert ("Not a2a: --cp-comm-type a2a with --num-attention-heads 24, --tensor-model-parallel-size 2 and "
             "--context-parallel-size 8: the all-to-all gives each CP rank whole heads, so the heads per TP "
             "rank (24/2 = 12) must be divisible by CP (8).") in p.reasons

@@ -104,3 +104,21 @@ def test_planner_verify_prints_its_communication_beside_the_dry_runs(capsys):
     line = next(x for x in text.splitlines() if x.strip().startswith("communication (wire GiB per step per rank"))
     planned, measured = re.search(r"DP ([\d.]+) / ([\d.]+)", line).groups()
     assert float(planned) > 0.5 and planned == measured, line
+
+
+def test_the_planners_recommendation_and_cp_lines_print_wire_gib():
+    """The recommendation's 'Communication per step per GPU' line and the CP type line give wire
+    bytes in GiB (the dry run's 'wire' column), not GB: the same number formatted one way."""
+    from megalite.config import ModelConfig
+    from megalite.layout_search import explain, plan
+    from megalite.planner import Hardware, format_communication
+
+    m = ModelConfig(num_layers=4, hidden_size=3072, num_attention_heads=24, num_query_groups=24,
+                    ffn_hidden_size=4 * 3072, seq_length=131072, vocab_size=32000)
+    p = plan(m, Hardware(8, 8, 2), 16, 1)
+    lines = explain(p)
+    comm = [line for line in lines if line.startswith("Communication per step per GPU")]
+    assert comm == [f"Communication per step per GPU (no overlap): {format_communication(p.choice.comm)}."]
+    cp = [line for line in lines if line.startswith("CP type")]
+    assert cp and " GiB on InfiniBand + " in cp[0]
+    assert not any(re.search(r"\d GB\b", line) for line in comm + cp), comm + cp

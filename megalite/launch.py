@@ -99,3 +99,40 @@ def detect_launch(env=None, fake_process_group: bool = False) -> Launch:
                           f"could span nodes. Fix: launch the same number of processes on every node "
                           f"(torchrun --nproc-per-node / sbatch --ntasks-per-node).")
     return launch
+
+
+def leave_world(release: bool = True) -> None:
+    """End this rank's part in the distributed world, in a fixed order, before the interpreter
+    shuts down: (1) destroy every process group (torch's ``destroy_process_group``: the default
+    group and the grid's subgroups); (2) with ``release``, drop megalite's own references to the
+    groups (the grid's group cache, the last collective kept for hang reports) and collect, so
+    each gloo group's C++ object is destroyed now, which joins its worker and socket threads;
+    (3) flush stdout and stderr.
+
+    Why (2): a group that is only shut down keeps its C++ threads until the object is freed, and
+    an object still referenced at exit is freed (or not) during interpreter teardown, where a C++
+    thread that then needs the GIL is ended by Python, and ending a C++ thread that way aborts the
+    process (``terminate called without an active exception``): a finished run dying at exit.
+    Without ``release`` (an unexpected exception is on its way up, a peer may be gone) nothing is
+    freed: freeing a group waits for its queued collectives, which a dead peer never completes.
+
+    The caller stops its own threads first (monitor, watchdog, straggler timer, checkpoint writer)
+    and waits for every rank where all ranks finish together (``host_barrier``)."""
+    import gc
+    import sys
+
+    import torch.distributed as dist
+
+    from megalite.parallel import comm, grid
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    if release:
+        grid._GROUPS.clear()
+        comm.LAST_COLLECTIVE = None
+        gc.collect()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (ValueError, OSError):  # closed or detached
+            pass

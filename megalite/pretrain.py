@@ -36,7 +36,7 @@ from megalite.pipeline.partition import build_model_chunks, virtual_stages
 from megalite.data_parallel.accounting import describe_memory
 from megalite.device import (cuda_allocator_environment, host_barrier, init_distributed, meta_stand_ins,
                              resolve_device)
-from megalite.launch import detect_launch
+from megalite.launch import detect_launch, leave_world
 from megalite.faults import CollectiveTimeout, HangWatchdog, TrainingDiverged, report_failure
 from megalite.memory_tracker import training_tracker
 from megalite.monitor import Monitor, mock_data_note
@@ -236,6 +236,7 @@ def pretrain(argv=None) -> list[dict]:
     if start_iteration >= t.train_iters:
         say(f"the checkpoint is at iteration {start_iteration}, --train-iters is {t.train_iters}: nothing "
             f"left to train (raise --train-iters to continue)")
+        optimizer.sync.remove_hooks()  # held by autograd, they would keep the model and its groups alive
         return []
 
     global_batch = t.global_batch_size
@@ -294,6 +295,7 @@ def pretrain(argv=None) -> list[dict]:
             run.profiler.finish()
         if log_file:
             log_file.close()
+        optimizer.sync.remove_hooks()  # held by autograd, they would keep the model and its groups alive
     total = time.perf_counter() - start
     if log_lines:
         rate = "" if device.type == "meta" else f", {len(log_lines) * tokens_per_step / total:.0f} tokens/s overall"
@@ -328,7 +330,6 @@ def main(argv=None) -> int:
         return report_failure("training stopped", e, 3, printer)
     except CollectiveTimeout as e:
         return report_failure("distributed timeout", e, 4, True)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    finally:  # every group destroyed and its threads joined now, not in interpreter teardown
+        leave_world(release=sys.exc_info()[0] is None)  # not under an unexpected exception: a peer may be gone
     return 0

@@ -112,7 +112,8 @@ def leave_world(release: bool = True) -> None:
     Why (2): a group that is only shut down keeps its C++ threads until the object is freed, and
     an object still referenced at exit is freed (or not) during interpreter teardown, where a C++
     thread that then needs the GIL is ended by Python, and ending a C++ thread that way aborts the
-    process (``terminate called without an active exception``): a finished run dying at exit.
+    process (``terminate called without an active exception``): the likely cause of a finished
+    run dying at exit, rarely (issue 42).
     Without ``release`` (an unexpected exception is on its way up, a peer may be gone) nothing is
     freed: freeing a group waits for its queued collectives, which a dead peer never completes.
 

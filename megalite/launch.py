@@ -130,7 +130,7 @@ def leave_world(release: bool = True) -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
     if release:
-        grid._GROUPS.clear()
+        grid.forget_groups()
         comm.LAST_COLLECTIVE = None
         if real_world:  # a full collection costs 0.1-0.3 s: only where gloo threads may wait for it
             gc.collect()

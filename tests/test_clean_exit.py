@@ -87,3 +87,31 @@ def test_repeated_torchrun_runs_all_exit_zero(tmp_path):
         assert code == 0 and "done: 1 iterations" in text, (
             f"run {number} of {len(finished)}: exit {code}\n{text[-3000:]}")
         assert "terminate called" not in text and "Fatal Python error" not in text, text[-3000:]
+
+
+def _fail_to_load_then_look(rank, world_size, argv):
+    code = main(argv)
+    return {"code": code, "initialized": dist.is_initialized(), "native": _native_threads()}
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads the OS threads from /proc (Linux)")
+def test_an_error_after_the_model_is_built_leaves_no_thread_behind(tmp_path):
+    """main() stops with an input error after the model, the optimizer and its gradient hooks
+    exist (a checkpoint whose file is corrupt): it returns 2 and, as after a finished run, no
+    gloo thread is left (the hooks hold the gradient synchroniser weakly, so nothing keeps the
+    groups alive for interpreter teardown)."""
+    save = str(tmp_path / "ckpt")
+    assert all(seen["code"] == 0 for seen in run_world(_main_then_look, 2, TINY + ["--save", save], timeout=120))
+    shard = next(os.path.join(root, name) for root, _, names in os.walk(save) for name in names
+                 if name.endswith(".safetensors"))
+    with open(shard, "r+b") as f:  # a flipped byte: the checksum check refuses it on load
+        f.seek(os.path.getsize(shard) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    argv = TINY[:TINY.index("--train-iters")] + ["--train-iters", "2"] + TINY[TINY.index("--train-iters") + 2:]
+    for rank, seen in enumerate(run_world(_fail_to_load_then_look, 2, argv + ["--load", save], timeout=120)):
+        assert seen["code"] == 2, (rank, seen)
+        assert not seen["initialized"], f"rank {rank}: the default process group is still there"
+        alive = [name for name in seen["native"] if name in GLOO_THREADS]
+        assert not alive, f"rank {rank}: gloo threads still alive after main() returned 2: {alive}"

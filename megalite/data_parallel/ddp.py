@@ -32,6 +32,7 @@ ready, so nothing hangs and the average stays the mean over all ranks' gradients
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -154,7 +155,18 @@ class GradSync:
         # (bucket, micro-batch, started from a backward hook, gradients arrived so far this step)
         self.launch_log: list[tuple[int, int, bool, int]] = []
         self._arrived = 0
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in params]
+        # Autograd holds the hooks for the parameters' lifetime; each holds this object only weakly,
+        # so an error between building and training (remove_hooks never called) still frees it, and
+        # with it the groups, before the interpreter shuts down (issue 42: a finished run's abort).
+        # Once it is gone, a backward leaves param.grad as plain autograd accumulates it.
+        on_grad = weakref.WeakMethod(self._on_grad)
+
+        def hook(param) -> None:
+            method = on_grad()
+            if method is not None:
+                method(param)
+
+        self._hooks = [p.register_post_accumulate_grad_hook(hook) for p in params]
 
     def _zeros(self, numel: int) -> torch.Tensor:
         with category("gradients"):

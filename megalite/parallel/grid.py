@@ -324,6 +324,12 @@ class ProcessGrid:
 _GROUPS: dict = {}  # the current world's groups, for grids built more than once in one world
 
 
+def forget_groups() -> None:
+    """Drop the cached groups of the world that ended (``launch.leave_world``): the last
+    reference megalite holds to them, so their communicators are freed now."""
+    _GROUPS.clear()
+
+
 def group_plan(layout: GridLayout) -> list[tuple[str, list[list[int]]]]:
     """For each kind in GROUP_ORDER, its groups of more than one rank (a group of one needs
     no communicator). The groups of one kind never overlap."""

@@ -89,11 +89,6 @@ def test_repeated_torchrun_runs_all_exit_zero(tmp_path):
         assert "terminate called" not in text and "Fatal Python error" not in text, text[-3000:]
 
 
-def _fail_to_load_then_look(rank, world_size, argv):
-    code = main(argv)
-    return {"code": code, "initialized": dist.is_initialized(), "native": _native_threads()}
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads the OS threads from /proc (Linux)")
 def test_an_error_after_the_model_is_built_leaves_no_thread_behind(tmp_path):
     """main() stops with an input error after the model, the optimizer and its gradient hooks
@@ -110,7 +105,7 @@ def test_an_error_after_the_model_is_built_leaves_no_thread_behind(tmp_path):
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0xFF]))
     argv = TINY[:TINY.index("--train-iters")] + ["--train-iters", "2"] + TINY[TINY.index("--train-iters") + 2:]
-    for rank, seen in enumerate(run_world(_fail_to_load_then_look, 2, argv + ["--load", save], timeout=120)):
+    for rank, seen in enumerate(run_world(_main_then_look, 2, argv + ["--load", save], timeout=120)):
         assert seen["code"] == 2, (rank, seen)
         assert not seen["initialized"], f"rank {rank}: the default process group is still there"
         alive = [name for name in seen["native"] if name in GLOO_THREADS]

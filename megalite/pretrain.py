@@ -21,7 +21,7 @@ from megalite.checkpoint import CheckpointError, load_checkpoint
 from megalite.checkpoint.format import complete_iterations, is_hugging_face_folder, resolve_checkpoint
 from megalite.checkpoint.settings import adopt_checkpoint_model, checkpoint_config, describe_layout_change
 from megalite.config import ConfigError, validate
-from megalite.data import build_data_iterators
+from megalite.data import build_data_iterators_from
 from megalite.data.batch_stream import BatchStream, batches_in, merge_windows
 from megalite.data.blended import describe_data, parse_data_path
 from megalite.data.indexed_dataset import DatasetError
@@ -243,15 +243,10 @@ def pretrain(argv=None) -> list[dict]:
     windows = merge_windows(windows)
     reserve = batches_in(windows) + args.max_rollbacks * args.rollback_skip_batches  # batches read, not trained
     num_evals = t.train_iters // t.eval_interval + 1
-    train_iter, valid_iter, _ = build_data_iterators(
-        data_prefix=config.data.data_path, mock=config.data.mock_data, split=config.data.split,
-        vocab_size=m.vocab_size, seq_length=m.seq_length, seed=t.seed,
-        micro_batch_size=t.micro_batch_size, dp_rank=grid.dp_rank, dp_size=dp,
-        train_samples=(t.train_iters + reserve) * global_batch,
-        valid_samples=num_evals * t.eval_iters * global_batch,
-        test_samples=t.eval_iters * global_batch, consumed_train_samples=consumed,
-        eod_token=tokenizer.eod, reset_position_ids=config.data.reset_position_ids,
-        reset_attention_mask=config.data.reset_attention_mask, eod_mask_loss=config.data.eod_mask_loss)
+    train_iter, valid_iter, _ = build_data_iterators_from(  # config.data.eod_token is tokenizer.eod (setup)
+        config, dp_rank=grid.dp_rank, dp_size=dp, train_samples=(t.train_iters + reserve) * global_batch,
+        valid_samples=num_evals * t.eval_iters * global_batch, test_samples=t.eval_iters * global_batch,
+        consumed_train_samples=consumed)
     stream = BatchStream(train_iter, num_micro, global_batch, consumed // global_batch, windows)
     for line in describe_data(getattr(train_iter, "dataset", None)):
         say(line)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -73,15 +74,12 @@ def mock_eod(vocab_size: int) -> int:
 
 def host_batches(config, layout: GridLayout) -> list[dict]:
     """The first step's micro-batches of data-parallel rank 0, as pretrain reads them (host tensors)."""
-    from megalite.data.builder import build_data_iterators
+    from megalite.data.builder import build_data_iterators_from
 
-    m, t, d = config.model, config.train, config.data
+    t = config.train
     num_micro = t.global_batch_size // (t.micro_batch_size * layout.dp)
-    train, _, _ = build_data_iterators(
-        data_prefix=None, mock=True, split=d.split, vocab_size=m.vocab_size, seq_length=m.seq_length, seed=t.seed,
-        micro_batch_size=t.micro_batch_size, dp_rank=0, dp_size=layout.dp, train_samples=t.global_batch_size,
-        valid_samples=0, test_samples=0, eod_token=d.eod_token, reset_position_ids=d.reset_position_ids,
-        reset_attention_mask=d.reset_attention_mask, eod_mask_loss=d.eod_mask_loss)
+    mock = dataclasses.replace(config, data=dataclasses.replace(config.data, data_path=None, mock_data=True))
+    train, _, _ = build_data_iterators_from(mock, dp_rank=0, dp_size=layout.dp, train_samples=t.global_batch_size)
     return [next(train) for _ in range(num_micro)]
 
 

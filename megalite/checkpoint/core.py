@@ -33,19 +33,13 @@ from megalite.checkpoint.format import (FORMAT_VERSION, VOCAB_PARAMS, Checkpoint
 from megalite.config import ModelConfig
 from megalite.device import host_barrier
 from megalite.checkpoint.names import global_pieces
-from megalite.checkpoint.settings import carry_forward
+from megalite.checkpoint.settings import SHAPE_FIELDS, carry_forward
 from megalite.layers.fp8 import fp8_state, load_fp8_state
 from megalite.parallel.random import get_rng_tracker
 from megalite.parallel.sharding import is_expert, is_tensor_parallel, shard_tensor
 from megalite.resilience.fault_injection import active as active_faults
 
 KINDS = ("weight", "exp_avg", "exp_avg_sq")
-# Model settings a checkpoint fixes; others (dropout, init std, backends) may change at load.
-SHAPE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "num_query_groups",
-                "vocab_size", "max_position_embeddings", "position_embedding_type", "normalization",
-                "swiglu", "add_bias_linear", "add_qkv_bias", "untie_embeddings_and_output_weights",
-                "rotary_base", "rope_scaling", "norm_epsilon", "num_experts", "moe_ffn_hidden_size",
-                "moe_layer_freq", "moe_shared_expert_intermediate_size")
 
 
 def _barrier(grid=None):

@@ -29,7 +29,10 @@ CARRIED = "huggingface"  # the folder in an iteration directory
 GENERATION_CONFIG = "generation_config.json"
 _RECORD = "_checkpoint_record"  # attribute of the run's ModelConfig (not a field: never in config.json)
 
-# Model field -> (the flag that sets it, the argparse destinations of that flag).
+# The one list of the model settings a checkpoint fixes: model field -> (the flag that sets it,
+# the argparse destinations of that flag). ``--load`` adopts them (:func:`adopt_checkpoint_model`)
+# and the load refuses a checkpoint whose values differ from the run's (``SHAPE_FIELDS``, read by
+# :func:`megalite.checkpoint.core.check_config`). Others (dropout, init std, backends) may change at load.
 FIXED = {
     "num_layers": ("--num-layers", ("num_layers",)),
     "hidden_size": ("--hidden-size", ("hidden_size",)),
@@ -54,6 +57,7 @@ FIXED = {
     "moe_shared_expert_intermediate_size": ("--moe-shared-expert-intermediate-size",
                                             ("moe_shared_expert_intermediate_size",)),
 }
+SHAPE_FIELDS = tuple(FIXED)
 
 
 def checkpoint_config(load: str) -> dict:

@@ -15,7 +15,8 @@ Modules:
 * ``gpt_dataset``:       ``split_documents``, ``GPTDataset``, ``MockGPTDataset``;
 * ``blended``:           ``BlendedDataset``: ``--data-path 0.7 A 0.3 B`` blends;
 * ``sampler``:           ``PretrainingSampler`` (data-parallel micro-batches);
-* ``builder``:           ``build_data_iterators`` for the training loop.
+* ``builder``:           ``build_data_iterators`` for the training loop (``build_data_iterators_from``:
+  from a run's config).
 
 Names are imported lazily on first use, so tools that only tokenize (and their
 worker processes) do not pay for importing torch.  (``preprocess`` is not
@@ -39,6 +40,7 @@ _EXPORTS = {
     "describe_data": "blended",
     "PretrainingSampler": "sampler",
     "build_data_iterators": "builder",
+    "build_data_iterators_from": "builder",
 }
 
 __all__ = sorted(_EXPORTS)

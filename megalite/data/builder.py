@@ -219,3 +219,20 @@ def build_data_iterators(*, data_prefix: str | list[str] | None, mock: bool, spl
         sampler = PretrainingSampler(n, consumed, micro_batch_size, dp_rank, dp_size)
         iterators.append(MicroBatchIterator(dataset, sampler, cyclic=k > 0, packing=packing))
     return tuple(iterators)
+
+
+def build_data_iterators_from(config, *, dp_rank: int, dp_size: int, train_samples: int, valid_samples: int = 0,
+                              test_samples: int = 0, consumed_train_samples: int = 0):
+    """:func:`build_data_iterators` for a run's ``config`` (a :class:`megalite.config.Config`, read by
+    attribute: this floor does not import it): ``config.data`` gives the data path, mock data, split,
+    packed-document flags and the tokenizer's EOD id, ``config.model`` the vocabulary and sequence
+    length, ``config.train`` the seed and micro-batch size. The caller gives what is its own: this
+    rank's place in data parallelism and how many samples of each split it reads."""
+    data, model, train = config.data, config.model, config.train
+    return build_data_iterators(
+        data_prefix=data.data_path, mock=data.mock_data, split=data.split, vocab_size=model.vocab_size,
+        seq_length=model.seq_length, seed=train.seed, micro_batch_size=train.micro_batch_size, dp_rank=dp_rank,
+        dp_size=dp_size, train_samples=train_samples, valid_samples=valid_samples, test_samples=test_samples,
+        consumed_train_samples=consumed_train_samples, eod_token=data.eod_token,
+        reset_position_ids=data.reset_position_ids, reset_attention_mask=data.reset_attention_mask,
+        eod_mask_loss=data.eod_mask_loss)

@@ -5,6 +5,7 @@ import argparse
 import importlib.util
 
 from megalite.config import Config, ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainConfig
+from megalite.pipeline.schedule_kinds import DEFAULT_SCHEDULE, SCHEDULES
 from megalite.resilience.flags import add_resilience_args
 
 
@@ -98,7 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--offload-optimizer", action="store_true", help="optimizer state and step on the CPU")
     g.add_argument("--accumulate-allreduce-grads-in-fp32", action=argparse.BooleanOptionalAction, default=None,
                    help="fp32 gradient buffers (default: on with --bf16/--fp16)")
-    g.add_argument("--pipeline-schedule", choices=["1f1b", "gpipe", "zb-h1", "zbv"], default="1f1b",
+    g.add_argument("--pipeline-schedule", choices=list(SCHEDULES), default=DEFAULT_SCHEDULE,
                    help="with PP > 1 and no virtual stages; gpipe = all forward, then all backward; "
                         "zb-h1 / zbv = zero-bubble (backward split into input and weight gradients, "
                         "zbv with two chunks per rank in a V; docs/pipeline.md)")

@@ -72,6 +72,7 @@ from megalite.errors import ConfigError
 from megalite.moe import planning as moe_planning
 from megalite.pipeline.checks import check_pipeline_schedule
 from megalite.pipeline.op_lists import Simulation, simulate, theory_bubble
+from megalite.pipeline.schedule_kinds import DEFAULT_SCHEDULE, PLANNED_SCHEDULES, schedule as describe
 from megalite.planner_layers import (chunk_moe_flags, layer_activation_bytes, w_gradient_chunk_bytes,  # noqa: F401
                                      w_input_chunk_bytes, w_input_layer_bytes)
 
@@ -81,7 +82,7 @@ if TYPE_CHECKING:  # the planner's dataclasses; the planner imports this module
     from megalite.planner import Estimate, Hardware, Layout, Precision
 
 GiB = 2**30
-SCHEDULES = ("1f1b", "zb-h1", "zbv")
+SCHEDULES = PLANNED_SCHEDULES  # 1f1b, zb-h1, zbv (megalite.pipeline.schedule_kinds)
 ZERO_BUBBLE_MAX_ZERO = 2  # zb-h1/zbv planned with ZeRO-0 to 2 (module docstring)
 SIMULATED_STAGE_MICRO = 2048  # simulate up to P x M = this (P = 16, M = 128: 0.1 s), and M >= 4P
 
@@ -108,7 +109,7 @@ def schedules(m: ModelConfig, pp: int, zero: int = 0) -> tuple[str, ...]:
     for pp = 1 or zero > ``ZERO_BUBBLE_MAX_ZERO``, else those of ``SCHEDULES`` megalite's
     validation accepts for this model."""
     if pp == 1 or zero > ZERO_BUBBLE_MAX_ZERO:
-        return ("1f1b",)
+        return (DEFAULT_SCHEDULE,)
     return tuple(s for s in SCHEDULES if _allowed(m.num_layers, m.transformer_impl, pp, s))
 
 
@@ -141,9 +142,10 @@ def bubble(schedule: str, P: int, M: int) -> float:
     if P == 1:
         return 0.0
     cap = simulated_micro_max(P)
-    if schedule == "1f1b":
+    kind = describe(schedule)
+    if kind.fused_1f1b:
         return theory_bubble(schedule, P, M)
-    if schedule == "zb-h1" and M >= P:  # the simulation's, exactly (tests/test_planner_schedules.py)
+    if kind.one_chunk_split and M >= P:  # the simulation's, exactly (tests/test_planner_schedules.py)
         return (P - 1) / (3 * M + P - 1)
     if M <= cap:
         return _idle_fraction(simulation(schedule, P, M))  # = theory_bubble's, one simulation for both
@@ -154,12 +156,12 @@ def bubble(schedule: str, P: int, M: int) -> float:
 
 def num_chunks(schedule: str, P: int) -> int:
     """Model chunks of the whole pipeline: 2P under ZBV, else P (one per stage)."""
-    return 2 * P if schedule == "zbv" else P
+    return describe(schedule).pipeline_chunks(P)
 
 
 def local_chunks(schedule: str, P: int, rank: int) -> tuple[int, ...]:
     """The global chunks (0 = embedding ... last = loss) a rank holds, in local order."""
-    return (rank, 2 * P - 1 - rank) if schedule == "zbv" else (rank,)
+    return describe(schedule).local_chunks(P, rank)
 
 
 def moe_layers_on_rank(m: ModelConfig, schedule: str, P: int, rank: int) -> int:
@@ -175,9 +177,10 @@ def held_states(schedule: str, P: int, M: int, rank: int) -> tuple[tuple[tuple[i
     """The (n_c, w_c, r_c) per local chunk right after each F and each B and while each W runs
     (r_c = 1 for the chunk whose W runs: :func:`w_gradient_chunk_bytes` held besides) in the rank's
     simulated order (module docstring), dominated ones left out: the candidates for its peak."""
-    if schedule == "1f1b" or P == 1:
+    kind = describe(schedule)
+    if kind.fused_1f1b or P == 1:
         return (((in_flight(P, rank, M),), (0,), (0,)),)
-    if schedule == "zb-h1" and M >= P:  # after F; W(m-p) right after B(m) (the simulation's, tested)
+    if kind.one_chunk_split and M >= P:  # after F; W(m-p) right after B(m) (the simulation's, tested)
         return (((P - rank - 1,), (rank + 1,), (1,)), ((P - rank,), (rank,), (0,)))
     sim = simulation(schedule, P, min(M, simulated_micro_max(P)))
     chunks = len(local_chunks(schedule, P, rank))
@@ -253,7 +256,8 @@ def _stage_activations(m: ModelConfig, layout: Layout, stage: int, micro: int, n
     acts = [len(f) * per_layer + sum(f) * delta + first * (g == 0) + last * (g == chunks - 1)  # routed tokens
             for g, f in zip(mine, flags)]                                                  # for the dense MLP
     wis, dws = [0.0] * len(mine), [0.0] * len(mine)
-    if layout.schedule != "1f1b":  # W inputs; what a running W adds to them
+    fused_1f1b = describe(layout.schedule).fused_1f1b
+    if not fused_1f1b:  # W inputs; what a running W adds to them
         wis = [w_input_chunk_bytes(m, chunks, g, micro, t, sp, cp, prec.act_bytes) for g in mine]
         dws = [w_gradient_chunk_bytes(m, chunks, g, micro, t, cp, layout.ep, prec, wi) for g, wi in zip(mine, wis)]
     # F's and B's transients (recomputation, CP, MoE, below) add to the most held right after an F
@@ -276,7 +280,7 @@ def _stage_activations(m: ModelConfig, layout: Layout, stage: int, micro: int, n
         upto = max(i for i, f in enumerate(moe_flags) if f) + 1
         held = others + first + upto * per_layer + sum(moe_flags[:upto]) * delta + recomputed
         forward, backward = moe_planning.transient_bytes(m, **moe, weight_bytes=prec.weight_bytes)
-        total = max(total, held + (max(forward, backward) if layout.schedule == "1f1b" else forward))
+        total = max(total, held + (max(forward, backward) if fused_1f1b else forward))
     if in_w > total:
         total, state = in_w, w_state
     return total, state, sum(w * b for w, b in zip(state[1], wis))
@@ -301,7 +305,7 @@ def compute_seconds(flops_per_token: float, tokens: int, gpus: int, recompute: s
 
 def p2p_factor(schedule: str, P: int) -> int:
     """PP traffic of the busiest rank relative to 1F1B's: 2 for ZBV with P > 2 (module docstring)."""
-    return 2 if schedule == "zbv" and P > 2 else 1
+    return 2 if describe(schedule).v_shape and P > 2 else 1
 
 
 # -- words ----------------------------------------------------------------------------------------
@@ -335,15 +339,17 @@ def explain_schedule(p: Plan) -> list[str]:
         held = f", W inputs {e.w_inputs / GiB:.1f} GiB" if e.w_inputs else ""
         parts.append(f"{e.layout.schedule} bubble {e.bubble:.1%}, step ~{e.step_seconds:.2f} s"
                      + (f", {mem} on stage {e.stage}{held}, {fit}" if e.fits else f"{held}, {fit}"))
-    missing = [s for s in SCHEDULES if s not in {e.layout.schedule for e in same}]
-    why = {"zbv": f"{p.model.num_layers} layers do not divide into 2 x PP = {2 * lay.pp} chunks",
-           "zb-h1": f"--transformer-impl {p.model.transformer_impl} cannot defer weight gradients"
-           if p.model.transformer_impl != "local" else
-           f"ZeRO-{lay.zero} is not planned with them (ZeRO-0 to {ZERO_BUBBLE_MAX_ZERO} are)"}
-    if "zb-h1" not in missing and "zbv" in missing:
-        parts.append(f"zbv not considered: {why['zbv']}")
-    elif "zb-h1" in missing:
-        parts.append(f"zero-bubble schedules not considered: {why['zb-h1']}")
+    missing = [describe(s) for s in SCHEDULES if s not in {e.layout.schedule for e in same}]
+    # the one-chunk split (zb-h1) needs what every zero-bubble schedule needs; the V adds its chunks
+    if any(s.one_chunk_split for s in missing):
+        parts.append("zero-bubble schedules not considered: " + (
+            f"--transformer-impl {p.model.transformer_impl} cannot defer weight gradients"
+            if p.model.transformer_impl != "local" else
+            f"ZeRO-{lay.zero} is not planned with them (ZeRO-0 to {ZERO_BUBBLE_MAX_ZERO} are)"))
+    else:
+        for s in (s for s in missing if s.v_shape):
+            parts.append(f"{s.name} not considered: {p.model.num_layers} layers do not divide into "
+                         f"2 x PP = {s.pipeline_chunks(lay.pp)} chunks")
     fastest = ", the fastest of this layout's schedules that fits" if len(same) > 1 else ""
     return [f"Pipeline schedule {lay.schedule} (--pipeline-schedule {lay.schedule}){fastest} with M = "
             f"{chosen.num_micro}, P = {lay.pp}: " + "; ".join(parts) + "."]

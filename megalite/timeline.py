@@ -30,9 +30,11 @@ from pathlib import Path
 
 import numpy as np
 
-# Display names and the keys of megalite.pipeline.op_lists.
-_KEYS = {"1F1B": "1f1b", "GPipe": "gpipe", "interleaved 1F1B": "interleaved", "ZB-H1": "zb-h1", "ZBV": "zbv"}
-NAMES = {key: name for name, key in _KEYS.items()}
+from megalite.pipeline.schedule_kinds import DISPLAY_NAMES, schedule as describe
+
+# Display names and the keys of megalite.pipeline.op_lists (megalite.pipeline.schedule_kinds).
+NAMES = dict(DISPLAY_NAMES)
+_KEYS = {name: key for key, name in NAMES.items()}
 
 
 def load_traces(trace_dir: str) -> list[dict]:
@@ -53,11 +55,11 @@ def schedule_theory(schedule: str, P: int, M: int, V: int = 1) -> tuple[str, flo
     display name (:data:`NAMES`) or its op_lists key, F = B = W per stage. A name this module
     does not know gets the classical (P-1)/(V*M+P-1)."""
     key = _KEYS.get(schedule, schedule.lower())
-    if key in ("zb-h1", "zbv"):
+    if describe(key).split_backward:
         from megalite.pipeline.op_lists import theory_bubble as simulated
 
         value = simulated(key, P, M)
-        if key == "zb-h1" and M >= P:
+        if describe(key).one_chunk_split and M >= P:
             return "(P-1)/(3M+P-1)", value
         return "simulated, F=B=W", value
     return ("(P-1)/(M+P-1)" if V == 1 else "(P-1)/(V·M+P-1)"), theory_bubble(P, M, V)

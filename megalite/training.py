@@ -174,14 +174,14 @@ def forward_backward(model, micro_batches, t: TrainConfig, loss_scale: float = 1
             total += loss.detach()
         return total / num_micro
     from megalite.pipeline.executor import ScheduleExecutor
-    from megalite.pipeline.op_lists import ZERO_BUBBLE
+    from megalite.pipeline.schedule_kinds import schedule
     from megalite.pipeline.schedules import PipelineRunner, Trace
 
     trace = trace if trace is not None else Trace(timers.clock)  # its F/B/W events give the time split
     args = (chunks, micro_batches, grid, activation_shape(chunks[0], micro_batches[0]["tokens"].shape[0]),
             lambda c, x, b: stage_forward(c, x, b, t), stage_loss)
     kwargs = dict(trace=trace, loss_scale=loss_scale, dtype=next(chunks[0].parameters()).dtype, device=device)
-    if t.pipeline_schedule in ZERO_BUBBLE:  # per-rank operation lists, B and W apart
+    if schedule(t.pipeline_schedule).split_backward:  # per-rank operation lists, B and W apart
         runner = ScheduleExecutor(t.pipeline_schedule, *args, **kwargs)
     else:
         runner = PipelineRunner(*args, **kwargs)

@@ -40,7 +40,7 @@ from megalite.config import ParallelConfig  # noqa: E402
 from megalite.layers.weight_grad import active_store  # noqa: E402
 from megalite.parallel.grid import build_grid  # noqa: E402
 from megalite.pipeline.executor import ScheduleExecutor  # noqa: E402
-from megalite.pipeline.op_lists import global_chunk  # noqa: E402
+from megalite.pipeline.schedule_kinds import schedule as describe  # noqa: E402
 from megalite.pipeline.schedules import PipelineRunner, Trace  # noqa: E402
 from megalite.plotting import FORMATS, require_matplotlib  # noqa: E402
 from megalite.testing import run_world  # noqa: E402
@@ -49,7 +49,8 @@ from tools.tool_errors import one_line_errors, positive  # noqa: E402
 
 SHAPE = (4, 1, 8)
 SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zbv")
-CHUNKS = {"1f1b": 1, "interleaved": 2, "zb-h1": 1, "zbv": 2}  # per rank
+VIRTUAL = {"interleaved": 2}  # the interleaving's chunks per rank in this benchmark
+CHUNKS = {s: describe(s).chunks_per_rank(VIRTUAL.get(s, 1)) for s in SCHEDULES}  # per rank
 
 
 class _SleepScale(torch.autograd.Function):
@@ -92,8 +93,7 @@ class SleepStage(nn.Module):
 
 def _places(schedule, P, rank):
     """Global chunks of this rank's local chunks (interleaved: 1f1b's placement with V chunks)."""
-    key = "zbv" if schedule == "zbv" else "1f1b"
-    return [global_chunk(key, P, rank, c) for c in range(CHUNKS[schedule])]
+    return [describe(schedule).global_chunk(P, rank, c) for c in range(CHUNKS[schedule])]
 
 
 def _chunks(schedule, P, rank, t):
@@ -112,7 +112,7 @@ def _loss(out, batch):
 
 
 def _step(schedule, chunks, batches, grid, trace=None):
-    if schedule in ("zb-h1", "zbv"):
+    if describe(schedule).split_backward:
         ScheduleExecutor(schedule, chunks, batches, grid, SHAPE, _forward, _loss, trace=trace).run()
     else:
         PipelineRunner(chunks, batches, grid, SHAPE, _forward, _loss, trace=trace).run("1f1b")

@@ -19,6 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megalite.pipeline.schedule_kinds import schedule as describe  # noqa: E402
 from megalite.plotting import FORMATS  # noqa: E402
 from megalite.timeline import (  # noqa: E402
     NAMES, draw_timeline, load_traces, measured_bubble, schedule_name, schedule_theory)
@@ -53,8 +54,8 @@ def main(argv=None):
     events = [t["events"] for t in traces]
     labels = [f"stage {t['pp_rank']} (rank {t['rank']})" for t in traces]
     recorded = traces[0].get("schedule")  # a --pipeline-schedule value, when the trace names it
-    if recorded == "1f1b" and V > 1:
-        recorded = "interleaved"
+    if recorded:
+        recorded = describe(recorded).run_name(V)
     schedule = args.schedule or NAMES.get(recorded, recorded) or schedule_name(events, V)
     out = args.output or os.path.join(args.trace_dir, "timeline.png")
     paths = draw_timeline(events, out, num_chunks=V, labels=labels, schedule=schedule, num_micro=M,

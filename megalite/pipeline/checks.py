@@ -13,9 +13,7 @@ group or model exists. Each raises :class:`ConfigError` naming the values, the r
 from __future__ import annotations
 
 from megalite.errors import ConfigError
-
-SCHEDULES = ("1f1b", "gpipe", "zb-h1", "zbv")
-ZERO_BUBBLE = ("zb-h1", "zbv")
+from megalite.pipeline.schedule_kinds import SCHEDULES, ZERO_BUBBLE, schedule  # noqa: F401 (ZERO_BUBBLE: re-exported)
 
 
 def check_pipeline_schedule(model, parallel, train) -> None:
@@ -24,7 +22,8 @@ def check_pipeline_schedule(model, parallel, train) -> None:
         raise ConfigError(f"--pipeline-schedule {name!r} is unknown. Fix: use one of "
                           f"{', '.join(SCHEDULES)} (interleaving is chosen by "
                           f"--num-layers-per-virtual-pipeline-stage).")
-    if name not in ZERO_BUBBLE:
+    kind = schedule(name)
+    if not kind.split_backward:
         return
     if pp < 2:
         raise ConfigError(f"--pipeline-schedule {name} needs --pipeline-model-parallel-size > 1 "
@@ -32,10 +31,11 @@ def check_pipeline_schedule(model, parallel, train) -> None:
                           f"work, and one stage has none. Fix: raise PP or drop the flag.")
     if parallel.num_layers_per_virtual_pipeline_stage is not None:
         raise ConfigError(f"--pipeline-schedule {name} with --num-layers-per-virtual-pipeline-stage: "
-                          f"{'zbv always holds 2 chunks per rank in a V' if name == 'zbv' else 'zb-h1 holds one chunk per rank'}"
-                          f", the flag sets the interleaved schedule's chunks. Fix: drop "
-                          f"--num-layers-per-virtual-pipeline-stage.")
-    if name == "zbv" and model.num_layers % (2 * pp) != 0:
+                          + (f"{name} always holds 2 chunks per rank in a V" if kind.v_shape
+                             else f"{name} holds one chunk per rank")
+                          + ", the flag sets the interleaved schedule's chunks. Fix: drop "
+                          "--num-layers-per-virtual-pipeline-stage.")
+    if kind.v_shape and model.num_layers % kind.pipeline_chunks(pp) != 0:
         raise ConfigError(f"--pipeline-schedule zbv cuts the {model.num_layers} layers into 2 x PP = "
                           f"{2 * pp} equal chunks (rank p holds chunks p and {2 * pp - 1}-p), but "
                           f"{model.num_layers} is not divisible by {2 * pp}. Fix: use a multiple of "

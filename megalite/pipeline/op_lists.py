@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-ZERO_BUBBLE = ("zb-h1", "zbv")
+from megalite.pipeline.schedule_kinds import ZERO_BUBBLE, schedule as describe  # noqa: F401 (ZERO_BUBBLE: re-exported)
 
 
 @dataclass(frozen=True)
@@ -45,21 +45,17 @@ class Op:
 
 def num_chunks(schedule: str, virtual: int = 1) -> int:
     """Model chunks per rank: 2 for zbv, ``virtual`` for the interleaved schedule, else 1."""
-    return 2 if schedule == "zbv" else virtual
+    return describe(schedule).chunks_per_rank(virtual)
 
 
 def global_chunk(schedule: str, P: int, rank: int, chunk: int) -> int:
     """Position in the model (0 = embedding ... P*V-1 = loss) of a rank's local chunk."""
-    if schedule == "zbv":
-        return rank if chunk == 0 else 2 * P - 1 - rank
-    return chunk * P + rank
+    return describe(schedule).global_chunk(P, rank, chunk)
 
 
 def owner(schedule: str, P: int, V: int, g: int) -> tuple[int, int]:
     """(rank, local chunk) holding global chunk ``g``."""
-    if schedule == "zbv":
-        return (g, 0) if g < P else (2 * P - 1 - g, 1)
-    return g % P, g // P
+    return describe(schedule).owner(P, g)
 
 
 # -- the orders ---------------------------------------------------------------------------------

@@ -297,9 +297,11 @@ def forward_only(chunks, micro_batches, grid, shape, forward_fn, loss_fn, dtype=
     Activations go to the next rank, except on ZBV's second leg (chunks P..2P-1), which runs
     back towards rank 0; a chunk whose successor is on the same rank hands over in memory."""
     from megalite.pipeline.op_lists import owner
+    from megalite.pipeline.schedule_kinds import schedule as describe
 
     comm = PipeComm(grid, shape, dtype, device)
     P, V, rank = grid.layout.pp, len(chunks), grid.pp_rank
+    v_shape = describe(schedule).v_shape
     S = P * V
     losses = []
     with torch.no_grad():
@@ -309,7 +311,7 @@ def forward_only(chunks, micro_batches, grid, shape, forward_fn, loss_fn, dtype=
                 r, c = owner(schedule, P, V, g)
                 if r != rank:
                     continue
-                backwards = schedule == "zbv" and g >= P  # the V's second leg
+                backwards = v_shape and g >= P  # the V's second leg
                 if g == 0:
                     x = None
                 elif owner(schedule, P, V, g - 1)[0] == rank:
@@ -321,7 +323,7 @@ def forward_only(chunks, micro_batches, grid, shape, forward_fn, loss_fn, dtype=
                     losses.append(loss_fn(y, batch))
                 elif owner(schedule, P, V, g + 1)[0] == rank:
                     held = y
-                elif schedule == "zbv" and g + 1 >= P:
+                elif v_shape and g + 1 >= P:
                     comm.communicate(send_prev=y)
                 else:
                     comm.send_forward(y)

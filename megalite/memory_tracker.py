@@ -131,6 +131,6 @@ def training_tracker(model, optimizer) -> MemoryTracker:
     if optimizer.sharded is not None:
         tracker.register(optimizer.sharded.shards, "parameters")
     tracker.register([b.grad if b.grad is not None else b.grad_shard for b in optimizer.sync.buckets], "gradients")
-    tracker.register([*optimizer.master, *optimizer.exp_avg, *optimizer.exp_avg_sq, *optimizer._host_grad,
-                      *optimizer._host_weight], "optimizer state")
+    state = [shard for shards in optimizer.state.values() for shard in shards]  # the update rule's
+    tracker.register([*optimizer.master, *state, *optimizer._host_grad, *optimizer._host_weight], "optimizer state")
     return tracker

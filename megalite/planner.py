@@ -99,9 +99,9 @@ from dataclasses import dataclass
 from megalite import planner_cp, planner_documents, planner_pipeline
 from megalite.config import ModelConfig
 from megalite.data_parallel.accounting import zero_theory_bytes
+from megalite.data_parallel.update_rule import DEFAULT_RULE
 from megalite.moe import planning as moe_planning
 from megalite.parallel.grid import GridLayout
-from megalite.pipeline.schedule_kinds import schedule as describe_schedule
 from megalite.planner_checks import check_layout  # noqa: F401  (megalite's validation of a layout)
 from megalite.planner_flags import training_defaults
 from megalite.planner_layers import layer_activation_bytes  # noqa: F401  (re-exported for callers)
@@ -138,7 +138,7 @@ class Precision:
     weight_bytes: int = 2
     grad_bytes: int = 2
     act_bytes: int = 2  # activations (dropout masks are 1 byte regardless)
-    optimizer_bytes: int = 12  # fp32 master + Adam m + Adam v
+    optimizer_bytes: int = DEFAULT_RULE.bytes_per_parameter  # fp32 master + the update rule's state (Adam m, v)
 
     @property
     def bytes_per_param(self) -> int:
@@ -207,9 +207,8 @@ def stage_parameters(m: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0, e
     """Psi of one rank on pipeline stage ``stage``: what its weights and gradients hold
     (with experts: its dense parameters and its E/EP experts, :mod:`megalite.moe.planning`).
     ZBV: chunks p and 2P-1-p of 2P; rank 0 holds embedding and output layer (tied: both copies)."""
-    kind = describe_schedule(schedule)
-    if kind.v_shape:  # each of the rank's chunks as a stage of a pipeline of 2P chunks
-        return sum(stage_parameters(m, tp, kind.pipeline_chunks(pp), g, ep) for g in kind.local_chunks(pp, stage))
+    if schedule == "zbv":
+        return sum(stage_parameters(m, tp, 2 * pp, g, ep) for g in planner_pipeline.local_chunks(schedule, pp, stage))
     split, replicated = layer_parameters(m, tp)
     psi = (m.num_layers // pp) * (split + replicated)
     if m.num_experts:
@@ -234,10 +233,8 @@ def stage_expert_parameters(m: ModelConfig, tp: int = 1, pp: int = 1, stage: int
     """The part of :func:`stage_parameters` that is experts (reduced over expert-data-parallel ranks)."""
     if not m.num_experts:
         return 0
-    kind = describe_schedule(schedule)
-    if kind.v_shape:
-        return sum(stage_expert_parameters(m, tp, kind.pipeline_chunks(pp), g, ep)
-                   for g in kind.local_chunks(pp, stage))
+    if schedule == "zbv":
+        return sum(stage_expert_parameters(m, tp, 2 * pp, g, ep) for g in (stage, 2 * pp - 1 - stage))
     layers = moe_planning.stage_layers(m, pp, stage)
     return moe_planning.layers_parameters(m, layer_parameters(m, tp), tp, ep, layers)[1]
 
@@ -255,11 +252,7 @@ def total_parameters(m: ModelConfig) -> int:
 
 def model_state_bytes(psi: int, n: int, zero: int, prec: Precision) -> dict[str, float]:
     """Weights, gradients, fp32 master + Adam state per rank (the ZeRO arithmetic)."""
-    s = zero_theory_bytes(psi, n, zero, prec.weight_bytes, prec.grad_bytes)
-    scale = prec.optimizer_bytes / 12  # zero_theory_bytes counts 12 bytes of optimizer state
-    return {"weights": s["weights"], "gradients": s["gradients"],
-            "master_and_optimizer": s["master_and_optimizer"] * scale,
-            "total": s["weights"] + s["gradients"] + s["master_and_optimizer"] * scale}
+    return zero_theory_bytes(psi, n, zero, prec.weight_bytes, prec.grad_bytes, prec.optimizer_bytes)
 
 
 # -- activations -----------------------------------------------------------------------------------

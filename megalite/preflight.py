@@ -19,8 +19,9 @@ import uuid
 
 from megalite.checkpoint.format import CheckpointError
 from megalite.config import ConfigError
+from megalite.data_parallel.update_rule import DEFAULT_RULE
 
-CHECKPOINT_BYTES_PER_PARAMETER = 12  # fp32 weight + exp_avg + exp_avg_sq
+CHECKPOINT_BYTES_PER_PARAMETER = DEFAULT_RULE.bytes_per_parameter  # fp32 weights + the update rule's state
 
 
 def _gib(n: float) -> str:
@@ -94,8 +95,9 @@ def check_save_location(root: str, num_parameters: int) -> None:
     free = shutil.disk_usage(root).free
     if free < needed:
         raise CheckpointError(f"--save {root}: {_gib(free)} free on that filesystem, but one checkpoint needs "
-                              f"about {_gib(needed)} ({num_parameters:,} parameters x 12 bytes: fp32 weights "
-                              f"and two Adam moments). Fix: free space there, or point --save elsewhere.")
+                              f"about {_gib(needed)} ({num_parameters:,} parameters x "
+                              f"{CHECKPOINT_BYTES_PER_PARAMETER} bytes: fp32 weights and {DEFAULT_RULE.describe_state()}). Fix: free space there, "
+                              f"or point --save elsewhere.")
 
 
 def check_datasets(prefixes: list[str], vocab_size: int) -> None:

@@ -31,6 +31,7 @@ from megalite.checkpoint.format import (FORMAT_VERSION, VOCAB_PARAMS, Checkpoint
                                         fsync_path, iteration_dir, resolve_checkpoint, same_layout,
                                         write_json_atomic, write_rank_files, write_tokenizer)
 from megalite.config import ModelConfig
+from megalite.data_parallel.update_rule import DEFAULT_RULE, MASTER_KIND
 from megalite.device import host_barrier
 from megalite.checkpoint.names import global_pieces
 from megalite.checkpoint.settings import SHAPE_FIELDS, carry_forward
@@ -39,7 +40,7 @@ from megalite.parallel.random import get_rng_tracker
 from megalite.parallel.sharding import is_expert, is_tensor_parallel, shard_tensor
 from megalite.resilience.fault_injection import active as active_faults
 
-KINDS = ("weight", "exp_avg", "exp_avg_sq")
+KINDS = DEFAULT_RULE.checkpoint_kinds  # what a checkpoint stores per parameter (offline tools; a run asks its rule)
 
 
 def _barrier(grid=None):
@@ -94,11 +95,11 @@ def rank_state(optimizer, grid) -> tuple[dict[str, torch.Tensor], list[dict]]:
     copied into host buffers, :mod:`megalite.checkpoint.async_save`)."""
     c = _coords(grid)
     tensors, pieces = {}, []
-    states = {"weight": optimizer.master, "exp_avg": optimizer.exp_avg, "exp_avg_sq": optimizer.exp_avg_sq}
+    states = optimizer.shards_by_kind()
     for i, p, name, shape, (a, z), offset in _param_ranges(optimizer):
         if not _owns(p, c, optimizer.stage):
             continue
-        for kind in KINDS:
+        for kind in optimizer.rule.checkpoint_kinds:
             key = f"{kind}/{name}/tp{c['tp_rank']}/{a}"
             tensors[key] = states[kind][i][offset: offset + z - a].float()
             pieces.append({"key": key, "name": name, "kind": kind, "tp_rank": c["tp_rank"],
@@ -221,16 +222,16 @@ def _local_values(reader: PieceReader, p, name: str, shape, kind: str, vocab_siz
 
 def finish_optimizer_load(meta: dict, optimizer, scaler, with_optim: bool) -> None:
     """After the shards are filled (either format): the optimizer's step count and the loss
-    scale, or, loading weights only, zero Adam moments and step 0; then the weights go to the
+    scale, or, loading weights only, zero optimizer state (Adam moments) and step 0; then the weights go to the
     model (``publish``: fp32 masters cast into the model's dtype, ZeRO shards all-gathered)."""
     if with_optim:
         optimizer.step_count = meta["optimizer_step"]
         if scaler is not None and meta.get("loss_scaler"):
             scaler.load_state_dict(meta["loss_scaler"])
     else:
-        for m, v in zip(optimizer.exp_avg, optimizer.exp_avg_sq):
-            m.zero_()
-            v.zero_()
+        for shards in optimizer.state.values():
+            for shard in shards:
+                shard.zero_()
         optimizer.step_count = 0
     optimizer.publish()
 
@@ -285,9 +286,9 @@ def load_checkpoint(root: str, optimizer, scaler, config, grid, load_optimizer: 
     meta = reader.metadata
     check_config(meta["config"]["model"], config.model)
     vocab = config.model.vocab_size
-    states = {"weight": optimizer.master, "exp_avg": optimizer.exp_avg, "exp_avg_sq": optimizer.exp_avg_sq}
+    states = optimizer.shards_by_kind()
     with_optim = load_optimizer and not meta.get("weights_only")
-    kinds = KINDS if with_optim else ("weight",)
+    kinds = optimizer.rule.checkpoint_kinds if with_optim else (MASTER_KIND,)
     rng_file = f"rank{c['rank']:05d}.safetensors"
     read_rng = load_rng and same_layout(meta["layout"], c["layout"]) and rng_file in reader.descriptions
     fp8 = config.model.fp8_format is not None

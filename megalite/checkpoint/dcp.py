@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from megalite.checkpoint.core import (KINDS, _barrier, _coords, _param_ranges, check_config, finish_optimizer_load,
+from megalite.checkpoint.core import (_barrier, _coords, _param_ranges, check_config, finish_optimizer_load,
                                       rng_note)
 from megalite.checkpoint.dcp_async import AsyncDcpSaver
 from megalite.checkpoint.dcp_offline import read_dcp_index, read_errors
@@ -43,6 +43,7 @@ from megalite.checkpoint.dcp_state import (_rank_boxes, checkpoint_metadata, com
                                            prepare_tmp, sharded)
 from megalite.checkpoint.format import (VOCAB_PARAMS, CheckpointError, iteration_dir, resolve_checkpoint,
                                         same_layout)
+from megalite.data_parallel.update_rule import MASTER_KIND
 from megalite.layers.fp8 import load_fp8_state
 from megalite.parallel.random import get_rng_tracker
 
@@ -93,7 +94,7 @@ def load_dcp_checkpoint(root: str, optimizer, scaler, config, grid, load_optimiz
     check_config(meta["config"]["model"], config.model)
     vocab = config.model.vocab_size
     with_optim = load_optimizer and not meta.get("weights_only")
-    kinds = KINDS if with_optim else ("weight",)
+    kinds = optimizer.rule.checkpoint_kinds if with_optim else (MASTER_KIND,)
     group = dcp_group(grid)
     rank = dist.get_rank() if group is not None else 0
     targets = _rank_boxes(optimizer, c, vocab, kinds, owned_only=False)
@@ -118,7 +119,7 @@ def load_dcp_checkpoint(root: str, optimizer, scaler, config, grid, load_optimiz
         state[k] = torch.empty(list(stored[k].size), dtype=stored[k].properties.dtype)
     with read_errors(directory):
         dcp.load(state, storage_reader=dcp.FileSystemReader(directory), process_group=group, no_dist=group is None)
-    states = {"weight": optimizer.master, "exp_avg": optimizer.exp_avg, "exp_avg_sq": optimizer.exp_avg_sq}
+    states = optimizer.shards_by_kind()
     for i, _, name, _, (a, z), offset in _param_ranges(optimizer):
         if name in VOCAB_PARAMS:  # the padding rows (in no box) are zero, as in core's load
             for kind in kinds:

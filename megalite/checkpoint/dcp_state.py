@@ -15,7 +15,7 @@ from torch.distributed._shard.sharded_tensor.api import ShardedTensorBase
 from torch.distributed._shard.sharding_spec import ChunkShardingSpec
 
 from megalite import __version__
-from megalite.checkpoint.core import KINDS, _barrier, _owns, _param_ranges, _prune, _split_of
+from megalite.checkpoint.core import _barrier, _owns, _param_ranges, _prune, _split_of
 from megalite.checkpoint.dcp_boxes import global_shape, piece_boxes
 from megalite.checkpoint.dcp_offline import CKPT_FORMAT
 from megalite.checkpoint.format import FORMAT_VERSION, fsync_path, write_json_atomic, write_tokenizer
@@ -49,7 +49,7 @@ def sharded(shape, boxes, rank: int, group) -> ShardedTensor:
 
 def _rank_boxes(optimizer, c, vocab: int, kinds, owned_only: bool):
     """{(kind, name): (global shape, [(offsets, view of the optimizer state)])} for this rank."""
-    states = {"weight": optimizer.master, "exp_avg": optimizer.exp_avg, "exp_avg_sq": optimizer.exp_avg_sq}
+    states = optimizer.shards_by_kind()
     out: dict = {}
     for i, p, name, shape, (a, z), offset in _param_ranges(optimizer):
         if owned_only and not _owns(p, c, optimizer.stage):
@@ -75,7 +75,7 @@ def dcp_state_dict(optimizer, c, vocab: int, group, buffers: HostBuffer | None =
     reused across saves and page-locked on a GPU, when given), its FP8 state (the stage's
     TP/CP/DP rank 0) and its RNG streams."""
     rank = c["rank"]
-    boxes = _rank_boxes(optimizer, c, vocab, KINDS, owned_only=True)
+    boxes = _rank_boxes(optimizer, c, vocab, optimizer.rule.checkpoint_kinds, owned_only=True)
     if buffers is None:
         copies = {key: torch.empty(view.shape, dtype=torch.float32) for key, view in _box_views(boxes)}
     else:

@@ -2,7 +2,8 @@
 
 For Psi parameters per model replica (this rank's TP/PP share of the model), N DP ranks,
 weights and gradients of ``w`` and ``g`` bytes, fp32 master weights and Adam moments
-(12 bytes per parameter):
+(12 bytes per parameter: ``optimizer_bytes``, the update rule's ``bytes_per_parameter``,
+:mod:`megalite.data_parallel.update_rule`):
 
     stage 0: (w + g + 12) Psi        stage 2: w Psi + (g + 12) Psi / N
     stage 1: (w + g) Psi + 12 Psi/N  stage 3: (w + g + 12) Psi / N
@@ -15,9 +16,15 @@ from __future__ import annotations
 
 import torch
 
+from megalite.data_parallel.update_rule import DEFAULT_RULE
 
-def zero_theory_bytes(psi: int, n: int, stage: int, weight_bytes: int, grad_bytes: int) -> dict[str, float]:
-    w, g, opt = weight_bytes * psi, grad_bytes * psi, 12 * psi
+
+def zero_theory_bytes(psi: int, n: int, stage: int, weight_bytes: int, grad_bytes: int,
+                      optimizer_bytes: int | None = None) -> dict[str, float]:
+    """Bytes per rank by kind; ``optimizer_bytes`` per parameter of master weights and optimizer
+    state (default: the default update rule's)."""
+    optimizer_bytes = DEFAULT_RULE.bytes_per_parameter if optimizer_bytes is None else optimizer_bytes
+    w, g, opt = weight_bytes * psi, grad_bytes * psi, optimizer_bytes * psi
     shard = {0: (1, 1, 1), 1: (1, 1, n), 2: (1, n, n), 3: (n, n, n)}[stage]
     return {"weights": w / shard[0], "gradients": g / shard[1], "master_and_optimizer": opt / shard[2],
             "total": w / shard[0] + g / shard[1] + opt / shard[2]}
@@ -35,11 +42,13 @@ def describe_memory(optimizer, dp: int) -> str:
     psi = model_parameters(optimizer)
     w = torch.tensor([], dtype=optimizer.model_dtype).element_size()
     g = torch.tensor([], dtype=optimizer.sync.grad_dtype).element_size()
-    theory = zero_theory_bytes(model_parameters(optimizer, False), optimizer.sync.dp, optimizer.stage, w, g)
+    per_param = optimizer.rule.bytes_per_parameter  # master weights + optimizer state
+    theory = zero_theory_bytes(model_parameters(optimizer, False), optimizer.sync.dp, optimizer.stage, w, g, per_param)
     experts = model_parameters(optimizer, True)
     edp = next((b.size for b in optimizer.sync.buckets if b.expert), 1)
     if experts:
-        theory = {k: v + zero_theory_bytes(experts, edp, optimizer.stage, w, g)[k] for k, v in theory.items()}
+        expert_theory = zero_theory_bytes(experts, edp, optimizer.stage, w, g, per_param)
+        theory = {k: v + expert_theory[k] for k, v in theory.items()}
     total = sum(m.values())
     mib = 1 / 2**20
     return (f"memory/rank (ZeRO-{optimizer.stage}, DP {dp}"

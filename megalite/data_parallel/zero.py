@@ -30,9 +30,9 @@ import contextlib
 import torch
 
 from megalite.config import TrainConfig
-from megalite.data_parallel.adamw import FlatAdamW
 from megalite.data_parallel.ddp import GradSync, group_by_size
 from megalite.data_parallel.sharded_params import ShardedParameters
+from megalite.data_parallel.update_rule import DEFAULT_RULE, MASTER_KIND, UpdateRule
 from megalite.host_memory import HostBuffer
 from megalite.memory_tracker import category
 from megalite.pipeline.checks import ZERO_BUBBLE
@@ -60,16 +60,18 @@ def host_device(device: torch.device) -> torch.device:
 
 
 class DistributedOptimizer:
-    """AdamW over DP-sharded fp32 master weights; see the module docstring."""
+    """An update rule (AdamW unless told otherwise) over DP-sharded fp32 master weights; see the
+    module docstring. The rule's state shards are in ``state`` by name, and are attributes too
+    (``exp_avg``, ``exp_avg_sq`` for AdamW)."""
 
     def __init__(self, chunks, t: TrainConfig, grid, *, stage: int = 0, bucket_size: int = 40_000_000,
                  overlap: bool = True, offload: bool = False, param_dtype: torch.dtype = torch.float32,
-                 grad_dtype: torch.dtype | None = None):
+                 grad_dtype: torch.dtype | None = None, rule: UpdateRule = DEFAULT_RULE):
         """``chunks``: this rank's model chunks, initialized in fp32 (the master weights are
         taken from them before they are cast to ``param_dtype``)."""
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage}")
-        self.t, self.grid, self.stage, self.offload = t, grid, stage, offload
+        self.t, self.grid, self.stage, self.offload, self.rule = t, grid, stage, offload, rule
         self._orders: dict[int, list] = {}  # zero-bubble ZeRO-2 reduction orders, per M
         self.chunks = list(chunks)
         self.model_dtype = param_dtype
@@ -107,7 +109,12 @@ class DistributedOptimizer:
         self.state_device = host_device(self.device) if offload else self.device
         pinned = offload and self.device.type == "cuda"
         tp_rank = grid.tp_rank if grid is not None else 0
-        self.master, self.exp_avg, self.exp_avg_sq = [], [], []
+        self.master = []
+        self.state: dict[str, list[torch.Tensor]] = {name: [] for name in rule.state_names}
+        for name, shards in self.state.items():  # optimizer.exp_avg etc., as before the rule seam
+            if hasattr(self, name):
+                raise ValueError(f"update rule {rule.name}: state name {name!r} is taken by the optimizer")
+            setattr(self, name, shards)
         # Which elements of each shard are decayed, counted in the norm, or sequence-parallel:
         # index ranges (no per-element masks: those would cost 4 bytes per parameter each).
         self.decay_ranges, self.norm_ranges, self.sp_ranges = [], [], []
@@ -121,8 +128,8 @@ class DistributedOptimizer:
                 if a < z:
                     master[a - lo: z - lo] = p.detach().reshape(-1)[a - start: z - start]
             self.master.append(master.to(self.state_device))
-            self.exp_avg.append(torch.zeros(hi - lo, device=self.state_device))
-            self.exp_avg_sq.append(torch.zeros(hi - lo, device=self.state_device))
+            for shards in self.state.values():
+                shards.append(torch.zeros(hi - lo, device=self.state_device))
             self.decay_ranges.append(_shard_ranges(b, b.shard, lambda p: p.ndim >= 2 and "norm" not in names[p]))
             self.norm_ranges.append(_shard_ranges(b, b.shard, lambda p: not getattr(p, "embedding_copy", False)
                                                   and (is_tensor_parallel(p) or is_expert(p) or tp_rank == 0)))
@@ -137,8 +144,8 @@ class DistributedOptimizer:
             self._host_weight = [views[f"weight/{i}"] for i in range(len(self.sync.buckets))]
         for p in params:  # the model now holds its weights in the training dtype
             p.data = p.data.to(param_dtype)
-        self.adamw = FlatAdamW(self.master, self.exp_avg, self.exp_avg_sq, self.decay_ranges,
-                               betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay)
+        self.update = rule.build(self.master, self.state, self.decay_ranges, t)  # the rule's stepper
+        self.adamw = self.update  # the name tools/bench_optimizer.py reads
         self.param_groups = [{"lr": t.lr}]  # for schedulers and logging
         self._update_waits: list = []  # CUDA events the next update waits for (wait_before_next_update)
         self.sharded = ShardedParameters(self.chunks, self.sync, self.group) if stage == 3 else None
@@ -239,7 +246,7 @@ class DistributedOptimizer:
         self._update_waits.clear()
         grad_scale = 1.0 / clip_coeff if isinstance(clip_coeff, torch.Tensor) else (
             None if clip_coeff == 1.0 else torch.full((), 1.0 / clip_coeff, device=self.state_device))  # no H2D copy
-        self.adamw.step(grads, lr, grad_scale, found_inf)
+        self.update.step(grads, lr, grad_scale, found_inf)
         self.param_groups[0]["lr"] = lr
         self.publish()
 
@@ -253,11 +260,11 @@ class DistributedOptimizer:
     @property
     def step_count(self) -> int:
         """Optimizer steps taken (skipped ones not counted): a device value, read on demand."""
-        return self.adamw.step_count
+        return self.update.step_count
 
     @step_count.setter
     def step_count(self, value: int) -> None:
-        self.adamw.step_count = value
+        self.update.step_count = value
 
     def _host_grads(self) -> list[torch.Tensor]:
         """Offload: every gradient shard copied into its pinned host buffer. The copies are
@@ -318,4 +325,9 @@ class DistributedOptimizer:
             weights = sum(p.numel() * p.element_size() for c in self.chunks for p in c.parameters())
         grads = nbytes([b.grad if b.grad is not None else b.grad_shard for b in self.sync.buckets])
         return {"weights": weights, "gradients": grads, "master_weights": nbytes(self.master),
-                "optimizer_state": nbytes(self.exp_avg) + nbytes(self.exp_avg_sq)}
+                "optimizer_state": sum(nbytes(shards) for shards in self.state.values())}
+
+    def shards_by_kind(self) -> dict[str, list[torch.Tensor]]:
+        """The fp32 shards a checkpoint stores, by the rule's checkpoint kinds: the master
+        weights, then each state tensor."""
+        return {MASTER_KIND: self.master, **self.state}

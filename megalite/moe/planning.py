@@ -119,13 +119,13 @@ def layers_parameters(m, dense_layer: tuple[int, int], tp: int = 1, ep: int = 1,
 
 
 def model_state_bytes(dense: int, expert: int, n: int, edp: int, zero: int, weight_bytes: int, grad_bytes: int,
-                      optimizer_bytes: int = 12) -> dict[str, float]:
+                      optimizer_bytes: int | None = None) -> dict[str, float]:
     """Weights, gradients and master + Adam state per rank: the ZeRO arithmetic of the dense
-    parameters over N = DP x CP plus that of the expert parameters over EDP."""
+    parameters over N = DP x CP plus that of the expert parameters over EDP. ``optimizer_bytes``:
+    per parameter, master weights and optimizer state (default: the default update rule's)."""
     out = {}
     for psi, group in ((dense, n), (expert, edp)):
-        s = zero_theory_bytes(psi, group, zero, weight_bytes, grad_bytes)
-        s["master_and_optimizer"] *= optimizer_bytes / 12
+        s = zero_theory_bytes(psi, group, zero, weight_bytes, grad_bytes, optimizer_bytes)
         for key in ("weights", "gradients", "master_and_optimizer"):
             out[key] = out.get(key, 0.0) + s[key]
     out["total"] = out["weights"] + out["gradients"] + out["master_and_optimizer"]

@@ -1,0 +1,67 @@
+"""The update rule under the distributed optimizer: what state it keeps and how it steps.
+
+An :class:`UpdateRule` is the one place that knows an optimizer's per-parameter state:
+
+- ``state_names``: the fp32 tensors it keeps beside each fp32 master shard (AdamW: the two
+  moments ``exp_avg`` and ``exp_avg_sq``); the checkpoint stores each under that name, after
+  the master weights (``weight``);
+- ``state_bytes`` and ``bytes_per_parameter``: the bytes of that state per parameter, and of
+  state plus fp32 master weights (AdamW: 8 and 12), which the ZeRO arithmetic, the planner,
+  the MoE planner and the preflight disk check count;
+- ``build``: its step on flat shards, made from the master shards, the state shards by name,
+  the decayed index ranges and the training config (AdamW:
+  :class:`megalite.data_parallel.adamw.FlatAdamW`).
+
+:class:`megalite.data_parallel.zero.DistributedOptimizer` takes a rule (``ADAMW`` unless
+told otherwise), allocates its state from ``state_names`` and steps with ``build``'s object,
+which has ``step(grads, lr, grad_scale, found_inf)`` and a ``step_count`` property.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from megalite.data_parallel.adamw import FlatAdamW
+
+MASTER_KIND = "weight"  # the checkpoint's name for the fp32 master weights
+FP32_BYTES = 4
+NUMBER_WORDS = {0: "no", 1: "one", 2: "two", 3: "three", 4: "four"}
+
+
+@dataclass(frozen=True)
+class UpdateRule:
+    """An optimizer's state (names, fp32, one element per parameter each) and its step."""
+    name: str
+    state_names: tuple[str, ...]
+    build: Callable  # (masters, states: dict[name, list of shards], decay_ranges, t: TrainConfig) -> stepper
+    state_label: str = "optimizer state"  # how messages name the state tensors, e.g. "Adam moments"
+    master_bytes: int = FP32_BYTES  # per parameter, the fp32 master weights
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes per parameter of the state tensors (not counting the master weights)."""
+        return FP32_BYTES * len(self.state_names)
+
+    @property
+    def bytes_per_parameter(self) -> int:
+        """Bytes per parameter of master weights and state: what ZeRO shards and a checkpoint stores."""
+        return self.master_bytes + self.state_bytes
+
+    def describe_state(self) -> str:
+        """The state tensors in words, for messages: "two Adam moments"."""
+        count = len(self.state_names)
+        return f"{NUMBER_WORDS.get(count, str(count))} {self.state_label}"
+
+    @property
+    def checkpoint_kinds(self) -> tuple[str, ...]:
+        """The names a checkpoint stores per parameter: the master weights, then each state."""
+        return (MASTER_KIND, *self.state_names)
+
+
+def _build_adamw(masters, states, decay_ranges, t) -> FlatAdamW:
+    return FlatAdamW(masters, states["exp_avg"], states["exp_avg_sq"], decay_ranges,
+                     betas=(t.adam_beta1, t.adam_beta2), eps=t.adam_eps, weight_decay=t.weight_decay)
+
+
+ADAMW = UpdateRule("adamw", ("exp_avg", "exp_avg_sq"), _build_adamw, state_label="Adam moments")
+DEFAULT_RULE = ADAMW

@@ -102,6 +102,7 @@ from megalite.data_parallel.accounting import zero_theory_bytes
 from megalite.data_parallel.update_rule import DEFAULT_RULE
 from megalite.moe import planning as moe_planning
 from megalite.parallel.grid import GridLayout
+from megalite.pipeline.schedule_kinds import schedule as describe_schedule
 from megalite.planner_checks import check_layout  # noqa: F401  (megalite's validation of a layout)
 from megalite.planner_flags import training_defaults
 from megalite.planner_layers import layer_activation_bytes  # noqa: F401  (re-exported for callers)
@@ -207,8 +208,9 @@ def stage_parameters(m: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0, e
     """Psi of one rank on pipeline stage ``stage``: what its weights and gradients hold
     (with experts: its dense parameters and its E/EP experts, :mod:`megalite.moe.planning`).
     ZBV: chunks p and 2P-1-p of 2P; rank 0 holds embedding and output layer (tied: both copies)."""
-    if schedule == "zbv":
-        return sum(stage_parameters(m, tp, 2 * pp, g, ep) for g in planner_pipeline.local_chunks(schedule, pp, stage))
+    kind = describe_schedule(schedule)
+    if kind.v_shape:  # each of the rank's chunks as a stage of a pipeline of 2P chunks
+        return sum(stage_parameters(m, tp, kind.pipeline_chunks(pp), g, ep) for g in kind.local_chunks(pp, stage))
     split, replicated = layer_parameters(m, tp)
     psi = (m.num_layers // pp) * (split + replicated)
     if m.num_experts:
@@ -233,8 +235,10 @@ def stage_expert_parameters(m: ModelConfig, tp: int = 1, pp: int = 1, stage: int
     """The part of :func:`stage_parameters` that is experts (reduced over expert-data-parallel ranks)."""
     if not m.num_experts:
         return 0
-    if schedule == "zbv":
-        return sum(stage_expert_parameters(m, tp, 2 * pp, g, ep) for g in (stage, 2 * pp - 1 - stage))
+    kind = describe_schedule(schedule)
+    if kind.v_shape:
+        return sum(stage_expert_parameters(m, tp, kind.pipeline_chunks(pp), g, ep)
+                   for g in kind.local_chunks(pp, stage))
     layers = moe_planning.stage_layers(m, pp, stage)
     return moe_planning.layers_parameters(m, layer_parameters(m, tp), tp, ep, layers)[1]
 

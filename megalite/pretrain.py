@@ -33,6 +33,7 @@ from megalite.model.summary import moe_summary
 from megalite.parallel.grid import build_grid, gpus_per_node_from_env
 from megalite.parallel.random import model_parallel_seed
 from megalite.pipeline.partition import build_model_chunks, virtual_stages
+from megalite.pipeline.schedule_kinds import schedule as schedule_kind
 from megalite.data_parallel.accounting import describe_memory
 from megalite.device import (cuda_allocator_environment, host_barrier, init_distributed, meta_stand_ins,
                              resolve_device)
@@ -198,10 +199,10 @@ def pretrain(argv=None) -> list[dict]:
         say(moe_summary(m, grid.layout))
     if grid.layout.pp > 1:
         v = virtual_stages(config)
-        schedule = t.pipeline_schedule
-        if t.pipeline_schedule == "zbv":
+        schedule, kind = t.pipeline_schedule, schedule_kind(t.pipeline_schedule)
+        if kind.v_shape:
             schedule = "zbv, 2 chunks per rank in a V (rank p: chunks p and 2P-1-p), B and W apart"
-        elif t.pipeline_schedule == "zb-h1":
+        elif kind.one_chunk_split:
             schedule = "zb-h1 (1F1B with B and W apart)"
         elif v > 1:
             schedule = f"interleaved 1F1B, {v} chunks per rank"

@@ -35,7 +35,7 @@ from megalite.data_parallel.sharded_params import ShardedParameters
 from megalite.data_parallel.update_rule import DEFAULT_RULE, MASTER_KIND, UpdateRule
 from megalite.host_memory import HostBuffer
 from megalite.memory_tracker import category
-from megalite.pipeline.checks import ZERO_BUBBLE
+from megalite.pipeline.schedule_kinds import schedule as schedule_kind
 from megalite.parallel import comm
 from megalite.parallel.sharding import is_expert, is_tensor_parallel, sum_local_tied_copies
 
@@ -86,7 +86,7 @@ class DistributedOptimizer:
                 groups += layers + [[p for p in reversed(list(c.parameters())) if p not in in_layers]]
         else:  # by size, in reverse order of definition (roughly the order backward produces them)
             tied = lambda p: getattr(p, "tied_embedding", False)  # noqa: E731
-            if t.pipeline_schedule in ZERO_BUBBLE:
+            if schedule_kind(t.pipeline_schedule).split_backward:
                 # Per chunk (ZBV's two chunks finish a micro-batch at different times), gradients
                 # made by B (norms, biases) apart from those made by W: no bucket waits from one
                 # micro-batch's B to its W (see layers.weight_grad.mark_deferred).
@@ -165,7 +165,7 @@ class DistributedOptimizer:
         any of j + 1, would keep several micro-batches' staging buffers waiting. None: the
         default order."""
         grid, t = self.grid, self.t
-        if t.pipeline_schedule not in ZERO_BUBBLE or self.stage < 2 or not self.sync.overlap or grid is None:
+        if not schedule_kind(t.pipeline_schedule).split_backward or self.stage < 2 or not self.sync.overlap or grid is None:
             return None
         if num_micro in self._orders:  # the same every step: computed once per M
             return self._orders[num_micro]

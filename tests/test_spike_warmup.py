@@ -26,6 +26,18 @@ def _events(log):
     return [json.loads(x) for x in log.read_text().splitlines() if '"event"' in x]
 
 
+def _spike_and_its_reference(args, tmp_path, capsys, iteration):
+    """Two runs of ``args``: one told --skip-batches ITERATION from the start, one that meets a
+    spike at ITERATION (and must roll it back). Their losses, the second's output and its
+    rollback events."""
+    reference = _losses(pretrain(args + ["--save", str(tmp_path / "ref"), "--skip-batches", str(iteration)]))
+    capsys.readouterr()
+    log = tmp_path / "log.jsonl"
+    rolled = _losses(pretrain(args + ["--save", str(tmp_path / "b"), "--inject-fault", f"spike@{iteration}",
+                                      "--log-json", str(log)]))
+    return reference, rolled, capsys.readouterr().out, _events(log)
+
+
 def test_the_sentinel_is_armed_once_three_losses_are_known():
     """Fewer losses than the window: their median is the bar, from the third one on (a window
     smaller than 3: from the W-th); the checkpoint's losses count from the start."""
@@ -44,15 +56,10 @@ def test_a_spike_before_the_window_is_full_is_rolled_back(tmp_path, capsys):
     """spike@8 with a window of 10: 7 good losses are known, the check is armed (before: the
     run trained on a loss of ~2900 and went on). The rolled-back run equals a run that skipped
     batch 8 from the start, and the startup line says from where the check is armed."""
-    common = BASE + SPIKY + ["--train-iters", "10"]
-    reference = _losses(pretrain(common + ["--save", str(tmp_path / "ref"), "--skip-batches", "8"]))
-    capsys.readouterr()
-    log = tmp_path / "log.jsonl"
-    rolled = _losses(pretrain(common + ["--save", str(tmp_path / "b"), "--inject-fault", "spike@8",
-                                        "--log-json", str(log)]))
-    out = capsys.readouterr().out
+    reference, rolled, out, events = _spike_and_its_reference(BASE + SPIKY + ["--train-iters", "10"], tmp_path,
+                                                              capsys, 8)
     assert "spike check: armed from iteration 4 (once 3 losses are known)" in out, out
-    assert [(e["iteration"], e["kind"], e["restored_iteration"]) for e in _events(log)] == [(8, "spike", 5)], out
+    assert [(e["iteration"], e["kind"], e["restored_iteration"]) for e in events] == [(8, "spike", 5)], out
     assert rolled == reference  # bit for bit: the spike's step was undone, its batch skipped
 
 
@@ -65,12 +72,7 @@ def test_a_spike_right_after_a_resume_is_rolled_back(tmp_path, capsys):
     meta = json.loads((tmp_path / "base" / "iter_0000010" / "metadata.json").read_text())
     assert meta["recent_losses"] == [[r["iteration"], r["loss"]] for r in first]  # the last 10 of 10
     resume = BASE + SPIKY + ["--train-iters", "12", "--load", str(tmp_path / "base")]
-    reference = _losses(pretrain(resume + ["--save", str(tmp_path / "ref"), "--skip-batches", "11"]))
-    capsys.readouterr()
-    log = tmp_path / "log.jsonl"
-    rolled = _losses(pretrain(resume + ["--save", str(tmp_path / "b"), "--inject-fault", "spike@11",
-                                        "--log-json", str(log)]))
-    out = capsys.readouterr().out
+    reference, rolled, out, events = _spike_and_its_reference(resume, tmp_path, capsys, 11)
     assert "spike check: armed from iteration 11 (10 loss(es) recorded by the checkpoint)" in out, out
-    assert [(e["iteration"], e["kind"], e["restored_iteration"]) for e in _events(log)] == [(11, "spike", 10)], out
+    assert [(e["iteration"], e["kind"], e["restored_iteration"]) for e in events] == [(11, "spike", 10)], out
     assert rolled == reference and [r[0] for r in rolled] == [11, 12]

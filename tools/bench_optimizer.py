@@ -94,8 +94,8 @@ def megalite_variant(cfg, t, model, grads, unfused=False):
 
 def unfused_step(opt, t, coeff):
     """The update before the fused kernel: separate torch ops per shard, then publish."""
-    opt.adamw.steps += 1
-    step = float(opt.adamw.steps)
+    opt.update.steps += 1
+    step = float(opt.update.steps)
     b1, b2 = t.adam_beta1, t.adam_beta2
     for i, b in enumerate(opt.sync.buckets):
         for a, z in opt.decay_ranges[i]:

@@ -145,7 +145,6 @@ class DistributedOptimizer:
         for p in params:  # the model now holds its weights in the training dtype
             p.data = p.data.to(param_dtype)
         self.update = rule.build(self.master, self.state, self.decay_ranges, t)  # the rule's stepper
-        self.adamw = self.update  # the name tools/bench_optimizer.py reads
         self.param_groups = [{"lr": t.lr}]  # for schedulers and logging
         self._update_waits: list = []  # CUDA events the next update waits for (wait_before_next_update)
         self.sharded = ShardedParameters(self.chunks, self.sync, self.group) if stage == 3 else None

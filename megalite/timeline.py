@@ -5,7 +5,7 @@ A trace is, per rank, a list of (op, micro-batch, chunk, start, end) with times 
 
 - ``F``: a chunk's forward;
 - ``B``: its backward; in a zero-bubble trace (one that has ``W`` ops) only the backward to
-  the chunk's input, else the whole backward (what :class:`PipelineRunner` records);
+  the chunk's input, else the whole backward (what older traces record);
 - ``W``: the chunk's weight gradients, deferred from B (zero-bubble schedules);
 - ``BW``: B and W at once, the classical backward as the schedule executor records it.
 
@@ -14,8 +14,8 @@ time a rank computes nothing, averaged over ranks. Theory (:func:`schedule_theor
 uniform stages whose F, B and W take the same time t (so the classical backward takes 2t):
 (P - 1) / (V*M + P - 1) for GPipe, 1F1B and interleaved 1F1B with V chunks per rank;
 (P - 1) / (3M + P - 1) for ZB-H1 when M >= P (idle (P-1)(F+B-W) per rank against 1F1B's
-(P-1)(F+B+W)); for ZBV, and ZB-H1 with M < P, the simulation of the operation lists
-(:func:`megalite.pipeline.op_lists.theory_bubble`).
+(P-1)(F+B+W)); for ZBV, and ZB-H1 with M < P, the simulation of the operation lists. The
+number is the resolved schedule's (:meth:`megalite.pipeline.plan.PipelineSchedule.theory_bubble`).
 
 The picture (matplotlib, PNG / SVG / PDF by the file's extension): one row per stage,
 labelled with its rank and idle fraction; forward in blue, backward (B or BW) in green,
@@ -30,9 +30,10 @@ from pathlib import Path
 
 import numpy as np
 
-from megalite.pipeline.schedule_kinds import DISPLAY_NAMES, schedule as describe
+from megalite.pipeline.plan import resolve_schedule
+from megalite.pipeline.schedule_kinds import DISPLAY_NAMES
 
-# Display names and the keys of megalite.pipeline.op_lists (megalite.pipeline.schedule_kinds).
+# Display names and the --pipeline-schedule values (megalite.pipeline.schedule_kinds).
 NAMES = dict(DISPLAY_NAMES)
 _KEYS = {name: key for key, name in NAMES.items()}
 
@@ -45,24 +46,18 @@ def load_traces(trace_dir: str) -> list[dict]:
     return traces
 
 
-def theory_bubble(P: int, M: int, V: int = 1) -> float:
-    """(P-1)/(V*M+P-1): GPipe and 1F1B (V = 1), interleaved 1F1B with V chunks per rank."""
-    return (P - 1) / (V * M + P - 1)
-
-
 def schedule_theory(schedule: str, P: int, M: int, V: int = 1) -> tuple[str, float]:
     """(formula or how it was obtained, theoretical bubble) for a schedule given by its
-    display name (:data:`NAMES`) or its op_lists key, F = B = W per stage. A name this module
-    does not know gets the classical (P-1)/(V*M+P-1)."""
-    key = _KEYS.get(schedule, schedule.lower())
-    if describe(key).split_backward:
-        from megalite.pipeline.op_lists import theory_bubble as simulated
-
-        value = simulated(key, P, M)
-        if describe(key).one_chunk_split and M >= P:
+    display name (:data:`NAMES`) or its --pipeline-schedule value, F = B = W per stage: the
+    resolved schedule's :meth:`~megalite.pipeline.plan.PipelineSchedule.theory_bubble`. A name
+    this module does not know gets the classical (P-1)/(V*M+P-1)."""
+    resolved = resolve_schedule(_KEYS.get(schedule, schedule.lower()), P, V)
+    value = resolved.theory_bubble(M)
+    if resolved.split_backward:
+        if resolved.kind.one_chunk_split and M >= P:
             return "(P-1)/(3M+P-1)", value
         return "simulated, F=B=W", value
-    return ("(P-1)/(M+P-1)" if V == 1 else "(P-1)/(V·M+P-1)"), theory_bubble(P, M, V)
+    return ("(P-1)/(M+P-1)" if resolved.V == 1 else "(P-1)/(V·M+P-1)"), value
 
 
 def measured_bubble(events_per_rank: list[list]) -> float:

@@ -42,7 +42,7 @@ from megalite.device import to_device
 from megalite.faults import hang_report, looks_like_timeout
 from megalite.monitor import attended_length, memory_line
 from megalite.parallel.comm import count_collectives
-from megalite.pipeline.schedules import Trace
+from megalite.pipeline.trace import Trace
 from megalite.resilience.straggler import StragglerMonitor
 from megalite.resilience.rollback import (WARMUP_LOSSES, LossSentinel, agree, checkpoint_losses, exhausted,
                                           no_checkpoint, recent_good_losses)

@@ -174,18 +174,15 @@ def forward_backward(model, micro_batches, t: TrainConfig, loss_scale: float = 1
             total += loss.detach()
         return total / num_micro
     from megalite.pipeline.executor import ScheduleExecutor
-    from megalite.pipeline.schedule_kinds import schedule
-    from megalite.pipeline.schedules import PipelineRunner, Trace
+    from megalite.pipeline.plan import resolve_schedule
+    from megalite.pipeline.trace import Trace
 
     trace = trace if trace is not None else Trace(timers.clock)  # its F/B/W events give the time split
-    args = (chunks, micro_batches, grid, activation_shape(chunks[0], micro_batches[0]["tokens"].shape[0]),
-            lambda c, x, b: stage_forward(c, x, b, t), stage_loss)
-    kwargs = dict(trace=trace, loss_scale=loss_scale, dtype=next(chunks[0].parameters()).dtype, device=device)
-    if schedule(t.pipeline_schedule).split_backward:  # per-rank operation lists, B and W apart
-        runner = ScheduleExecutor(t.pipeline_schedule, *args, **kwargs)
-    else:
-        runner = PipelineRunner(*args, **kwargs)
-    runner.run(t.pipeline_schedule)
+    runner = ScheduleExecutor(resolve_schedule(t.pipeline_schedule, grid.layout.pp, len(chunks)), chunks,
+                              micro_batches, grid, activation_shape(chunks[0], micro_batches[0]["tokens"].shape[0]),
+                              lambda c, x, b: stage_forward(c, x, b, t), stage_loss, trace=trace,
+                              loss_scale=loss_scale, dtype=next(chunks[0].parameters()).dtype, device=device)
+    runner.run()
     timers.add_trace(trace)  # read with the step's other times, at the log line
     total = torch.stack(runner.losses).sum() / num_micro if runner.losses else torch.zeros((), device=device)
     return comm.all_reduce(total, grid.pp_group)
@@ -369,12 +366,15 @@ def evaluate(model, batches, t: TrainConfig, grid=None) -> float:
     if grid is None or (grid.layout.pp == 1 and len(chunks) == 1):
         losses = [stage_loss(stage_forward(chunks[0], None, b, t), b) for b in batches]
     else:
-        from megalite.pipeline.schedules import forward_only
+        from megalite.pipeline.executor import ScheduleExecutor
+        from megalite.pipeline.plan import resolve_schedule
 
-        losses = forward_only(chunks, batches, grid, activation_shape(chunks[0], batches[0]["tokens"].shape[0]),
-                              lambda c, x, b: stage_forward(c, x, b, t), stage_loss,
-                              dtype=next(chunks[0].parameters()).dtype, device=model_device(chunks),
-                              schedule=t.pipeline_schedule)
+        runner = ScheduleExecutor(resolve_schedule(t.pipeline_schedule, grid.layout.pp, len(chunks), evaluation=True),
+                                  chunks, batches, grid, activation_shape(chunks[0], batches[0]["tokens"].shape[0]),
+                                  lambda c, x, b: stage_forward(c, x, b, t), stage_loss,
+                                  dtype=next(chunks[0].parameters()).dtype, device=model_device(chunks))
+        runner.run()
+        losses = runner.losses
     for c in chunks:
         c.train()
     total = torch.stack(losses).sum() / len(batches) if losses else torch.zeros((), device=model_device(chunks))

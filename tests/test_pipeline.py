@@ -155,13 +155,15 @@ def _memory_worker(rank, world, schedule, m):
     def unpack(x):
         return x.t if isinstance(x, Saved) else x
 
-    from megalite.pipeline.schedules import PipelineRunner
+    from megalite.pipeline.executor import ScheduleExecutor
+    from megalite.pipeline.plan import resolve_schedule
     from megalite.training import activation_shape, stage_forward, stage_loss
     batches = micro_batches(config.model, m)
-    runner = PipelineRunner(chunks, batches, grid, activation_shape(chunks[0], MICRO),
-                            lambda c, x, b: stage_forward(c, x, b, config.train), stage_loss)
+    runner = ScheduleExecutor(resolve_schedule(schedule, grid.layout.pp, len(chunks)), chunks, batches, grid,
+                              activation_shape(chunks[0], MICRO),
+                              lambda c, x, b: stage_forward(c, x, b, config.train), stage_loss)
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        runner.run(schedule)
+        runner.run()
     # Saved bytes of one micro-batch on this stage, for scale.
     live[0] = 0
     peak_total, peak[0] = peak[0], 0
@@ -260,12 +262,13 @@ def test_pretrain_pipeline_layouts_match_pp1_per_iteration(tmp_path):
 
 
 def test_bubble_measure_and_timeline_picture(tmp_path):
-    from megalite.timeline import draw_timeline, measured_bubble, schedule_name, theory_bubble
+    from megalite.pipeline.op_lists import theory_bubble
+    from megalite.timeline import draw_timeline, measured_bubble, schedule_name
     # Ideal GPipe-like trace, P=2, M=2, unit forward and backward: each rank idles 2 of 6 units.
     events = [[("F", 0, 0, 0, 1), ("F", 1, 0, 1, 2), ("B", 0, 0, 4, 5), ("B", 1, 0, 5, 6)],
               [("F", 0, 0, 1, 2), ("F", 1, 0, 2, 3), ("B", 0, 0, 3, 4), ("B", 1, 0, 4, 5)]]
     assert measured_bubble(events) == pytest.approx(2 / 6)
-    assert theory_bubble(2, 2) == pytest.approx(1 / 3) and theory_bubble(4, 8, 2) == pytest.approx(3 / 19)
+    assert theory_bubble("1f1b", 2, 2) == pytest.approx(1 / 3) and theory_bubble("1f1b", 4, 8, 2) == pytest.approx(3 / 19)
     assert schedule_name(events) == "GPipe" and schedule_name(events, 2) == "interleaved 1F1B"
     one_f_one_b = [events[0], [("F", 0, 0, 1, 2), ("B", 0, 0, 2, 3), ("F", 1, 0, 3, 4), ("B", 1, 0, 4, 5)]]
     assert schedule_name(one_f_one_b) == "1F1B"

@@ -8,8 +8,8 @@ A schedule with two chunks per rank (interleaved with V = 2, ZBV) gives each chu
 stage: t/2 per operation. Sleeping stages do not compete for CPU cores, so P processes on
 a 2-core machine behave like P devices and the trace measures the schedule itself.
 
-Runners: :class:`PipelineRunner` for 1f1b and interleaved, :class:`ScheduleExecutor` for
-zb-h1 and zbv. Under a zero-bubble schedule a stage's backward sleeps only B and defers to
+Every schedule runs on :class:`ScheduleExecutor`, resolved once per case
+(:func:`megalite.pipeline.plan.resolve_schedule`). Under a zero-bubble schedule a stage's backward sleeps only B and defers to
 the weight-gradient store (``megalite.layers.weight_grad``) a W that sleeps W and returns
 the gradient of the stage's parameter, as megalite's linears do.
 
@@ -40,8 +40,8 @@ from megalite.config import ParallelConfig  # noqa: E402
 from megalite.layers.weight_grad import active_store  # noqa: E402
 from megalite.parallel.grid import build_grid  # noqa: E402
 from megalite.pipeline.executor import ScheduleExecutor  # noqa: E402
-from megalite.pipeline.schedule_kinds import schedule as describe  # noqa: E402
-from megalite.pipeline.schedules import PipelineRunner, Trace  # noqa: E402
+from megalite.pipeline.plan import resolve_schedule  # noqa: E402
+from megalite.pipeline.trace import Trace  # noqa: E402
 from megalite.plotting import FORMATS, require_matplotlib  # noqa: E402
 from megalite.testing import run_world  # noqa: E402
 from megalite.timeline import NAMES, draw_timeline, idle_seconds, measured_bubble, schedule_theory  # noqa: E402
@@ -50,7 +50,11 @@ from tools.tool_errors import one_line_errors, positive  # noqa: E402
 SHAPE = (4, 1, 8)
 SCHEDULES = ("1f1b", "interleaved", "zb-h1", "zbv")
 VIRTUAL = {"interleaved": 2}  # the interleaving's chunks per rank in this benchmark
-CHUNKS = {s: describe(s).chunks_per_rank(VIRTUAL.get(s, 1)) for s in SCHEDULES}  # per rank
+CHUNKS = {s: resolve_schedule(s, 2, VIRTUAL.get(s, 1)).V for s in SCHEDULES}  # per rank
+
+
+def _resolved(schedule, P):
+    return resolve_schedule(schedule, P, VIRTUAL.get(schedule, 1))
 
 
 class _SleepScale(torch.autograd.Function):
@@ -93,7 +97,7 @@ class SleepStage(nn.Module):
 
 def _places(schedule, P, rank):
     """Global chunks of this rank's local chunks (interleaved: 1f1b's placement with V chunks)."""
-    return [describe(schedule).global_chunk(P, rank, c) for c in range(CHUNKS[schedule])]
+    return [_resolved(schedule, P).global_chunk(rank, c) for c in range(CHUNKS[schedule])]
 
 
 def _chunks(schedule, P, rank, t):
@@ -112,10 +116,8 @@ def _loss(out, batch):
 
 
 def _step(schedule, chunks, batches, grid, trace=None):
-    if describe(schedule).split_backward:
-        ScheduleExecutor(schedule, chunks, batches, grid, SHAPE, _forward, _loss, trace=trace).run()
-    else:
-        PipelineRunner(chunks, batches, grid, SHAPE, _forward, _loss, trace=trace).run("1f1b")
+    resolved = _resolved(schedule, grid.layout.pp)
+    ScheduleExecutor(resolved, chunks, batches, grid, SHAPE, _forward, _loss, trace=trace).run()
 
 
 def _worker(rank, world, cases, t, repeat):
@@ -176,9 +178,8 @@ def main(argv=None):
         p.error(f"--t-forward-ms takes a positive time, got {args.t_forward_ms}")
     require_matplotlib()  # fail now, not after the runs
     os.makedirs(args.out, exist_ok=True)
-    cases = [(s, m) for s in args.schedules for m in args.micro_batches
-             if not (s == "interleaved" and m % P)]
-    skipped = [m for m in args.micro_batches if m % P] if "interleaved" in args.schedules else []
+    cases = [(s, m) for s in args.schedules for m in args.micro_batches if _resolved(s, P).runs(m)]
+    skipped = sorted({m for s in args.schedules for m in args.micro_batches if not _resolved(s, P).runs(m)})
     print(f"P={P}, per stage F = B = W = {args.t_forward_ms:g} ms (sleep; classical backward 2x), "
           f"two-chunk schedules t/2 per chunk, gloo p2p; the shortest of {args.repeat} steps per case")
     if skipped:

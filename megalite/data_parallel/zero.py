@@ -35,6 +35,7 @@ from megalite.data_parallel.sharded_params import ShardedParameters
 from megalite.data_parallel.update_rule import DEFAULT_RULE, MASTER_KIND, UpdateRule
 from megalite.host_memory import HostBuffer
 from megalite.memory_tracker import category
+from megalite.pipeline.plan import resolve_schedule
 from megalite.pipeline.schedule_kinds import schedule as schedule_kind
 from megalite.parallel import comm
 from megalite.parallel.sharding import is_expert, is_tensor_parallel, sum_local_tied_copies
@@ -168,10 +169,8 @@ class DistributedOptimizer:
             return None
         if num_micro in self._orders:  # the same every step: computed once per M
             return self._orders[num_micro]
-        from megalite.pipeline.op_lists import rank_ops
-
-        ops = rank_ops(t.pipeline_schedule, grid.layout.pp, num_micro, grid.pp_rank)
-        position = {(op.kind, op.micro, op.chunk): k for k, op in enumerate(ops)}
+        position = resolve_schedule(t.pipeline_schedule, grid.layout.pp, len(self.chunks)).op_positions(
+            num_micro, grid.pp_rank)
         chunk_of = {p: c for c, chunk in enumerate(self.chunks) for p in chunk.parameters()}
 
         def done(i: int, j: int) -> int:

@@ -1,11 +1,13 @@
-"""Run a per-rank operation list (:mod:`megalite.pipeline.op_lists`) with asynchronous p2p.
+"""Run one step of any pipeline schedule: the rank's operation list of a resolved
+:class:`~megalite.pipeline.plan.PipelineSchedule`, with asynchronous p2p.
 
-The zero-bubble schedules interleave F, B and W in orders that no fixed tick pattern
-describes, so this executor takes the rank's list as it is and handles the exchange with
-the neighbours apart from it:
+Every schedule runs here: gpipe, 1f1b, interleaved 1F1B, zb-h1, zbv, and evaluation (forward
+only, on the training schedule's placement). The zero-bubble schedules interleave F, B and W
+in orders that no fixed tick pattern describes, so the executor takes the rank's list as it is
+and handles the exchange with the neighbours apart from it:
 
 - **Order of the exchange.** Every p2p message of the step has a place in one global order
-  (:meth:`Simulation.messages`: when the unit-time simulation produces it). Each rank posts
+  (:meth:`megalite.pipeline.plan.Simulation.messages`: when the unit-time simulation produces it). Each rank posts
   its sends and receives in that order: a receive as soon as every earlier message of the
   rank is posted, a send as soon as its data exists. Two ends of a link therefore post its
   messages in the same order (what NCCL, which ignores tags, needs), and no rank ever waits
@@ -28,46 +30,57 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from functools import lru_cache
 
 import torch
 import torch.distributed as dist
+from torch.autograd.variable import Variable
 
 from megalite.device import is_fake
 from megalite.layers.weight_grad import WeightGradStore, split_weight_gradients
 from megalite.parallel import comm
-from megalite.pipeline.op_lists import ZERO_BUBBLE, global_chunk, num_chunks, owner, rank_ops, simulate
 from megalite.pipeline.p2p import PipeComm
-from megalite.pipeline.schedules import _backward, _release
+from megalite.pipeline.plan import PipelineSchedule
 
 TAG = 0  # one tag for both directions: the order alone matches messages, as on NCCL
 
 
-@lru_cache(maxsize=32)
-def _plan(schedule: str, P: int, M: int, rank: int, V: int) -> tuple[tuple, tuple]:
-    """This rank's operations and its messages in the global order, once per shape (the
-    simulation takes ~1 s for P = 16, M = 512: not something to redo every step)."""
-    messages = simulate(schedule, P, M, virtual=V).messages()
-    return tuple(rank_ops(schedule, P, M, rank, V)), tuple(m for m in messages if rank in (m[1], m[2]))
+def _release(output: torch.Tensor) -> None:
+    """Free an activation's storage once sent; its grad_fn stays for backward."""
+    output.data = torch.empty((1,), dtype=output.dtype, device=output.device)
+
+
+def _backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:
+    """Back-propagate from a stage output. The output's storage may have been released
+    (see _release), so call the autograd engine directly: torch.autograd.backward would
+    compare the gradient's shape with the (now empty) output's."""
+    if grad is None:
+        output.backward()  # the scaled loss on the last stage
+        return
+    Variable._execution_engine.run_backward(
+        tensors=(output,), grad_tensors=(grad,), keep_graph=False, create_graph=False,
+        inputs=(), allow_unreachable=True, accumulate_grad=True)
 
 
 class ScheduleExecutor:
-    """One step of ``schedule`` over this rank's chunks (local chunk order as in
-    :func:`megalite.pipeline.op_lists.global_chunk`). The same interface as
-    :class:`megalite.pipeline.schedules.PipelineRunner`: ``run()``, ``losses``, ``trace``."""
+    """One step of the resolved ``schedule`` over this rank's chunks (local chunk order as in
+    :meth:`PipelineSchedule.global_chunk`). ``forward_fn(chunk_module, input_tensor, batch)``
+    returns the activation to send or, on the loss chunk, the per-token losses; the executor
+    collects the unscaled micro-batch losses in ``losses`` and back-propagates the loss times
+    ``loss_scale / M``. ``run()``; ``losses``; ``trace`` (a :class:`~megalite.pipeline.trace.Trace`)."""
 
-    def __init__(self, schedule, chunks, micro_batches, grid, shape, forward_fn, loss_fn, trace=None,
-                 dtype=torch.float32, loss_scale: float = 1.0, device="cpu"):
+    def __init__(self, schedule: PipelineSchedule, chunks, micro_batches, grid, shape, forward_fn, loss_fn,
+                 trace=None, dtype=torch.float32, loss_scale: float = 1.0, device="cpu"):
         self.schedule, self.chunks, self.batches = schedule, chunks, micro_batches
         self.P, self.M, self.rank = grid.layout.pp, len(micro_batches), grid.pp_rank
-        self.V = num_chunks(schedule, len(chunks))
-        if len(chunks) != self.V:
-            raise ValueError(f"schedule {schedule} runs {self.V} chunks per rank, got {len(chunks)}")
-        self.S = self.P * self.V
+        self.V = schedule.V
+        if len(chunks) != self.V or schedule.P != self.P:
+            raise ValueError(f"schedule {schedule.name} runs {schedule.V} chunks per rank on {schedule.P} "
+                             f"ranks, got {len(chunks)} chunks on {self.P}")
+        self.S = schedule.chunks
         self.forward_fn, self.loss_fn, self.loss_scale, self.trace = forward_fn, loss_fn, loss_scale, trace
         self.comm = PipeComm(grid, shape, dtype, device)
-        self.ops, messages = _plan(schedule, self.P, self.M, self.rank, self.V)
-        self.queue = deque(messages)
+        self.ops = schedule.ops(self.M, self.rank)
+        self.queue = deque(schedule.messages(self.M, self.rank))
         self.store = WeightGradStore()
         self.losses: list[torch.Tensor] = []
         self.max_in_flight = 0  # chunk activations whose B is pending, peak
@@ -79,7 +92,8 @@ class ScheduleExecutor:
 
     # -- the exchange ------------------------------------------------------------------------
     def _peer(self, pp_rank: int) -> int:
-        return self.comm.next_rank if pp_rank == self.rank + 1 else self.comm.prev_rank
+        """The neighbour's global rank (the ring wraps: interleaving's last rank feeds rank 0)."""
+        return self.comm.next_rank if pp_rank == (self.rank + 1) % self.P else self.comm.prev_rank
 
     def _post(self) -> None:
         """Post, in the global order, every message that can be posted now."""
@@ -136,7 +150,7 @@ class ScheduleExecutor:
         """Hand the output of chunk g to chunk g+1 (act) or g-1 (grad): over the network or,
         when this rank holds that chunk too, through memory."""
         target = g + 1 if kind == "act" else g - 1
-        if owner(self.schedule, self.P, self.V, target)[0] == self.rank:
+        if self.schedule.owner(target)[0] == self.rank:
             local = tensor.detach()
             self._inbox[(kind, micro, target)] = (None, local)
             return
@@ -147,7 +161,7 @@ class ScheduleExecutor:
         return self.trace.record(op, micro, chunk, fn) if self.trace else fn()
 
     def _forward(self, micro: int, c: int) -> None:
-        g = global_chunk(self.schedule, self.P, self.rank, c)
+        g = self.schedule.global_chunk(self.rank, c)
         x = self._take("act", micro, g) if g > 0 else None
         batch = self.batches[micro]
 
@@ -160,15 +174,16 @@ class ScheduleExecutor:
             return out
 
         y = self._record("F", micro, c, run)
-        self._saved[(micro, c)] = (x, y)
-        self.max_in_flight = max(self.max_in_flight, len(self._saved))
+        if not self.schedule.forward_only:  # kept for the backward
+            self._saved[(micro, c)] = (x, y)
+            self.max_in_flight = max(self.max_in_flight, len(self._saved))
         if g < self.S - 1:
             self._give("act", micro, g, y)
             if ("act", micro, g + 1) not in self._inbox:  # sent: only the graph is kept
                 _release(y)
 
     def _backward(self, micro: int, c: int, kind: str) -> None:
-        g = global_chunk(self.schedule, self.P, self.rank, c)
+        g = self.schedule.global_chunk(self.rank, c)
         grad = self._take("grad", micro, g) if g < self.S - 1 else None
         x, y = self._saved.pop((micro, c))
 
@@ -189,8 +204,8 @@ class ScheduleExecutor:
     def _weight(self, micro: int, c: int) -> None:
         self._record("W", micro, c, lambda: self.store.run((micro, c)))
 
-    def run(self, schedule: str | None = None) -> None:
-        split = split_weight_gradients(self.store) if self.schedule in ZERO_BUBBLE else contextlib.nullcontext()
+    def run(self) -> None:
+        split = split_weight_gradients(self.store) if self.schedule.split_backward else contextlib.nullcontext()
         with split:
             for op in self.ops:
                 self._post()

@@ -3,8 +3,9 @@ chunks a rank holds, where those chunks sit in the model, whether its backward i
 (input gradient) and W (weight gradient), and whether the flag and the planner offer it.
 
 Every other module asks a :class:`Schedule` (``schedule("zbv").v_shape``,
-``schedule(name).chunks_per_rank(vpp)``) instead of comparing names, so a new schedule is one
-entry here plus its operation order (:mod:`megalite.pipeline.op_lists`).
+``schedule(name).chunks_per_rank(vpp)``) or the resolved schedule
+(:func:`megalite.pipeline.plan.resolve_schedule`) instead of comparing names, so a new schedule
+is one entry here, naming its operation order (a function of :mod:`megalite.pipeline.orders`).
 
 - ``gpipe``, ``1f1b``: the classical schedules, one chunk per rank (``vpp`` chunks when
   --num-layers-per-virtual-pipeline-stage interleaves them: ``interleaved``, which is 1f1b's
@@ -15,6 +16,10 @@ entry here plus its operation order (:mod:`megalite.pipeline.op_lists`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
+
+from megalite.pipeline.orders import (gpipe_order, interleaved_order, one_f_one_b_order, zb_h1_order,
+                                      zbv_order)
 
 
 @dataclass(frozen=True)
@@ -27,6 +32,9 @@ class Schedule:
     v_shape: bool = False  # two chunks per rank, rank p holding p and 2P-1-p
     flag_value: bool = True  # accepted by --pipeline-schedule
     planned: bool = False  # considered by the planner when PP > 1
+    order: Callable = one_f_one_b_order  # (P, M, rank, V) -> the rank's operations (megalite.pipeline.orders)
+    closed_bubble: bool = False  # bubble (P-1)/(V*M+P-1) with F = B = W (the classical backward); else simulated
+    micro_groups: bool = False  # micro-batches go round the ring in groups of P: M must be a multiple of P
 
     def chunks_per_rank(self, virtual: int = 1) -> int:
         """Model chunks a rank holds: 2 for the V, else ``virtual`` (the interleaving's V)."""
@@ -64,11 +72,12 @@ class Schedule:
 
 
 _ALL = (
-    Schedule("1f1b", "1F1B", fused_1f1b=True, planned=True),
-    Schedule("gpipe", "GPipe"),
-    Schedule("interleaved", "interleaved 1F1B", flag_value=False),
-    Schedule("zb-h1", "ZB-H1", split_backward=True, planned=True),
-    Schedule("zbv", "ZBV", split_backward=True, v_shape=True, planned=True),
+    Schedule("1f1b", "1F1B", fused_1f1b=True, planned=True, order=one_f_one_b_order, closed_bubble=True),
+    Schedule("gpipe", "GPipe", order=gpipe_order, closed_bubble=True),
+    Schedule("interleaved", "interleaved 1F1B", flag_value=False, order=interleaved_order, closed_bubble=True,
+             micro_groups=True),
+    Schedule("zb-h1", "ZB-H1", split_backward=True, planned=True, order=zb_h1_order),
+    Schedule("zbv", "ZBV", split_backward=True, v_shape=True, planned=True, order=zbv_order),
 )
 _BY_NAME = {s.name: s for s in _ALL}
 
@@ -84,4 +93,4 @@ def schedule(name: str) -> Schedule:
     unknown name is described as the classical 1F1B, as every site treated one before this
     table existed; :func:`megalite.pipeline.checks.check_pipeline_schedule` refuses it in a
     configuration."""
-    return _BY_NAME.get(name) or Schedule(name, name)
+    return _BY_NAME.get(name) or Schedule(name, name, closed_bubble=True)

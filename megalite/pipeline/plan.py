@@ -3,8 +3,8 @@ name, the pipeline size P and the chunks per rank into a :class:`PipelineSchedul
 module asks that object instead of the name.
 
 The resolution is the one place a schedule name is looked at: the table row
-(:mod:`megalite.pipeline.schedule_kinds`) of the schedule that runs (1f1b with V > 1 chunks per
-rank runs the interleaved order), and, for evaluation, the same chunk placement with the
+(:mod:`megalite.pipeline.schedule_kinds`) of the schedule that runs (1f1b or gpipe with V > 1
+chunks per rank run the interleaved order), and, for evaluation, the same chunk placement with the
 forward-only order. What the object owns:
 
 - chunks per rank, whether the backward is split into B and W, the chunk placement
@@ -99,8 +99,12 @@ class PipelineSchedule:
 def resolve_schedule(name: str, P: int, virtual: int = 1, evaluation: bool = False) -> PipelineSchedule:
     """The schedule ``name`` (a --pipeline-schedule value, or ``interleaved``) on P ranks with
     ``virtual`` interleaved chunks per rank (the V of --num-layers-per-virtual-pipeline-stage;
-    the V-shaped schedule sets its own 2). The only place a name picks behaviour."""
+    the V-shaped schedule sets its own 2). The only place a name picks behaviour. 1f1b and gpipe
+    with V > 1 run the interleaved order (as the classical runner always did)."""
     kind = table_row(table_row(name).run_name(virtual))
+    if kind.chunks_per_rank(virtual) > 1 and not (kind.v_shape or kind.any_chunks):
+        raise ValueError(f"pipeline schedule {name} runs one chunk per rank, not {virtual} "
+                         f"(megalite.pipeline.checks refuses the configuration)")
     resolved = PipelineSchedule(kind, P, kind.chunks_per_rank(virtual))
     return resolved.evaluation() if evaluation else resolved
 

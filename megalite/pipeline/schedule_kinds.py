@@ -35,6 +35,8 @@ class Schedule:
     order: Callable = one_f_one_b_order  # (P, M, rank, V) -> the rank's operations (megalite.pipeline.orders)
     closed_bubble: bool = False  # bubble (P-1)/(V*M+P-1) with F = B = W (the classical backward); else simulated
     micro_groups: bool = False  # micro-batches go round the ring in groups of P: M must be a multiple of P
+    interleaves: bool = False  # with V > 1 chunks per rank it runs the interleaved order instead
+    any_chunks: bool = False  # its order runs any number V of chunks per rank
 
     def chunks_per_rank(self, virtual: int = 1) -> int:
         """Model chunks a rank holds: 2 for the V, else ``virtual`` (the interleaving's V)."""
@@ -61,8 +63,8 @@ class Schedule:
         return tuple(self.global_chunk(P, rank, c) for c in range(self.chunks_per_rank(virtual)))
 
     def run_name(self, virtual: int = 1) -> str:
-        """The schedule that runs with ``virtual`` chunks per rank: 1f1b interleaves them."""
-        return "interleaved" if self.fused_1f1b and virtual > 1 else self.name
+        """The schedule that runs with ``virtual`` chunks per rank: 1f1b (and gpipe) interleave them."""
+        return "interleaved" if self.interleaves and virtual > 1 else self.name
 
     @property
     def one_chunk_split(self) -> bool:
@@ -72,10 +74,11 @@ class Schedule:
 
 
 _ALL = (
-    Schedule("1f1b", "1F1B", fused_1f1b=True, planned=True, order=one_f_one_b_order, closed_bubble=True),
-    Schedule("gpipe", "GPipe", order=gpipe_order, closed_bubble=True),
+    Schedule("1f1b", "1F1B", fused_1f1b=True, planned=True, order=one_f_one_b_order, closed_bubble=True,
+             interleaves=True),
+    Schedule("gpipe", "GPipe", order=gpipe_order, closed_bubble=True, interleaves=True),
     Schedule("interleaved", "interleaved 1F1B", flag_value=False, order=interleaved_order, closed_bubble=True,
-             micro_groups=True),
+             micro_groups=True, any_chunks=True),
     Schedule("zb-h1", "ZB-H1", split_backward=True, planned=True, order=zb_h1_order),
     Schedule("zbv", "ZBV", split_backward=True, v_shape=True, planned=True, order=zbv_order),
 )
@@ -93,4 +96,4 @@ def schedule(name: str) -> Schedule:
     unknown name is described as the classical 1F1B, as every site treated one before this
     table existed; :func:`megalite.pipeline.checks.check_pipeline_schedule` refuses it in a
     configuration."""
-    return _BY_NAME.get(name) or Schedule(name, name, closed_bubble=True)
+    return _BY_NAME.get(name) or Schedule(name, name, closed_bubble=True, interleaves=True)

@@ -11,13 +11,24 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import sys
 
 import pytest
 
-from megalite.pipeline.op_lists import theory_bubble
-from megalite.pipeline.plan import resolve_schedule
-from megalite.pipeline.schedule_kinds import DISPLAY_NAMES, SCHEDULES, schedule
-from megalite.timeline import schedule_theory
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+from test_pipeline import make_config, micro_batches  # noqa: E402
+
+from megalite.config import validate  # noqa: E402
+from megalite.model.gpt import GPTModel  # noqa: E402
+from megalite.parallel.grid import build_grid  # noqa: E402
+from megalite.pipeline import executor  # noqa: E402
+from megalite.pipeline.op_lists import theory_bubble  # noqa: E402
+from megalite.pipeline.partition import build_model_chunks  # noqa: E402
+from megalite.pipeline.plan import resolve_schedule  # noqa: E402
+from megalite.pipeline.schedule_kinds import DISPLAY_NAMES, SCHEDULES, schedule  # noqa: E402
+from megalite.testing import run_world  # noqa: E402
+from megalite.timeline import schedule_theory  # noqa: E402
+from megalite.training import evaluate  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NAMES = set(DISPLAY_NAMES) | set(DISPLAY_NAMES.values())  # flag values, trace keys, display names
@@ -125,3 +136,48 @@ def test_reduction_positions_follow_the_op_list(name):
             for kind in ("B", "W") if op.kind == "BW" else (op.kind,):
                 assert position[(kind, op.micro, op.chunk)] == k
         assert len(position) == sum(2 if op.kind == "BW" else 1 for op in ops)
+
+
+# -- every schedule and evaluation on the one executor ------------------------------------------
+def _evaluation_worker(rank, world, layouts):
+    """Per layout: evaluate() on the pipeline, and what the executor kept while it ran."""
+    kept = []
+    real = executor.ScheduleExecutor.run
+
+    def run(self):
+        real(self)
+        kept.append((self.schedule.forward_only, self.max_in_flight, len(self.losses)))
+
+    executor.ScheduleExecutor.run = run
+    out = []
+    try:
+        for layout in layouts:
+            config = make_config(**layout)
+            config.train.global_batch_size = 2 * 4
+            validate(config, world)
+            grid = build_grid(config.parallel, world, rank)
+            chunks = build_model_chunks(config, grid)
+            for c in chunks:
+                c.init_weights(3)
+            kept.clear()
+            out.append((evaluate(chunks, micro_batches(config.model, 4), config.train, grid), list(kept)))
+    finally:
+        executor.ScheduleExecutor.run = real
+    return out
+
+
+EVAL_LAYOUTS = [dict(layers=4, pp=2, schedule=s) for s in ("1f1b", "gpipe", "zb-h1", "zbv")] + \
+    [dict(layers=4, pp=2, vp_layers=1)]
+
+
+def test_evaluation_runs_on_the_one_executor_for_every_schedule():
+    """evaluate() under every schedule (interleaved too) is one forward-only run of the executor
+    that keeps no activation, and gives the serial loss."""
+    serial = GPTModel(make_config(4).model)
+    serial.init_weights(3)
+    expected = evaluate(serial, micro_batches(make_config(4).model, 4), make_config(4).train)
+    for rank, results in enumerate(run_world(_evaluation_worker, 2, EVAL_LAYOUTS)):
+        for layout, (loss, kept) in zip(EVAL_LAYOUTS, results):
+            assert loss == pytest.approx(expected, rel=1e-5), (layout, rank)
+            assert kept == [(True, 0, 4 if rank == 0 and layout.get("schedule") == "zbv" or
+                             rank == 1 and layout.get("schedule") != "zbv" else 0)], (layout, rank)

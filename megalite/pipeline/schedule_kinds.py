@@ -8,8 +8,8 @@ Every other module asks a :class:`Schedule` (``schedule("zbv").v_shape``,
 is one entry here, naming its operation order (a function of :mod:`megalite.pipeline.orders`).
 
 - ``gpipe``, ``1f1b``: the classical schedules, one chunk per rank (``vpp`` chunks when
-  --num-layers-per-virtual-pipeline-stage interleaves them: ``interleaved``, which is 1f1b's
-  trace and display name for V > 1, not a flag value).
+  --num-layers-per-virtual-pipeline-stage interleaves them: ``interleaved``, the order either
+  runs with V > 1 (:meth:`Schedule.run_name`), a trace and display name, not a flag value).
 - ``zb-h1``: 1F1B's order with the W's deferred into its idle slots; one chunk per rank.
 - ``zbv``: two chunks per rank in a V, rank p holding global chunks p and 2P-1-p.
 """

@@ -31,17 +31,15 @@ from megalite.checkpoint.format import (FORMAT_VERSION, VOCAB_PARAMS, Checkpoint
                                         fsync_path, iteration_dir, resolve_checkpoint, same_layout,
                                         write_json_atomic, write_rank_files, write_tokenizer)
 from megalite.config import ModelConfig
-from megalite.data_parallel.update_rule import DEFAULT_RULE, MASTER_KIND
+from megalite.data_parallel.update_rule import MASTER_KIND
 from megalite.device import host_barrier
 from megalite.checkpoint.names import global_pieces
+from megalite.checkpoint.rule_record import RULE_KEY, check_update_rule
 from megalite.checkpoint.settings import SHAPE_FIELDS, carry_forward
 from megalite.layers.fp8 import fp8_state, load_fp8_state
 from megalite.parallel.random import get_rng_tracker
 from megalite.parallel.sharding import is_expert, is_tensor_parallel, shard_tensor
 from megalite.resilience.fault_injection import active as active_faults
-
-KINDS = DEFAULT_RULE.checkpoint_kinds  # what a checkpoint stores per parameter (offline tools; a run asks its rule)
-
 
 def _barrier(grid=None):
     host_barrier(grid)  # a host-side wait: the gloo control group under NCCL
@@ -118,7 +116,7 @@ def checkpoint_metadata(iteration: int, optimizer, scaler, config, grid, consume
     training goes on during its write); :func:`commit_checkpoint` adds the rest."""
     return {"format_version": FORMAT_VERSION, "megalite_version": __version__, "iteration": iteration,
             "consumed_samples": consumed_samples, "config": config.to_dict(), "layout": _coords(grid)["layout"],
-            "zero_stage": optimizer.stage, "optimizer_step": optimizer.step_count,
+            "zero_stage": optimizer.stage, "optimizer_step": optimizer.step_count, RULE_KEY: optimizer.rule.record(),
             "loss_scaler": scaler.state_dict() if scaler is not None else None}
 
 
@@ -288,6 +286,7 @@ def load_checkpoint(root: str, optimizer, scaler, config, grid, load_optimizer: 
     vocab = config.model.vocab_size
     states = optimizer.shards_by_kind()
     with_optim = load_optimizer and not meta.get("weights_only")
+    check_update_rule(meta, optimizer.rule, with_optim, reader.directory)  # before any file is read
     kinds = optimizer.rule.checkpoint_kinds if with_optim else (MASTER_KIND,)
     rng_file = f"rank{c['rank']:05d}.safetensors"
     read_rng = load_rng and same_layout(meta["layout"], c["layout"]) and rng_file in reader.descriptions

@@ -13,9 +13,9 @@ writing and committing on a background thread (``--async-save``), with the same 
 
 Load (``--load DIR``: its 'latest'; ``--load DIR --ckpt-step N`` or ``--load DIR/iter_N``:
 that iteration, see :func:`megalite.checkpoint.format.resolve_checkpoint`): every rank fills
-its optimizer shards (fp32 master weights, Adam moments) from the full tensors of the
-checkpoint, cut for *its* layout, then publishes the weights to the
-model. With the same layout it also restores its RNG streams, so a resumed run repeats the
+its optimizer shards (fp32 master weights, the update rule's state) from the full tensors of
+the checkpoint, cut for *its* layout, then publishes the weights to the model; optimizer state
+written by another rule is refused first (:mod:`megalite.checkpoint.rule_record`). With the same layout it also restores its RNG streams, so a resumed run repeats the
 uninterrupted one bit for bit.
 """
 from __future__ import annotations

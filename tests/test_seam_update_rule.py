@@ -28,7 +28,7 @@ import sys
 import pytest
 import torch
 
-from megalite.checkpoint import PieceReader, load_checkpoint, save_checkpoint
+from megalite.checkpoint import PieceReader, load_checkpoint, save_checkpoint, save_dcp_checkpoint
 from megalite.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from megalite.data_parallel.update_rule import MASTER_KIND, UpdateRule
 from megalite.data_parallel.zero import DistributedOptimizer
@@ -150,7 +150,8 @@ def _worker(rank, world, case):
         mine = [m for i, m in enumerate(global_batch(config.model, s)) if i % dp == r]
         losses.append(train_step(chunks, opt, mine, config.train, s, LossScaler(False), grid).loss)
     if case.get("save"):
-        save_checkpoint(case["save"], last, opt, None, config, grid, consumed_samples=last * GLOBAL)
+        save = save_dcp_checkpoint if case.get("format") == "torch_dcp" else save_checkpoint
+        save(case["save"], last, opt, None, config, grid, consumed_samples=last * GLOBAL)
     params = {}
     with opt.full_weights():
         for c in chunks:
@@ -183,20 +184,29 @@ def _assert_planner_matches(results, tp, pp, dp, zero):
         assert mem["optimizer_state"] * 2 == mem["master_weights"] + mem["optimizer_state"]  # 4 of 8 bytes
 
 
-def test_signum_trains_saves_reshards_and_resumes_equal_to_serial(tmp_path):
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+@pytest.mark.filterwarnings("ignore:.*deprecating ShardedTensor:FutureWarning")
+@pytest.mark.parametrize("fmt", ["megalite", "torch_dcp"])
+def test_signum_trains_saves_reshards_and_resumes_equal_to_serial(tmp_path, fmt):
     ref_losses, ref_params = serial_run(make_config())
     saved, moved = str(tmp_path / "tp2pp2"), str(tmp_path / "dp2")
 
-    tp2pp2 = run_world(_worker, 4, {"tp": 2, "pp": 2, "zero": 0, "steps": (0, SAVED_AT), "save": saved})
+    tp2pp2 = run_world(_worker, 4, {"tp": 2, "pp": 2, "zero": 0, "steps": (0, SAVED_AT), "save": saved, "format": fmt})
     _compare(tp2pp2, *serial_run(make_config(), SAVED_AT))
     assert all(r[0] == pytest.approx(ref_losses[:SAVED_AT], rel=TOL) for r in tp2pp2 if r[2] == 1)
     _assert_planner_matches(tp2pp2, 2, 2, 1, 0)
 
     directory = os.path.join(saved, f"iter_{SAVED_AT:07d}")
+    assert json.load(open(os.path.join(directory, "metadata.json")))["update_rule"] == SIGNUM.record()
+    if fmt == "torch_dcp":  # its full tensors, by megalite's names: weight/<name> and the rule's momentum/<name>
+        from megalite.checkpoint.dcp_offline import read_dcp_index
+        keys = {k for k in read_dcp_index(directory) if not k.startswith("rng/")}
+        assert keys == {f"{kind}/{name}" for kind in (MASTER_KIND, "momentum") for name in ref_params}
+        saved, directory = str(tmp_path / "megalite"), reshard_checkpoint.reshard(saved, str(tmp_path / "megalite"),
+                                                                                 to_format="megalite")
     reader = PieceReader(directory)
     assert {kind for _, kind in reader.index} == {MASTER_KIND, "momentum"}  # exactly the rule's one state tensor
     assert reader.names("momentum") == reader.names(MASTER_KIND) == sorted(ref_params)
-    assert json.load(open(os.path.join(directory, "metadata.json")))["update_rule"] == SIGNUM.record()
 
     out = reshard_checkpoint.reshard(saved, moved, tp=1, pp=1, dp=2, zero=1)
     assert {kind for _, kind in PieceReader(out).index} == {MASTER_KIND, "momentum"}

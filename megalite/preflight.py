@@ -21,8 +21,6 @@ from megalite.checkpoint.format import CheckpointError
 from megalite.config import ConfigError
 from megalite.data_parallel.update_rule import DEFAULT_RULE, UpdateRule
 
-CHECKPOINT_BYTES_PER_PARAMETER = DEFAULT_RULE.bytes_per_parameter  # fp32 weights + the default rule's state
-
 
 def _gib(n: float) -> str:
     return f"{n / 2**30:.2f} GiB"

@@ -115,7 +115,8 @@ def make_config(tp=1, pp=1, zero=0) -> Config:
 def global_batch(cfg, step):
     g = torch.Generator().manual_seed(1000 + step)
     x = torch.randint(0, cfg.vocab_size, (GLOBAL, cfg.seq_length + 1), generator=g)
-    return [{"tokens": x[i:i + MICRO, :-1], "labels": x[i:i + MICRO, 1:], "loss_mask": torch.ones(MICRO, cfg.seq_length),
+    return [{"tokens": x[i:i + MICRO, :-1], "labels": x[i:i + MICRO, 1:],
+             "loss_mask": torch.ones(MICRO, cfg.seq_length),
              "position_ids": torch.arange(cfg.seq_length).expand(MICRO, -1)} for i in range(0, GLOBAL, MICRO)]
 
 

@@ -41,8 +41,10 @@ SAVE = {"megalite": save_checkpoint, "torch_dcp": save_dcp_checkpoint}
 
 
 def _config() -> Config:
-    model = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=128, seq_length=8)  # no padding rows
-    return Config(model, ParallelConfig(), TrainConfig(micro_batch_size=1, global_batch_size=1), DataConfig(mock_data=True))
+    # A vocabulary of 128: no padding rows, so every state element survives a save and a load.
+    model = ModelConfig(num_layers=2, hidden_size=16, num_attention_heads=2, vocab_size=128, seq_length=8)
+    train = TrainConfig(micro_batch_size=1, global_batch_size=1)
+    return Config(model, ParallelConfig(), train, DataConfig(mock_data=True))
 
 
 def _optimizer(config, rule=ADAMW, seed=3):

@@ -151,3 +151,33 @@ def test_preflight_counts_the_rule_it_is_given(tmp_path, monkeypatch):
         preflight.check_save_location(str(tmp_path), 1000)
     with pytest.raises(CheckpointError, match=r"1,000 parameters x 8 bytes: fp32 weights and one momentum buffer"):
         preflight.check_save_location(str(tmp_path), 1000, MOMENTUM)
+
+
+PRETRAIN = ["--mock-data", "--vocab-size", "300", "--num-layers", "2", "--hidden-size", "32",
+            "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
+            "--global-batch-size", "4", "--log-interval", "100"]
+
+
+def _pretrain(rank, world, argv):
+    from megalite.pretrain import pretrain
+    return [r["iteration"] for r in pretrain(argv)]
+
+
+def test_pretrain_load_refuses_another_rule_in_one_line(tmp_path, capsys):
+    """pretrain_gpt.py --load of a checkpoint another rule wrote: exit 2, one line naming both
+    rules and the fix; --no-load-optim and --finetune take its weights and train."""
+    from megalite.pretrain import main
+    from megalite.testing import run_world
+
+    run_world(_pretrain, 1, PRETRAIN + ["--train-iters", "1", "--save", str(tmp_path)])
+    path = os.path.join(tmp_path, "iter_0000001", "metadata.json")
+    meta = json.load(open(path))
+    meta[RULE_KEY] = MOMENTUM.record()  # as if a momentum-sgd run had written it
+    json.dump(meta, open(path, "w"))
+    capsys.readouterr()
+    assert main(PRETRAIN + ["--train-iters", "2", "--load", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "update rule 'momentum-sgd' (state: momentum)" in err[0], err
+    assert "this run steps with 'adamw'" in err[0] and "--finetune or --no-load-optim" in err[0], err
+    for fresh in (["--no-load-optim"], ["--finetune"]):
+        assert run_world(_pretrain, 1, PRETRAIN + ["--train-iters", "2", "--load", str(tmp_path), *fresh])[0]

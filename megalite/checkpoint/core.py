@@ -220,7 +220,7 @@ def _local_values(reader: PieceReader, p, name: str, shape, kind: str, vocab_siz
 
 def finish_optimizer_load(meta: dict, optimizer, scaler, with_optim: bool) -> None:
     """After the shards are filled (either format): the optimizer's step count and the loss
-    scale, or, loading weights only, zero optimizer state (Adam moments) and step 0; then the weights go to the
+    scale, or, loading weights only, zero optimizer state (the update rule's) and step 0; then the weights go to the
     model (``publish``: fp32 masters cast into the model's dtype, ZeRO shards all-gathered)."""
     if with_optim:
         optimizer.step_count = meta["optimizer_step"]

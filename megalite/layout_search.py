@@ -14,7 +14,6 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from megalite.config import ModelConfig
-from megalite.data_parallel.update_rule import DEFAULT_RULE
 from megalite.planner import (RECOMPUTE, Estimate, GiB, Hardware, Layout, Precision, check_layout, communication,
                               estimate, format_communication, model_state_bytes, precision, stage_parameters, total_parameters)
 from megalite.planner_cp import cp_variants, describe_cp, explain_cp_type
@@ -196,7 +195,7 @@ def explain(p: Plan) -> list[str]:
     usable = hw.usable_bytes
     ddp = model_state_bytes(stage_parameters(m), 1, 0, prec)["total"]
     lines = [f"{psi_all / 1e9:.2f}B parameters x {prec.bytes_per_param} bytes ({prec.weight_bytes} weights + "
-             f"{prec.grad_bytes} gradients + {prec.optimizer_bytes} fp32 master and {DEFAULT_RULE.state_label}) = "
+             f"{prec.grad_bytes} gradients + {prec.optimizer_bytes} fp32 master and {prec.optimizer_state}) = "
              f"{ddp / 1e9:.1f} GB ({_gib(ddp)}) of weights+grads+optimizer state per model copy, before "
              f"activations; a GPU has {hw.gpu_memory_gb:g} GiB, {_gib(usable)} usable after "
              f"{hw.headroom:.0%} headroom."]

@@ -99,7 +99,7 @@ from dataclasses import dataclass
 from megalite import planner_cp, planner_documents, planner_pipeline
 from megalite.config import ModelConfig
 from megalite.data_parallel.accounting import zero_theory_bytes
-from megalite.data_parallel.update_rule import DEFAULT_RULE
+from megalite.data_parallel.update_rule import DEFAULT_RULE, UpdateRule
 from megalite.moe import planning as moe_planning
 from megalite.parallel.grid import GridLayout
 from megalite.pipeline.schedule_kinds import schedule as describe_schedule
@@ -140,17 +140,19 @@ class Precision:
     grad_bytes: int = 2
     act_bytes: int = 2  # activations (dropout masks are 1 byte regardless)
     optimizer_bytes: int = DEFAULT_RULE.bytes_per_parameter  # fp32 master + the update rule's state (Adam m, v)
+    optimizer_state: str = DEFAULT_RULE.state_label  # that state in words, for explanations
 
     @property
     def bytes_per_param(self) -> int:
         return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
 
 
-def precision(name: str = "bf16", fp32_grads: bool = False) -> Precision:
+def precision(name: str = "bf16", fp32_grads: bool = False, rule: UpdateRule = DEFAULT_RULE) -> Precision:
+    """Byte widths for a precision; master weights and optimizer state as ``rule`` keeps them."""
     if name not in ("bf16", "fp16", "fp32"):
         raise ValueError(f"precision {name!r} is unknown; use bf16, fp16 or fp32")
     w = 4 if name == "fp32" else 2
-    return Precision(name, w, 4 if fp32_grads else w, w)
+    return Precision(name, w, 4 if fp32_grads else w, w, rule.bytes_per_parameter, rule.state_label)
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,7 @@ import uuid
 
 from megalite.checkpoint.format import CheckpointError
 from megalite.config import ConfigError
-from megalite.data_parallel.update_rule import DEFAULT_RULE
-
-CHECKPOINT_BYTES_PER_PARAMETER = DEFAULT_RULE.bytes_per_parameter  # fp32 weights + the update rule's state
+from megalite.data_parallel.update_rule import DEFAULT_RULE, UpdateRule
 
 
 def _gib(n: float) -> str:
@@ -84,19 +82,20 @@ def check_output_paths(args) -> None:
         raise ConfigError("\n".join(problems))
 
 
-def check_save_location(root: str, num_parameters: int) -> None:
-    """Raise CheckpointError naming the path, the problem and the fix."""
+def check_save_location(root: str, num_parameters: int, rule: UpdateRule = DEFAULT_RULE) -> None:
+    """Raise CheckpointError naming the path, the problem and the fix. A checkpoint holds
+    ``rule.bytes_per_parameter`` per parameter: fp32 master weights and the update rule's state."""
     try:
         _writable_folder(root)
     except OSError as e:
         raise CheckpointError(f"--save {root}: cannot create and write checkpoints there ({_why(e)}). Fix: "
                               f"choose a writable directory for --save.") from e
-    needed = CHECKPOINT_BYTES_PER_PARAMETER * num_parameters
+    needed = rule.bytes_per_parameter * num_parameters
     free = shutil.disk_usage(root).free
     if free < needed:
         raise CheckpointError(f"--save {root}: {_gib(free)} free on that filesystem, but one checkpoint needs "
                               f"about {_gib(needed)} ({num_parameters:,} parameters x "
-                              f"{CHECKPOINT_BYTES_PER_PARAMETER} bytes: fp32 weights and {DEFAULT_RULE.describe_state()}). Fix: free space there, "
+                              f"{rule.bytes_per_parameter} bytes: fp32 weights and {rule.describe_state()}). Fix: free space there, "
                               f"or point --save elsewhere.")
 
 

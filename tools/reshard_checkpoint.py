@@ -17,7 +17,8 @@ or the root of the iteration SRC names) and not hold it; an existing iteration i
 
 For every rank of the target layout, one after another, it builds that rank's model shard
 on the meta device (shapes only), assembles each of its parameters' full tensors from the
-source pieces (master weights and Adam moments), cuts the rank's tensor-parallel shard and,
+source pieces (master weights and the optimizer state of the update rule the source's
+metadata.json records, e.g. AdamW's two moments), cuts the rank's tensor-parallel shard and,
 with ZeRO (Z >= 1), the rank's 1/D of it, and writes the rank's file. Memory stays near one
 full tensor plus one rank's file. The result loads under the target layout (or any other:
 loading re-slices pieces whatever their layout). RNG states are not carried over (training
@@ -45,14 +46,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from megalite.checkpoint.core import KINDS  # noqa: E402
 from megalite.checkpoint.dcp_offline import CKPT_FORMAT, DcpReader, is_dcp_checkpoint, write_full_checkpoint  # noqa: E402
 from megalite.checkpoint.names import global_pieces  # noqa: E402
 from megalite.checkpoint.format import (FORMAT_VERSION, TOKENIZER_DIR, VOCAB_PARAMS, CheckpointError,  # noqa: E402
                                         PieceReader, fsync_path, iteration_dir, resolve_checkpoint,
                                         write_json_atomic, write_rank_files)
+from megalite.checkpoint.rule_record import RULE_KEY, saved_kinds, saved_rule_record  # noqa: E402
 from megalite.checkpoint.serial import model_config_from  # noqa: E402
 from megalite.checkpoint.settings import CARRIED  # noqa: E402
+from megalite.data_parallel.update_rule import MASTER_KIND  # noqa: E402
 from megalite.config import Config, ConfigError, DataConfig, ParallelConfig, TrainConfig, validate  # noqa: E402
 from megalite.parallel.comm import OfflineGroup  # noqa: E402
 from megalite.parallel.grid import GridLayout  # noqa: E402
@@ -200,11 +202,12 @@ def reshard(src: str, dst: str, tp=None, pp=None, vp_layers=SOURCE, dp=None, zer
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        with_optim = not meta.get("weights_only")
+        # The master weights and the state of the rule that wrote the source (its own record).
+        kinds = saved_kinds(meta, src_dir) if not meta.get("weights_only") else (MASTER_KIND,)
         if to_format == CKPT_FORMAT:
-            files = _write_dcp(reader, tmp, model, with_optim)
+            files = _write_dcp(reader, tmp, model, kinds)
         else:
-            files = _write_ranks(reader, config, layout, tmp, zero, model, with_optim)
+            files = _write_ranks(reader, config, layout, tmp, zero, model, kinds)
         # The folders the metadata refers to: an HF import's tokenizer and generation config,
         # and the tokenizer the run trained with (its record stays in the metadata).
         for folder in (CARRIED, TOKENIZER_DIR):
@@ -214,6 +217,8 @@ def reshard(src: str, dst: str, tp=None, pp=None, vp_layers=SOURCE, dp=None, zer
         new_meta.update({"format_version": FORMAT_VERSION, "config": config.to_dict(),
                          "layout": layout.record(), "zero_stage": zero, "files": files,
                          "resharded_from": os.path.abspath(src_dir)})
+        if not meta.get("weights_only"):
+            new_meta[RULE_KEY] = saved_rule_record(meta, src_dir)  # a source older than the record: AdamW
         new_meta.pop("ckpt_format", None)
         if to_format == CKPT_FORMAT:
             new_meta["ckpt_format"] = CKPT_FORMAT
@@ -236,7 +241,7 @@ def _write_text_atomic(path: str, text: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _write_ranks(reader, config, layout: GridLayout, out_dir: str, zero: int, model, with_optim: bool) -> list:
+def _write_ranks(reader, config, layout: GridLayout, out_dir: str, zero: int, model, kinds) -> list:
     files, dp = [], layout.dp
     for rank in range(layout.world_size):
         c = layout.coord(rank)
@@ -257,7 +262,7 @@ def _write_ranks(reader, config, layout: GridLayout, out_dir: str, zero: int, mo
                     parts, share = [(name, 0, p.numel(), None)], (c.dp, dp)
                 for global_name, _, n, _ in parts:
                     lo, hi = (share[0] * n // share[1], (share[0] + 1) * n // share[1]) if zero >= 1 else (0, n)
-                    for kind in KINDS if with_optim else ("weight",):
+                    for kind in kinds:
                         full = reader.full_tensor(global_name, kind, model.vocab_size)
                         if global_name in VOCAB_PARAMS:
                             full = torch.cat([full, torch.zeros(p.full_shape[0] - full.shape[0], *full.shape[1:])])
@@ -276,12 +281,13 @@ def _write_ranks(reader, config, layout: GridLayout, out_dir: str, zero: int, mo
     return files
 
 
-def _write_dcp(reader, out_dir: str, model, with_optim: bool) -> list:
-    """DCP's files holding every full tensor of the source (vocabulary rows unpadded): the
-    weights, the Adam moments unless weights-only, the FP8 scaling state. No rank files."""
+def _write_dcp(reader, out_dir: str, model, kinds) -> list:
+    """DCP's files holding every full tensor of the source (vocabulary rows unpadded): of each
+    of ``kinds`` (the weights, and the update rule's state unless weights-only), and the FP8
+    scaling state. No rank files."""
     tensors = {}
-    for kind in KINDS if with_optim else ("weight",):
-        for name in reader.names("weight"):
+    for kind in kinds:
+        for name in reader.names(MASTER_KIND):
             tensors[f"{kind}/{name}"] = reader.full_tensor(name, kind, model.vocab_size)
     for name in reader.names("fp8"):
         tensors[f"fp8/{name}"] = reader.full_tensor(name, "fp8")

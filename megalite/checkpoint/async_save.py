@@ -5,7 +5,7 @@ A save has two steps (:mod:`megalite.checkpoint.core`):
 1. staging, on the training thread: wait for the previous write (at most one in flight),
    empty ``iter_N.tmp`` (rank 0, then a host barrier: every rank is at the same save point,
    so this is an ordinary collective on the main thread), then copy this rank's tensors
-   (:func:`~megalite.checkpoint.core.rank_state`: fp32 master weights and Adam moments of its
+   (:func:`~megalite.checkpoint.core.rank_state`: fp32 master weights and update-rule state of its
    shard, FP8 state, RNG streams) into a host buffer and take metadata.json's values. The
    buffer is allocated at the first save and reused by every later one (one allocation, laid
    out as the file's bytes: :mod:`~megalite.host_memory`). On a GPU the buffer is

@@ -13,9 +13,9 @@ writing and committing on a background thread (``--async-save``), with the same 
 
 Load (``--load DIR``: its 'latest'; ``--load DIR --ckpt-step N`` or ``--load DIR/iter_N``:
 that iteration, see :func:`megalite.checkpoint.format.resolve_checkpoint`): every rank fills
-its optimizer shards (fp32 master weights, Adam moments) from the full tensors of the
-checkpoint, cut for *its* layout, then publishes the weights to the
-model. With the same layout it also restores its RNG streams, so a resumed run repeats the
+its optimizer shards (fp32 master weights, the update rule's state) from the full tensors of
+the checkpoint, cut for *its* layout, then publishes the weights to the model; optimizer state
+written by another rule is refused first (:mod:`megalite.checkpoint.rule_record`). With the same layout it also restores its RNG streams, so a resumed run repeats the
 uninterrupted one bit for bit.
 """
 from __future__ import annotations
@@ -31,17 +31,15 @@ from megalite.checkpoint.format import (FORMAT_VERSION, VOCAB_PARAMS, Checkpoint
                                         fsync_path, iteration_dir, resolve_checkpoint, same_layout,
                                         write_json_atomic, write_rank_files, write_tokenizer)
 from megalite.config import ModelConfig
-from megalite.data_parallel.update_rule import DEFAULT_RULE, MASTER_KIND
+from megalite.data_parallel.update_rule import MASTER_KIND
 from megalite.device import host_barrier
 from megalite.checkpoint.names import global_pieces
+from megalite.checkpoint.rule_record import RULE_KEY, check_update_rule
 from megalite.checkpoint.settings import SHAPE_FIELDS, carry_forward
 from megalite.layers.fp8 import fp8_state, load_fp8_state
 from megalite.parallel.random import get_rng_tracker
 from megalite.parallel.sharding import is_expert, is_tensor_parallel, shard_tensor
 from megalite.resilience.fault_injection import active as active_faults
-
-KINDS = DEFAULT_RULE.checkpoint_kinds  # what a checkpoint stores per parameter (offline tools; a run asks its rule)
-
 
 def _barrier(grid=None):
     host_barrier(grid)  # a host-side wait: the gloo control group under NCCL
@@ -118,7 +116,7 @@ def checkpoint_metadata(iteration: int, optimizer, scaler, config, grid, consume
     training goes on during its write); :func:`commit_checkpoint` adds the rest."""
     return {"format_version": FORMAT_VERSION, "megalite_version": __version__, "iteration": iteration,
             "consumed_samples": consumed_samples, "config": config.to_dict(), "layout": _coords(grid)["layout"],
-            "zero_stage": optimizer.stage, "optimizer_step": optimizer.step_count,
+            "zero_stage": optimizer.stage, "optimizer_step": optimizer.step_count, RULE_KEY: optimizer.rule.record(),
             "loss_scaler": scaler.state_dict() if scaler is not None else None}
 
 
@@ -222,7 +220,7 @@ def _local_values(reader: PieceReader, p, name: str, shape, kind: str, vocab_siz
 
 def finish_optimizer_load(meta: dict, optimizer, scaler, with_optim: bool) -> None:
     """After the shards are filled (either format): the optimizer's step count and the loss
-    scale, or, loading weights only, zero optimizer state (Adam moments) and step 0; then the weights go to the
+    scale, or, loading weights only, zero optimizer state (the update rule's) and step 0; then the weights go to the
     model (``publish``: fp32 masters cast into the model's dtype, ZeRO shards all-gathered)."""
     if with_optim:
         optimizer.step_count = meta["optimizer_step"]
@@ -288,6 +286,7 @@ def load_checkpoint(root: str, optimizer, scaler, config, grid, load_optimizer: 
     vocab = config.model.vocab_size
     states = optimizer.shards_by_kind()
     with_optim = load_optimizer and not meta.get("weights_only")
+    check_update_rule(meta, optimizer.rule, with_optim, reader.directory)  # before any file is read
     kinds = optimizer.rule.checkpoint_kinds if with_optim else (MASTER_KIND,)
     rng_file = f"rank{c['rank']:05d}.safetensors"
     read_rng = load_rng and same_layout(meta["layout"], c["layout"]) and rng_file in reader.descriptions

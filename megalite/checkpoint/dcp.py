@@ -1,7 +1,8 @@
 """``--ckpt-format torch_dcp``: checkpoints through ``torch.distributed.checkpoint`` (DCP).
 
 The state dict uses megalite's global names: ``weight/<name>`` (fp32 master weights),
-``exp_avg/<name>``, ``exp_avg_sq/<name>`` (Adam moments), ``fp8/<module>.<state>``
+then one key per state tensor of the update rule (AdamW: ``exp_avg/<name>``, ``exp_avg_sq/<name>``,
+the Adam moments; metadata.json's ``update_rule`` record names them), ``fp8/<module>.<state>``
 (transformer-engine's scaling state, if any) and ``rng/rankXXXXX/<stream>`` (each rank's
 random streams). Parameter tensors have their *global* shape, vocabulary rows unpadded, so
 the files do not depend on the layout that wrote them: each rank contributes the pieces it
@@ -41,6 +42,7 @@ from megalite.checkpoint.dcp_async import AsyncDcpSaver
 from megalite.checkpoint.dcp_offline import read_dcp_index, read_errors
 from megalite.checkpoint.dcp_state import (_rank_boxes, checkpoint_metadata, commit, dcp_group, dcp_state_dict,
                                            prepare_tmp, sharded)
+from megalite.checkpoint.rule_record import check_update_rule
 from megalite.checkpoint.format import (VOCAB_PARAMS, CheckpointError, iteration_dir, resolve_checkpoint,
                                         same_layout)
 from megalite.data_parallel.update_rule import MASTER_KIND
@@ -94,6 +96,7 @@ def load_dcp_checkpoint(root: str, optimizer, scaler, config, grid, load_optimiz
     check_config(meta["config"]["model"], config.model)
     vocab = config.model.vocab_size
     with_optim = load_optimizer and not meta.get("weights_only")
+    check_update_rule(meta, optimizer.rule, with_optim, directory)  # before DCP reads anything
     kinds = optimizer.rule.checkpoint_kinds if with_optim else (MASTER_KIND,)
     group = dcp_group(grid)
     rank = dist.get_rank() if group is not None else 0

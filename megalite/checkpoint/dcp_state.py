@@ -19,6 +19,7 @@ from megalite.checkpoint.core import _barrier, _owns, _param_ranges, _prune, _sp
 from megalite.checkpoint.dcp_boxes import global_shape, piece_boxes
 from megalite.checkpoint.dcp_offline import CKPT_FORMAT
 from megalite.checkpoint.format import FORMAT_VERSION, fsync_path, write_json_atomic, write_tokenizer
+from megalite.checkpoint.rule_record import RULE_KEY
 from megalite.host_memory import HostBuffer
 from megalite.checkpoint.settings import carry_forward
 from megalite.layers.fp8 import fp8_state
@@ -104,6 +105,7 @@ def checkpoint_metadata(iteration, optimizer, scaler, config, c, consumed_sample
     return {"format_version": FORMAT_VERSION, "ckpt_format": CKPT_FORMAT, "megalite_version": __version__,
             "iteration": iteration, "consumed_samples": consumed_samples, "config": config.to_dict(),
             "layout": c["layout"], "zero_stage": optimizer.stage, "optimizer_step": optimizer.step_count,
+            RULE_KEY: optimizer.rule.record(),
             "loss_scaler": scaler.state_dict() if scaler is not None else None, "files": [],
             "weights_only": False, **(extra_meta or {})}
 

@@ -3,7 +3,8 @@
 A checkpoint of iteration N is the directory ``iter_000000N`` holding
 
 - ``metadata.json`` (rank 0): format version, iteration, consumed samples, the config, the
-  layout it was written under, optimizer step and loss-scaler state;
+  layout it was written under, optimizer step, loss-scaler state and the update rule's record
+  (:mod:`megalite.checkpoint.rule_record`);
 - ``rankXXXXX.safetensors`` (each rank that owns something): its *pieces* and its RNG state;
 - ``rankXXXXX.json``: what each piece is, and the file's SHA-256, checked at load;
 - ``tokenizer/`` (rank 0): copies of the files of the tokenizer the run trained with (a
@@ -15,7 +16,7 @@ A checkpoint of iteration N is the directory ``iter_000000N`` holding
 A piece is a flat range of one tensor of one parameter, in global terms:
 ``{key, name, kind, tp_rank, tp_size, split, local_shape, range}``. ``name`` is the global
 parameter name (``layers.7.mlp.fc1.weight``), ``kind`` is ``weight`` (the fp32 master
-weights), ``exp_avg`` or ``exp_avg_sq``; the rank's tensor-parallel shard of the parameter
+weights) or one of the update rule's state tensors (AdamW: ``exp_avg``, ``exp_avg_sq``); the rank's tensor-parallel shard of the parameter
 has shape ``local_shape`` (cut from the full tensor by ``split`` = [dim, sections], or
 replicated when null) and the piece is elements ``range`` of that shard, flattened. So a
 ZeRO rank writes the flat ranges of its optimizer shard, a DP-replicated tensor is written

@@ -15,6 +15,12 @@ An :class:`UpdateRule` is the one place that knows an optimizer's per-parameter 
 :class:`megalite.data_parallel.zero.DistributedOptimizer` takes a rule (``ADAMW`` unless
 told otherwise), allocates its state from ``state_names`` and steps with ``build``'s object,
 which has ``step(grads, lr, grad_scale, found_inf)`` and a ``step_count`` property.
+
+A checkpoint records the rule that wrote it (:meth:`UpdateRule.record`: its name and each
+state tensor's name, dtype and bytes per parameter), so the tools that read it take the state
+kinds from the checkpoint itself. Rules are found by name in :data:`RULES` (Megatron's
+``--optimizer`` names: AdamW is ``"adam"``); :func:`register_rule` adds one, :func:`rule_named`
+looks one up.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ from megalite.data_parallel.adamw import FlatAdamW
 
 MASTER_KIND = "weight"  # the checkpoint's name for the fp32 master weights
 FP32_BYTES = 4
+STATE_DTYPE = "float32"  # every state tensor's dtype (one element per parameter)
 NUMBER_WORDS = {0: "no", 1: "one", 2: "two", 3: "three", 4: "four"}
 
 
@@ -57,6 +64,12 @@ class UpdateRule:
         """The names a checkpoint stores per parameter: the master weights, then each state."""
         return (MASTER_KIND, *self.state_names)
 
+    def record(self) -> dict:
+        """What a checkpoint's metadata.json keeps of the rule that wrote it: its name and,
+        per state tensor in order, its name, dtype and bytes per parameter."""
+        return {"name": self.name, "state": [{"name": n, "dtype": STATE_DTYPE, "bytes_per_parameter": FP32_BYTES}
+                                             for n in self.state_names]}
+
 
 def _build_adamw(masters, states, decay_ranges, t) -> FlatAdamW:
     return FlatAdamW(masters, states["exp_avg"], states["exp_avg_sq"], decay_ranges,
@@ -65,3 +78,24 @@ def _build_adamw(masters, states, decay_ranges, t) -> FlatAdamW:
 
 ADAMW = UpdateRule("adamw", ("exp_avg", "exp_avg_sq"), _build_adamw, state_label="Adam moments")
 DEFAULT_RULE = ADAMW
+
+RULES: dict[str, UpdateRule] = {}  # by the name a run asks for (Megatron's --optimizer NAME)
+
+
+def register_rule(name: str, rule: UpdateRule) -> UpdateRule:
+    """Make ``rule`` the one a run asking for ``name`` gets; refuses to rebind a taken name."""
+    if RULES.get(name, rule) is not rule:
+        raise ValueError(f"update rule name {name!r} is taken by {RULES[name].name!r}")
+    RULES[name] = rule
+    return rule
+
+
+def rule_named(name: str) -> UpdateRule:
+    """The rule registered as ``name`` (or whose own name it is): one lookup for ``--optimizer``."""
+    found = RULES.get(name) or next((r for r in RULES.values() if r.name == name), None)
+    if found is None:
+        raise ValueError(f"unknown update rule {name!r}: the registered ones are {', '.join(sorted(RULES))}")
+    return found
+
+
+register_rule("adam", ADAMW)  # Megatron's --optimizer adam is AdamW (decoupled weight decay)

@@ -279,7 +279,7 @@ def main(argv=None) -> int:
                        "recommendation": ({**result.choice.to_dict(), "pretrain_flags": layout_flags(a, m, result.choice)}
                                           if result.choice else None),
                        "reasons": result.reasons, "candidates": [e.to_dict() for e in result.estimates],
-                       "refused": [{"layout": vars(k), "reason": v} for k, v in result.invalid.items()]},
+                       "refused": [{"layout": k.to_dict(), "reason": v} for k, v in result.invalid.items()]},
                       f, indent=1)
         print(f"plan written to {a.json}")
     return 0

@@ -211,6 +211,12 @@ FLOORS = {
     "megalite.checkpoint": 10, "megalite.planner": 10, "megalite.monitor": 10, "megalite.preflight": 10,
     "megalite.timeline": 10,
     "megalite.moe.planning": 10,  # the planner's MoE arithmetic (it reads the ZeRO arithmetic of floor 9)
+    # the planner's own floors (megalite/planner/__init__.py): its types at the bottom, the package's
+    # re-exports on top
+    "megalite.planner.types": 10.0, "megalite.planner.flags": 10.1, "megalite.planner.layers": 10.1,
+    "megalite.planner.cp": 10.1, "megalite.planner.documents": 10.1, "megalite.planner.checks": 10.1,
+    "megalite.planner.pipeline": 10.2, "megalite.planner.estimate": 10.3, "megalite.planner.search": 10.4,
+    "megalite.planner": 10.5,
     "megalite.training": 11, "megalite.step_log": 11, "megalite.train_loop": 11, "megalite.pretrain": 11,
 }
 
@@ -222,7 +228,7 @@ KNOWN_UPWARD = {
 }
 
 
-def floor_of(module: str) -> int | None:
+def floor_of(module: str) -> float | None:
     """The floor of ``module``: that of its longest prefix in :data:`FLOORS` (None: not listed)."""
     parts = module.split(".")
     for n in range(len(parts), 0, -1):

@@ -36,7 +36,7 @@ CP_TYPES = (
 )
 CP_COMM_TYPES = tuple(t.name for t in CP_TYPES)  # the flag's choices, in this order
 DEFAULT_CP_COMM_TYPE = CP_TYPES[0].name
-HIERARCHICAL = next(t.name for t in CP_TYPES if t.hierarchical)  # "a2a+p2p"
+HIERARCHICAL = next(t.name for t in CP_TYPES if t.hierarchical)  # a2a+p2p
 _BY_NAME = {t.name: t for t in CP_TYPES}
 
 

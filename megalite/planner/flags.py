@@ -15,8 +15,8 @@ CP type has attention dropout); the CP type (``--cp-comm-type``, and for a2a+p2p
 ``--hierarchical-context-parallel-sizes A B``) when CP > 1 and it is not the default p2p; the
 precision flag (``--bf16`` by default); Megatron's packed-document flags ``--reset-position-ids``
 and ``--reset-attention-mask`` when the planner was asked with them (the batch then carries the
-documents' arrays, which the estimate counts: :mod:`megalite.planner.documents`); the pipeline
-schedule (``--pipeline-schedule zb-h1`` or ``zbv``, :mod:`megalite.planner.pipeline`) when PP > 1
+documents' arrays, which the estimate counts: :mod:`megalite.planner_documents`); the pipeline
+schedule (``--pipeline-schedule zb-h1`` or ``zbv``, :mod:`megalite.planner_pipeline`) when PP > 1
 and it is not the parser's default.
 """
 from __future__ import annotations

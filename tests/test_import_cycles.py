@@ -1,10 +1,12 @@
-"""megalite's imports only go down its floors (DESIGN.md 4c): no module reaches, through any
-chain of imports, back to itself.
+"""megalite's imports only go down its floors (DESIGN.md 4c, docs/architecture.md): no module
+reaches, through any chain of imports, back to itself, and no module imports one on a higher
+floor (:data:`FLOORS`).
 
 The graph is read from the source with ``ast``, never by importing: every ``import`` and
 ``from ... import`` counts wherever it stands (module level, inside a function or class,
-relative or absolute), except those under ``if TYPE_CHECKING:``, which never run. A name
-imported from a package counts as an import of its submodule when one exists
+relative or absolute), those under ``if TYPE_CHECKING:`` included (a circle of type hints is
+still a circle: the hint names a module the reader must understand first). A name imported
+from a package counts as an import of its submodule when one exists
 (``from megalite.layers import attention``). The top-level ``kernels/`` folder is read under the
 name setup.py installs it as (``package_dir``).
 """
@@ -42,24 +44,21 @@ def modules(dirs: dict[str, pathlib.Path]) -> dict[str, pathlib.Path]:
     return found
 
 
-def _type_checking_nodes(tree: ast.AST) -> set[int]:
-    skip = set()
+def type_checking_imports(tree: ast.AST) -> list[ast.AST]:
+    """The import statements under ``if TYPE_CHECKING:`` (counted in the graph like any other)."""
+    found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for stmt in node.body:
-                skip.update(id(n) for n in ast.walk(stmt))
-    return skip
+            found += [n for stmt in node.body for n in ast.walk(stmt) if isinstance(n, (ast.Import, ast.ImportFrom))]
+    return found
 
 
 def imports_of(name: str, path: pathlib.Path, known: dict) -> set[str]:
     """The known modules that module ``name`` (file ``path``) imports."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     tree = ast.parse(path.read_text(), filename=str(path))
-    skip = _type_checking_nodes(tree)
     targets = []
     for node in ast.walk(tree):
-        if id(node) in skip:
-            continue
         if isinstance(node, ast.Import):
             targets += [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -144,8 +143,8 @@ def _write(root: pathlib.Path, files: dict[str, str]) -> None:
 
 def test_a_cycle_is_found_and_named(tmp_path):
     """A synthetic package: the checker sees cycles through function-level, relative and
-    package-attribute imports and through the mapped kernels folder, and ignores
-    TYPE_CHECKING imports."""
+    package-attribute imports, through the mapped kernels folder and through TYPE_CHECKING
+    imports (a circle of type hints is a circle)."""
     _write(tmp_path, {
         "setup.py": 'setup(package_dir={"megalite.kernels": "kernels"})\n',
         "megalite/__init__.py": "",
@@ -163,6 +162,8 @@ def test_a_cycle_is_found_and_named(tmp_path):
         "kernels/flash.py": "from megalite.kernels import _utils\n",
         "kernels/_utils.py": "",
     })
+    assert cycles(import_graph(tmp_path)) == [["megalite.model", "megalite.moe"]]
+    _write(tmp_path, {"megalite/model.py": "from megalite.layers import attention\n"})
     assert cycles(import_graph(tmp_path)) == []
 
     _write(tmp_path, {"megalite/config.py": """\
@@ -180,3 +181,119 @@ def test_a_cycle_is_found_and_named(tmp_path):
     _write(tmp_path, {"megalite/config.py": "import megalite.layers.attention as a\n"})
     assert describe(cycles(import_graph(tmp_path))) == (
         "megalite.config <-> megalite.kernels._utils <-> megalite.kernels.flash <-> megalite.layers.attention")
+
+
+# -- the floors --------------------------------------------------------------------------------------
+
+# docs/architecture.md's floors, ground up: module (or package) -> floor. A module takes the floor
+# of its longest listed prefix; an import may go to the same floor or below, never above. A few
+# submodules sit below their package's floor because they are plain tables or rules that a lower
+# floor asks (each says why); every module of megalite/ must have a floor.
+FLOORS = {
+    # 1: the ground floor: no megalite imports beyond each other
+    "megalite": 1, "megalite.errors": 1, "megalite.device": 1, "megalite.memory_tracker": 1,
+    "megalite.timers": 1, "megalite.host_syncs": 1, "megalite.host_memory": 1, "megalite.progress": 1,
+    "megalite.plotting": 1, "megalite.step_values": 1, "megalite.profiling": 1, "megalite.testing": 1,
+    # 2: the grid, collectives and random streams; data; what needs only them
+    "megalite.parallel": 2, "megalite.data": 2, "megalite.faults": 2, "megalite.recompute": 2,
+    "megalite.resilience": 2,
+    "megalite.kernels": 3,
+    "megalite.layers": 4, "megalite.generation": 4,
+    "megalite.context_parallel": 5,
+    # the rules config.validate() asks, each beside its layers' checks (below config):
+    "megalite.moe.settings": 5,  # the MoE flag rules
+    "megalite.pipeline.schedule_kinds": 5,  # the schedule table (plain data)
+    "megalite.pipeline.checks": 5,  # the schedule rules, read from the table
+    "megalite.config": 6, "megalite.arguments": 6, "megalite.launch": 6,
+    "megalite.moe": 7,
+    "megalite.model": 8,
+    "megalite.data_parallel": 9, "megalite.pipeline": 9,
+    "megalite.checkpoint": 10, "megalite.planner": 10, "megalite.monitor": 10, "megalite.preflight": 10,
+    "megalite.timeline": 10,
+    "megalite.moe.planning": 10,  # the planner's MoE arithmetic (it reads the ZeRO arithmetic of floor 9)
+    # the planner's own floors (megalite/planner/__init__.py): its types at the bottom, the package's
+    # re-exports on top
+    "megalite.planner.types": 10.0, "megalite.planner.flags": 10.1, "megalite.planner.layers": 10.1,
+    "megalite.planner.cp": 10.1, "megalite.planner.documents": 10.1, "megalite.planner.checks": 10.1,
+    "megalite.planner.pipeline": 10.2, "megalite.planner.estimate": 10.3, "megalite.planner.search": 10.4,
+    "megalite.planner": 10.5,
+    "megalite.training": 11, "megalite.step_log": 11, "megalite.train_loop": 11, "megalite.pretrain": 11,
+}
+
+# Upward imports that remain, each with its reason (importer, imported): aim for none.
+KNOWN_UPWARD = {
+    ("megalite.parallel.grid", "megalite.config"):
+        "the grid validates a ParallelConfig; issue 37's config split puts the plain settings on the "
+        "ground floor and removes this",
+}
+
+
+def floor_of(module: str) -> float | None:
+    """The floor of ``module``: that of its longest prefix in :data:`FLOORS` (None: not listed)."""
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in FLOORS:
+            return FLOORS[".".join(parts[:n])]
+    return None
+
+
+def upward_imports(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) for every import that goes up a floor."""
+    return sorted((a, b) for a, targets in graph.items() for b in targets
+                  if floor_of(a) is not None and floor_of(b) is not None and floor_of(b) > floor_of(a))
+
+
+def type_checking_count(root: pathlib.Path) -> list[str]:
+    """'file:line' of every import under ``if TYPE_CHECKING:`` in megalite/ and kernels/."""
+    found = []
+    for path in sorted(modules(package_dirs(root)).values()):
+        for node in type_checking_imports(ast.parse(path.read_text(), filename=str(path))):
+            found.append(f"{path.relative_to(root)}:{node.lineno}")
+    return found
+
+
+def test_every_module_has_a_floor():
+    missing = sorted(m for m in import_graph(ROOT) if floor_of(m) is None)
+    assert not missing, "give each a floor in FLOORS (docs/architecture.md's list):\n" + "\n".join(missing)
+
+
+def test_imports_only_go_down_the_floors():
+    """No import reaches a higher floor than its module's, but the listed exceptions; and each
+    listed exception still exists (a fixed one leaves the list)."""
+    found = upward_imports(import_graph(ROOT))
+    unexpected = [f"{a} (floor {floor_of(a)}) imports {b} (floor {floor_of(b)})" for a, b in found
+                  if (a, b) not in KNOWN_UPWARD]
+    assert not unexpected, ("upward import(s): move the shared piece down (docs/architecture.md):\n"
+                            + "\n".join(unexpected))
+    stale = sorted(set(KNOWN_UPWARD) - set(found))
+    assert not stale, f"no longer upward, drop from KNOWN_UPWARD: {stale}"
+
+
+def test_no_type_checking_imports():
+    """A TYPE_CHECKING import hides an edge from a reader (and, before, from this checker): none."""
+    found = type_checking_count(ROOT)
+    assert found == [], "TYPE_CHECKING import(s); import the type from its floor instead:\n" + "\n".join(found)
+
+
+def test_an_upward_type_hint_is_found(tmp_path):
+    """A synthetic package: an upward import hidden under TYPE_CHECKING is counted, is an edge of
+    the graph and is reported as upward; one going down is not."""
+    _write(tmp_path, {
+        "megalite/__init__.py": "",
+        "megalite/errors.py": "",
+        "megalite/parallel/__init__.py": "",
+        "megalite/parallel/grid.py": "from megalite.errors import ConfigError\n",
+        "megalite/planner/__init__.py": "",
+        "megalite/planner/types.py": "from megalite.parallel.grid import GridLayout\n",
+    })
+    graph = import_graph(tmp_path)
+    assert upward_imports(graph) == [] and type_checking_count(tmp_path) == []
+    _write(tmp_path, {"megalite/parallel/grid.py": """\
+        from typing import TYPE_CHECKING
+        if TYPE_CHECKING:
+            from megalite.planner.types import Layout
+        """})
+    graph = import_graph(tmp_path)
+    assert type_checking_count(tmp_path) == ["megalite/parallel/grid.py:3"]
+    assert upward_imports(graph) == [("megalite.parallel.grid", "megalite.planner.types")]
+    assert cycles(graph) == [["megalite.parallel.grid", "megalite.planner.types"]]

@@ -16,7 +16,7 @@ from megalite.model.gpt import count_parameters
 from megalite.moe import planning
 from megalite.parallel.comm import OfflineGroup
 from megalite.pipeline.partition import build_model_chunks
-from megalite.layout_search import candidate_layouts, plan
+from megalite.planner.search import candidate_layouts, plan
 from megalite.planner import (Hardware, Layout, check_layout, precision, stage_memory, stage_expert_parameters,
                               stage_parameters, total_parameters)
 

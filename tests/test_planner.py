@@ -12,7 +12,7 @@ from megalite.planner import (GiB, Hardware, Layout, communication, estimate, gr
                               layer_activation_bytes, layer_parameters,
                               model_state_bytes, pipeline_bubble, precision, stage_parameters,
                               total_parameters)
-from megalite.layout_search import plan
+from megalite.planner.search import plan
 
 BF16 = precision("bf16")
 
@@ -165,7 +165,7 @@ def test_small_model_gets_ddp_and_bad_shapes_are_refused():
 def test_ladder_order():
     """DDP, ZeRO-1, ZeRO-2; TP 2, 4, 8; PP (with TP as large as the node allows); ZeRO-3; CP;
     full recomputation only after everything else."""
-    from megalite.layout_search import ladder_key
+    from megalite.planner.search import ladder_key
 
     order = [Layout(dp=8), Layout(dp=8, zero=1), Layout(dp=8, zero=2), Layout(dp=8, recompute="selective"),
              Layout(tp=2, dp=4), Layout(tp=8, dp=1), Layout(tp=8, pp=2, dp=1), Layout(tp=4, pp=2, dp=2),

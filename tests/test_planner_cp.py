@@ -12,11 +12,11 @@ from megalite.arguments import build_parser as pretrain_parser
 from megalite.arguments import config_from_args
 from megalite.config import ModelConfig, validate
 from megalite.context_parallel.traffic import cp_attention_traffic
-from megalite.layout_search import candidate_layouts, plan
+from megalite.planner.search import candidate_layouts, plan
 from megalite.planner import GiB, Hardware, Layout, communication, estimate, group_spans_nodes, precision
-from megalite.planner_checks import check_layout
-from megalite.planner_cp import transient_bytes
-from megalite.planner_flags import pretrain_flags
+from megalite.planner.checks import check_layout
+from megalite.planner.cp import transient_bytes
+from megalite.planner.flags import pretrain_flags
 from tools import plan_parallel
 
 BF16 = precision("bf16", fp32_grads=True)

@@ -1,4 +1,4 @@
-"""The planner and the dry run with packed documents (megalite.planner_documents): the FLOPs both
+"""The planner and the dry run with packed documents (megalite.planner.documents): the FLOPs both
 ways against 6 N + 12 L h length, the step's batch bytes against what pretrain holds (real
 batches of megalite.data.builder), the printed flags through pretrain's parser, the dry run's line."""
 from __future__ import annotations
@@ -18,13 +18,13 @@ from megalite.layers.documents import documents_from_lengths
 from megalite.model.gpt import count_active_parameters
 from megalite.monitor import attended_length
 from megalite.planner import Layout, stage_memory
-from megalite.planner_documents import (
+from megalite.planner.documents import (
     batch_bytes,
     document_flops,
     format_flops,
     token_bytes,
 )
-from megalite.planner_flags import pretrain_flags
+from megalite.planner.flags import pretrain_flags
 from megalite.training import context_parallel_batches
 from tests.test_planner import BF16, gpt7b
 from tools import dry_run, plan_parallel

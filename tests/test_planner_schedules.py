@@ -1,4 +1,4 @@
-"""The planner's pipeline schedules (megalite/planner_pipeline.py): each schedule's bubble is
+"""The planner's pipeline schedules (megalite/planner/pipeline.py): each schedule's bubble is
 megalite.pipeline.op_lists' theory, ZB-H1's memory per stage is (P-p) A + p Wi (or, when the W
 inputs outweigh the activations, the state right after a B), ZBV's follows the simulation's
 peak counts, the W inputs of a layer are the sum the docstring gives, and the planner picks a
@@ -14,7 +14,7 @@ import pytest
 from megalite.arguments import build_parser as pretrain_parser
 from megalite.arguments import config_from_args
 from megalite.config import ModelConfig, validate
-from megalite.layout_search import candidate_layouts, plan
+from megalite.planner.search import candidate_layouts, plan
 from megalite.pipeline.op_lists import simulate, theory_bubble
 from megalite.planner import (
     GiB,
@@ -25,8 +25,8 @@ from megalite.planner import (
     precision,
     stage_parameters,
 )
-from megalite.planner_flags import grads_in_fp32
-from megalite.planner_pipeline import (
+from megalite.planner.flags import grads_in_fp32
+from megalite.planner.pipeline import (
     bubble,
     held_bytes,
     held_states,

@@ -14,8 +14,8 @@ from megalite.arguments import build_parser as pretrain_parser
 from megalite.arguments import config_from_args
 from megalite.config import validate
 from megalite.planner import DEFAULT_BUCKET, DEFAULT_HEADROOM, GiB, Hardware
-from megalite.planner_flags import grads_in_fp32, pretrain_flags
-from megalite.layout_search import plan
+from megalite.planner.flags import grads_in_fp32, pretrain_flags
+from megalite.planner.search import plan
 from tools import dry_run, plan_parallel
 
 # The README's examples (grep README.md for plan_parallel and dry_run): a GPT-2-style 7B on one

@@ -14,7 +14,7 @@ import pytest
 from megalite.arguments import build_parser
 from megalite.pipeline.op_lists import rank_ops
 from megalite.pipeline.schedule_kinds import SCHEDULES, ZERO_BUBBLE, schedule
-from megalite.planner_pipeline import local_chunks, num_chunks
+from megalite.planner.pipeline import local_chunks, num_chunks
 
 P, M = 4, 8
 

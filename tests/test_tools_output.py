@@ -110,7 +110,7 @@ def test_the_planners_recommendation_and_cp_lines_print_wire_gib():
     """The recommendation's 'Communication per step per GPU' line and the CP type line give wire
     bytes in GiB (the dry run's 'wire' column), not GB: the same number formatted one way."""
     from megalite.config import ModelConfig
-    from megalite.layout_search import explain, plan
+    from megalite.planner.search import explain, plan
     from megalite.planner import Hardware, format_communication
 
     m = ModelConfig(num_layers=4, hidden_size=3072, num_attention_heads=24, num_query_groups=24,

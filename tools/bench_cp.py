@@ -28,7 +28,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from megalite.config import ParallelConfig  # noqa: E402
-from megalite.context_parallel.attention import CP_COMM_TYPES, ContextParallelGroups, context_parallel_attention  # noqa: E402
+from megalite.context_parallel.attention import ContextParallelGroups, context_parallel_attention  # noqa: E402
+from megalite.context_parallel.comm_types import CP_COMM_TYPES, is_hierarchical  # noqa: E402
 from megalite.context_parallel.traffic import cp_attention_traffic  # noqa: E402
 from megalite.parallel import comm  # noqa: E402
 from megalite.parallel.grid import build_grid  # noqa: E402
@@ -79,7 +80,7 @@ def measured_traffic(cps, shape):
           f"{'theory bwd':>10} {'ratio':>6} {'wire':>9}")
     for cp in cps:
         inner = 2 if cp >= 4 else cp
-        types = [t for t in CP_COMM_TYPES if t != "a2a+p2p" or 1 < inner < cp]
+        types = [t for t in CP_COMM_TYPES if not is_hierarchical(t) or 1 < inner < cp]
         ranks = run_world(_traffic_worker, cp, shape, types, inner, timeout=300)
         for t in types:
             got = ranks[0][t]
@@ -87,7 +88,7 @@ def measured_traffic(cps, shape):
                                           element_size=4, inner=inner)
             tf, tb = (sum(theory.handed[p].values()) for p in ("forward", "backward"))
             ratio = (got["forward"] + got["backward"]) / (tf + tb)
-            sizes = f"{inner}x{cp // inner}" if t == "a2a+p2p" else ""
+            sizes = f"{inner}x{cp // inner}" if is_hierarchical(t) else ""
             print(f"{t:>10} {cp:>2} {sizes:>6} {got['calls']:>5} {got['forward']:>9,} {got['backward']:>9,} "
                   f"{tf:>10,.0f} {tb:>10,.0f} {ratio:>6.3f} {sum(theory.wire.values()):>9,.0f}")
 
@@ -98,7 +99,7 @@ def theory_at_scale(cps):
     print(f"{'type':>10} {'C':>2} {'A x B':>6} {'handed fwd':>10} {'handed bwd':>10} {'wire':>8} {'on inner':>8}")
     for cp in cps:
         for t in CP_COMM_TYPES:
-            inners = [a for a in range(2, cp) if cp % a == 0] if t == "a2a+p2p" else [None]
+            inners = [a for a in range(2, cp) if cp % a == 0] if is_hierarchical(t) else [None]
             for inner in inners:
                 x = cp_attention_traffic(t, batch=1, seq=32768, heads=32, groups=32, head_dim=128, cp=cp,
                                          element_size=2, inner=inner)
@@ -124,7 +125,7 @@ def dry_run_memory(cp):
           f"beside the planner: GiB")
     print(f"{'type':>10} {'A x B':>6} {'peak':>7} {'planned':>7} {'activations':>11} {'communication':>13}")
     for t in CP_COMM_TYPES:
-        sizes = ["--hierarchical-context-parallel-sizes", "2", str(cp // 2)] if t == "a2a+p2p" else []
+        sizes = ["--hierarchical-context-parallel-sizes", "2", str(cp // 2)] if is_hierarchical(t) else []
         flags = SEVEN_B_LAYER + ["--context-parallel-size", str(cp), "--global-batch-size", "1",
                                  "--cp-comm-type", t] + sizes
         config = config_from_args(build_parser().parse_args(flags), 32000)

@@ -24,7 +24,7 @@ real on it and ``torch.cuda.max_memory_allocated`` is reported beside the tracke
 All other flags are pretrain_gpt.py's; --train-iters and logging flags are set here.
 With ``--reset-attention-mask`` a line states the attention work of the run's batch (the mock
 data packs about four documents per sample): the mean attended length against s and the model
-FLOPs per token both ways (:mod:`megalite.planner_documents`).
+FLOPs per token both ways (:mod:`megalite.planner.documents`).
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ from megalite.device import meta_stand_ins  # noqa: E402
 from megalite.parallel.grid import GridLayout  # noqa: E402
 from megalite.moe.planning import wire_from_handed  # noqa: E402
 from megalite.planner import DEFAULT_HEADROOM, Hardware, Layout, communication, precision, stage_memory  # noqa: E402
-from megalite.planner_documents import dry_run_line  # noqa: E402
+from megalite.planner.documents import dry_run_line  # noqa: E402
 from tools.tool_errors import one_line_errors, writable  # noqa: E402
 
 GiB = 2**30
@@ -85,7 +85,7 @@ def host_batches(config, layout: GridLayout) -> list[dict]:
 
 def documents_line(config, layout: GridLayout) -> str | None:
     """With --reset-attention-mask: the attention work of the dry run's batch
-    (:func:`megalite.planner_documents.dry_run_line`), else None."""
+    (:func:`megalite.planner.documents.dry_run_line`), else None."""
     if not config.data.reset_attention_mask:
         return None
     return dry_run_line(config.model, host_batches(config, layout))
@@ -126,10 +126,7 @@ def _plan_inputs(config, layout: GridLayout):
     t, m = config.train, config.model
     prec = precision("bf16" if t.bf16 else "fp16" if t.fp16 else "fp32",
                      fp32_grads=bool(t.accumulate_allreduce_grads_in_fp32) and (t.bf16 or t.fp16))
-    plan_layout = Layout(tp=layout.tp, pp=layout.pp, dp=layout.dp, cp=layout.cp, zero=t.zero_stage,
-                         recompute=m.recompute_granularity or "none", ep=layout.ep,
-                         cp_comm_type=m.cp_comm_type if layout.cp > 1 else "p2p", cp_inner=layout.cp_inner,
-                         schedule=t.pipeline_schedule)
+    plan_layout = Layout.of_run(layout, m, t)
     num_micro = t.global_batch_size // (t.micro_batch_size * layout.dp)
     return m, plan_layout, t.micro_batch_size, num_micro, prec
 

@@ -2,8 +2,8 @@
 """Plan a parallel layout: memory per GPU, pipeline bubble and communication of every
 candidate (TP, PP, DP, CP, ZeRO stage, recomputation), and a recommendation in plain words.
 
-The arithmetic (and its sources) is in ``megalite/planner.py``, the search and the ranking in
-``megalite/layout_search.py``. Memory per GPU = weights +
+The arithmetic (and its sources) is in ``megalite/planner/estimate.py``, the search and the ranking in
+``megalite/planner/search.py``. Memory per GPU = weights +
 gradients + fp32 master and Adam state under the layout's ZeRO stage + activations of the
 micro-batches in flight (+ ZeRO-3's gathered layers), against the GPU memory less a headroom.
 
@@ -25,11 +25,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.config import ModelConfig  # noqa: E402
 from megalite.moe.settings import moe_layers, parse_layer_freq  # noqa: E402
-from megalite.layout_search import plan  # noqa: E402
+from megalite.planner.search import plan  # noqa: E402
 from megalite.planner import DEFAULT_HEADROOM, WIRE_MEASURE, GiB, Hardware, precision, total_parameters  # noqa: E402
-from megalite.planner_cp import CP_COMM_TYPES, cp_type_name  # noqa: E402
-from megalite.planner_documents import plan_lines as document_lines  # noqa: E402
-from megalite.planner_flags import grads_in_fp32, pretrain_flags, training_defaults  # noqa: E402
+from megalite.planner.cp import CP_COMM_TYPES, cp_type_name  # noqa: E402
+from megalite.planner.documents import plan_lines as document_lines  # noqa: E402
+from megalite.planner.flags import grads_in_fp32, pretrain_flags, training_defaults  # noqa: E402
 from tools.tool_errors import one_line_errors, writable  # noqa: E402
 
 
@@ -279,7 +279,7 @@ def main(argv=None) -> int:
                        "recommendation": ({**result.choice.to_dict(), "pretrain_flags": layout_flags(a, m, result.choice)}
                                           if result.choice else None),
                        "reasons": result.reasons, "candidates": [e.to_dict() for e in result.estimates],
-                       "refused": [{"layout": vars(k), "reason": v} for k, v in result.invalid.items()]},
+                       "refused": [{"layout": k.to_dict(), "reason": v} for k, v in result.invalid.items()]},
                       f, indent=1)
         print(f"plan written to {a.json}")
     return 0

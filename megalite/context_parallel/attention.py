@@ -26,7 +26,7 @@ from typing import NamedTuple
 import torch
 
 from megalite.context_parallel.allgather import allgather_attention
-from megalite.context_parallel.checks import CP_COMM_TYPES  # noqa: F401 - re-exported
+from megalite.context_parallel.comm_types import CP_COMM_TYPES, cp_comm_type  # noqa: F401 - re-exported
 from megalite.context_parallel.ring_attention import ring_attention
 from megalite.context_parallel.ulysses import ulysses_attention
 from megalite.layers.documents import Documents
@@ -48,17 +48,15 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """Attention of this rank's queries (b, heads, s_local, d) over the whole sequence's keys and
     values (b, groups, s_local, d each), by ``comm_type`` (see the module docstring);
     ``documents``: packed documents of the whole sequence, or None."""
+    kind = cp_comm_type(comm_type)  # refuses an unknown type
+    if kind.hierarchical:
+        if groups.inner is None and groups.outer is None:
+            raise ValueError(f"{kind.name} context parallelism needs the inner and outer groups "
+                             "(--hierarchical-context-parallel-sizes)")
+        return ulysses_attention(q, k, v, groups.inner, groups.outer, causal=causal, backend=backend,
+                                 documents=documents)
     if comm_type == "p2p":
         return ring_attention(q, k, v, groups.group, causal=causal, backend=backend, documents=documents)
     if comm_type == "a2a":
         return ulysses_attention(q, k, v, groups.group, None, causal=causal, backend=backend, documents=documents)
-    if comm_type == "allgather":
-        return allgather_attention(q, k, v, groups.group, causal=causal, backend=backend, documents=documents)
-    if comm_type == "a2a+p2p":
-        if groups.inner is None and groups.outer is None:
-            raise ValueError("a2a+p2p context parallelism needs the inner and outer groups "
-                             "(--hierarchical-context-parallel-sizes)")
-        return ulysses_attention(q, k, v, groups.inner, groups.outer, causal=causal, backend=backend,
-                                 documents=documents)
-    raise ValueError(f"context-parallel communication type {comm_type!r} is unknown; use one of "
-                     f"{', '.join(CP_COMM_TYPES)}")
+    return allgather_attention(q, k, v, groups.group, causal=causal, backend=backend, documents=documents)

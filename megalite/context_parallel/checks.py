@@ -14,10 +14,8 @@ Why the rules (C = CP ranks, H = heads, T = TP, so each rank computes H/T heads)
 """
 from __future__ import annotations
 
+from megalite.context_parallel.comm_types import CP_COMM_TYPES, cp_comm_type  # noqa: F401 - re-exported
 from megalite.errors import ConfigError
-
-# Megatron's --cp-comm-type names (megalite.context_parallel.attention says what each does).
-CP_COMM_TYPES = ("p2p", "a2a", "allgather", "a2a+p2p")
 
 
 def _divisors(n: int) -> list[int]:
@@ -31,12 +29,10 @@ def check_context_parallel(model, parallel, gpus_per_node: int | None = None) ->
     tp, cp = parallel.tensor_model_parallel_size, parallel.context_parallel_size
     heads = model.num_attention_heads
     per_rank = heads // tp
-    if kind not in CP_COMM_TYPES:
-        raise ConfigError(f"--cp-comm-type {kind!r} is unknown. Fix: use one of "
-                          f"{', '.join(CP_COMM_TYPES)}.")
+    described = cp_comm_type(kind)  # refuses an unknown type
     if sizes is not None:
         shown = " ".join(str(x) for x in sizes)
-        if kind != "a2a+p2p":
+        if not described.hierarchical:
             raise ConfigError(f"--hierarchical-context-parallel-sizes {shown} is given with "
                               f"--cp-comm-type {kind}: the sizes split the CP group only for the "
                               f"hierarchical type. Fix: add --cp-comm-type a2a+p2p, or drop the sizes.")
@@ -57,7 +53,7 @@ def check_context_parallel(model, parallel, gpus_per_node: int | None = None) ->
                           f"--cp-comm-type) has no attention dropout (the ring's blocks never hold "
                           f"the whole row of probabilities to drop from, and the all-to-all and "
                           f"all-gather types share its kernels). Fix: --attention-dropout 0.")
-    if kind == "a2a" and per_rank % cp != 0:
+    if described.all_to_all and not described.hierarchical and per_rank % cp != 0:
         good = [d for d in _divisors(cp) if per_rank % d == 0 and d > 1]
         hier = (f", or a2a+p2p with an inner size dividing {per_rank} "
                 f"(--hierarchical-context-parallel-sizes {good[-1]} {cp // good[-1]})" if good else "")
@@ -66,7 +62,7 @@ def check_context_parallel(model, parallel, gpus_per_node: int | None = None) ->
                           f"all-to-all gives each CP rank whole heads, so the heads per TP rank "
                           f"({heads}/{tp} = {per_rank}) must be divisible by CP ({cp}). Fix: "
                           f"--cp-comm-type p2p or allgather{hier}.")
-    if kind == "a2a+p2p":
+    if described.hierarchical:
         if sizes is None:
             raise ConfigError(f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A B "
                               f"(all-to-all over A consecutive CP ranks, the ring over B; A*B = "
@@ -94,15 +90,16 @@ def _node_warnings(kind: str, sizes, tp: int, cp: int, gpus_per_node: int | None
     """The all-to-all group (all C ranks for a2a, the inner A for a2a+p2p) is A consecutive CP
     ranks, i.e. T*A consecutive global ranks starting at a multiple of T*A: on one node exactly
     when T*A divides the GPUs per node."""
-    if not gpus_per_node or kind not in ("a2a", "a2a+p2p"):
+    described = cp_comm_type(kind)
+    if not gpus_per_node or not described.all_to_all:
         return []
-    a = cp if kind == "a2a" else sizes[0]
+    a = sizes[0] if described.hierarchical else cp
     span = tp * a
     if a == 1 or gpus_per_node % span == 0:
         return []
     fix = ("use --cp-comm-type a2a+p2p with an inner size A where TP*A divides the GPUs per node "
            "(the ring over the outer group crosses nodes well), or p2p"
-           if kind == "a2a" else "choose A with TP*A dividing the GPUs per node")
+           if not described.hierarchical else "choose A with TP*A dividing the GPUs per node")
     return [f"context-parallel all-to-all group of {a} CP ranks x TP {tp} = {span} consecutive ranks "
             f"spans nodes ({gpus_per_node} GPUs per node): its four all-to-alls per layer, forward and "
             f"backward, would travel over InfiniBand (~50 GB/s) instead of NVLink (~450 GB/s). "

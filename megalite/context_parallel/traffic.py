@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from megalite.context_parallel.comm_types import cp_comm_type
 from megalite.context_parallel.ulysses import expanded_kv_groups
 
 
@@ -60,30 +61,29 @@ def cp_attention_traffic(comm_type: str, *, batch: int, seq: int, heads: int, gr
                          cp: int, element_size: int = 2, inner: int | None = None) -> CPTraffic:
     """The theory of one layer's CP attention traffic per rank (module docstring). ``heads`` and
     ``groups`` per TP rank; ``inner``: the all-to-all size A of a2a+p2p."""
+    kind = cp_comm_type(comm_type)  # refuses an unknown type
     t = CPTraffic()
     if cp == 1:
         return t
     local = seq // cp
     f_over_e = max(element_size, 4) / element_size
     unit = batch * local * head_dim * element_size  # one head of this rank's shard
-    if comm_type == "p2p":
-        _ring(t, cp, groups * unit, f_over_e, "cp")
-    elif comm_type == "a2a":
-        _all_to_all(t, cp, heads * unit, expanded_kv_groups(groups, cp) * unit, "cp")
-    elif comm_type == "allgather":
-        full_kv = 2 * groups * unit * cp
-        t.add("forward", "all_gather", full_kv, "cp", (cp - 1) / cp)
-        t.add("backward", "all_gather", full_kv, "cp", (cp - 1) / cp)
-        t.add("backward", "reduce_scatter", full_kv, "cp", (cp - 1) / cp)
-    elif comm_type == "a2a+p2p":
+    if kind.hierarchical:
         if not inner or cp % inner:
-            raise ValueError(f"a2a+p2p needs the inner (all-to-all) size dividing CP={cp}, got {inner}")
+            raise ValueError(f"{kind.name} needs the inner (all-to-all) size dividing CP={cp}, got {inner}")
         expanded = expanded_kv_groups(groups, inner)
         if inner > 1:
             _all_to_all(t, inner, heads * unit, expanded * unit, "inner")
         if cp // inner > 1:
             # After the all-to-all a rank holds G'/A groups of A L tokens: G' L per head dim.
             _ring(t, cp // inner, expanded * unit, f_over_e, "outer")
-    else:
-        raise ValueError(f"unknown context-parallel communication type {comm_type!r}")
+    elif comm_type == "p2p":
+        _ring(t, cp, groups * unit, f_over_e, "cp")
+    elif comm_type == "a2a":
+        _all_to_all(t, cp, heads * unit, expanded_kv_groups(groups, cp) * unit, "cp")
+    else:  # allgather
+        full_kv = 2 * groups * unit * cp
+        t.add("forward", "all_gather", full_kv, "cp", (cp - 1) / cp)
+        t.add("backward", "all_gather", full_kv, "cp", (cp - 1) / cp)
+        t.add("backward", "reduce_scatter", full_kv, "cp", (cp - 1) / cp)
     return t

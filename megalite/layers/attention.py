@@ -129,7 +129,7 @@ class _MetaFlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v):
-        # Compact copies, as the planner (megalite/planner.py) counts Q, K, V. On a GPU every
+        # Compact copies, as the planner (megalite/planner/estimate.py) counts Q, K, V. On a GPU every
         # backend saves its inputs as given, which costs the same: without RoPE q, k, v are
         # views that keep the fused qkv (= q + k + v) alive; with RoPE q and k are new tensors
         # and the model copies v out of qkv (SelfAttention.forward), so qkv is freed.

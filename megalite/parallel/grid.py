@@ -89,6 +89,11 @@ class GridLayout:
         which communicators exist (so a run may change its CP communication on resume)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "cp_inner"}
 
+    def grid_sizes(self) -> dict:
+        """The grid's own fields by name (a subclass, such as the planner's Layout, adds the
+        run's choices): ``GridLayout(**layout.grid_sizes())`` is the rank mapping alone."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(GridLayout)}
+
     @classmethod
     def from_config(cls, parallel: ParallelConfig, world_size: int, experts: bool = False) -> "GridLayout":
         """The layout of a validated config (the inner size of hierarchical CP from

@@ -3,13 +3,10 @@ the target cluster rather than this machine. Part of the planner (:mod:`megalite
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
-from megalite.config import Config, ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainConfig, validate
+from megalite.config import Config, ConfigError, DataConfig, ModelConfig, TrainConfig, validate
 from megalite.context_parallel.checks import check_context_parallel
-
-if TYPE_CHECKING:  # the planner's dataclasses; the planner imports this module
-    from megalite.planner import Hardware, Layout
+from megalite.planner.types import Hardware, Layout
 
 
 def check_layout(m: ModelConfig, layout: Layout, global_batch: int, micro: int, hw: Hardware) -> str | None:
@@ -29,11 +26,9 @@ def check_layout(m: ModelConfig, layout: Layout, global_batch: int, micro: int, 
     if cp > 1 and layout.sp and (s // cp) % tp:
         return f"--seq-length / CP ({s // cp}) must be divisible by TP ({tp}) for sequence parallelism."
     if cp > 1 and m.num_attention_heads % tp == 0:  # else validate() names the TP rule below
-        sizes = (layout.cp_inner, cp // layout.cp_inner) if layout.cp_comm_type == "a2a+p2p" else None
         try:
             check_context_parallel(dataclasses.replace(m, cp_comm_type=layout.cp_comm_type, attention_dropout=0.0),
-                                   ParallelConfig(tensor_model_parallel_size=tp, context_parallel_size=cp,
-                                                  hierarchical_context_parallel_sizes=sizes))
+                                   layout.parallel_config())
         except ConfigError as e:
             return str(e)
     ep = layout.ep
@@ -43,8 +38,9 @@ def check_layout(m: ModelConfig, layout: Layout, global_batch: int, micro: int, 
                     f"ranks of one pipeline stage, TP*CP*DP = {tp * cp * layout.dp}.")
         ep = 1
     model = dataclasses.replace(m, attention_backend="torch", fused_kernels=False)
-    cfg = Config(model, ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=layout.pp,
-                                       sequence_parallel=layout.sp, expert_model_parallel_size=ep),
+    folded = dataclasses.replace(layout.parallel_config(), context_parallel_size=1,  # CP folded into the world
+                                 hierarchical_context_parallel_sizes=None, expert_model_parallel_size=ep)
+    cfg = Config(model, folded,
                  TrainConfig(micro_batch_size=micro, global_batch_size=global_batch, zero_stage=layout.zero),
                  DataConfig(mock_data=True))
     try:

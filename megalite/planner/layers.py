@@ -2,17 +2,13 @@
 its backward (:func:`layer_activation_bytes`), and under a zero-bubble schedule what its
 deferred weight gradients keep between B and W (the W inputs, :func:`w_input_layer_bytes`) and
 what a running W holds (:func:`w_gradient_chunk_bytes`); see :mod:`megalite.planner` and
-:mod:`megalite.planner_pipeline` for how they add up per rank. Below both (no planner import).
+:mod:`megalite.planner.pipeline` for how they add up per rank. Below both (no planner import).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from megalite.config import ModelConfig
 from megalite.moe import planning as moe_planning
-
-if TYPE_CHECKING:
-    from megalite.planner import Precision
+from megalite.planner.types import Precision
 
 
 def layer_activation_bytes(m: ModelConfig, micro: int, tp: int = 1, sp: bool = False, cp: int = 1,

@@ -15,7 +15,7 @@ state = 8 bytes/param, i.e. 56 GB for 7B; that undercounts Adam, which keeps an 
 master copy and two fp32 moments. Both exceed a 24 GB GPU many times over, so plain DDP
 is impossible either way; the planner uses the 16-byte figure and reports its parts.)
 megalite's ``--bf16`` accumulates gradients in fp32 by default (``fp32_grads``: 18 bytes), and so
-does the planner by default (:mod:`megalite.planner_flags` reads every default from
+does the planner by default (:mod:`megalite.planner.flags` reads every default from
 ``pretrain_gpt.py``'s parser and writes each layout as the flags that train it).
 
 **Experts** (``m.num_experts``; ``Layout.ep``): the MoE layers' parameters, their model state
@@ -46,19 +46,19 @@ an FFN of 4h); the code computes the parts from the real FFN size, key/value gro
 SwiGLU (which stores gate, up, silu(gate) and their product: 8 s b f instead of 4 s b f).
 The last stage adds fp32 logits for the loss, 4 s b V / t. With CP each rank holds s/CP
 tokens (``--cp-comm-type allgather`` adds one layer's full-sequence K/V and fp32 dK/dV during
-backward: :mod:`megalite.planner_cp`). ``flash_attention=True`` drops the scores term as selective recomputation does
+backward: :mod:`megalite.planner.cp`). ``flash_attention=True`` drops the scores term as selective recomputation does
 (flash-style kernels never store the s x s probabilities). The attention output is kept once:
 megalite's Triton kernel writes it in the (s, b, heads, d) order proj reads (and flash-attn's
 (b, s, heads, d) output is a view there too); torch SDPA on a GPU returns (b, heads, s, d), so
 proj keeps a second copy, B s b h / t more per layer, which is not counted here.
 
 **Data**: the step's M micro-batches, all on the device from its start, 28 bytes a token (36 with
-``--reset-attention-mask``), plus CP's sliced copies (:mod:`megalite.planner_documents`).
+``--reset-attention-mask``), plus CP's sliced copies (:mod:`megalite.planner.documents`).
 
 Micro-batches in flight: 1 without PP (gradient accumulation finishes each backward
 before the next forward); with PP, M = global batch / (micro batch x DP) per step and the
 schedule (``Layout.schedule``: 1f1b, zb-h1, zbv) sets the bubble, the micro-batches whose
-activations and W inputs a stage holds, and ZBV's chunks: :mod:`megalite.planner_pipeline`.
+activations and W inputs a stage holds, and ZBV's chunks: :mod:`megalite.planner.pipeline`.
 
 **Communication** per step, bytes on the wire per rank (ring collectives: an all-reduce
 moves 2 (n-1)/n of the tensor, all-gather and reduce-scatter (n-1)/n each), w and g the
@@ -73,116 +73,38 @@ weight and gradient bytes::
         under SP an all-gather + reduce-scatter pair in place of each, plus the backward's
         all-gathers of the QKV and FC1 inputs (kept as sequence shards): one all-reduce more
     PP: each micro-batch's activation forward and its gradient backward, b s h (/t under SP)
-    CP: by --cp-comm-type (:mod:`megalite.planner_cp`): the ring's K/V (and backward's dK/dV),
+    CP: by --cp-comm-type (:mod:`megalite.planner.cp`): the ring's K/V (and backward's dK/dV),
         Ulysses' all-to-alls, allgather's gathered K/V, or both levels of a2a+p2p
 
 A group runs on NVLink (~450 GB/s) when all its ranks are on one node and on InfiniBand
 (~50 GB/s) otherwise; rank order is megalite's grid, ``rank = tp + TP*(cp + CP*(dp + DP*pp))``.
 Times assume no overlap with compute (an upper bound on what communication can cost).
 
-**Recommendation** (:mod:`megalite.layout_search`): the first layout that fits along the
+**Recommendation** (:mod:`megalite.planner.search`): the first layout that fits along the
 practitioners' ladder (see ``RUNGS`` and ``ladder_key`` there): DDP; ZeRO-1; ZeRO-2; TP inside a node (2, 4, 8, with
 sequence parallelism); PP across nodes (TP as large as the node allows); ZeRO-3; then CP
 for sequences whose activations fit no other way (CP 2 climbs the same ladder, then CP 4
 ...; the CP types of one layout fastest first; with PP, its schedules 1f1b, zb-h1 and zbv
-fastest first by estimated step time, :mod:`megalite.planner_pipeline`). Within a step, recomputation none before
+fastest first by estimated step time, :mod:`megalite.planner.pipeline`). Within a step, recomputation none before
 selective; full recomputation (about a third more compute: the forward runs twice) only when
 nothing fits without it. The explanation names why each simpler step does not fit, why the
 CP type, and points at a fitting layout with much less communication when there is one.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
-from dataclasses import dataclass
 
-from megalite import planner_cp, planner_documents, planner_pipeline
 from megalite.config import ModelConfig
 from megalite.data_parallel.accounting import zero_theory_bytes
-from megalite.data_parallel.update_rule import DEFAULT_RULE, UpdateRule
 from megalite.moe import planning as moe_planning
-from megalite.parallel.grid import GridLayout
+from megalite.parallel.grid import EXPERT_KINDS, GridLayout
 from megalite.pipeline.schedule_kinds import schedule as describe_schedule
-from megalite.planner_checks import check_layout  # noqa: F401  (megalite's validation of a layout)
-from megalite.planner_flags import training_defaults
-from megalite.planner_layers import layer_activation_bytes  # noqa: F401  (re-exported for callers)
-from megalite.planner_pipeline import in_flight, pipeline_bubble, stage_activation_bytes  # noqa: F401
+from megalite.planner import cp as planner_cp, documents as planner_documents, pipeline as planner_pipeline
+from megalite.planner.flags import training_defaults
+from megalite.planner.pipeline import stage_activation_bytes
+from megalite.planner.types import Estimate, GiB, Hardware, Layout, Precision
 
-GiB = 2**30
 DEFAULT_BUCKET = training_defaults()["ddp_bucket_size"]  # elements, pretrain_gpt.py's default
-DEFAULT_HEADROOM = 0.10  # fraction of GPU memory kept free (tools/dry_run.py's "fits" uses it too)
-RECOMPUTE = ("none", "selective", "full")
-
-
-@dataclass(frozen=True)
-class Hardware:
-    gpu_memory_gb: float  # per GPU, as on the spec sheet (GiB)
-    gpus_per_node: int
-    nodes: int = 1
-    nvlink_gbps: float = 450.0  # GB/s per GPU inside a node
-    ib_gbps: float = 50.0  # GB/s per GPU across nodes
-    headroom: float = DEFAULT_HEADROOM  # fraction kept free: CUDA context, allocator fragmentation, workspaces
-    achieved_tflops: float = 400.0  # per GPU (~40% of an H100's dense bf16): step time (planner_pipeline)
-
-    @property
-    def world_size(self) -> int:
-        return self.gpus_per_node * self.nodes
-
-    @property
-    def usable_bytes(self) -> float:
-        return self.gpu_memory_gb * GiB * (1 - self.headroom)
-
-
-@dataclass(frozen=True)
-class Precision:
-    name: str = "bf16"
-    weight_bytes: int = 2
-    grad_bytes: int = 2
-    act_bytes: int = 2  # activations (dropout masks are 1 byte regardless)
-    optimizer_bytes: int = DEFAULT_RULE.bytes_per_parameter  # fp32 master + the update rule's state (Adam m, v)
-    optimizer_state: str = DEFAULT_RULE.state_label  # that state in words, for explanations
-
-    @property
-    def bytes_per_param(self) -> int:
-        return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
-
-
-def precision(name: str = "bf16", fp32_grads: bool = False, rule: UpdateRule = DEFAULT_RULE) -> Precision:
-    """Byte widths for a precision; master weights and optimizer state as ``rule`` keeps them."""
-    if name not in ("bf16", "fp16", "fp32"):
-        raise ValueError(f"precision {name!r} is unknown; use bf16, fp16 or fp32")
-    w = 4 if name == "fp32" else 2
-    return Precision(name, w, 4 if fp32_grads else w, w, rule.bytes_per_parameter, rule.state_label)
-
-
-@dataclass(frozen=True)
-class Layout:
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    cp: int = 1
-    zero: int = 0
-    recompute: str = "none"
-    ep: int = 1  # expert-parallel size (MoE): experts split over EP ranks of a stage's TP*CP*DP
-    cp_comm_type: str = "p2p"  # --cp-comm-type (:mod:`megalite.planner_cp`); p2p without CP
-    cp_inner: int = 1  # a2a+p2p: the all-to-all size A of --hierarchical-context-parallel-sizes A B
-    schedule: str = "1f1b"  # --pipeline-schedule with PP > 1 (:mod:`megalite.planner_pipeline`)
-
-    @property
-    def edp(self) -> int:  # expert-data-parallel: ranks holding the same experts
-        return self.tp * self.cp * self.dp // self.ep
-
-    @property
-    def sp(self) -> bool:  # sequence parallelism always accompanies TP here (Megatron practice)
-        return self.tp > 1
-
-    def describe(self) -> str:
-        parts = [f"TP {self.tp}" + (" (SP)" if self.sp else "")] if self.tp > 1 else []
-        parts += [planner_cp.describe_cp(self)] if self.cp > 1 else []
-        parts += [f"PP {self.pp} ({self.schedule})"] if self.pp > 1 else []
-        parts.append(f"DP {self.dp}")
-        ep = f", EP {self.ep}" if self.ep > 1 else ""
-        return " x ".join(parts) + f"{ep}, ZeRO-{self.zero}, recompute {self.recompute}"
 
 
 # -- parameters ------------------------------------------------------------------------------------
@@ -280,15 +202,13 @@ def format_communication(comm: dict) -> str:
 
 def group_spans_nodes(layout: Layout, kind: str, gpus_per_node: int) -> bool:
     """Whether any group of this kind ('tp', 'cp', 'dp_cp', 'pp', 'ep', 'edp') has ranks on two nodes."""
-    inner = layout.cp_inner if kind in ("cp_inner", "cp_outer") else 1
-    return _spans(layout.tp, layout.cp, layout.dp, layout.pp, kind, gpus_per_node, layout.ep, inner)
+    grid = GridLayout(**{**layout.grid_sizes(), "experts": kind in EXPERT_KINDS})  # the rank mapping alone
+    return _spans(grid, kind, gpus_per_node)
 
 
 @functools.lru_cache(maxsize=4096)
-def _spans(tp: int, cp: int, dp: int, pp: int, kind: str, gpus_per_node: int, ep: int = 1, inner: int = 1) -> bool:
-    grid = GridLayout(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, experts=kind in ("ep", "edp"),
-                      cp_inner=inner)  # megalite's rank order
-    return any(len({r // gpus_per_node for r in ranks}) > 1 for ranks in grid.groups(kind))
+def _spans(grid: GridLayout, kind: str, gpus_per_node: int) -> bool:
+    return any(len({r // gpus_per_node for r in ranks}) > 1 for ranks in grid.groups(kind))  # megalite's rank order
 
 
 def communication(m: ModelConfig, layout: Layout, psi: int, micro: int, num_micro: int, prec: Precision,
@@ -323,38 +243,11 @@ def communication(m: ModelConfig, layout: Layout, psi: int, micro: int, num_micr
 
 # -- one layout ------------------------------------------------------------------------------------
 
-@dataclass
-class Estimate:
-    layout: Layout
-    num_micro: int
-    stage: int  # the pipeline stage with the most memory
-    psi: int  # parameters on that stage's ranks
-    memory: dict  # weights, gradients, master_and_optimizer, activations, buffers, data, total (bytes)
-    bubble: float  # of its schedule, F = B = W (:func:`megalite.planner_pipeline.bubble`)
-    comm: dict
-    fits: bool
-    held: tuple = ()  # (micro-batches of activations, of W inputs) per chunk at that stage's peak
-    w_inputs: float = 0.0  # bytes of W inputs held then (part of memory["activations"])
-    compute_seconds: float = 0.0  # per step at Hardware.achieved_tflops (:func:`layout_search.plan` sets it)
-
-    @property
-    def comm_seconds(self) -> float:
-        return sum(c["seconds"] for c in self.comm.values())
-
-    @property
-    def step_seconds(self) -> float:  # compute / (1 - bubble) + communication (no overlap)
-        return self.compute_seconds / (1 - self.bubble) + self.comm_seconds
-
-    def to_dict(self) -> dict:
-        return {**dataclasses.asdict(self), "layout": dataclasses.asdict(self.layout), "description":
-                self.layout.describe(), "comm_seconds": self.comm_seconds, "step_seconds": self.step_seconds}
-
-
 def stage_memory(m: ModelConfig, layout: Layout, stage: int, micro: int, num_micro: int, prec: Precision,
                  flash_attention: bool = False, documents: bool = False, detail: dict | None = None) -> tuple[int, dict]:
     """(parameters, memory by kind in bytes) of one rank of pipeline stage ``stage``; "data" is
     the step's micro-batches on the device (``documents``: with --reset-attention-mask's arrays;
-    :func:`megalite.planner_documents.batch_bytes`); ``detail``: :func:`stage_activation_bytes`'s."""
+    :func:`megalite.planner.documents.batch_bytes`); ``detail``: :func:`stage_activation_bytes`'s."""
     psi = stage_parameters(m, layout.tp, layout.pp, stage, layout.ep, layout.schedule)
     mem = model_state_bytes(psi, layout.dp * layout.cp, layout.zero, prec)
     psi_e = stage_expert_parameters(m, layout.tp, layout.pp, stage, layout.ep, layout.schedule)

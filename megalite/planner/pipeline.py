@@ -64,22 +64,17 @@ from __future__ import annotations
 
 import dataclasses
 from functools import lru_cache
-from typing import TYPE_CHECKING
 
-from megalite import planner_cp
-from megalite.config import ParallelConfig, TrainConfig
+from megalite.config import ModelConfig, ParallelConfig, TrainConfig
 from megalite.errors import ConfigError
 from megalite.moe import planning as moe_planning
 from megalite.pipeline.checks import check_pipeline_schedule
 from megalite.pipeline.op_lists import Simulation, simulate, theory_bubble
 from megalite.pipeline.schedule_kinds import DEFAULT_SCHEDULE, PLANNED_SCHEDULES, schedule as describe
-from megalite.planner_layers import (chunk_moe_flags, layer_activation_bytes, w_gradient_chunk_bytes,  # noqa: F401
+from megalite.planner.layers import (chunk_moe_flags, layer_activation_bytes, w_gradient_chunk_bytes,  # noqa: F401
                                      w_input_chunk_bytes, w_input_layer_bytes)
-
-if TYPE_CHECKING:  # the planner's dataclasses; the planner imports this module
-    from megalite.config import ModelConfig
-    from megalite.layout_search import Plan
-    from megalite.planner import Estimate, Hardware, Layout, Precision
+from megalite.planner import cp as planner_cp
+from megalite.planner.types import Estimate, Hardware, Layout, Plan, Precision
 
 GiB = 2**30
 SCHEDULES = PLANNED_SCHEDULES  # 1f1b, zb-h1, zbv (megalite.pipeline.schedule_kinds)

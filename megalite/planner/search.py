@@ -1,8 +1,8 @@
 """Layout search: every candidate layout of a model on a machine, ranked the way the field's
 guides teach (data parallel first, then tensor parallel inside a node, then pipeline, then
 ZeRO, recomputation and context parallelism), with the reasons in words. Each CP layout comes
-in every CP type (:mod:`megalite.planner_cp`) and each PP layout with every pipeline schedule
-(:mod:`megalite.planner_pipeline`: 1f1b, zb-h1, zbv), ordered by estimated step time: the first
+in every CP type (:mod:`megalite.planner.cp`) and each PP layout with every pipeline schedule
+(:mod:`megalite.planner.pipeline`: 1f1b, zb-h1, zbv), ordered by estimated step time: the first
 that fits is the fastest that fits.
 
 The arithmetic of one layout (memory per GPU, bubble, communication) is in
@@ -11,15 +11,16 @@ The arithmetic of one layout (memory per GPU, bubble, communication) is in
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 
 from megalite.config import ModelConfig
-from megalite.planner import (RECOMPUTE, Estimate, GiB, Hardware, Layout, Precision, check_layout, communication,
-                              estimate, format_communication, model_state_bytes, precision, stage_parameters, total_parameters)
-from megalite.planner_cp import cp_variants, describe_cp, explain_cp_type
-from megalite.planner_flags import grads_in_fp32
-from megalite.planner_pipeline import (compute_seconds, explain_schedule, flops_per_token, held_words, same_layout,
+from megalite.planner.checks import check_layout
+from megalite.planner.cp import cp_variants, explain_cp_type
+from megalite.planner.estimate import (estimate, format_communication, model_state_bytes,
+                                       stage_parameters, total_parameters)
+from megalite.planner.flags import grads_in_fp32
+from megalite.planner.pipeline import (compute_seconds, explain_schedule, flops_per_token, held_words, same_layout,
                                        schedules)
+from megalite.planner.types import RECOMPUTE, Estimate, GiB, Hardware, Layout, Plan, Precision, describe_cp, precision
 
 
 def _divisors(n: int) -> list[int]:
@@ -37,7 +38,7 @@ def candidate_layouts(m: ModelConfig, hw: Hardware, max_cp: int = 8, cp_comm_typ
     """TP in divisors of GPUs per node up to 8, CP powers of two up to ``max_cp``, PP dividing
     the layers, DP what remains; every ZeRO stage (only 0 when DP x CP = 1) and recomputation;
     with experts, every EP dividing E and TP*CP*DP; with CP, every CP type
-    (:func:`megalite.planner_cp.cp_variants`: p2p, a2a, allgather, a2a+p2p for each inner size),
+    (:func:`megalite.planner.cp.cp_variants`: p2p, a2a, allgather, a2a+p2p for each inner size),
     or only ``cp_comm_type``; with PP, every schedule megalite accepts (:func:`schedules`: the
     zero-bubble ones with ZeRO-0/1)."""
     world, out = hw.world_size, []
@@ -85,23 +86,6 @@ def ladder_key(layout: Layout) -> tuple:
             RECOMPUTE.index(layout.recompute), layout.zero, layout.ep)
 
 
-@dataclass
-class Plan:
-    model: ModelConfig
-    hardware: Hardware
-    precision: Precision
-    global_batch: int
-    micro: int
-    estimates: list[Estimate]  # valid layouts, in ladder order
-    invalid: dict = field(default_factory=dict)  # Layout -> reason megalite refuses it
-    choice: Estimate | None = None
-    reasons: list[str] = field(default_factory=list)
-    cp_comm_type: str | None = None  # the CP type the user fixed (None: every type searched)
-
-    def fitting(self) -> list[Estimate]:
-        return [e for e in self.estimates if e.fits]
-
-
 def plan(m: ModelConfig, hw: Hardware, global_batch: int, micro: int, prec: Precision | None = None,
          flash_attention: bool = True, max_cp: int = 8, cp_comm_type: str | None = None,
          documents: bool = False) -> Plan:
@@ -113,7 +97,7 @@ def plan(m: ModelConfig, hw: Hardware, global_batch: int, micro: int, prec: Prec
     so the first that fits is the fastest that fits; ``cp_comm_type`` fixes the type. ``documents``:
     the batch carries --reset-attention-mask's arrays (the "data" memory entry counts them).
     The pipeline schedules of one layout follow each other the same way (step time: compute over
-    one minus the bubble, plus communication; :mod:`megalite.planner_pipeline`)."""
+    one minus the bubble, plus communication; :mod:`megalite.planner.pipeline`)."""
     prec = prec or precision("bf16", grads_in_fp32("bf16"))
     checked: dict[tuple, str | None] = {}
     flops, tokens = flops_per_token(m, total_parameters(m)), global_batch * m.seq_length

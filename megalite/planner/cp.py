@@ -6,7 +6,7 @@ itself is :mod:`megalite.context_parallel.attention`.
 **Candidates** for a CP group of C ranks: ``p2p`` (the ring), ``a2a`` (Ulysses), ``allgather``
 and ``a2a+p2p`` for every inner size A with 1 < A < C dividing C (B = C/A ranks in the ring).
 megalite's rules (:func:`megalite.context_parallel.checks.check_context_parallel`, asked by
-:func:`megalite.planner_checks.check_layout`) refuse ``a2a`` unless C divides the heads per TP
+:func:`megalite.planner.checks.check_layout`) refuse ``a2a`` unless C divides the heads per TP
 rank, and ``a2a+p2p`` unless A does: each all-to-all rank receives whole heads.
 
 **Traffic** per step per rank, for the ``L/P`` layers of a stage and M micro-batches::
@@ -40,17 +40,11 @@ it shows).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from megalite.context_parallel.checks import CP_COMM_TYPES
+from megalite.config import ModelConfig
+from megalite.context_parallel.comm_types import CP_COMM_TYPES, CP_TYPES  # noqa: F401 - CP_COMM_TYPES re-exported
 from megalite.context_parallel.traffic import CPTraffic, cp_attention_traffic
+from megalite.planner.types import GiB, Hardware, Layout, Plan, cp_type_name, describe_cp  # noqa: F401
 
-if TYPE_CHECKING:  # the planner's dataclasses; the planner imports this module
-    from megalite.config import ModelConfig
-    from megalite.layout_search import Plan
-    from megalite.planner import Hardware, Layout
-
-GiB = 2**30
 KIND = {"cp": "cp", "inner": "cp_inner", "outer": "cp_outer"}  # traffic level -> communication kind
 
 
@@ -59,20 +53,9 @@ def cp_variants(cp: int, comm_type: str | None = None) -> list[tuple[str, int]]:
     a2a+p2p); ``comm_type`` keeps only that type. One (p2p, 1) without CP."""
     if cp == 1:
         return [("p2p", 1)]
-    out = [(t, 1) for t in CP_COMM_TYPES if t != "a2a+p2p"]
-    out += [("a2a+p2p", a) for a in range(2, cp) if cp % a == 0]
+    out = [(t.name, 1) for t in CP_TYPES if not t.hierarchical]
+    out += [(t.name, a) for t in CP_TYPES if t.hierarchical for a in range(2, cp) if cp % a == 0]
     return [v for v in out if comm_type is None or v[0] == comm_type]
-
-
-def cp_type_name(layout: Layout) -> str:
-    """'a2a', 'a2a+p2p 2x4': the CP type and for a2a+p2p its sizes A x B."""
-    sizes = f" {layout.cp_inner}x{layout.cp // layout.cp_inner}" if layout.cp_comm_type == "a2a+p2p" else ""
-    return layout.cp_comm_type + sizes
-
-
-def describe_cp(layout: Layout) -> str:
-    """'CP 4 (a2a)', 'CP 8 (a2a+p2p 2x4)'."""
-    return f"CP {layout.cp} ({cp_type_name(layout)})"
 
 
 def layer_traffic(m: ModelConfig, layout: Layout, micro: int, act_bytes: int) -> CPTraffic:
@@ -81,20 +64,20 @@ def layer_traffic(m: ModelConfig, layout: Layout, micro: int, act_bytes: int) ->
     return cp_attention_traffic(layout.cp_comm_type, batch=micro, seq=m.seq_length,
                                 heads=m.num_attention_heads // t, groups=m.num_query_groups // t,
                                 head_dim=m.head_dim, cp=layout.cp, element_size=act_bytes,
-                                inner=layout.cp_inner if layout.cp_comm_type == "a2a+p2p" else None)
+                                inner=layout.cp_inner if layout.cp_sizes else None)
 
 
 def forward_wire(traffic: CPTraffic, layout: Layout) -> dict[str, float]:
     """The forward part of ``traffic.wire``: what a recomputation sends again. A send leaves
     whole; an all-to-all, all-gather or reduce-scatter over n ranks (n-1)/n of what it is handed."""
-    c, a = layout.cp, layout.cp_inner
+    c, a, hierarchical = layout.cp, layout.cp_inner, layout.cp_sizes is not None
     out: dict[str, float] = {}
     for kind, nbytes in traffic.handed["forward"].items():
-        if layout.cp_comm_type == "a2a+p2p":
+        if hierarchical:
             level = "inner" if kind == "all_to_all" else "outer"
         else:
             level = "cp"
-        n = a if layout.cp_comm_type == "a2a+p2p" else c
+        n = a if hierarchical else c
         out[level] = out.get(level, 0.0) + nbytes * (1.0 if kind == "send" else (n - 1) / n)
     return out
 

@@ -203,6 +203,7 @@ FLOORS = {
     # the rules config.validate() asks, each beside its layers' checks (below config):
     "megalite.moe.settings": 5,  # the MoE flag rules
     "megalite.pipeline.schedule_kinds": 5,  # the schedule table (plain data)
+    "megalite.pipeline.orders": 5,  # each schedule's operation order (plain functions the table names)
     "megalite.pipeline.checks": 5,  # the schedule rules, read from the table
     "megalite.config": 6, "megalite.arguments": 6, "megalite.launch": 6,
     "megalite.moe": 7,

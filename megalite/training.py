@@ -23,12 +23,18 @@ import math
 import torch
 
 from megalite.config import TrainConfig
+from megalite.context_parallel.data import context_parallel_slice
+from megalite.data_parallel.update_rule import DEFAULT_RULE, UpdateRule
+from megalite.data_parallel.zero import DistributedOptimizer
 from megalite.device import host_value
 from megalite.layers.documents import batch_documents
 from megalite.moe.stats import start_step as start_moe_step
 from megalite.moe.stats import step_stats as moe_step_stats
 from megalite.parallel import comm
 from megalite.resilience.fault_injection import LOSS_FACTOR
+from megalite.pipeline.executor import ScheduleExecutor
+from megalite.pipeline.plan import resolve_schedule
+from megalite.pipeline.trace import Trace
 from megalite.parallel.sharding import is_expert, is_tensor_parallel, sum_local_tied_copies
 from megalite.step_values import LossScaler, StepResult
 from megalite.timers import Clock, StepTimers
@@ -50,16 +56,15 @@ def lr_at(iteration: int, t: TrainConfig) -> float:
     return t.min_lr + (t.lr - t.min_lr) * coeff
 
 
-def build_data_parallel_optimizer(model, t: TrainConfig, grid):
+def build_data_parallel_optimizer(model, t: TrainConfig, grid, rule: UpdateRule = DEFAULT_RULE):
     """The optimizer of pretrain_gpt.py: DDP / ZeRO over the grid's DP group, with the model's
-    weights cast to bf16/fp16 under mixed precision (fp32 master weights in the optimizer)."""
-    from megalite.data_parallel.zero import DistributedOptimizer
-
+    weights cast to bf16/fp16 under mixed precision (fp32 master weights in the optimizer), and
+    ``rule`` (AdamW unless named) updating the fp32 shards."""
     param_dtype = torch.bfloat16 if t.bf16 else torch.float16 if t.fp16 else torch.float32
     grad_dtype = torch.float32 if t.accumulate_allreduce_grads_in_fp32 else param_dtype
     return DistributedOptimizer(as_chunks(model), t, grid, stage=t.zero_stage, bucket_size=t.ddp_bucket_size,
                                 overlap=t.overlap_grad_reduce, offload=t.offload_optimizer,
-                                param_dtype=param_dtype, grad_dtype=grad_dtype)
+                                param_dtype=param_dtype, grad_dtype=grad_dtype, rule=rule)
 
 
 def build_optimizer(model, t: TrainConfig) -> torch.optim.AdamW:
@@ -142,7 +147,6 @@ def context_parallel_batches(micro_batches, grid):
     before slicing (the loss denominator, see the module docstring; a device scalar)."""
     if grid is None or grid.layout.cp == 1:
         return micro_batches
-    from megalite.context_parallel.data import context_parallel_slice
 
     cp = grid.layout.cp
     return [{**context_parallel_slice(b, grid.cp_rank, cp),
@@ -173,9 +177,6 @@ def forward_backward(model, micro_batches, t: TrainConfig, loss_scale: float = 1
             timers.add("backward", middle, timers.mark())
             total += loss.detach()
         return total / num_micro
-    from megalite.pipeline.executor import ScheduleExecutor
-    from megalite.pipeline.plan import resolve_schedule
-    from megalite.pipeline.trace import Trace
 
     trace = trace if trace is not None else Trace(timers.clock)  # its F/B/W events give the time split
     runner = ScheduleExecutor(resolve_schedule(t.pipeline_schedule, grid.layout.pp, len(chunks)), chunks,
@@ -328,8 +329,6 @@ def distributed_train_step(model, optimizer, micro_batches, t: TrainConfig, iter
 def train_step(model, optimizer, micro_batches, t: TrainConfig, iteration: int,
                scaler: LossScaler, grid=None, trace=None) -> StepResult:
     """One optimizer step over this rank's micro-batches of one global batch."""
-    from megalite.data_parallel.zero import DistributedOptimizer
-
     if isinstance(optimizer, DistributedOptimizer):
         return distributed_train_step(model, optimizer, micro_batches, t, iteration, scaler, grid, trace)
     params = [p for chunk in as_chunks(model) for p in chunk.parameters() if p.requires_grad]
@@ -366,8 +365,6 @@ def evaluate(model, batches, t: TrainConfig, grid=None) -> float:
     if grid is None or (grid.layout.pp == 1 and len(chunks) == 1):
         losses = [stage_loss(stage_forward(chunks[0], None, b, t), b) for b in batches]
     else:
-        from megalite.pipeline.executor import ScheduleExecutor
-        from megalite.pipeline.plan import resolve_schedule
 
         runner = ScheduleExecutor(resolve_schedule(t.pipeline_schedule, grid.layout.pp, len(chunks), evaluation=True),
                                   chunks, batches, grid, activation_shape(chunks[0], batches[0]["tokens"].shape[0]),

@@ -273,7 +273,7 @@ def _gpt_worker(rank, world, tp, variant, backends):
     from megalite.model.gpt import GPTModel
     from megalite.parallel import comm
     from megalite.parallel.sharding import gather_full
-    from megalite.training import sequence_parallel_allreduce_gradients
+    from megalite.testing.reference_step import sequence_parallel_allreduce_gradients
     extra = {} if variant == "gpt2" else dict(position_embedding_type="rope", normalization="RMSNorm",
                                               swiglu=True, num_query_groups=2, add_bias_linear=False)
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=97, seq_length=16,

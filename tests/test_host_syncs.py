@@ -23,7 +23,7 @@ from megalite.parallel.grid import build_grid
 from megalite.pipeline.partition import build_model_chunks
 from megalite.step_values import LossScaler, resolve_steps
 from megalite.testing import run_world
-from megalite.training import train_step
+from megalite.testing.reference_step import train_step
 
 from tests.device_twins import DEVICES, FakeSyncDebugMode
 from tests.test_zero import global_batch

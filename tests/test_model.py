@@ -5,7 +5,8 @@ import torch
 from megalite.config import ModelConfig, TrainConfig
 from megalite.model.gpt import GPTModel, count_parameters
 from megalite.parallel.random import model_parallel_seed
-from megalite.training import LossScaler, build_optimizer, forward_backward, lr_at, train_step
+from megalite.training import LossScaler, forward_backward, lr_at
+from megalite.testing.reference_step import build_optimizer, train_step
 
 
 def tiny(**kw):

@@ -11,7 +11,8 @@ from megalite.parallel.grid import build_grid
 from megalite.parallel.sharding import gather_full
 from megalite.pipeline.partition import build_model_chunks, chunk_layers
 from megalite.testing import run_world
-from megalite.training import forward_backward, reduce_gradients
+from megalite.training import forward_backward
+from megalite.testing.reference_step import reduce_gradients
 
 TOL = 1e-5
 MICRO = 2
@@ -293,7 +294,8 @@ def test_bubble_measure_and_timeline_picture(tmp_path):
 
 
 def _tied_worker(rank, world):
-    from megalite.training import LossScaler, build_optimizer, train_step
+    from megalite.training import LossScaler
+    from megalite.testing.reference_step import build_optimizer, train_step
     config = make_config(4, pp=world)
     config.train.global_batch_size = MICRO * 4
     grid = build_grid(config.parallel, world, rank)

@@ -38,7 +38,8 @@ from megalite.parallel.sharding import gather_full
 from megalite.pipeline.partition import build_model_chunks
 from megalite.planner import model_state_bytes, precision, stage_parameters
 from megalite.testing import run_world
-from megalite.training import LossScaler, train_step
+from megalite.training import LossScaler
+from megalite.testing.reference_step import train_step
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from tools import reshard_checkpoint  # noqa: E402
@@ -236,7 +237,7 @@ def test_the_planner_counts_the_rule_as_a_dry_run_measures_it(monkeypatch):
     from tools import dry_run as tool
 
     init = DistributedOptimizer.__init__
-    monkeypatch.setattr(DistributedOptimizer, "__init__", lambda self, *a, **k: init(self, *a, **{"rule": SIGNUM, **k}))
+    monkeypatch.setattr(DistributedOptimizer, "__init__", lambda self, *a, **k: init(self, *a, **{**k, "rule": SIGNUM}))
     flags = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length",
              "64", "--vocab-size", "500", "--micro-batch-size", "2", "--global-batch-size", "4", "--zero-stage", "1"]
     config = config_from_args(build_parser().parse_args(flags), 500, eod_token=tool.mock_eod(500))

@@ -16,7 +16,7 @@ from megalite.parallel import comm
 from megalite.parallel.grid import build_grid
 from megalite.parallel.sharding import TPSplit, gather_full, shard_tensor
 from megalite.testing import run_world
-from megalite.training import sequence_parallel_allreduce_gradients
+from megalite.testing.reference_step import sequence_parallel_allreduce_gradients
 
 TOL = 1e-5
 

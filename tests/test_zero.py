@@ -19,7 +19,8 @@ from megalite.parallel.grid import build_grid
 from megalite.parallel.sharding import gather_full
 from megalite.pipeline.partition import build_model_chunks
 from megalite.testing import run_world
-from megalite.training import LossScaler, build_optimizer, train_step
+from megalite.training import LossScaler
+from megalite.testing.reference_step import build_optimizer, train_step
 
 STEPS, MICRO, GLOBAL = 10, 2, 8
 TOL = 1e-5

@@ -72,7 +72,7 @@ def main(argv=None):
     root = args.dir or tempfile.mkdtemp(prefix="bench_ckpt_")
     from megalite.checkpoint.async_save import AsyncCheckpointSaver
     from megalite.checkpoint.core import save_checkpoint
-    from megalite.training import train_step
+    from megalite.testing.reference_step import train_step
     config, grid, device, model, optimizer, scaler, t, batch = build(args, root)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     iteration = [0]

@@ -28,7 +28,7 @@ from megalite.parallel.grid import build_grid  # noqa: E402
 from megalite.pipeline.partition import build_model_chunks  # noqa: E402
 from megalite.step_values import LossScaler, resolve_steps  # noqa: E402
 from megalite.testing import run_world  # noqa: E402
-from megalite.training import train_step  # noqa: E402
+from megalite.testing.reference_step import train_step  # noqa: E402
 from tools.tool_errors import one_line_errors, positive  # noqa: E402
 
 LAYOUTS = {  # name: (world, parallel sizes, model options, ZeRO stage)

@@ -34,7 +34,7 @@ import torch  # noqa: E402
 from megalite.config import ModelConfig, TrainConfig  # noqa: E402
 from megalite.data_parallel.zero import DistributedOptimizer  # noqa: E402
 from megalite.model.gpt import GPTModel  # noqa: E402
-from megalite.training import build_optimizer  # noqa: E402
+from megalite.testing.reference_step import build_optimizer  # noqa: E402
 from tools.tool_errors import one_line_errors, positive, writable  # noqa: E402
 
 

@@ -2,7 +2,7 @@
 """Framework overhead: megalite's single-process training step against a plain PyTorch
 GPT-2 of the same shape, alternated step by step in one run.
 
-megalite: ``GPTModel`` + ``megalite.training.train_step`` with torch AdamW from
+megalite: ``GPTModel`` + ``megalite.testing.reference_step.train_step`` with torch AdamW from
 ``build_optimizer`` (serial, grid=None): loss mask and mean, global gradient norm,
 clipping, LR schedule, loss-scale bookkeeping.
 Plain: the GPT-2 below (embeddings, pre-LN blocks with a fused qkv linear, SDPA causal,
@@ -33,7 +33,8 @@ from torch import nn  # noqa: E402
 
 from megalite.config import ModelConfig, TrainConfig  # noqa: E402
 from megalite.model.gpt import GPTModel  # noqa: E402
-from megalite.training import LossScaler, build_optimizer, train_step  # noqa: E402
+from megalite.training import LossScaler  # noqa: E402
+from megalite.testing.reference_step import build_optimizer, train_step  # noqa: E402
 from tools.tool_errors import one_line_errors, positive, writable  # noqa: E402
 
 

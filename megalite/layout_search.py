@@ -14,12 +14,13 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from megalite.config import ModelConfig
+from megalite.model.counting import flops_per_token
 from megalite.data_parallel.update_rule import DEFAULT_RULE
 from megalite.planner import (RECOMPUTE, Estimate, GiB, Hardware, Layout, Precision, check_layout, communication,
                               estimate, format_communication, model_state_bytes, precision, stage_parameters, total_parameters)
 from megalite.planner_cp import cp_variants, describe_cp, explain_cp_type
 from megalite.planner_flags import grads_in_fp32
-from megalite.planner_pipeline import (compute_seconds, explain_schedule, flops_per_token, held_words, same_layout,
+from megalite.planner_pipeline import (compute_seconds, explain_schedule, held_words, same_layout,
                                        schedules)
 
 
@@ -117,7 +118,7 @@ def plan(m: ModelConfig, hw: Hardware, global_batch: int, micro: int, prec: Prec
     one minus the bubble, plus communication; :mod:`megalite.planner_pipeline`)."""
     prec = prec or precision("bf16", grads_in_fp32("bf16"))
     checked: dict[tuple, str | None] = {}
-    flops, tokens = flops_per_token(m, total_parameters(m)), global_batch * m.seq_length
+    flops, tokens = flops_per_token(m), global_batch * m.seq_length
     estimates, invalid = [], {}
     for layout in sorted(candidate_layouts(m, hw, max_cp, cp_comm_type), key=ladder_key):
         key = (layout.tp, layout.pp, layout.cp, layout.zero, layout.ep, layout.cp_comm_type, layout.cp_inner)

@@ -9,26 +9,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from megalite.config import ModelConfig
+from megalite.model.counting import layer_activation_bytes  # noqa: F401  (the parts' activations, re-exported)
 from megalite.moe import planning as moe_planning
 
 if TYPE_CHECKING:
     from megalite.planner import Precision
-
-
-def layer_activation_bytes(m: ModelConfig, micro: int, tp: int = 1, sp: bool = False, cp: int = 1,
-                           recompute: str = "none", act_bytes: int = 2, flash_attention: bool = False) -> float:
-    """Bytes one layer keeps for backward per micro-batch (module docstring)."""
-    s, b, h, a = m.seq_length / cp, micro, m.hidden_size, m.num_attention_heads
-    kv = m.num_query_groups / a
-    sbh, sbf, B = s * b * h, s * b * m.ffn_hidden_size, act_bytes
-    if recompute == "full":
-        return B * sbh / (tp if sp else 1)
-    masks = 2 if m.hidden_dropout > 0 else 0  # two 1-byte dropout masks (the fused kernel's)
-    replicated = (4 * B + masks) * sbh  # norm inputs, QKV and FC1 inputs, the masks: 10 sbh
-    mlp = (4 if m.swiglu else 2) * B * sbf
-    split = B * sbh * (2 + 2 * kv) + mlp  # Q, K, V, attention output; MLP: 24 sbh for GPT-2
-    scores = 0.0 if recompute == "selective" or flash_attention else (2 * B + 1) * a * s * s * b  # 5 a s^2 b
-    return replicated / (tp if sp else 1) + (split + scores) / tp
 
 
 def chunk_moe_flags(m: ModelConfig, chunks: int, g: int) -> list[bool]:

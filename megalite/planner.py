@@ -100,7 +100,9 @@ from megalite import planner_cp, planner_documents, planner_pipeline
 from megalite.config import ModelConfig
 from megalite.data_parallel.accounting import zero_theory_bytes
 from megalite.data_parallel.update_rule import DEFAULT_RULE
-from megalite.model.counting import layer_parameters, norm_parameters, total_parameters  # noqa: F401  (the parts' shapes)
+from megalite.layers.part_shape import norm_parameters
+from megalite.model.counting import layer_parameters, total_parameters  # noqa: F401  (the parts' shapes)
+from megalite.model.parts import attention_part
 from megalite.moe import planning as moe_planning
 from megalite.parallel.grid import GridLayout
 from megalite.pipeline.schedule_kinds import schedule as describe_schedule
@@ -341,7 +343,8 @@ def stage_memory(m: ModelConfig, layout: Layout, stage: int, micro: int, num_mic
         # under ZeRO-3, --ddp-bucket-size elements under ZeRO-2), reduce-scattered when complete
         bucket = split + replicated if layout.zero == 3 else min(psi, DEFAULT_BUCKET)
         if psi_e:  # expert and dense parameters never share a bucket
-            bucket = moe_planning.largest_gradient_bucket(m, layout.tp, layout.ep, layout.pp, stage, DEFAULT_BUCKET)
+            bucket = moe_planning.largest_gradient_bucket(m, layout.tp, layout.ep, layout.pp, stage, DEFAULT_BUCKET,
+                                                          attention_part(m))
         mem["buffers"] += prec.grad_bytes * bucket
     mem["data"] = planner_documents.batch_bytes(m.seq_length, micro, num_micro, layout.cp, documents)
     mem["total"] += mem["activations"] + mem["buffers"] + mem["data"]

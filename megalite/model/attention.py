@@ -4,7 +4,7 @@ Causal softmax attention over grouped query heads, split over TP by key/value gr
 fused ``qkv`` weight has ``groups * (heads_per_group + 2) * head_dim`` rows ordered by group
 (the group's query heads, its key head, its value head), so TP's contiguous row chunks give each
 rank whole groups. A variant (another scoring rule, say) subclasses it and overrides
-:meth:`SelfAttention.score_inputs` and its shape (:class:`megalite.model.part_shape.PartShape`),
+:meth:`SelfAttention.score_inputs` and its shape (:class:`megalite.layers.part_shape.PartShape`),
 then registers itself in :mod:`megalite.model.parts`.
 """
 from __future__ import annotations
@@ -17,20 +17,21 @@ from megalite.layers import transformer_engine as te_layers
 from megalite.layers.attention import attention
 from megalite.layers.documents import Documents
 from megalite.layers.kv_cache import cached_attention
+from megalite.layers.part_shape import SelfAttentionShape
 from megalite.layers.rotary import apply_rotary
 from megalite.model.linears import linears_for
-from megalite.model.part_shape import LinearShape, PartShape
 from megalite.parallel import comm
 from megalite.parallel.random import get_rng_tracker
 from megalite.recompute import checkpointed
 
 
-class SelfAttention(nn.Module, PartShape):
+class SelfAttention(nn.Module, SelfAttentionShape):
     """Causal self-attention, split over TP by key/value groups (with their query heads).
 
     Under context parallelism (``cp_group`` of 2+ ranks) the core attention is exchanged over
     the CP group the way ``cfg.cp_comm_type`` says; ``cp_hierarchy`` = (inner, outer) are the
-    all-to-all and ring groups of the hierarchical type (``ProcessGrid.cp_hierarchy``)."""
+    all-to-all and ring groups of the hierarchical type (``ProcessGrid.cp_hierarchy``). Its
+    parameters, FLOPs and activations: :class:`megalite.layers.part_shape.SelfAttentionShape`."""
 
     def __init__(self, cfg, tp_group=None, sequence_parallel: bool = False, cp_group=None,
                  cp_hierarchy: tuple = (None, None)):
@@ -46,29 +47,6 @@ class SelfAttention(nn.Module, PartShape):
                                   name="qkv", **par)
         self.proj = linears.row(cfg, proj.in_features, proj.out_features, bias=proj.bias, name="proj", **par)
         self.te_core = te_layers.te_attention_core(cfg, tp_group, self.cp_group)  # None: megalite's attention
-
-    # -- shape (PartShape) ------------------------------------------------------------------------
-    @classmethod
-    def linears(cls, m) -> list[LinearShape]:
-        """qkv (h -> (heads + 2 groups) d, column), proj (heads d -> h, row)."""
-        h, d, a, g = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_query_groups
-        return [LinearShape("qkv", h, (a + 2 * g) * d, True, m.add_bias_linear or m.add_qkv_bias),
-                LinearShape("proj", a * d, h, False, m.add_bias_linear)]
-
-    @classmethod
-    def attended_flops(cls, m) -> float:
-        """Q K^T and P V: 2 matmuls of heads x head_dim per attended position, 2 FLOPs each."""
-        return 4.0 * m.hidden_size
-
-    @classmethod
-    def activation_bytes(cls, m, s: float, b: int, act_bytes: int, recompute: str = "none",
-                         flash_attention: bool = False) -> tuple[float, float, float]:
-        """QKV's input (replicated); Q, K, V and the attention output (split: 2 + 2 groups/heads
-        s b h); the scores and their dropout mask, (2 e + 1) heads s^2 b, unless selective
-        recomputation or a flash-style kernel drops them."""
-        B, sbh, kv = act_bytes, s * b * m.hidden_size, m.num_query_groups / m.num_attention_heads
-        scores = 0.0 if recompute == "selective" or flash_attention else (2 * B + 1) * m.num_attention_heads * s * s * b
-        return B * sbh, B * sbh * (2 + 2 * kv), scores
 
     # -- forward ----------------------------------------------------------------------------------
     def score_inputs(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,14 +15,10 @@ Full recomputation runs the forward again: 4/3 of this (:func:`megalite.planner_
 """
 from __future__ import annotations
 
+from megalite.layers.part_shape import norm_parameters
 from megalite.model.parts import layer_spec
 from megalite.moe import planning as moe_planning
 from megalite.moe.settings import moe_layers
-
-
-def norm_parameters(m) -> int:
-    """One norm: weight (and bias for LayerNorm) of h."""
-    return 2 * m.hidden_size if m.normalization == "LayerNorm" else m.hidden_size
 
 
 def layer_parameters(m, tp: int = 1) -> tuple[int, int]:

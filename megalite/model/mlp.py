@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite.layers.part_shape import MLPShape
 from megalite.model.linears import linears_for
-from megalite.model.part_shape import LinearShape, PartShape
 
 
-class MLP(nn.Module, PartShape):
+class MLP(nn.Module, MLPShape):
     """fc2(act(fc1(x))), split over TP along the FFN dimension (fc1 column-, fc2 row-parallel).
     ``ffn``: the FFN size (default ``cfg.ffn_hidden_size``; an MoE shared expert has its own)."""
 
@@ -29,24 +29,6 @@ class MLP(nn.Module, PartShape):
         self.fc1 = linears.column(cfg, fc1.in_features, fc1.out_features, bias=fc1.bias, sections=2 if cfg.swiglu else 1,
                                   norm_inside=norm_inside, name="fc1", **par)
         self.fc2 = linears.row(cfg, fc2.in_features, fc2.out_features, bias=fc2.bias, name="fc2", **par)
-
-    @classmethod
-    def linears(cls, m, ffn: int | None = None) -> list[LinearShape]:
-        """fc1 (h -> k f, column; k = 2 with SwiGLU), fc2 (f -> h, row); none for an FFN of 0."""
-        f = m.ffn_hidden_size if ffn is None else ffn
-        if not f:
-            return []
-        sections = 2 if m.swiglu else 1
-        return [LinearShape("fc1", m.hidden_size, sections * f, True, m.add_bias_linear),
-                LinearShape("fc2", f, m.hidden_size, False, m.add_bias_linear)]
-
-    @classmethod
-    def activation_bytes(cls, m, s: float, b: int, act_bytes: int, recompute: str = "none",
-                         flash_attention: bool = False) -> tuple[float, float, float]:
-        """fc1's input (replicated); the activation's inputs and outputs, 2 s b f (GELU) or
-        4 s b f (SwiGLU: gate, up, silu(gate) and the product) elements (split)."""
-        B = act_bytes
-        return B * s * b * m.hidden_size, (4 if m.swiglu else 2) * B * (s * b * m.ffn_hidden_size), 0.0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)

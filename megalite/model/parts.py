@@ -9,7 +9,7 @@ A layer holds an attention part and an MLP part, built from linears of one imple
   layers ``moe_layers(cfg)`` picks;
 - the linears and norms: ``LINEARS[cfg.transformer_impl]`` (:mod:`megalite.model.linears`).
 
-Each part class carries its shape (:class:`megalite.model.part_shape.PartShape`: parameters,
+Each part class carries its shape (:class:`megalite.layers.part_shape.PartShape`: parameters,
 FLOPs, activations), which the counting in :mod:`megalite.model.counting` adds up per layer.
 
 Which attention: ``ModelConfig`` has no attention setting yet, so ``attention_kind`` reads a
@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megalite.layers.part_shape import PartShape
 from megalite.model.attention import SelfAttention
 from megalite.model.linears import LocalLinears, linears_for
 from megalite.model.mlp import MLP
-from megalite.model.part_shape import PartShape
 from megalite.moe.settings import moe_layers
 
 DEFAULT_ATTENTION = "self"

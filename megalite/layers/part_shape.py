@@ -1,9 +1,12 @@
 """What a model part says about itself without being built: its linears, its other parameters,
 its FLOPs per token and the activations it keeps for backward.
 
-A part (an attention, an MLP) inherits :class:`PartShape` and describes its weight matrices as
-:class:`LinearShape` rows; the counting (:mod:`megalite.model.counting`), the planner, MFU and
-the memory accounting read every shape from there. The rules a part follows:
+A part (an attention, an MLP: the modules in ``megalite/model/``) inherits :class:`PartShape`,
+or a shape below, and describes its weight matrices as :class:`LinearShape` rows; the counting
+(:mod:`megalite.model.counting`), the planner, ``megalite.moe.planning``, MFU and the memory
+accounting read every shape from there. Pure arithmetic on a model config (any object with its
+fields), on the layers' floor so that ``moe/`` and the model below the planner share it. The
+rules a part follows:
 
 - **Parameters**: each linear's ``in x out`` weight (+ ``out`` bias), split over TP when the
   linear is column-parallel (its output rows) or row-parallel (its input columns); a row-parallel
@@ -63,7 +66,8 @@ class PartShape:
     """The shape side of a model part (module docstring); a part class overrides what differs."""
 
     @classmethod
-    def linears(cls, m) -> list[LinearShape]:
+    def linears(cls, m, *size) -> list[LinearShape]:
+        """The part's weight matrices; ``size``: a part's own size arguments (the MLP's FFN size)."""
         return []
 
     @classmethod
@@ -72,18 +76,19 @@ class PartShape:
         return 0, 0
 
     @classmethod
-    def parameter_counts(cls, m) -> tuple[int, int]:
+    def parameter_counts(cls, m, *size) -> tuple[int, int]:
         """(split over TP, replicated) parameters of the part, full size."""
         split, replicated = cls.extra_parameters(m)
-        for linear in cls.linears(m):
+        for linear in cls.linears(m, *size):
             split += linear.split_parameters()
             replicated += linear.replicated_parameters()
         return split, replicated
 
     @classmethod
-    def parameter_list(cls, m, tp: int) -> list[int]:
-        """Elements of each parameter on one TP rank, in registration order (the buckets' order)."""
-        out = [n for linear in cls.linears(m) for n in linear.parameter_list(tp)]
+    def parameter_list(cls, m, tp: int, *size) -> list[int]:
+        """Elements of each parameter on one TP rank, in registration order (the buckets' order):
+        the linears', then the extra ones."""
+        out = [n for linear in cls.linears(m, *size) for n in linear.parameter_list(tp)]
         split, replicated = cls.extra_parameters(m)
         return out + ([split // tp] if split else []) + ([replicated] if replicated else [])
 
@@ -99,10 +104,63 @@ class PartShape:
         return 0.0, 0.0, 0.0
 
     @classmethod
-    def w_input_elements(cls, m, tokens: float, tp: int, sp: bool) -> float:
+    def w_input_elements(cls, m, tokens: float, tp: int, sp: bool, *size) -> float:
         """Elements its linears keep between B and W (every input x, then every output gradient dy)."""
-        pairs = [linear.w_inputs_per_token(tp, sp) for linear in cls.linears(m)]
+        pairs = [linear.w_inputs_per_token(tp, sp) for linear in cls.linears(m, *size)]
         per_token = 0.0
         for value in [x for x, _ in pairs] + [dy for _, dy in pairs]:
             per_token += value
         return tokens * per_token
+
+
+def norm_parameters(m) -> int:
+    """One norm: weight (and bias for LayerNorm) of h."""
+    return 2 * m.hidden_size if m.normalization == "LayerNorm" else m.hidden_size
+
+
+class SelfAttentionShape(PartShape):
+    """The shape of :class:`megalite.model.attention.SelfAttention` (grouped-query softmax attention)."""
+
+    @classmethod
+    def linears(cls, m, *size) -> list[LinearShape]:
+        """qkv (h -> (heads + 2 groups) d, column), proj (heads d -> h, row)."""
+        h, d, a, g = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_query_groups
+        return [LinearShape("qkv", h, (a + 2 * g) * d, True, m.add_bias_linear or m.add_qkv_bias),
+                LinearShape("proj", a * d, h, False, m.add_bias_linear)]
+
+    @classmethod
+    def attended_flops(cls, m) -> float:
+        """Q K^T and P V: 2 matmuls of heads x head_dim per attended position, 2 FLOPs each."""
+        return 4.0 * m.hidden_size
+
+    @classmethod
+    def activation_bytes(cls, m, s: float, b: int, act_bytes: int, recompute: str = "none",
+                         flash_attention: bool = False) -> tuple[float, float, float]:
+        """QKV's input (replicated); Q, K, V and the attention output (split: 2 + 2 groups/heads
+        s b h); the scores and their dropout mask, (2 e + 1) heads s^2 b, unless selective
+        recomputation or a flash-style kernel drops them."""
+        B, sbh, kv = act_bytes, s * b * m.hidden_size, m.num_query_groups / m.num_attention_heads
+        scores = 0.0 if recompute == "selective" or flash_attention else (2 * B + 1) * m.num_attention_heads * s * s * b
+        return B * sbh, B * sbh * (2 + 2 * kv), scores
+
+
+class MLPShape(PartShape):
+    """The shape of :class:`megalite.model.mlp.MLP` (a dense MLP of FFN size f, default the config's)."""
+
+    @classmethod
+    def linears(cls, m, *size) -> list[LinearShape]:
+        """fc1 (h -> k f, column; k = 2 with SwiGLU), fc2 (f -> h, row); none for an FFN of 0."""
+        f = size[0] if size else m.ffn_hidden_size
+        if not f:
+            return []
+        sections = 2 if m.swiglu else 1
+        return [LinearShape("fc1", m.hidden_size, sections * f, True, m.add_bias_linear),
+                LinearShape("fc2", f, m.hidden_size, False, m.add_bias_linear)]
+
+    @classmethod
+    def activation_bytes(cls, m, s: float, b: int, act_bytes: int, recompute: str = "none",
+                         flash_attention: bool = False) -> tuple[float, float, float]:
+        """fc1's input (replicated); the activation's inputs and outputs, 2 s b f (GELU) or
+        4 s b f (SwiGLU: gate, up, silu(gate) and the product) elements (split)."""
+        B = act_bytes
+        return B * s * b * m.hidden_size, (4 if m.swiglu else 2) * B * (s * b * m.ffn_hidden_size), 0.0

@@ -1,7 +1,7 @@
 """Packed documents in the planner: the attention work they leave, and the step's batch on the device.
 
 **Attention FLOPs.** Training counts ``6 N + 12 L h s`` model FLOPs per token
-(:func:`megalite.monitor.flops_per_token`): 6 per parameter a token meets, plus the scores
+(:func:`megalite.model.counting.flops_per_token`): 6 per parameter a token meets, plus the scores
 (Q K^T) and the weighted values (P V) of attention, 2 matmuls of s x h per token per layer,
 x2 FLOPs, x3 with backward. With ``--reset-attention-mask`` a query attends only its own
 document, and megalite's Triton kernels skip the key tiles no document spans, so the attention

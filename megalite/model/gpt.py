@@ -14,6 +14,10 @@ Weight layout (what a checkpoint or a tensor-parallel shard refers to):
 - Layers are named by their *global* index (``layers.7``) whatever pipeline stage
   holds them, so names do not depend on the layout.
 
+Each block's parts (its attention, dense or MoE MLP, and local or transformer-engine linears)
+come from the layer spec, :func:`megalite.model.parts.layer_spec`; their shapes (parameters,
+FLOPs, activations) from :mod:`megalite.layers.part_shape`, added up in :mod:`megalite.model.counting`.
+
 Mixture of experts (``--num-experts``): the MLP of the layers ``moe_layers(cfg)`` picks is a
 :class:`megalite.moe.block.MoEMLP` (router, experts spread over the expert-parallel group,
 the aux losses entering backward on their own); the block reads the same.

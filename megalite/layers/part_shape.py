@@ -3,10 +3,10 @@ its FLOPs per token and the activations it keeps for backward.
 
 A part (an attention, an MLP: the modules in ``megalite/model/``) inherits :class:`PartShape`,
 or a shape below, and describes its weight matrices as :class:`LinearShape` rows; the counting
-(:mod:`megalite.model.counting`), the planner, ``megalite.moe.planning``, MFU and the memory
-accounting read every shape from there. Pure arithmetic on a model config (any object with its
-fields), on the layers' floor so that ``moe/`` and the model below the planner share it. The
-rules a part follows:
+(:mod:`megalite.model.counting`), the planner's memory (and so the dry run's planned column),
+``megalite.moe.planning`` and MFU read every shape from there. Pure arithmetic on a model config
+(any object with its fields), on the layers' floor so that ``moe/``, which does not import the
+model, shares it with the model. The rules a part follows:
 
 - **Parameters**: each linear's ``in x out`` weight (+ ``out`` bias), split over TP when the
   linear is column-parallel (its output rows) or row-parallel (its input columns); a row-parallel

@@ -1,10 +1,8 @@
 """What a training run reports: throughput, TFLOP/s and MFU, memory, time split, progress.
 
-Model FLOPs per token for training (forward + backward), the usual estimate:
-    6 N + 12 L h s
-N parameters (each does a multiply-add forward and two backward: 6 FLOPs per token), plus
-the attention scores and weighted values that N does not count: 2 matmuls of s x h per
-token per layer, x2 FLOPs, x3 for backward = 12 L h s. MFU = achieved model FLOP/s per GPU
+Model FLOPs per token for training (forward + backward): :func:`megalite.model.counting.flops_per_token`,
+from the model's parts (``6 N + 12 L h s`` for GPT: 6 per parameter a token meets, plus the
+attention scores and weighted values that N does not count). MFU = achieved model FLOP/s per GPU
 divided by the GPU's peak (dense bf16), from ``--peak-tflops`` or the detected GPU.
 """
 from __future__ import annotations
@@ -17,7 +15,7 @@ import torch
 
 from megalite.arguments import WANDB_MISSING
 from megalite.config import ModelConfig
-from megalite.model.gpt import count_active_parameters
+from megalite.model.counting import flops_per_token  # noqa: F401  (the one definition; MFU reads it)
 from megalite.progress import is_terminal, progress_bar
 
 # Dense 16-bit tensor-core peak TFLOP/s (bf16, fp32 accumulate; no 2:4 sparsity), keyed by the
@@ -65,15 +63,6 @@ PEAK_TFLOPS: dict[str, float] = {
 }
 
 _unknown_reported: set[str] = set()
-
-
-def flops_per_token(cfg: ModelConfig, attended: float | None = None) -> float:
-    """6 x the parameters a token meets (MoE: its top-k experts only) + attention's 12 L h s.
-    ``attended``: with packed documents a query attends only its own document, so s becomes
-    the mean over tokens of their document's length (sum_d L_d^2 / s: :func:`attended_length`);
-    the MFU then counts only the attention work done."""
-    length = cfg.seq_length if attended is None else attended
-    return 6.0 * count_active_parameters(cfg) + 12.0 * cfg.num_layers * cfg.hidden_size * length
 
 
 def attended_length(micro_batches: list[dict]) -> float | None:

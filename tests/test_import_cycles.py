@@ -205,13 +205,14 @@ FLOORS = {
     "megalite.pipeline.schedule_kinds": 5,  # the schedule table (plain data)
     "megalite.pipeline.orders": 5,  # each schedule's operation order (plain functions the table names)
     "megalite.pipeline.checks": 5,  # the schedule rules, read from the table
+    # the update rules and the ZeRO arithmetic (torch only), which the parts' counting and the planners ask:
+    "megalite.data_parallel.adamw": 5, "megalite.data_parallel.update_rule": 5, "megalite.data_parallel.accounting": 5,
     "megalite.config": 6, "megalite.arguments": 6, "megalite.launch": 6,
     "megalite.moe": 7,
     "megalite.model": 8,
     "megalite.data_parallel": 9, "megalite.pipeline": 9,
     "megalite.checkpoint": 10, "megalite.planner": 10, "megalite.monitor": 10, "megalite.preflight": 10,
     "megalite.timeline": 10,
-    "megalite.moe.planning": 10,  # the planner's MoE arithmetic (it reads the ZeRO arithmetic of floor 9)
     # the planner's own floors (megalite/planner/__init__.py): its types at the bottom, the package's
     # re-exports on top
     "megalite.planner.types": 10.0, "megalite.planner.flags": 10.1, "megalite.planner.layers": 10.1,

@@ -155,7 +155,7 @@ def test_meta_dry_run_with_packed_documents(monkeypatch, comm_type):
              "--train-iters", "1", "--log-interval", "1", "--tensor-model-parallel-size", "2", "--sequence-parallel",
              "--pipeline-model-parallel-size", "2", "--context-parallel-size", "2", "--cp-comm-type", comm_type,
              "--attention-dropout", "0", *LLAMA_FLAGS, *PACKED]
-    from megalite.model import gpt
+    from megalite.model import attention as gpt  # SelfAttention calls context_parallel_attention there
     seen = []
 
     def recording(q, k, v, *args, documents=None, **kwargs):  # the documents reach every layer, on meta

@@ -49,6 +49,7 @@ from torch import nn
 
 from megalite.errors import ConfigError
 from megalite.layers.backends import te_missing
+from megalite.layers.part_shape import SelfAttentionShape
 from megalite.parallel.comm import group_rank, group_size
 from megalite.parallel.random import get_rng_tracker
 from megalite.parallel.sharding import TPSplit, mark_sequence_parallel, mark_tensor_parallel
@@ -141,11 +142,11 @@ def _check_fp8_shapes(m, tp: int) -> None:
                           "the forward's scaling factors (transformer-engine's own checkpoint function), which "
                           "megalite's full recompute does not do. Fix: --recompute-granularity selective, or "
                           "drop one of the two.")
-    qkv = m.num_query_groups * (m.num_attention_heads // m.num_query_groups + 2) * m.head_dim
+    qkv, proj = SelfAttentionShape.linears(m)  # TE's attention is megalite's self-attention
     per_rank = "" if tp == 1 else f" per TP rank (TP {tp})"
     dims = {"hidden size": m.hidden_size, f"FFN size{per_rank}": m.ffn_hidden_size // tp,
-            f"qkv width{per_rank}": qkv // tp,
-            f"attention width (heads x head dim){per_rank}": m.num_attention_heads * m.head_dim // tp}
+            f"qkv width{per_rank}": qkv.out_features // tp,
+            f"attention width (heads x head dim){per_rank}": proj.in_features // tp}
     bad = {k: v for k, v in dims.items() if v % FP8_ALIGN}
     if bad:
         listed = ", ".join(f"{k} {v}" for k, v in bad.items())

@@ -14,6 +14,10 @@ Weight layout (what a checkpoint or a tensor-parallel shard refers to):
 - Layers are named by their *global* index (``layers.7``) whatever pipeline stage
   holds them, so names do not depend on the layout.
 
+Each block's parts (its attention, dense or MoE MLP, and local or transformer-engine linears)
+come from the layer spec, :func:`megalite.model.parts.layer_spec`; their shapes (parameters,
+FLOPs, activations) from :mod:`megalite.layers.part_shape`, added up in :mod:`megalite.model.counting`.
+
 Mixture of experts (``--num-experts``): the MLP of the layers ``moe_layers(cfg)`` picks is a
 :class:`megalite.moe.block.MoEMLP` (router, experts spread over the expert-parallel group,
 the aux losses entering backward on their own); the block reads the same.
@@ -33,27 +37,25 @@ import functools
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
-from megalite.layers.attention import attention
 from megalite.layers.documents import Documents
-from megalite.layers.kv_cache import cached_attention
 from megalite.layers.fp8 import fp8_autocast
-from megalite.layers.norms import build_norm
-from megalite.layers import transformer_engine as te_layers
-from megalite.layers.rotary import apply_rotary, rotary_angles
+from megalite.layers.rotary import rotary_angles
 from megalite.layers.weight_grad import embedding, linear, mark_deferred
+from megalite.model.attention import SelfAttention  # noqa: F401  (the default attention part)
+from megalite.model.counting import skipped_expert_parameters
+from megalite.model.linears import linears_for
+from megalite.model.mlp import MLP  # noqa: F401  (the dense MLP part)
+from megalite.model.parts import LayerSpec, attention_part, layer_spec
 from megalite.moe.block import MoEMLP
-from megalite.moe.settings import moe_layers
-from megalite.layers.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+from megalite.layers.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding,
                                              sequence_parallel_linear, vocab_parallel_cross_entropy)
-from megalite.context_parallel.attention import ContextParallelGroups, context_parallel_attention
 from megalite.parallel import comm
 from megalite.parallel.random import get_rng_tracker, init_full_tensor
 from megalite.parallel.sharding import mark_sequence_parallel
-from megalite.recompute import checkpointed, run_layers
+from megalite.recompute import run_layers
 
 
 class ParallelDropout(nn.Dropout):
@@ -79,127 +81,6 @@ class ParallelDropout(nn.Dropout):
         return super().forward(x)
 
 
-def _norm(cfg: ModelConfig, sequence_parallel: bool) -> nn.Module:
-    fused = "te" if te_layers.uses_te(cfg) else cfg.fused_kernels
-    norm = build_norm(cfg.normalization, cfg.hidden_size, cfg.norm_epsilon, fused=fused)
-    if sequence_parallel:
-        for p in norm.parameters():
-            mark_sequence_parallel(p)
-    return norm
-
-
-def _norm_before(linear: nn.Module, cfg: ModelConfig, sequence_parallel: bool) -> nn.Module:
-    """The norm in front of ``linear``; with transformer-engine it runs inside the linear
-    (LayerNormLinear), and this module only names its parameters as the local norm's."""
-    if te_layers.has_norm_inside(linear):
-        return te_layers.FusedNormParameters(linear)
-    return _norm(cfg, sequence_parallel)
-
-
-def _column(cfg: ModelConfig, in_features: int, out_features: int, *, bias: bool, sections: int = 1,
-            norm_inside: bool = False, name: str | None = None, **par) -> nn.Module:
-    """megalite's ColumnParallelLinear, or transformer-engine's (``norm_inside``: its
-    LayerNormLinear, the norm before it fused in; the local layer keeps the norm apart;
-    ``name``: the layer's role, naming TE's communication buffers)."""
-    if te_layers.uses_te(cfg):
-        return te_layers.column_parallel_linear(cfg, in_features, out_features, bias=bias, sections=sections,
-                                                norm_inside=norm_inside, name=name, **par)
-    return ColumnParallelLinear(in_features, out_features, bias=bias, sections=sections, **par)
-
-
-def _row(cfg: ModelConfig, in_features: int, out_features: int, *, bias: bool, name: str | None = None,
-         **par) -> nn.Module:
-    if te_layers.uses_te(cfg):
-        return te_layers.row_parallel_linear(cfg, in_features, out_features, bias=bias, name=name, **par)
-    return RowParallelLinear(in_features, out_features, bias=bias, **par)
-
-
-class SelfAttention(nn.Module):
-    """Causal self-attention, split over TP by key/value groups (with their query heads).
-
-    Under context parallelism (``cp_group`` of 2+ ranks) the core attention is exchanged over
-    the CP group the way ``cfg.cp_comm_type`` says; ``cp_hierarchy`` = (inner, outer) are the
-    all-to-all and ring groups of the hierarchical type (``ProcessGrid.cp_hierarchy``)."""
-
-    def __init__(self, cfg: ModelConfig, tp_group=None, sequence_parallel: bool = False, cp_group=None,
-                 cp_hierarchy: tuple = (None, None)):
-        super().__init__()
-        self.cfg = cfg
-        self.cp_group = cp_group if comm.group_size(cp_group) > 1 else None
-        self.cp_groups = ContextParallelGroups(self.cp_group, *cp_hierarchy)
-        self.heads_per_group = cfg.num_attention_heads // cfg.num_query_groups
-        qkv_out = cfg.num_query_groups * (self.heads_per_group + 2) * cfg.head_dim
-        par = dict(tp_group=tp_group, sequence_parallel=sequence_parallel)
-        self.qkv = _column(cfg, cfg.hidden_size, qkv_out, bias=cfg.add_bias_linear or cfg.add_qkv_bias,
-                           norm_inside=True, name="qkv", **par)
-        self.proj = _row(cfg, cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.add_bias_linear,
-                         name="proj", **par)
-        self.te_core = te_layers.te_attention_core(cfg, tp_group, self.cp_group)  # None: megalite's attention
-
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                cache=None, documents: Documents | None = None) -> torch.Tensor:
-        d, hpg = self.cfg.head_dim, self.heads_per_group
-        qkv = self.qkv(x)  # (s, b, local groups * (hpg + 2) * d): whole groups of this rank
-        s, b = qkv.shape[:2]
-        qkv = qkv.view(s, b, -1, hpg + 2, d).permute(1, 2, 3, 0, 4)  # (b, groups, hpg + 2, s, d)
-        q = qkv[:, :, :hpg].reshape(b, -1, s, d)  # (b, heads, s, d), grouped by kv group
-        k, v = qkv[:, :, hpg], qkv[:, :, hpg + 1]  # (b, groups, s, d)
-        if rope is not None:
-            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-            # q and k are new tensors now; saved for backward, the view v would keep all of qkv
-            # alive (heads + groups head dims per token more than q, k, v need): copy it out.
-            v = v.contiguous()
-        dropout_p = self.cfg.attention_dropout if self.training else 0.0
-        if cache is not None:  # generation: these positions attend over every position so far
-            out = cached_attention(q, *cache.extend(k, v))
-        elif self.cfg.recompute_granularity == "selective" and self.training and torch.is_grad_enabled():
-            out = checkpointed(self.core_attention, q, k, v, dropout_p, documents)  # s^2 memory, few FLOPs
-        else:
-            out = self.core_attention(q, k, v, dropout_p, documents)
-        return self.proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
-
-    def core_attention(self, q, k, v, dropout_p: float, documents: Documents | None = None) -> torch.Tensor:
-        """``documents``: packed documents of the whole sequence (a token sees its own only)."""
-        if self.cp_group is not None:
-            # This rank holds a shard of the sequence: attend over all of it (ring, all-to-all, ...).
-            return context_parallel_attention(q, k, v, self.cp_groups, self.cfg.cp_comm_type, causal=True,
-                                              backend=self.cfg.attention_backend, documents=documents)
-        if self.te_core is not None and documents is None:  # TE's core is given no document mask: megalite's runs
-            return self.te_core(q, k, v)  # transformer-engine's, dropout on the TP stream inside
-        if dropout_p > 0:
-            # Attention probabilities belong to this rank's heads: a TP-split tensor.
-            with get_rng_tracker().fork():
-                return attention(q, k, v, causal=True, dropout_p=dropout_p, backend=self.cfg.attention_backend,
-                                 documents=documents)
-        return attention(q, k, v, causal=True, backend=self.cfg.attention_backend, documents=documents)
-
-
-class MLP(nn.Module):
-    """fc2(act(fc1(x))), split over TP along the FFN dimension (fc1 column-, fc2 row-parallel).
-    ``ffn``: the FFN size (default ``cfg.ffn_hidden_size``; an MoE shared expert has its own)."""
-
-    def __init__(self, cfg: ModelConfig, tp_group=None, sequence_parallel: bool = False, ffn: int | None = None,
-                 norm_inside: bool = False):
-        """``norm_inside``: with transformer-engine, the block's norm runs inside fc1."""
-        super().__init__()
-        self.swiglu = cfg.swiglu
-        ffn = ffn or cfg.ffn_hidden_size
-        par = dict(tp_group=tp_group, sequence_parallel=sequence_parallel)
-        sections = 2 if cfg.swiglu else 1  # SwiGLU: fc1 = [gate; up]
-        self.fc1 = _column(cfg, cfg.hidden_size, sections * ffn, bias=cfg.add_bias_linear, sections=sections,
-                           norm_inside=norm_inside, name="fc1", **par)
-        self.fc2 = _row(cfg, ffn, cfg.hidden_size, bias=cfg.add_bias_linear, name="fc2", **par)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc1(x)
-        if self.swiglu:
-            gate, up = h.chunk(2, dim=-1)
-            h = F.silu(gate) * up
-        else:
-            h = F.gelu(h, approximate="tanh")  # GPT-2's gelu_new
-        return self.fc2(h)
-
-
 class TransformerBlock(nn.Module):
     """x + attn(norm(x)), then + mlp(norm(.)); dropout on each branch output.
 
@@ -207,19 +88,23 @@ class TransformerBlock(nn.Module):
     inside the branch's first linear, and the first registration names its parameters)."""
 
     def __init__(self, cfg: ModelConfig, tp_group=None, sequence_parallel: bool = False, cp_group=None,
-                 moe: bool = False, ep_group=None, token_group=None, cp_hierarchy: tuple = (None, None)):
+                 moe: bool = False, ep_group=None, token_group=None, cp_hierarchy: tuple = (None, None),
+                 spec: LayerSpec | None = None):
+        """``spec``: the layer's parts (:func:`megalite.model.parts.layer_spec`; default: the
+        config's attention, a dense or MoE MLP as ``moe`` says)."""
         super().__init__()
-        attn = SelfAttention(cfg, tp_group, sequence_parallel, cp_group, cp_hierarchy)
-        self.attn_norm = _norm_before(attn.qkv, cfg, sequence_parallel)
+        spec = spec or LayerSpec(attention_part(cfg), moe, linears_for(cfg))
+        attn = spec.attention(cfg, tp_group, sequence_parallel, cp_group, cp_hierarchy)
+        self.attn_norm = spec.linears.norm_before(attn.qkv, cfg, sequence_parallel)
         self.attn = attn
-        if moe:
+        if spec.moe:
             shared = cfg.moe_shared_expert_intermediate_size
-            self.mlp_norm = _norm(cfg, sequence_parallel)
+            self.mlp_norm = spec.linears.norm(cfg, sequence_parallel)
             self.mlp = MoEMLP(cfg, tp_group, sequence_parallel, cp_group, ep_group, token_group,
-                              shared_expert=MLP(cfg, tp_group, sequence_parallel, shared) if shared else None)
+                              shared_expert=spec.mlp(cfg, tp_group, sequence_parallel, shared) if shared else None)
         else:
-            mlp = MLP(cfg, tp_group, sequence_parallel, norm_inside=True)
-            self.mlp_norm = _norm_before(mlp.fc1, cfg, sequence_parallel)
+            mlp = spec.mlp(cfg, tp_group, sequence_parallel, norm_inside=True)
+            self.mlp_norm = spec.linears.norm_before(mlp.fc1, cfg, sequence_parallel)
             self.mlp = mlp
         self.dropout = ParallelDropout(cfg.hidden_dropout, sequence_parallel)
 
@@ -278,13 +163,12 @@ class GPTModel(nn.Module):
                 if sequence_parallel:
                     mark_sequence_parallel(self.position_embeddings.weight)
             self.embedding_dropout = ParallelDropout(cfg.hidden_dropout, sequence_parallel)
-        moe = moe_layers(cfg)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, **par, cp_group=cp_group, moe=moe[i],
-                                                              ep_group=ep_group, token_group=token_group,
-                                                              cp_hierarchy=cp_hierarchy)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, **par, cp_group=cp_group, ep_group=ep_group,
+                                                              token_group=token_group, cp_hierarchy=cp_hierarchy,
+                                                              spec=layer_spec(cfg, i))
                                      for i in self.layer_range})
         if post_process:
-            self.final_norm = _norm(cfg, sequence_parallel)
+            self.final_norm = linears_for(cfg).norm(cfg, sequence_parallel)
             if not tied:
                 self.output_layer = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab_size,
                                                          bias=False, **par)
@@ -410,8 +294,4 @@ def count_parameters(cfg: ModelConfig) -> int:
 
 def count_active_parameters(cfg: ModelConfig) -> int:
     """Parameters one token meets (for FLOPs): an MoE layer's token uses topk of its experts."""
-    total = count_parameters(cfg)
-    if not cfg.num_experts:
-        return total
-    per_expert = (3 if cfg.swiglu else 2) * cfg.hidden_size * cfg.moe_ffn_hidden_size
-    return total - sum(moe_layers(cfg)) * (cfg.num_experts - cfg.moe_router_topk) * per_expert
+    return count_parameters(cfg) - skipped_expert_parameters(cfg)

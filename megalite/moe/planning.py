@@ -60,6 +60,7 @@ traffic in its MLP: half a dense layer's (attention only).
 from __future__ import annotations
 
 from megalite.data_parallel.accounting import zero_theory_bytes
+from megalite.layers.part_shape import MLPShape, PartShape, SelfAttentionShape, norm_parameters
 from megalite.moe.settings import moe_layers
 
 
@@ -73,11 +74,9 @@ def expert_parameters(m) -> int:
 
 
 def mlp_parameters(m, ffn: int, tp: int = 1) -> tuple[int, int]:
-    """(split over TP, replicated) parameters of megalite's dense MLP of FFN size ``ffn``."""
-    if not ffn:
-        return 0, 0
-    h, sec, bias = m.hidden_size, _sections(m), int(m.add_bias_linear)
-    return (h * sec * ffn + bias * sec * ffn + ffn * h) // tp, bias * h
+    """(split over TP, replicated) parameters of megalite's dense MLP of FFN size ``ffn`` (its shape)."""
+    split, replicated = MLPShape.parameter_counts(m, ffn)
+    return split // tp, replicated
 
 
 def moe_mlp_parameters(m, tp: int = 1, ep: int = 1) -> tuple[int, int, int]:
@@ -145,39 +144,39 @@ def stage_ends(m, tp: int, pp: int, stage: int) -> tuple[list, list]:
     if stage == 0 and m.position_embedding_type == "learned_absolute":
         head.append((m.max_position_embeddings * m.hidden_size, False))
     if stage == pp - 1:
-        tail.append((2 * m.hidden_size if m.normalization == "LayerNorm" else m.hidden_size, False))
+        tail.append((norm_parameters(m), False))
         if not tied:
             tail.append((embedding, False))
     return head, tail
 
 
-def _layer_parameter_list(m, tp: int, ep: int, moe: bool) -> list[tuple[int, bool]]:
-    """(elements, expert) of each parameter of one layer on one rank, in registration order."""
-    h, d, a, g, bias, sec = (m.hidden_size, m.head_dim, m.num_attention_heads, m.num_query_groups,
-                             int(m.add_bias_linear), _sections(m))
-    norm = [(h, False)] * (2 if m.normalization == "LayerNorm" else 1)
-
-    def linear(n_in, n_out, split_out):  # weight and bias of a column- (split_out) or row-parallel linear
-        return [(n_in * n_out // tp, False)] + ([(n_out // tp if split_out else n_out, False)] if bias else [])
-
-    out = norm + linear(h, (a + 2 * g) * d, True) + linear(a * d, h, False) + norm
+def _layer_parameter_list(m, tp: int, ep: int, moe: bool,
+                          attention: type[PartShape] = SelfAttentionShape) -> list[tuple[int, bool]]:
+    """(elements, expert) of each parameter of one layer on one rank, in registration order:
+    the attention's norm and part (``attention``: its shape), the MLP's norm and the dense MLP, or
+    the router, the stacked experts' fc1 and fc2 and the shared expert (a dense MLP)."""
+    norm = [(n, False) for n in [m.hidden_size] * (norm_parameters(m) // m.hidden_size)]
+    out = norm + [(n, False) for n in attention.parameter_list(m, tp)] + norm
     if not moe:
-        return out + linear(h, sec * m.ffn_hidden_size, True) + linear(m.ffn_hidden_size, h, False)
+        return out + [(n, False) for n in MLPShape.parameter_list(m, tp)]
     local, f, fs = m.num_experts // ep, m.moe_ffn_hidden_size, m.moe_shared_expert_intermediate_size
-    out += [(m.num_experts * h, False), (local * sec * f * h, True), (local * h * f, True)]
-    return out + (linear(h, sec * fs, True) + linear(fs, h, False) if fs else [])
+    out += [(m.num_experts * m.hidden_size, False), (local * _sections(m) * f * m.hidden_size, True),
+            (local * m.hidden_size * f, True)]
+    return out + [(n, False) for n in MLPShape.parameter_list(m, tp, fs or 0)]
 
 
-def largest_gradient_bucket(m, tp: int, ep: int, pp: int, stage: int, bucket_size: int) -> int:
+def largest_gradient_bucket(m, tp: int, ep: int, pp: int, stage: int, bucket_size: int,
+                            attention: type[PartShape] = SelfAttentionShape) -> int:
     """Elements of the largest gradient bucket of a stage (what ZeRO-2 stages per micro-batch):
     megalite's buckets (``megalite.data_parallel.ddp``) take the parameters in reverse order in
     groups of about ``bucket_size`` elements, cut where they switch between dense and expert
-    parameters; a tied embedding is a bucket of its own."""
+    parameters; a tied embedding is a bucket of its own. ``attention``: the layers' attention
+    shape (the planner passes the part the config picks)."""
     head, tail = stage_ends(m, tp, pp, stage)
     flags = moe_layers(m)
     items = [(n, False, iso) for n, iso in head]  # (elements, expert, isolated), registration order
     for i in stage_layers(m, pp, stage):
-        items += [(n, e, False) for n, e in _layer_parameter_list(m, tp, ep, flags[i])]
+        items += [(n, e, False) for n, e in _layer_parameter_list(m, tp, ep, flags[i], attention)]
     items += [(n, False, iso) for n, iso in tail]
     largest, size, expert, filled = 0, 0, None, 0  # the current bucket: elements, kind; the group's fill
     for n, is_expert, isolated in reversed(items):

@@ -1,7 +1,7 @@
 """Packed documents in the planner: the attention work they leave, and the step's batch on the device.
 
 **Attention FLOPs.** Training counts ``6 N + 12 L h s`` model FLOPs per token
-(:func:`megalite.monitor.flops_per_token`): 6 per parameter a token meets, plus the scores
+(:func:`megalite.model.counting.flops_per_token`): 6 per parameter a token meets, plus the scores
 (Q K^T) and the weighted values (P V) of attention, 2 matmuls of s x h per token per layer,
 x2 FLOPs, x3 with backward. With ``--reset-attention-mask`` a query attends only its own
 document, and megalite's Triton kernels skip the key tiles no document spans, so the attention
@@ -35,7 +35,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from megalite.config import ModelConfig
-from megalite.monitor import attended_length, flops_per_token
+from megalite.model.counting import attended_flops, flops_per_token
+from megalite.monitor import attended_length
 
 # Bytes per token of each key of a micro-batch (megalite.data.builder's dtypes).
 BATCH_BYTES = {"tokens": 8, "labels": 8, "position_ids": 8, "loss_mask": 4}
@@ -86,9 +87,9 @@ class DocumentFlops:
 
 
 def document_flops(m: ModelConfig, attended: float) -> DocumentFlops:
-    """FLOPs per token both ways, from :func:`megalite.monitor.flops_per_token` (what MFU counts)."""
+    """FLOPs per token both ways, from :func:`megalite.model.counting.flops_per_token` (what MFU counts)."""
     whole, docs = flops_per_token(m), flops_per_token(m, attended)
-    per_length = 12.0 * m.num_layers * m.hidden_size  # attention FLOPs per token per attended token
+    per_length = 3.0 * attended_flops(m)  # training attention FLOPs per token per attended token: 12 L h
     return DocumentFlops(m.seq_length, float(attended), whole, docs, per_length * m.seq_length, per_length * attended)
 
 

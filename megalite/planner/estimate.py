@@ -96,6 +96,9 @@ import functools
 
 from megalite.config import ModelConfig
 from megalite.data_parallel.accounting import zero_theory_bytes
+from megalite.layers.part_shape import norm_parameters
+from megalite.model.counting import layer_activation_bytes, layer_parameters, total_parameters  # noqa: F401  (the parts' shapes)
+from megalite.model.parts import attention_part
 from megalite.moe import planning as moe_planning
 from megalite.parallel.grid import EXPERT_KINDS, GridLayout
 from megalite.pipeline.schedule_kinds import schedule as describe_schedule
@@ -108,24 +111,6 @@ DEFAULT_BUCKET = training_defaults()["ddp_bucket_size"]  # elements, pretrain_gp
 
 
 # -- parameters ------------------------------------------------------------------------------------
-
-def layer_parameters(m: ModelConfig, tp: int = 1) -> tuple[int, int]:
-    """(split over TP, replicated) parameters of one transformer layer on one TP rank.
-
-    GPT-2 (LayerNorm, biases, FFN 4h, no GQA): split (12 h^2 + 7 h) / t, replicated 6 h
-    (two norms of 2h, the attention projection and FC2 biases, added after the reduction)."""
-    h, d, a, g, f = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_query_groups, m.ffn_hidden_size
-    bias = int(m.add_bias_linear)
-    sections = 2 if m.swiglu else 1
-    qkv = (a + 2 * g) * d
-    split = h * qkv + bias * qkv + a * d * h + h * sections * f + bias * sections * f + f * h
-    replicated = 2 * _norm_parameters(m) + 2 * bias * h
-    return split // tp, replicated
-
-
-def _norm_parameters(m: ModelConfig) -> int:
-    return 2 * m.hidden_size if m.normalization == "LayerNorm" else m.hidden_size
-
 
 def stage_parameters(m: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0, ep: int = 1,
                      schedule: str = "1f1b") -> int:
@@ -148,7 +133,7 @@ def stage_parameters(m: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0, e
         if m.position_embedding_type == "learned_absolute":
             psi += m.max_position_embeddings * m.hidden_size
     if last:
-        psi += _norm_parameters(m)
+        psi += norm_parameters(m)
         if not tied or not first:  # the output layer, or the last stage's copy of the embedding
             psi += embedding
     return psi
@@ -165,17 +150,6 @@ def stage_expert_parameters(m: ModelConfig, tp: int = 1, pp: int = 1, stage: int
                    for g in kind.local_chunks(pp, stage))
     layers = moe_planning.stage_layers(m, pp, stage)
     return moe_planning.layers_parameters(m, layer_parameters(m, tp), tp, ep, layers)[1]
-
-
-def total_parameters(m: ModelConfig) -> int:
-    """Parameters of the whole model, real (unpadded) vocabulary, tied embedding once."""
-    split, replicated = layer_parameters(m)
-    vocab = m.vocab_size * m.hidden_size * (1 if not m.untie_embeddings_and_output_weights else 2)
-    positions = m.max_position_embeddings * m.hidden_size if m.position_embedding_type == "learned_absolute" else 0
-    layers = m.num_layers * (split + replicated)
-    if m.num_experts:
-        layers = sum(moe_planning.layers_parameters(m, (split, replicated)))
-    return layers + vocab + positions + _norm_parameters(m)
 
 
 def model_state_bytes(psi: int, n: int, zero: int, prec: Precision) -> dict[str, float]:
@@ -264,7 +238,8 @@ def stage_memory(m: ModelConfig, layout: Layout, stage: int, micro: int, num_mic
         # under ZeRO-3, --ddp-bucket-size elements under ZeRO-2), reduce-scattered when complete
         bucket = split + replicated if layout.zero == 3 else min(psi, DEFAULT_BUCKET)
         if psi_e:  # expert and dense parameters never share a bucket
-            bucket = moe_planning.largest_gradient_bucket(m, layout.tp, layout.ep, layout.pp, stage, DEFAULT_BUCKET)
+            bucket = moe_planning.largest_gradient_bucket(m, layout.tp, layout.ep, layout.pp, stage, DEFAULT_BUCKET,
+                                                          attention_part(m))
         mem["buffers"] += prec.grad_bytes * bucket
     mem["data"] = planner_documents.batch_bytes(m.seq_length, micro, num_micro, layout.cp, documents)
     mem["total"] += mem["activations"] + mem["buffers"] + mem["data"]

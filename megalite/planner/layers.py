@@ -7,24 +7,11 @@ what a running W holds (:func:`w_gradient_chunk_bytes`); see :mod:`megalite.plan
 from __future__ import annotations
 
 from megalite.config import ModelConfig
+from megalite.layers.part_shape import MLPShape
+from megalite.model.counting import layer_activation_bytes  # noqa: F401  (the parts' activations, re-exported)
+from megalite.model.parts import attention_part
 from megalite.moe import planning as moe_planning
 from megalite.planner.types import Precision
-
-
-def layer_activation_bytes(m: ModelConfig, micro: int, tp: int = 1, sp: bool = False, cp: int = 1,
-                           recompute: str = "none", act_bytes: int = 2, flash_attention: bool = False) -> float:
-    """Bytes one layer keeps for backward per micro-batch (module docstring)."""
-    s, b, h, a = m.seq_length / cp, micro, m.hidden_size, m.num_attention_heads
-    kv = m.num_query_groups / a
-    sbh, sbf, B = s * b * h, s * b * m.ffn_hidden_size, act_bytes
-    if recompute == "full":
-        return B * sbh / (tp if sp else 1)
-    masks = 2 if m.hidden_dropout > 0 else 0  # two 1-byte dropout masks (the fused kernel's)
-    replicated = (4 * B + masks) * sbh  # norm inputs, QKV and FC1 inputs, the masks: 10 sbh
-    mlp = (4 if m.swiglu else 2) * B * sbf
-    split = B * sbh * (2 + 2 * kv) + mlp  # Q, K, V, attention output; MLP: 24 sbh for GPT-2
-    scores = 0.0 if recompute == "selective" or flash_attention else (2 * B + 1) * a * s * s * b  # 5 a s^2 b
-    return replicated / (tp if sp else 1) + (split + scores) / tp
 
 
 def chunk_moe_flags(m: ModelConfig, chunks: int, g: int) -> list[bool]:
@@ -38,15 +25,6 @@ def chunk_moe_flags(m: ModelConfig, chunks: int, g: int) -> list[bool]:
 
 
 _MOE_FLAGS: dict[tuple, tuple[bool, ...]] = {}
-
-
-def _mlp_w_inputs(m: ModelConfig, ffn: int, tokens: float, tp: int, sp: bool) -> float:
-    """Elements fc1 and fc2 keep for their W: x of fc1 (the sequence shard under SP), x of fc2
-    and the output gradients, fc1's ``sections * ffn / t`` wide, fc2's ``h`` (not split)."""
-    if not ffn:
-        return 0.0
-    h, sections = m.hidden_size, 2 if m.swiglu else 1
-    return tokens * (h / (tp if sp else 1) + ffn / tp + sections * ffn / tp + h)
 
 
 def w_input_layer_bytes(m: ModelConfig, micro: int, tp: int = 1, sp: bool = False, cp: int = 1,
@@ -67,15 +45,13 @@ def w_input_layer_bytes(m: ModelConfig, micro: int, tp: int = 1, sp: bool = Fals
     N = k_route T rows it routes (T = s b, /t under SP; experts are not split over TP) and the
     shared expert as a dense MLP; the router's weight gradient stays in B."""
     s, b = m.seq_length / cp, micro
-    h, q = m.hidden_size, m.num_attention_heads * m.head_dim
-    kv = 2 * m.num_query_groups * m.head_dim
-    attention = s * b * (h / (tp if sp else 1) + q / tp + (q + kv) / tp + h)
+    attention = attention_part(m).w_input_elements(m, s * b, tp, sp)  # the parts' linears (PartShape)
     if moe:
         rows = moe_planning.routed_tokens(m, micro, tp, sp, cp) * m.moe_router_topk
-        mlp = _mlp_w_inputs(m, m.moe_ffn_hidden_size, rows, 1, False)
-        mlp += _mlp_w_inputs(m, m.moe_shared_expert_intermediate_size or 0, s * b, tp, sp)
+        mlp = MLPShape.w_input_elements(m, rows, 1, False, m.moe_ffn_hidden_size)
+        mlp += MLPShape.w_input_elements(m, s * b, tp, sp, m.moe_shared_expert_intermediate_size or 0)
     else:
-        mlp = _mlp_w_inputs(m, m.ffn_hidden_size, s * b, tp, sp)
+        mlp = MLPShape.w_input_elements(m, s * b, tp, sp, m.ffn_hidden_size)
     return act_bytes * (attention + mlp)
 
 
@@ -100,10 +76,7 @@ def w_input_chunk_bytes(m: ModelConfig, chunks: int, g: int, micro: int, tp: int
 def _linear_weights(m: ModelConfig, ffn: int, tp: int) -> list[float]:
     """Elements of each linear weight of an MLP of FFN size ``ffn`` on one TP rank: fc1 ``k f h / t``
     and fc2 ``f h / t`` (none without an MLP)."""
-    if not ffn:
-        return []
-    sections = 2 if m.swiglu else 1
-    return [sections * ffn * m.hidden_size / tp, ffn * m.hidden_size / tp]
+    return [linear.weight / tp for linear in MLPShape.linears(m, ffn)]
 
 
 def w_gradient_chunk_bytes(m: ModelConfig, chunks: int, g: int, micro: int, tp: int, cp: int, ep: int,
@@ -130,10 +103,10 @@ def w_gradient_chunk_bytes(m: ModelConfig, chunks: int, g: int, micro: int, tp: 
     what W adds (the dW computed, its inputs dropped, the copy: 0.37 GiB for the 0.24 GiB output
     layer); that of a 4-layer MoE (8 experts over EP 2, h 1024, SwiGLU f 4096) e X + e S - Wi
     within 0.01 GiB (0.09 against 0.10)."""
-    h, d, a, kv = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_query_groups
+    h = m.hidden_size
     e = prec.weight_bytes
     flags = chunk_moe_flags(m, chunks, g)
-    attention = [h * (a + 2 * kv) * d / tp, a * d * h / tp]  # QKV, proj
+    attention = [linear.weight / tp for linear in attention_part(m).linears(m)]  # QKV, proj
     largest, experts, stacked = max(attention), 0.0, 0.0
     if not all(flags):  # a dense layer
         largest = max([largest] + _linear_weights(m, m.ffn_hidden_size, tp))

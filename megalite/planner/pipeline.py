@@ -283,16 +283,6 @@ def _stage_activations(m: ModelConfig, layout: Layout, stage: int, micro: int, n
 
 # -- time -----------------------------------------------------------------------------------------
 
-def flops_per_token(m: ModelConfig, parameters: int) -> float:
-    """6 x the parameters a token meets + attention's 12 L h s (as :func:`megalite.monitor.flops_per_token`
-    counts, without building the model): ``parameters`` less the E - k experts of each MoE layer
-    a token skips."""
-    skipped = 0
-    if m.num_experts:
-        skipped = sum(moe_planning.moe_layers(m)) * (m.num_experts - m.moe_router_topk) * moe_planning.expert_parameters(m)
-    return 6.0 * (parameters - skipped) + 12.0 * m.num_layers * m.hidden_size * m.seq_length
-
-
 def compute_seconds(flops_per_token: float, tokens: int, gpus: int, recompute: str, hw: Hardware) -> float:
     """One step's compute per GPU at the achieved rate (module docstring)."""
     return flops_per_token * tokens * (4 / 3 if recompute == "full" else 1) / (gpus * hw.achieved_tflops * 1e12)

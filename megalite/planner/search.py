@@ -13,12 +13,13 @@ from __future__ import annotations
 import dataclasses
 
 from megalite.config import ModelConfig
+from megalite.model.counting import flops_per_token
 from megalite.planner.checks import check_layout
 from megalite.planner.cp import cp_variants, explain_cp_type
 from megalite.planner.estimate import (estimate, format_communication, model_state_bytes,
                                        stage_parameters, total_parameters)
 from megalite.planner.flags import grads_in_fp32
-from megalite.planner.pipeline import (compute_seconds, explain_schedule, flops_per_token, held_words, same_layout,
+from megalite.planner.pipeline import (compute_seconds, explain_schedule, held_words, same_layout,
                                        schedules)
 from megalite.planner.types import RECOMPUTE, Estimate, GiB, Hardware, Layout, Plan, Precision, describe_cp, precision
 
@@ -100,7 +101,7 @@ def plan(m: ModelConfig, hw: Hardware, global_batch: int, micro: int, prec: Prec
     one minus the bubble, plus communication; :mod:`megalite.planner.pipeline`)."""
     prec = prec or precision("bf16", grads_in_fp32("bf16"))
     checked: dict[tuple, str | None] = {}
-    flops, tokens = flops_per_token(m, total_parameters(m)), global_batch * m.seq_length
+    flops, tokens = flops_per_token(m), global_batch * m.seq_length
     estimates, invalid = [], {}
     for layout in sorted(candidate_layouts(m, hw, max_cp, cp_comm_type), key=ladder_key):
         key = (layout.tp, layout.pp, layout.cp, layout.zero, layout.ep, layout.cp_comm_type, layout.cp_inner)

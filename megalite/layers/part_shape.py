@@ -1,0 +1,166 @@
+"""What a model part says about itself without being built: its linears, its other parameters,
+its FLOPs per token and the activations it keeps for backward.
+
+A part (an attention, an MLP: the modules in ``megalite/model/``) inherits :class:`PartShape`,
+or a shape below, and describes its weight matrices as :class:`LinearShape` rows; the counting
+(:mod:`megalite.model.counting`), the planner's memory (and so the dry run's planned column),
+``megalite.moe.planning`` and MFU read every shape from there. Pure arithmetic on a model config
+(any object with its fields), on the layers' floor so that ``moe/``, which does not import the
+model, shares it with the model. The rules a part follows:
+
+- **Parameters**: each linear's ``in x out`` weight (+ ``out`` bias), split over TP when the
+  linear is column-parallel (its output rows) or row-parallel (its input columns); a row-parallel
+  linear's bias is replicated (added after the reduction). Anything else the part holds is
+  ``extra_parameters`` (split, replicated).
+- **FLOPs per token, forward**: 2 per weight a token meets (a multiply-add), plus what the
+  weights do not count: ``attended_flops`` per position a token attends to (softmax attention:
+  ``Q K^T`` and ``P V``, 2 x 2 x heads x head_dim = 4 h). Training counts 3 x forward (backward
+  is two matmuls per forward one); full recomputation adds one forward.
+- **Activations kept for backward**, bytes per micro-batch of ``s b`` tokens, e = activation
+  bytes: ``replicated`` (held whole on every TP rank, a sequence shard under SP), ``split``
+  (divided over TP), and ``recomputable`` (what selective recomputation or a flash-style kernel
+  does not keep, divided over TP).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    """One weight matrix of a part: ``out x in``, column-parallel (output rows split over TP)
+    or row-parallel (input columns split)."""
+    name: str
+    in_features: int
+    out_features: int
+    column: bool
+    bias: bool
+
+    @property
+    def weight(self) -> int:
+        return self.in_features * self.out_features
+
+    def split_parameters(self) -> int:
+        """Elements split over TP (full size): the weight, and a column-parallel bias."""
+        return self.weight + (self.out_features if self.bias and self.column else 0)
+
+    def replicated_parameters(self) -> int:
+        """Elements every TP rank holds whole: a row-parallel linear's bias."""
+        return self.out_features if self.bias and not self.column else 0
+
+    def parameter_list(self, tp: int) -> list[int]:
+        """Elements of the weight and bias on one TP rank, in registration order."""
+        bias = [self.out_features // tp if self.column else self.out_features] if self.bias else []
+        return [self.weight // tp] + bias
+
+    def w_inputs_per_token(self, tp: int, sp: bool) -> tuple[float, float]:
+        """(x, dy) elements per token its deferred weight gradient keeps: a column linear's input
+        is whole (a sequence shard under SP) and its output gradient split; a row linear's input
+        is split and its output gradient whole."""
+        if self.column:
+            return self.in_features / (tp if sp else 1), self.out_features / tp
+        return self.in_features / tp, self.out_features
+
+
+class PartShape:
+    """The shape side of a model part (module docstring); a part class overrides what differs."""
+
+    @classmethod
+    def linears(cls, m, *size) -> list[LinearShape]:
+        """The part's weight matrices; ``size``: a part's own size arguments (the MLP's FFN size)."""
+        return []
+
+    @classmethod
+    def extra_parameters(cls, m) -> tuple[int, int]:
+        """(split over TP, replicated) parameters beyond the linears."""
+        return 0, 0
+
+    @classmethod
+    def parameter_counts(cls, m, *size) -> tuple[int, int]:
+        """(split over TP, replicated) parameters of the part, full size."""
+        split, replicated = cls.extra_parameters(m)
+        for linear in cls.linears(m, *size):
+            split += linear.split_parameters()
+            replicated += linear.replicated_parameters()
+        return split, replicated
+
+    @classmethod
+    def parameter_list(cls, m, tp: int, *size) -> list[int]:
+        """Elements of each parameter on one TP rank, in registration order (the buckets' order):
+        the linears', then the extra ones."""
+        out = [n for linear in cls.linears(m, *size) for n in linear.parameter_list(tp)]
+        split, replicated = cls.extra_parameters(m)
+        return out + ([split // tp] if split else []) + ([replicated] if replicated else [])
+
+    @classmethod
+    def attended_flops(cls, m) -> float:
+        """Forward FLOPs per token per attended position, beyond the weights' 2 per parameter."""
+        return 0.0
+
+    @classmethod
+    def activation_bytes(cls, m, tokens: float, act_bytes: int, recompute: str = "none",
+                         flash_attention: bool = False) -> tuple[float, float, float]:
+        """(replicated, split, recomputable) bytes kept for backward by ``tokens`` = s b tokens."""
+        return 0.0, 0.0, 0.0
+
+    @classmethod
+    def w_input_elements(cls, m, tokens: float, tp: int, sp: bool, *size) -> float:
+        """Elements its linears keep between B and W (every input x, then every output gradient dy)."""
+        pairs = [linear.w_inputs_per_token(tp, sp) for linear in cls.linears(m, *size)]
+        per_token = 0.0
+        for value in [x for x, _ in pairs] + [dy for _, dy in pairs]:
+            per_token += value
+        return tokens * per_token
+
+
+def norm_parameters(m) -> int:
+    """One norm: weight (and bias for LayerNorm) of h."""
+    return 2 * m.hidden_size if m.normalization == "LayerNorm" else m.hidden_size
+
+
+class SelfAttentionShape(PartShape):
+    """The shape of :class:`megalite.model.attention.SelfAttention` (grouped-query softmax attention)."""
+
+    @classmethod
+    def linears(cls, m, *size) -> list[LinearShape]:
+        """qkv (h -> (heads + 2 groups) d, column), proj (heads d -> h, row)."""
+        h, d, a, g = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_query_groups
+        return [LinearShape("qkv", h, (a + 2 * g) * d, True, m.add_bias_linear or m.add_qkv_bias),
+                LinearShape("proj", a * d, h, False, m.add_bias_linear)]
+
+    @classmethod
+    def attended_flops(cls, m) -> float:
+        """Q K^T and P V: 2 matmuls of heads x head_dim per attended position, 2 FLOPs each."""
+        return 4.0 * m.hidden_size
+
+    @classmethod
+    def activation_bytes(cls, m, s: float, b: int, act_bytes: int, recompute: str = "none",
+                         flash_attention: bool = False) -> tuple[float, float, float]:
+        """QKV's input (replicated); Q, K, V and the attention output (split: 2 + 2 groups/heads
+        s b h); the scores and their dropout mask, (2 e + 1) heads s^2 b, unless selective
+        recomputation or a flash-style kernel drops them."""
+        B, sbh, kv = act_bytes, s * b * m.hidden_size, m.num_query_groups / m.num_attention_heads
+        scores = 0.0 if recompute == "selective" or flash_attention else (2 * B + 1) * m.num_attention_heads * s * s * b
+        return B * sbh, B * sbh * (2 + 2 * kv), scores
+
+
+class MLPShape(PartShape):
+    """The shape of :class:`megalite.model.mlp.MLP` (a dense MLP of FFN size f, default the config's)."""
+
+    @classmethod
+    def linears(cls, m, *size) -> list[LinearShape]:
+        """fc1 (h -> k f, column; k = 2 with SwiGLU), fc2 (f -> h, row); none for an FFN of 0."""
+        f = size[0] if size else m.ffn_hidden_size
+        if not f:
+            return []
+        sections = 2 if m.swiglu else 1
+        return [LinearShape("fc1", m.hidden_size, sections * f, True, m.add_bias_linear),
+                LinearShape("fc2", f, m.hidden_size, False, m.add_bias_linear)]
+
+    @classmethod
+    def activation_bytes(cls, m, s: float, b: int, act_bytes: int, recompute: str = "none",
+                         flash_attention: bool = False) -> tuple[float, float, float]:
+        """fc1's input (replicated); the activation's inputs and outputs, 2 s b f (GELU) or
+        4 s b f (SwiGLU: gate, up, silu(gate) and the product) elements (split)."""
+        B = act_bytes
+        return B * s * b * m.hidden_size, (4 if m.swiglu else 2) * B * (s * b * m.ffn_hidden_size), 0.0

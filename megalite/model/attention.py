@@ -1,0 +1,93 @@
+"""Self-attention, the default attention part of a layer (``attention_kind`` "self").
+
+Causal softmax attention over grouped query heads, split over TP by key/value groups. The
+fused ``qkv`` weight has ``groups * (heads_per_group + 2) * head_dim`` rows ordered by group
+(the group's query heads, its key head, its value head), so TP's contiguous row chunks give each
+rank whole groups. A variant (another scoring rule, say) subclasses it and overrides
+:meth:`SelfAttention.score_inputs` and its shape (:class:`megalite.layers.part_shape.PartShape`),
+then registers itself in :mod:`megalite.model.parts`.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from megalite.context_parallel.attention import ContextParallelGroups, context_parallel_attention
+from megalite.layers import transformer_engine as te_layers
+from megalite.layers.attention import attention
+from megalite.layers.documents import Documents
+from megalite.layers.kv_cache import cached_attention
+from megalite.layers.part_shape import SelfAttentionShape
+from megalite.layers.rotary import apply_rotary
+from megalite.model.linears import linears_for
+from megalite.parallel import comm
+from megalite.parallel.random import get_rng_tracker
+from megalite.recompute import checkpointed
+
+
+class SelfAttention(nn.Module, SelfAttentionShape):
+    """Causal self-attention, split over TP by key/value groups (with their query heads).
+
+    Under context parallelism (``cp_group`` of 2+ ranks) the core attention is exchanged over
+    the CP group the way ``cfg.cp_comm_type`` says; ``cp_hierarchy`` = (inner, outer) are the
+    all-to-all and ring groups of the hierarchical type (``ProcessGrid.cp_hierarchy``). Its
+    parameters, FLOPs and activations: :class:`megalite.layers.part_shape.SelfAttentionShape`."""
+
+    def __init__(self, cfg, tp_group=None, sequence_parallel: bool = False, cp_group=None,
+                 cp_hierarchy: tuple = (None, None)):
+        super().__init__()
+        self.cfg = cfg
+        self.cp_group = cp_group if comm.group_size(cp_group) > 1 else None
+        self.cp_groups = ContextParallelGroups(self.cp_group, *cp_hierarchy)
+        self.heads_per_group = cfg.num_attention_heads // cfg.num_query_groups
+        linears = linears_for(cfg)
+        par = dict(tp_group=tp_group, sequence_parallel=sequence_parallel)
+        qkv, proj = self.linears(cfg)
+        self.qkv = linears.column(cfg, qkv.in_features, qkv.out_features, bias=qkv.bias, norm_inside=True,
+                                  name="qkv", **par)
+        self.proj = linears.row(cfg, proj.in_features, proj.out_features, bias=proj.bias, name="proj", **par)
+        self.te_core = te_layers.te_attention_core(cfg, tp_group, self.cp_group)  # None: megalite's attention
+
+    # -- forward ----------------------------------------------------------------------------------
+    def score_inputs(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The q (b, local heads, s, d) and k (b, local groups, s, d) the scores are taken from,
+        as ``softmax(q k^T / sqrt(d))``: as they come here; a variant reshapes the scores here."""
+        return q, k
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                cache=None, documents: Documents | None = None) -> torch.Tensor:
+        d, hpg = self.cfg.head_dim, self.heads_per_group
+        qkv = self.qkv(x)  # (s, b, local groups * (hpg + 2) * d): whole groups of this rank
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, -1, hpg + 2, d).permute(1, 2, 3, 0, 4)  # (b, groups, hpg + 2, s, d)
+        q = qkv[:, :, :hpg].reshape(b, -1, s, d)  # (b, heads, s, d), grouped by kv group
+        k, v = qkv[:, :, hpg], qkv[:, :, hpg + 1]  # (b, groups, s, d)
+        if rope is not None:
+            q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            # q and k are new tensors now; saved for backward, the view v would keep all of qkv
+            # alive (heads + groups head dims per token more than q, k, v need): copy it out.
+            v = v.contiguous()
+        q, k = self.score_inputs(q, k)
+        dropout_p = self.cfg.attention_dropout if self.training else 0.0
+        if cache is not None:  # generation: these positions attend over every position so far
+            out = cached_attention(q, *cache.extend(k, v))
+        elif self.cfg.recompute_granularity == "selective" and self.training and torch.is_grad_enabled():
+            out = checkpointed(self.core_attention, q, k, v, dropout_p, documents)  # s^2 memory, few FLOPs
+        else:
+            out = self.core_attention(q, k, v, dropout_p, documents)
+        return self.proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
+
+    def core_attention(self, q, k, v, dropout_p: float, documents: Documents | None = None) -> torch.Tensor:
+        """``documents``: packed documents of the whole sequence (a token sees its own only)."""
+        if self.cp_group is not None:
+            # This rank holds a shard of the sequence: attend over all of it (ring, all-to-all, ...).
+            return context_parallel_attention(q, k, v, self.cp_groups, self.cfg.cp_comm_type, causal=True,
+                                              backend=self.cfg.attention_backend, documents=documents)
+        if self.te_core is not None and documents is None:  # TE's core is given no document mask: megalite's runs
+            return self.te_core(q, k, v)  # transformer-engine's, dropout on the TP stream inside
+        if dropout_p > 0:
+            # Attention probabilities belong to this rank's heads: a TP-split tensor.
+            with get_rng_tracker().fork():
+                return attention(q, k, v, causal=True, dropout_p=dropout_p, backend=self.cfg.attention_backend,
+                                 documents=documents)
+        return attention(q, k, v, causal=True, backend=self.cfg.attention_backend, documents=documents)

@@ -1,0 +1,86 @@
+"""The model's sizes from its parts' shapes, without building it: parameters per layer and in
+all, the parameters a token meets, model FLOPs per token (the one definition MFU, the planner
+and the dry run read) and the activations one layer keeps for backward.
+
+**FLOPs per token, training**::
+
+    flops_per_token = 3 x (2 N_active + sum over layers of attended_flops x length)
+
+N_active: the parameters a token meets (an MoE layer's token meets top-k of its experts); 2 per
+parameter forward (a multiply-add), 3 x for forward and backward (backward is two matmuls per
+forward one). For GPT's softmax attention ``attended_flops`` = 4 h (Q K^T and P V), which gives
+the usual ``6 N + 12 L h s``. ``length``: the positions a token attends to, s, or with packed
+documents the mean over tokens of their document's length (:func:`megalite.monitor.attended_length`).
+Full recomputation runs the forward again: 4/3 of this (:func:`megalite.planner_pipeline.compute_seconds`).
+"""
+from __future__ import annotations
+
+from megalite.layers.part_shape import norm_parameters
+from megalite.model.parts import layer_spec
+from megalite.moe import planning as moe_planning
+from megalite.moe.settings import moe_layers
+
+
+def layer_parameters(m, tp: int = 1) -> tuple[int, int]:
+    """(split over TP, replicated) parameters of one dense transformer layer on one TP rank: its
+    attention's and MLP's (their shapes) and its two norms.
+
+    GPT-2 (LayerNorm, biases, FFN 4h, no GQA): split (12 h^2 + 7 h) / t, replicated 6 h
+    (two norms of 2h, the attention projection and FC2 biases, added after the reduction)."""
+    spec = layer_spec(m, 0)
+    attn_split, attn_replicated = spec.attention.parameter_counts(m)
+    mlp_split, mlp_replicated = spec.mlp.parameter_counts(m)
+    return (attn_split + mlp_split) // tp, 2 * norm_parameters(m) + attn_replicated + mlp_replicated
+
+
+def total_parameters(m) -> int:
+    """Parameters of the whole model, real (unpadded) vocabulary, tied embedding once."""
+    split, replicated = layer_parameters(m)
+    vocab = m.vocab_size * m.hidden_size * (1 if not m.untie_embeddings_and_output_weights else 2)
+    positions = m.max_position_embeddings * m.hidden_size if m.position_embedding_type == "learned_absolute" else 0
+    layers = m.num_layers * (split + replicated)
+    if m.num_experts:
+        layers = sum(moe_planning.layers_parameters(m, (split, replicated)))
+    return layers + vocab + positions + norm_parameters(m)
+
+
+def skipped_expert_parameters(m) -> int:
+    """Parameters a token does not meet: E - k experts of each MoE layer (0 for a dense model)."""
+    if not m.num_experts:
+        return 0
+    return sum(moe_layers(m)) * (m.num_experts - m.moe_router_topk) * moe_planning.expert_parameters(m)
+
+
+def active_parameters(m) -> int:
+    """Parameters one token meets (for FLOPs)."""
+    return total_parameters(m) - skipped_expert_parameters(m)
+
+
+def attended_flops(m) -> float:
+    """Forward FLOPs per token per attended position, all layers (4 L h for softmax attention)."""
+    return float(sum(layer_spec(m, i).attention.attended_flops(m) for i in range(m.num_layers)))
+
+
+def flops_per_token(m, attended: float | None = None) -> float:
+    """Model FLOPs per token for training (module docstring): 6 x the parameters a token meets +
+    3 x the attention's FLOPs over ``attended`` positions (default s): ``6 N + 12 L h s`` for GPT."""
+    length = m.seq_length if attended is None else attended
+    return 6.0 * active_parameters(m) + 3.0 * attended_flops(m) * length
+
+
+def layer_activation_bytes(m, micro: int, tp: int = 1, sp: bool = False, cp: int = 1,
+                           recompute: str = "none", act_bytes: int = 2, flash_attention: bool = False) -> float:
+    """Bytes one dense layer keeps for backward per micro-batch, s = seq/CP tokens of b = ``micro``:
+    the two norms' inputs and the two 1-byte dropout masks (with hidden dropout), replicated, plus
+    each part's (:meth:`PartShape.activation_bytes`): replicated ones divided by t under SP, split
+    ones by t. Full recomputation keeps the layer input only, e s b h (/t under SP)."""
+    s, b, B = m.seq_length / cp, micro, act_bytes
+    sbh = s * b * m.hidden_size
+    if recompute == "full":
+        return B * sbh / (tp if sp else 1)
+    spec = layer_spec(m, 0)
+    masks = 2 if m.hidden_dropout > 0 else 0  # two 1-byte dropout masks (the fused kernel's)
+    attn = spec.attention.activation_bytes(m, s, b, B, recompute, flash_attention)
+    mlp = spec.mlp.activation_bytes(m, s, b, B, recompute, flash_attention)
+    replicated = (2 * B + masks) * sbh + attn[0] + mlp[0]
+    return replicated / (tp if sp else 1) + (attn[1] + mlp[1] + (attn[2] + mlp[2])) / tp

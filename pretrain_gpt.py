@@ -12,7 +12,7 @@ import sys
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from megalite.pretrain import main
+from megalite.train.pretrain import main
 
 if __name__ == "__main__":
     sys.exit(record(main)())

@@ -52,7 +52,7 @@ class FakeSyncDebugMode:
     """``torch.cuda.set_sync_debug_mode`` and ``torch.cuda.synchronize`` for a CPU case.
 
     Mode ``"error"`` starts counting the host reads made from megalite's code
-    (:func:`megalite.host_syncs.count_host_syncs`: the reads that would synchronize a GPU,
+    (:func:`megalite.observe.host_syncs.count_host_syncs`: the reads that would synchronize a GPU,
     the synchronizing operators of torch's C++ code such as ``nonzero`` included); mode 0
     stops and raises ``RuntimeError`` naming them, where the real mode raises at the
     synchronizing call itself. What the counter cannot see on a CPU (its module docstring:
@@ -66,7 +66,7 @@ class FakeSyncDebugMode:
         self._counting = None
 
     def set_sync_debug_mode(self, mode) -> None:
-        from megalite.host_syncs import count_host_syncs
+        from megalite.observe.host_syncs import count_host_syncs
 
         self.modes.append(mode)
         if mode in ("error", 2, "warn", 1):

@@ -26,7 +26,7 @@ def _same_files(a, b):
 
 def _build(argv):
     """A model and its optimizer as pretrain builds them (no training)."""
-    from megalite.pretrain import build_training_state, setup
+    from megalite.train.pretrain import build_training_state, setup
     _, config, tokenizer, grid, device = setup(argv)
     _, optimizer, scaler = build_training_state(config, grid, device)
     for i, m in enumerate(optimizer.exp_avg):  # moments that differ from the weights
@@ -154,7 +154,7 @@ def _serial(rank, world, tmp):
 
 # -- through pretrain (--async-save) ---------------------------------------------------------
 def _run(rank, world, argv):
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     return [(r["iteration"], r["loss"], r["grad_norm"]) for r in pretrain(argv)]
 
 
@@ -234,7 +234,7 @@ def test_sigterm_during_a_background_write_finishes_it(tmp_path):
 
 
 def test_async_save_without_save_is_one_clear_message(capsys):
-    from megalite.pretrain import main
+    from megalite.train.pretrain import main
     assert main(BASE + ["--train-iters", "2", "--async-save"]) == 2
     err = capsys.readouterr().err
     assert "--async-save is set without --save: there is nothing to save. Fix: add --save DIR" in err
@@ -277,7 +277,7 @@ def test_bench_checkpoint_figures_show_the_async_save_in_the_background():
 def test_an_exception_waits_for_the_write_in_flight(tmp_path, capsys):
     """A run that stops on an error (a NaN, no --max-rollbacks) commits the checkpoint still
     being written before the error goes on; nothing partial is left."""
-    from megalite.pretrain import main
+    from megalite.train.pretrain import main
     assert main(BASE + ["--train-iters", "8", "--save", str(tmp_path), "--save-interval", "2", "--async-save",
                         "--inject-fault", "nan@5"]) == 3
     out, err = capsys.readouterr()

@@ -10,7 +10,7 @@ import torch
 from megalite.data.blended import BlendedDataset, blend_index, describe_data, parse_data_path
 from megalite.data.builder import build_data_iterators, build_datasets
 from megalite.data.indexed_dataset import IndexedDatasetBuilder
-from megalite.pretrain import main, pretrain
+from megalite.train.pretrain import main, pretrain
 from megalite.testing import WorldError, run_world
 
 SEQ = 16

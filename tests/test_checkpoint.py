@@ -23,7 +23,7 @@ BASE = ["--mock-data", "--vocab-size", "300", "--num-layers", "4", "--hidden-siz
 
 
 def _run(rank, world, argv):
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     return [(r["iteration"], r["loss"], r["grad_norm"]) for r in pretrain(argv)]
 
 
@@ -130,7 +130,7 @@ def test_corrupt_truncated_and_mismatched_checkpoints_are_refused(tmp_path):
 
 
 def test_mismatched_config_lists_the_fields(tmp_path, capsys):
-    from megalite.pretrain import main
+    from megalite.train.pretrain import main
     _save_small(tmp_path)
     argv = [a for a in BASE if a not in ()]
     argv[argv.index("--hidden-size") + 1] = "64"
@@ -187,7 +187,7 @@ def test_zero3_checkpoint_resumes_exactly(tmp_path):
 
 @pytest.mark.slow
 def test_load_a_chosen_iteration_resumes_exactly(tmp_path, capsys):
-    from megalite.pretrain import main
+    from megalite.train.pretrain import main
     argv = BASE + ["--train-iters", "3", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
     full = run_world(_run, 1, argv + ["--save", str(tmp_path), "--save-interval", "1"])[0]
     # --load DIR/iter_N (and --save to the same root: training goes on from there as usual)
@@ -209,7 +209,7 @@ def test_load_a_chosen_iteration_resumes_exactly(tmp_path, capsys):
 def test_no_latest_but_complete_iterations_is_not_a_fresh_start(tmp_path, capsys):
     """--load D --save D with no 'latest' starts fresh (an elastic job's first start), unless D
     holds complete iterations: then the fresh run's saves would overwrite them."""
-    from megalite.pretrain import main
+    from megalite.train.pretrain import main
     argv = BASE + ["--train-iters", "2"]
     run_world(_run, 1, argv + ["--save", str(tmp_path), "--save-interval", "1"])
     os.remove(tmp_path / "latest")

@@ -13,7 +13,7 @@ from megalite.data.corpus import build_default_corpus
 from megalite.data.preprocess import preprocess
 from megalite.data.tokenizer import build_tokenizer
 from megalite.data.tokenizer_training import train_sentencepiece
-from megalite.pretrain import main
+from megalite.train.pretrain import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))

@@ -22,7 +22,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from megalite.pretrain import main  # imported once, before the workers fork
+from megalite.train.pretrain import main  # imported once, before the workers fork
 from megalite.testing import free_port, run_world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

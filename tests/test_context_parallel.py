@@ -332,13 +332,13 @@ ITERS, TRITON_ITERS = "20", ("20" if FULL else "3")
 
 
 def _pretrain_worker(rank, world, extra):
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     return [(r["loss"], r["grad_norm"]) for r in pretrain(PRETRAIN + extra)]
 
 
 @functools.lru_cache
 def _serial_log(iters):
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     return [(r["loss"], r["grad_norm"]) for r in pretrain(PRETRAIN + ["--train-iters", iters])]
 
 

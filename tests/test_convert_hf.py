@@ -44,7 +44,7 @@ def test_import_gives_the_same_logits(tmp_path):
 
 
 def _train(rank, world, argv):
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     return pretrain(argv)
 
 

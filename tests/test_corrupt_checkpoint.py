@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from megalite.pretrain import main, pretrain
+from megalite.train.pretrain import main, pretrain
 from megalite.testing import run_world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

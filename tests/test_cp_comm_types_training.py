@@ -47,12 +47,12 @@ def worst_rel(log, ref) -> float:
 
 @functools.lru_cache
 def serial_log(extra: tuple = ()) -> list:
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     return [(r["loss"], r["grad_norm"]) for r in pretrain(BASE + list(extra) + ["--train-iters", ITERS])]
 
 
 def _pretrain(argv) -> list:
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     return [(r["iteration"], r["loss"], r["grad_norm"]) for r in pretrain(argv)]
 
 

@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore:torch.distributed is disabled:U
 
 
 def _pretrain(rank, world, *runs):
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     return [[r["loss"] for r in pretrain(argv)] for argv in runs]
 
 
@@ -100,7 +100,7 @@ def test_single_process_save_equals_megalite_format_and_resumes_alike(tmp_path):
     tensors (DCP's dcp_to_torch_save vs megalite's pieces; --async-save too), the same serial
     logits, and a resume from either continues with the same losses; metadata.json marks the
     format; a damaged DCP checkpoint is one CheckpointError."""
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     base = BASE + ["--hidden-dropout", "0.1"]  # dropout: the RNG streams are restored too
     pretrain(base + ["--train-iters", "2", "--save", str(tmp_path / "meg")])
     pretrain(base + DCP + ["--train-iters", "2", "--save", str(tmp_path / "dcp")])
@@ -253,7 +253,7 @@ def test_async_dcp_save_equals_sync_and_a_kill_during_the_write_keeps_the_previo
 
 
 def test_unknown_format_is_one_clear_message(capsys):
-    from megalite.pretrain import main
+    from megalite.train.pretrain import main
     assert main(BASE + ["--train-iters", "1", "--ckpt-format", "zarr"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--ckpt-format: invalid choice: 'zarr'" in err[0] and "torch_dcp" in err[0], err
@@ -263,8 +263,8 @@ def _tiny_run():
     """(config, grid, optimizer, scaler) of a one-process run, no training."""
     from megalite.parallel.random import model_parallel_seed
     from megalite.pipeline.partition import build_model_chunks
-    from megalite.pretrain import setup
-    from megalite.training import LossScaler, build_data_parallel_optimizer
+    from megalite.train.pretrain import setup
+    from megalite.train.step import LossScaler, build_data_parallel_optimizer
     _, config, _, grid, device = setup(BASE + ["--train-iters", "1"])
     model_parallel_seed(config.train.seed, grid, device)
     chunks = build_model_chunks(config, grid, device)

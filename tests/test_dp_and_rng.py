@@ -5,7 +5,7 @@ from megalite.config import ParallelConfig, TrainConfig
 from megalite.parallel.grid import build_grid
 from megalite.parallel.random import get_rng_tracker, model_parallel_seed
 from megalite.testing import run_world
-from megalite.training import LossScaler
+from megalite.train.step import LossScaler
 from megalite.testing.reference_step import build_optimizer, train_step
 from tests.test_model import batch, build, split, tiny
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.config import ConfigError
-from megalite.pretrain import pretrain
+from megalite.train.pretrain import pretrain
 
 # 4 layers (2 per stage at PP 2, 1 per virtual chunk) and a global batch of 16: at DP 4 that is
 # 2 micro-batches per step, the pipeline's depth, so 1F1B and the interleaved schedule reach
@@ -195,7 +195,7 @@ def _cpu_tensors_meeting_meta(flags):
 @pytest.mark.parametrize("layout", ["tp2-pp2-dp4-zero1-virtual", "llama-tp2-pp2-dp4-bf16"])
 @pytest.mark.slow
 def test_no_cpu_tensor_meets_a_meta_one_in_the_step(monkeypatch, layout):
-    from megalite import training
+    from megalite.train import step as training
 
     seen, Watch = _cpu_tensors_meeting_meta(LAYOUTS[layout][0])
     step = training.train_step
@@ -204,7 +204,7 @@ def test_no_cpu_tensor_meets_a_meta_one_in_the_step(monkeypatch, layout):
         with Watch():
             return step(*args, **kwargs)
 
-    monkeypatch.setattr("megalite.train_loop.train_step", watched)
+    monkeypatch.setattr("megalite.train.loop.train_step", watched)
     dry_run(monkeypatch, 16, 15, LAYOUTS[layout][0])
     assert seen == [], sorted(set(seen))
 
@@ -212,7 +212,7 @@ def test_no_cpu_tensor_meets_a_meta_one_in_the_step(monkeypatch, layout):
 @pytest.mark.slow
 def test_the_cpu_tensor_watch_catches_a_cpu_scalar_in_device_math(monkeypatch):
     """The watch above can fail: a CPU 0-dim tensor added into the gradient norm is seen."""
-    from megalite import training
+    from megalite.train import step as training
     from megalite.data_parallel import zero
 
     original = zero.DistributedOptimizer.grad_norm
@@ -225,7 +225,7 @@ def test_the_cpu_tensor_watch_catches_a_cpu_scalar_in_device_math(monkeypatch):
         with Watch():
             return step(*args, **kwargs)
 
-    monkeypatch.setattr("megalite.train_loop.train_step", watched)
+    monkeypatch.setattr("megalite.train.loop.train_step", watched)
     dry_run(monkeypatch, 16, 0, LAYOUTS["tp4-dp4-zero3"][0])
     assert "aten.add.Tensor" in seen, seen
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from megalite.data import IndexedDatasetBuilder
-from megalite.pretrain import main
+from megalite.train.pretrain import main
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 SMALL = ["--mock-data", "--vocab-size", "300", "--num-layers", "2", "--hidden-size", "32",
@@ -42,7 +42,7 @@ def test_unusable_save_location_fails_at_startup(tmp_path, capsys, where):
 def test_full_filesystem_fails_at_startup_with_the_estimate(tmp_path, capsys, monkeypatch):
     import shutil
 
-    import megalite.preflight as preflight
+    import megalite.train.preflight as preflight
 
     usage = shutil.disk_usage(tmp_path)
     monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: usage._replace(free=1000))

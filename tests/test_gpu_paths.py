@@ -10,9 +10,9 @@ import types
 import torch
 
 from megalite.device import host_value, to_device
-from megalite.faults import HangWatchdog
+from megalite.resilience.faults import HangWatchdog
 from megalite.parallel import comm
-from megalite.timers import Clock, StepTimers
+from megalite.observe.timers import Clock, StepTimers
 
 
 def test_hang_watchdog_names_the_last_collective_and_group():
@@ -70,7 +70,7 @@ def test_allocator_setting_precedes_the_first_cuda_call(monkeypatch):
     """``PYTORCH_CUDA_ALLOC_CONF`` is read once, when CUDA initializes: setup() must put
     expandable segments in the environment before its first ``torch.cuda`` call, on one GPU
     too. torch.cuda is patched to record the environment each call sees."""
-    from megalite.pretrain import setup
+    from megalite.train.pretrain import setup
 
     for name in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF", "WORLD_SIZE", "RANK", "LOCAL_RANK"):
         monkeypatch.delenv(name, raising=False)

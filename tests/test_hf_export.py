@@ -16,7 +16,7 @@ tokenizers = pytest.importorskip("tokenizers")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 from convert_hf import main as convert_main  # noqa: E402
 
-from megalite.pretrain import pretrain  # noqa: E402
+from megalite.train.pretrain import pretrain  # noqa: E402
 
 WORDS = ["<s>", "</s>", "<pad>"] + [f"w{i}" for i in range(61)]  # 64 ids: bos 0, eos 1, pad 2
 

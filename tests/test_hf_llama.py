@@ -189,7 +189,7 @@ def test_generate_greedy_equals_transformers_and_any_layout(tmp_path, capsys):
 
 
 def test_sampling_is_seeded_and_respects_top_k():
-    from megalite.generation import Sampling, next_token
+    from megalite.model.generation import Sampling, next_token
 
     logits = torch.linspace(0, 3, 50)
     draw = lambda s, seed: [next_token(logits, s, torch.Generator().manual_seed(seed)) for _ in range(1)][0]
@@ -206,7 +206,7 @@ def test_sampling_is_seeded_and_respects_top_k():
 # -- fine-tuning an imported model under any layout ---------------------------------------------------
 
 def _finetune(rank, world, argv):
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     return [r["loss"] for r in pretrain(argv)]
 
 
@@ -230,7 +230,7 @@ def test_imported_llama_finetunes_the_same_under_tp2_pp2_and_dp2_zero1(tmp_path)
 
 def test_load_refuses_flags_that_contradict_the_checkpoint(tmp_path):
     from megalite.config import ConfigError
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
 
     llama(tmp_path)
     import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))

@@ -59,7 +59,7 @@ def test_transformers_5_stacked_expert_names_import_the_same(tmp_path):
 
 
 def _finetune_worker(rank, world, ckpt, extra):
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     args = ["--load", ckpt, "--finetune", "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4",
             "--seq-length", "32", "--train-iters", "3", "--lr", "1e-4", "--log-interval", "100",
             "--moe-aux-loss-coeff", "0.01", "--hidden-dropout", "0", "--attention-dropout", "0"] + extra

@@ -15,7 +15,7 @@ from megalite.data.corpus import build_default_corpus  # noqa: E402
 from megalite.data.indexed_dataset import IndexedDataset  # noqa: E402
 from megalite.data.preprocess import preprocess  # noqa: E402
 from megalite.data.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
-from megalite.pretrain import main, pretrain  # noqa: E402
+from megalite.train.pretrain import main, pretrain  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXT = "def f(x):\n\treturn x  # ünïcödé → 🙂\n\n  spaces   and\ttabs"
@@ -201,6 +201,6 @@ def test_generate_from_a_text_prompt(hf, tmp_path, capsys):
         assert len(out["ids"]) <= 8 and out["text"] == tokenizer.detokenize(out["ids"])
         prompt = tokenizer.tokenize("def f(x):")
         assert prompt[0] == tokenizer.bos  # BOS first, as add_bos_token says
-        from megalite.generation import generate
+        from megalite.model.generation import generate
         model.eval()
         assert out["ids"] == generate(model, prompt, 8, eos_ids=tuple(tokenizer.eos_ids))

@@ -41,7 +41,7 @@ def _dcp_staging(rank, world):
     import pytest
     from megalite.checkpoint.core import _coords
     from megalite.checkpoint.dcp_state import dcp_state_dict
-    from megalite.pretrain import build_training_state, setup
+    from megalite.train.pretrain import build_training_state, setup
     monkeypatch = pytest.MonkeyPatch()
     fake = FakeCuda.install(monkeypatch)
     _, config, _, grid, device = setup(["--mock-data", "--vocab-size", "64", "--num-layers", "1", "--hidden-size",

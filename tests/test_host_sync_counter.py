@@ -1,4 +1,4 @@
-"""The host-sync counter (megalite.host_syncs) sees every kind of read, and only megalite's.
+"""The host-sync counter (megalite.observe.host_syncs) sees every kind of read, and only megalite's.
 
 Each case is a one-line function that makes one kind of read a GPU would synchronize on. The
 function is compiled under a file name inside ``megalite/`` or ``kernels/`` (the counter
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 import megalite
 import megalite.kernels
-from megalite.host_syncs import PATCHED_READS, count_host_syncs
+from megalite.observe.host_syncs import PATCHED_READS, count_host_syncs
 
 # name the counter records: the read (s a float scalar tensor, v a float vector, both on the CPU)
 READS = {

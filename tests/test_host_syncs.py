@@ -1,6 +1,6 @@
 """No host sync in the train step; one per log line. The fused AdamW step equals the unfused one.
 
-Host reads of tensor values are counted by megalite.host_syncs (``torch.Tensor`` patches and a
+Host reads of tensor values are counted by megalite.observe.host_syncs (``torch.Tensor`` patches and a
 dispatch mode for the synchronizing operators; test_host_sync_counter.py shows it sees each
 kind): on a GPU each would wait for the kernels queued before it. The step decides the inf/NaN skip,
 the clip coefficient and the fp16 loss scale on the device, so a dense step reads nothing; an
@@ -18,10 +18,10 @@ import torch
 from megalite.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from megalite.data_parallel.adamw import FlatAdamW, segments
 from megalite.data_parallel.zero import DistributedOptimizer
-from megalite.host_syncs import count_host_syncs
+from megalite.observe.host_syncs import count_host_syncs
 from megalite.parallel.grid import build_grid
 from megalite.pipeline.partition import build_model_chunks
-from megalite.step_values import LossScaler, resolve_steps
+from megalite.observe.step_values import LossScaler, resolve_steps
 from megalite.testing import run_world
 from megalite.testing.reference_step import train_step
 
@@ -167,7 +167,7 @@ def test_segments_cover_the_shard_once():
 
 
 def test_resolve_reads_values_once_and_keeps_them():
-    from megalite.step_values import StepResult
+    from megalite.observe.step_values import StepResult
     results = [StepResult(torch.tensor(float(i)), torch.tensor(2.0 * i), 0.1, 1.0, torch.tensor(i == 1))
                for i in range(4)]
     with count_host_syncs() as calls:
@@ -189,7 +189,7 @@ def test_dynamic_loss_scale_on_the_device():
 
 def test_pipeline_trace_takes_the_device_clock(monkeypatch):
     """On a GPU the trace's marks are CUDA events (host timestamps time only the launches)."""
-    from megalite.train_loop import step_trace
+    from megalite.train.loop import step_trace
 
     class Event:
         def __init__(self, enable_timing=False):
@@ -211,7 +211,7 @@ def test_dense_step_makes_no_device_sync_on_cuda(device, monkeypatch):
     inside torch's C++ code included (the CPU count sees those on its list): a bf16 step with the
     DP optimizer (clipping on, skip and clip decided on the device) makes none. The CPU case
     runs the same bf16 steps (torch's CPU ops) under a fake sync debug mode that raises on
-    megalite's host reads (megalite.host_syncs), the reads a GPU would sync on."""
+    megalite's host reads (megalite.observe.host_syncs), the reads a GPU would sync on."""
     if device == "cpu":
         fake = FakeSyncDebugMode.install(monkeypatch)
     config = make_config()
@@ -237,7 +237,7 @@ def test_dense_step_makes_no_device_sync_on_cuda(device, monkeypatch):
 
 
 def test_a_result_of_host_numbers_reads_nothing():
-    from megalite.step_values import StepResult
+    from megalite.observe.step_values import StepResult
     result = StepResult(1.5, 2.0, 0.1, 1.0, False)
     with count_host_syncs() as calls:
         resolve_steps([result])

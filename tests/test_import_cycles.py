@@ -191,14 +191,14 @@ def test_a_cycle_is_found_and_named(tmp_path):
 # floor asks (each says why); every module of megalite/ must have a floor.
 FLOORS = {
     # 1: the ground floor: no megalite imports beyond each other
-    "megalite": 1, "megalite.errors": 1, "megalite.device": 1, "megalite.memory_tracker": 1,
-    "megalite.timers": 1, "megalite.host_syncs": 1, "megalite.host_memory": 1, "megalite.progress": 1,
-    "megalite.plotting": 1, "megalite.step_values": 1, "megalite.profiling": 1, "megalite.testing": 1,
+    "megalite": 1, "megalite.errors": 1, "megalite.device": 1, "megalite.observe.memory_tracker": 1,
+    "megalite.observe.timers": 1, "megalite.observe.host_syncs": 1, "megalite.host_memory": 1, "megalite.observe.progress": 1,
+    "megalite.observe.plotting": 1, "megalite.observe.step_values": 1, "megalite.observe.profiling": 1, "megalite.testing": 1,
     # 2: the grid, collectives and random streams; data; what needs only them
-    "megalite.parallel": 2, "megalite.data": 2, "megalite.faults": 2, "megalite.recompute": 2,
+    "megalite.parallel": 2, "megalite.data": 2, "megalite.resilience.faults": 2, "megalite.model.recompute": 2,
     "megalite.resilience": 2,
     "megalite.kernels": 3,
-    "megalite.layers": 4, "megalite.generation": 4,
+    "megalite.layers": 4, "megalite.model.generation": 4,
     "megalite.context_parallel": 5,
     # the rules config.validate() asks, each beside its layers' checks (below config):
     "megalite.moe.settings": 5,  # the MoE flag rules
@@ -211,15 +211,15 @@ FLOORS = {
     "megalite.moe": 7,
     "megalite.model": 8,
     "megalite.data_parallel": 9, "megalite.pipeline": 9,
-    "megalite.checkpoint": 10, "megalite.planner": 10, "megalite.monitor": 10, "megalite.preflight": 10,
-    "megalite.timeline": 10,
+    "megalite.checkpoint": 10, "megalite.planner": 10, "megalite.observe.monitor": 10, "megalite.train.preflight": 10,
+    "megalite.observe.timeline": 10,
     # the planner's own floors (megalite/planner/__init__.py): its types at the bottom, the package's
     # re-exports on top
     "megalite.planner.types": 10.0, "megalite.planner.flags": 10.1, "megalite.planner.layers": 10.1,
     "megalite.planner.cp": 10.1, "megalite.planner.documents": 10.1, "megalite.planner.checks": 10.1,
     "megalite.planner.pipeline": 10.2, "megalite.planner.estimate": 10.3, "megalite.planner.search": 10.4,
     "megalite.planner": 10.5,
-    "megalite.training": 11, "megalite.step_log": 11, "megalite.train_loop": 11, "megalite.pretrain": 11,
+    "megalite.train.step": 11, "megalite.observe.step_log": 11, "megalite.train.loop": 11, "megalite.train.pretrain": 11,
     "megalite.testing.reference_step": 11,  # test support: the plain step beside the one it is compared with
 }
 

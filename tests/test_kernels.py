@@ -370,7 +370,7 @@ def test_fused_norm_modules_keep_parameter_names():
 
 
 def test_bad_backend_flag_exits_with_clear_message(capsys):
-    from megalite.pretrain import main
+    from megalite.train.pretrain import main
 
     assert main(["--mock-data", "--vocab-size", "200", "--attention-backend", "triton",
                  "--attention-dropout", "0.1"]) == 2
@@ -382,7 +382,7 @@ def test_gpt_trains_with_triton_kernels_like_torch():
     """10 iterations, fp32, no dropout: --attention-backend triton --fused-kernels (Triton
     attention, LayerNorm, cross-entropy) gives the torch backend's loss at every step (a wrong
     gradient shows from the second step on; each kernel against its reference: the tests above)."""
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
 
     argv = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
             "--seq-length", "16", "--micro-batch-size", "2", "--global-batch-size", "2",

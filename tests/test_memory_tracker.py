@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megalite.memory_tracker import MemoryTracker, category, resized
+from megalite.observe.memory_tracker import MemoryTracker, category, resized
 from megalite.testing import run_world
 
 # The real runs use the Triton flash-attention kernel (interpreter): a meta run accounts
@@ -40,13 +40,13 @@ def test_storages_counted_once_freed_with_the_last_view(device):
 
 
 def _real(rank, world, flags):
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     record = pretrain(FLAGS + flags)[-1]
     return record["memory_tracked"], record["comm_bytes_by_group"]
 
 
 def _meta(monkeypatch, world, rank, flags):
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("RANK", str(rank))
     try:

@@ -1,6 +1,6 @@
 """bf16 mixed precision against fp32: the real ``--bf16`` path (16-bit weights and activations,
 fp32 gradient accumulation, the distributed optimizer's fp32 master weights and Adam state) at
-DP 2 with ZeRO-0, ZeRO-1, ZeRO-2 and at TP 2, through ``megalite.pretrain.pretrain`` in one gloo
+DP 2 with ZeRO-0, ZeRO-1, ZeRO-2 and at TP 2, through ``megalite.train.pretrain.pretrain`` in one gloo
 world of 2 ranks, each run compared iteration by iteration with the same run in fp32.
 
 Data: ``--mock-data`` with each sample made learnable (a fixed bigram rule t[k+1] = 5 t[k] + 3
@@ -60,7 +60,7 @@ def _runs(rank, world):
 
     from megalite.data import gpt_dataset
     from megalite.data_parallel import zero
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
 
     gpt_dataset.MockGPTDataset.__getitem__ = _learnable_sample
 

@@ -5,7 +5,7 @@ import torch
 from megalite.config import ModelConfig, TrainConfig
 from megalite.model.gpt import GPTModel, count_parameters
 from megalite.parallel.random import model_parallel_seed
-from megalite.training import LossScaler, forward_backward, lr_at
+from megalite.train.step import LossScaler, forward_backward, lr_at
 from megalite.testing.reference_step import build_optimizer, train_step
 
 

@@ -27,7 +27,7 @@ BASE = ["--mock-data", "--vocab-size", "300", "--num-layers", "2", "--hidden-siz
 
 
 def _run(rank, world, argv):
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     return [(r["iteration"], r["loss"], r["moe_aux_loss"]) for r in pretrain(argv)]
 
 

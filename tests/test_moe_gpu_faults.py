@@ -40,7 +40,7 @@ import torch.distributed as dist
 from megalite.moe import MoELayer
 from megalite.moe.dispatch import expert_major_permutation
 from megalite.moe.router import TopKRouter
-from megalite.host_syncs import count_host_syncs
+from megalite.observe.host_syncs import count_host_syncs
 from megalite.testing import run_world
 from tests.device_twins import CUDA, DEVICES, FakeSyncDebugMode, cpu
 
@@ -129,7 +129,7 @@ def test_fake_group_rank_on_cpu_routes_balanced(cf, token_group):
 
 
 def _pretrain_worker(_rank, _world, extra):
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
 
     dist.destroy_process_group()
     os.environ.update({"WORLD_SIZE": "8", "RANK": "0", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "8"})

@@ -17,7 +17,7 @@ from megalite.parallel.grid import build_grid
 from megalite.parallel.sharding import gather_full
 from megalite.pipeline.partition import build_model_chunks
 from megalite.testing import run_world
-from megalite.training import LossScaler
+from megalite.train.step import LossScaler
 from megalite.testing.reference_step import build_optimizer, train_step
 
 from tests.test_zero import GLOBAL, MICRO, global_batch  # the same 8 x 2 batches

@@ -105,7 +105,7 @@ def test_expert_model_state_is_sharded_over_edp():
 
 def _kept_by_moe_mlp(m: ModelConfig, tokens: int, ep: int) -> float:
     """Bytes one MoE MLP keeps after its forward (its output included), on meta."""
-    from megalite.memory_tracker import MemoryTracker
+    from megalite.observe.memory_tracker import MemoryTracker
     from megalite.model.gpt import TransformerBlock
 
     ep_group = None

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from megalite.config import ModelConfig
-from megalite import monitor as monitor_module
-from megalite.monitor import Monitor, attended_length, detect_peak_tflops, flops_per_token, memory_line
-from megalite.pretrain import main, pretrain
+from megalite.observe import monitor as monitor_module
+from megalite.observe.monitor import Monitor, attended_length, detect_peak_tflops, flops_per_token, memory_line
+from megalite.train.pretrain import main, pretrain
 from megalite.testing import run_world
 
 SMALL = ["--mock-data", "--vocab-size", "200", "--num-layers", "2", "--hidden-size", "32",

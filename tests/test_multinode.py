@@ -32,7 +32,7 @@ def _losses(path):
 
 
 def _run(rank, world, argv):
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     return [(r["iteration"], r["loss"]) for r in pretrain(argv)]
 
 
@@ -68,7 +68,7 @@ def test_incomplete_launch_environment_names_the_missing_variable(monkeypatch, c
     assert first_host("gpu[03-05,9],cpu1") == "gpu03" and first_host("node7") == "node7"
     # pretrain_gpt.py's main, in this process (the program's own exit status and one line:
     # tests/test_single_message.py::test_plain_python_prints_one_line).
-    from megalite.pretrain import main
+    from megalite.train.pretrain import main
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "GROUP_RANK",
                 "SLURM_JOB_NODELIST"):
         monkeypatch.delenv(key, raising=False)

@@ -186,9 +186,9 @@ def test_pretrain_with_the_three_flags_trains_each_document_as_if_alone(monkeypa
     documents: each step's loss (the mean of its micro-batches') equals the loss of the same
     weights run document by document (:func:`loss_document_by_document`), fp32 to 1e-5: the
     bounds, the positions and the mask all reach the model as one document alone would see them."""
-    from megalite import train_loop
+    from megalite.train import loop as train_loop
     from megalite.data.tokenizer import build_tokenizer
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
 
     eod = build_tokenizer("NullTokenizer", vocab_size=64).eod
     real, seen = train_loop.train_step, []

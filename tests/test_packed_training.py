@@ -101,7 +101,7 @@ RUNS = {
 
 
 def _log(argv) -> list:
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     return [(r["loss"], r["grad_norm"]) for r in pretrain(argv)]
 
 
@@ -149,7 +149,7 @@ def test_cp_ranks_hold_different_numbers_of_trained_tokens():
 # -- the meta dry run ----------------------------------------------------------------------------
 @pytest.mark.parametrize("comm_type", ["p2p", "a2a"])
 def test_meta_dry_run_with_packed_documents(monkeypatch, comm_type):
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     flags = ["--mock-data", "--vocab-size", "500", "--num-layers", "4", "--hidden-size", "64",
              "--num-attention-heads", "4", "--seq-length", "64", "--micro-batch-size", "2", "--global-batch-size", "8",
              "--train-iters", "1", "--log-interval", "1", "--tensor-model-parallel-size", "2", "--sequence-parallel",

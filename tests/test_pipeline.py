@@ -11,7 +11,7 @@ from megalite.parallel.grid import build_grid
 from megalite.parallel.sharding import gather_full
 from megalite.pipeline.partition import build_model_chunks, chunk_layers
 from megalite.testing import run_world
-from megalite.training import forward_backward
+from megalite.train.step import forward_backward
 from megalite.testing.reference_step import reduce_gradients
 
 TOL = 1e-5
@@ -158,7 +158,7 @@ def _memory_worker(rank, world, schedule, m):
 
     from megalite.pipeline.executor import ScheduleExecutor
     from megalite.pipeline.plan import resolve_schedule
-    from megalite.training import activation_shape, stage_forward, stage_loss
+    from megalite.train.step import activation_shape, stage_forward, stage_loss
     batches = micro_batches(config.model, m)
     runner = ScheduleExecutor(resolve_schedule(schedule, grid.layout.pp, len(chunks)), chunks, batches, grid,
                               activation_shape(chunks[0], MICRO),
@@ -226,13 +226,13 @@ PRETRAIN = ["--mock-data", "--vocab-size", "300", "--num-layers", "8", "--hidden
 
 
 def _pretrain_worker(rank, world, extra):
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     return [(r["loss"], r["grad_norm"], r.get("valid_loss")) for r in pretrain(PRETRAIN + extra)]
 
 
 @pytest.mark.slow
 def test_pretrain_pipeline_layouts_match_pp1_per_iteration(tmp_path):
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     serial = [(r["loss"], r["grad_norm"], r.get("valid_loss")) for r in pretrain(PRETRAIN)]
     layouts = {
         "PP=2 1F1B": (2, ["--pipeline-model-parallel-size", "2"]),
@@ -264,7 +264,7 @@ def test_pretrain_pipeline_layouts_match_pp1_per_iteration(tmp_path):
 
 def test_bubble_measure_and_timeline_picture(tmp_path):
     from megalite.pipeline.op_lists import theory_bubble
-    from megalite.timeline import draw_timeline, measured_bubble, schedule_name
+    from megalite.observe.timeline import draw_timeline, measured_bubble, schedule_name
     # Ideal GPipe-like trace, P=2, M=2, unit forward and backward: each rank idles 2 of 6 units.
     events = [[("F", 0, 0, 0, 1), ("F", 1, 0, 1, 2), ("B", 0, 0, 4, 5), ("B", 1, 0, 5, 6)],
               [("F", 0, 0, 1, 2), ("F", 1, 0, 2, 3), ("B", 0, 0, 3, 4), ("B", 1, 0, 4, 5)]]
@@ -294,7 +294,7 @@ def test_bubble_measure_and_timeline_picture(tmp_path):
 
 
 def _tied_worker(rank, world):
-    from megalite.training import LossScaler
+    from megalite.train.step import LossScaler
     from megalite.testing.reference_step import build_optimizer, train_step
     config = make_config(4, pp=world)
     config.train.global_batch_size = MICRO * 4

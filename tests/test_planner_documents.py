@@ -16,7 +16,7 @@ from megalite.context_parallel.data import WHOLE_SEQUENCE_KEYS
 from megalite.data.builder import build_data_iterators
 from megalite.layers.documents import documents_from_lengths
 from megalite.model.gpt import count_active_parameters
-from megalite.monitor import attended_length
+from megalite.observe.monitor import attended_length
 from megalite.planner import Layout, stage_memory
 from megalite.planner.documents import (
     batch_bytes,
@@ -25,7 +25,7 @@ from megalite.planner.documents import (
     token_bytes,
 )
 from megalite.planner.flags import pretrain_flags
-from megalite.training import context_parallel_batches
+from megalite.train.step import context_parallel_batches
 from tests.test_planner import BF16, gpt7b
 from tools import dry_run, plan_parallel
 

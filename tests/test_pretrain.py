@@ -11,7 +11,7 @@ from megalite.data.corpus import build_default_corpus
 from megalite.data.preprocess import preprocess
 from megalite.data.tokenizer import build_tokenizer
 from megalite.data.tokenizer_training import train_sentencepiece
-from megalite.pretrain import main, pretrain
+from megalite.train.pretrain import main, pretrain
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",

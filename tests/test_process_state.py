@@ -3,7 +3,7 @@ dtype, the RNG) does not change the next test: the autouse fixture of tests/conf
 it. The two tests run in file order; the second checks what the first changed."""
 import torch
 
-from megalite.pretrain import set_tf32
+from megalite.train.pretrain import set_tf32
 
 _BEFORE = {}
 

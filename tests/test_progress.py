@@ -13,8 +13,8 @@ import torch.distributed as dist
 from megalite.checkpoint.convert import export_hf, import_hf
 from megalite.data.preprocess import preprocess
 from megalite.data.tokenizer import build_tokenizer
-from megalite.monitor import clock_time
-from megalite.pretrain import pretrain
+from megalite.observe.monitor import clock_time
+from megalite.train.pretrain import pretrain
 
 SMALL = ["--mock-data", "--vocab-size", "200", "--num-layers", "2", "--hidden-size", "32",
          "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",

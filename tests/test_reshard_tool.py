@@ -23,7 +23,7 @@ BASE = ["--mock-data", "--vocab-size", "300", "--num-layers", "4", "--hidden-siz
 
 
 def _train(rank, world, argv):
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     pretrain(argv)
 
 

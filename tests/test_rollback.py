@@ -12,7 +12,7 @@ import torch
 
 from megalite.config import ConfigError
 from megalite.data.batch_stream import BatchStream, merge_windows
-from megalite.pretrain import main, pretrain
+from megalite.train.pretrain import main, pretrain
 from megalite.resilience.fault_injection import Fault, FaultInjector, parse_fault
 from megalite.resilience.flags import parse_skip_batches
 from megalite.resilience.rollback import BadStep, LossSentinel, agree

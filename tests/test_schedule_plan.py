@@ -27,8 +27,8 @@ from megalite.pipeline.partition import build_model_chunks  # noqa: E402
 from megalite.pipeline.plan import resolve_schedule  # noqa: E402
 from megalite.pipeline.schedule_kinds import DISPLAY_NAMES, SCHEDULES, schedule  # noqa: E402
 from megalite.testing import run_world  # noqa: E402
-from megalite.timeline import schedule_theory  # noqa: E402
-from megalite.training import evaluate  # noqa: E402
+from megalite.observe.timeline import schedule_theory  # noqa: E402
+from megalite.train.step import evaluate  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NAMES = set(DISPLAY_NAMES) | set(DISPLAY_NAMES.values())  # flag values, trace keys, display names

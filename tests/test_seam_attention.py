@@ -87,7 +87,7 @@ DP2_ZERO1 = ["--use-distributed-optimizer"]
 
 
 def _run(rank, world, argv):
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     return [(r["iteration"], r["loss"], r["grad_norm"]) for r in pretrain(argv)]
 
 

@@ -38,7 +38,7 @@ from megalite.parallel.sharding import gather_full
 from megalite.pipeline.partition import build_model_chunks
 from megalite.planner import model_state_bytes, precision, stage_parameters
 from megalite.testing import run_world
-from megalite.training import LossScaler
+from megalite.train.step import LossScaler
 from megalite.testing.reference_step import train_step
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -150,7 +150,7 @@ def test_bad_input_is_one_message_naming_the_line(folder, tmp_path, capsys):
     assert "SFT documents end with the end-of-document token, but HuggingFaceTokenizer" in err
     # training with a packed-document flag and a tokenizer without EOD: refused at startup
     from megalite.config import ConfigError
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     with pytest.raises(ConfigError, match=r"--reset-attention-mask needs an end-of-document \(EOD\) token .* "
                                           r"\(HuggingFaceTokenizer .*noeos\) has none"):
         pretrain(["--mock-data", "--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", noeos,
@@ -214,7 +214,7 @@ def reference_loss(model, batch, per_document: bool) -> float:
 def test_finetune_loss_is_the_mean_over_response_tokens(finetune_setup):
     """One step of pretrain_gpt.py --finetune on the SFT data reports the mean of the per-token
     losses over response labels alone (the HF model computes them), with positions reset."""
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     model, tok, argv, prefix = finetune_setup
     flags = {"reset_position_ids": True, "eod_mask_loss": True}
     log = pretrain(argv + ["--reset-position-ids", "--eod-mask-loss"])
@@ -230,7 +230,7 @@ def test_finetune_loss_is_the_mean_over_response_tokens(finetune_setup):
 def test_finetune_with_reset_attention_mask_attends_within_documents(finetune_setup):
     """With all three flags the step's loss is the response-token mean of each document run
     on its own by the Hugging Face model."""
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     model, tok, argv, prefix = finetune_setup
     log = pretrain(argv + ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"])
     batch = first_batch(tok, prefix, reset_position_ids=True, reset_attention_mask=True, eod_mask_loss=True)

@@ -17,8 +17,8 @@ import sys
 
 import pytest
 
-import megalite.pretrain
-from megalite.pretrain import main
+import megalite.train.pretrain
+from megalite.train.pretrain import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -102,14 +102,14 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
     def bug(argv=None):
         raise ZeroDivisionError("a bug, not an expected failure")
 
-    monkeypatch.setattr(megalite.pretrain, "pretrain", bug)
+    monkeypatch.setattr(megalite.train.pretrain, "pretrain", bug)
     with pytest.raises(ZeroDivisionError):
         main(["--mock-data", *SMALL])
 
 
 def test_a_rank_that_does_not_print_waits_for_the_agent_then_reports(tmp_path, monkeypatch, capsys):
     """Rank 0 did not fail (the agent never stops this rank): after the wait, it reports itself."""
-    from megalite.faults import report_failure
+    from megalite.resilience.faults import report_failure
 
     error_file = tmp_path / "error.json"
     monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))

@@ -8,7 +8,7 @@ told ``--skip-batches k`` from the start (tests/test_rollback.py).
 """
 import json
 
-from megalite.pretrain import pretrain
+from megalite.train.pretrain import pretrain
 from megalite.resilience.rollback import BadStep, LossSentinel
 
 BASE = ["--mock-data", "--vocab-size", "300", "--num-layers", "2", "--hidden-size", "32",

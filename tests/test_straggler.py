@@ -214,7 +214,7 @@ def test_default_threshold_is_the_one_the_pretrain_checks_use():
 
 
 def _pretrain(rank, world, argv):
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     return {r["iteration"]: r["straggler"] for r in pretrain(argv) if "straggler" in r}
 
 

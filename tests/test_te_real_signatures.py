@@ -172,7 +172,7 @@ def _record(monkeypatch, version: str):
 
 
 def _recording_worker(rank, world, version, extra):
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     with pytest.MonkeyPatch.context() as mp:
         _record(mp, version)
         del CALLS[:]

@@ -293,7 +293,7 @@ PRETRAIN = ["--mock-data", "--vocab-size", "300", "--num-layers", "2", "--hidden
 
 
 def _pretrain_worker(rank, world, extra):
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     return [(r["loss"], r["grad_norm"]) for r in pretrain(PRETRAIN + extra)]
 
 
@@ -304,7 +304,7 @@ PRETRAIN_LAYOUTS = [(2, False), (4, True)]
 
 @pytest.mark.slow
 def test_pretrain_tp_and_sp_match_tp1_per_iteration():
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     serial = [(r["loss"], r["grad_norm"]) for r in pretrain(PRETRAIN)]
     assert len(serial) == 20
     worst = {}

@@ -133,8 +133,8 @@ def test_bench_kernels_chart(tmp_path):
 
 
 def test_missing_matplotlib_names_the_install(monkeypatch, tmp_path):
-    from megalite import plotting
-    from megalite.timeline import draw_timeline
+    from megalite.observe import plotting
+    from megalite.observe.timeline import draw_timeline
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     with pytest.raises(ImportError, match="pip install matplotlib"):
         plotting.require_matplotlib()
@@ -143,7 +143,7 @@ def test_missing_matplotlib_names_the_install(monkeypatch, tmp_path):
 
 
 def test_output_paths():
-    from megalite.plotting import output_paths
+    from megalite.observe.plotting import output_paths
     assert output_paths("a/b.svg") == ["a/b.svg"] and output_paths("a/b") == ["a/b.png"]
     assert output_paths("a/b.png", ["png", "svg"]) == ["a/b.png", "a/b.svg"]
     assert output_paths("a/b.v1", ["pdf"]) == ["a/b.v1.pdf"]
@@ -164,7 +164,7 @@ def test_timeline_zero_bubble_names_theory_and_weight_boxes(tmp_path):
     from matplotlib.colors import to_hex
 
     from megalite.pipeline.op_lists import theory_bubble as simulated
-    from megalite.timeline import (
+    from megalite.observe.timeline import (
         _shades, draw_timeline, idle_seconds, measured_bubble, schedule_name, schedule_theory)
     zb, zbv, classical = (_simulated_events(s, 2, 2) for s in ("zb-h1", "zbv", "1f1b"))
     assert [schedule_name(zb), schedule_name(zbv), schedule_name(classical)] == ["ZB-H1", "ZBV", "1F1B"]

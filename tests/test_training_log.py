@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from megalite.config import ModelConfig
-from megalite.monitor import Monitor, clock_time, mock_data_note
-from megalite.pretrain import pretrain
-from megalite.step_log import RunClock
+from megalite.observe.monitor import Monitor, clock_time, mock_data_note
+from megalite.train.pretrain import pretrain
+from megalite.observe.step_log import RunClock
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 import plot_log  # noqa: E402

@@ -70,7 +70,7 @@ def test_moe_layers_keep_megalite_experts_between_te_layers(standin):
 
 
 def _pretrain_worker(rank, world, extra):
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     return [(r["loss"], r["grad_norm"]) for r in pretrain(PRETRAIN + extra)]
 
 
@@ -88,7 +88,7 @@ LAYOUTS = {
 
 @pytest.mark.slow
 def test_te_layouts_train_as_the_serial_local_model(standin):
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     serial = [(r["loss"], r["grad_norm"]) for r in pretrain(PRETRAIN)]
     worst = {}
     for name, (world, extra) in LAYOUTS.items():
@@ -110,7 +110,7 @@ def _state_error(a, b):
 
 
 def test_te_moe_at_ep2_trains_as_the_serial_local_moe(standin):
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     moe = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-aux-loss-coeff", "1e-2", "--train-iters", "8"]
     serial = [(r["loss"], r["grad_norm"]) for r in pretrain(PRETRAIN + moe)]
     ep2 = run_world(_pretrain_worker, 2, TE + moe + ["--expert-model-parallel-size", "2"])[0]
@@ -123,7 +123,7 @@ def test_fp8_amax_reduced_over_the_stage_so_tp_sp_matches_serial_fp8(standin, mo
     if their scales come from amaxes reduced over the whole stage (TP x DP). Scales move after
     every forward (each micro-batch's autocast exit, as in TE), so the DP ranks take micro-
     batches of 1: together they see the serial run's micro-batch of 2 in each forward."""
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     serial = [(r["loss"], r["grad_norm"]) for r in pretrain(PRETRAIN + TE + FP8 + ["--save", str(tmp_path / "1")])]
     local = [(r["loss"], r["grad_norm"]) for r in pretrain(PRETRAIN)]
     assert _worst(serial, local) > 1e-6  # the rounding is there, and shows in the loss
@@ -151,7 +151,7 @@ def _from_iteration_5(path):
 
 
 def _resume_worker(rank, world, extra, save, load, iters):
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     args = PRETRAIN + extra + ["--train-iters", str(iters), "--save-interval", "5"]
     args += ["--save", save] if save else []
     args += ["--load", load] if load else []
@@ -195,7 +195,7 @@ def test_reshard_and_serial_tools_read_te_checkpoints_without_te(standin, tmp_pa
 
     from megalite.checkpoint.format import PieceReader
     from megalite.checkpoint.serial import load_serial_model
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     pretrain(PRETRAIN + TE + FP8 + ["--train-iters", "2", "--save", str(tmp_path / "ck")])
     model = load_serial_model(str(tmp_path / "ck"))
     assert model.cfg.transformer_impl == "local"
@@ -212,7 +212,7 @@ def test_fp8_autocast_signature_of_te_before_2_9(monkeypatch):
     The stand-in runs both through one implementation, so this shows only that both paths train
     alike; the names and keywords are checked against the real 2.8.0 and newest wheels in
     tests/test_te_real_signatures.py."""
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     te_standin.install(monkeypatch, version="2.8")
     old = [r["loss"] for r in pretrain(PRETRAIN + TE + FP8 + ["--train-iters", "4"])]
     te_standin.install(monkeypatch, version="2.9")
@@ -268,7 +268,7 @@ def test_real_te_fp8_trains_and_its_state_round_trips(tmp_path, device, monkeypa
     import transformer_engine.pytorch as te
     if hasattr(te, "is_fp8_available") and not te.is_fp8_available():
         pytest.skip("this GPU has no FP8")
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     size = ["--hidden-size", "256", "--seq-length", "128"] if device == "cuda" else \
         ["--hidden-size", "128", "--seq-length", "16", "--device", "cpu"]
     args = ["--mock-data", "--vocab-size", "512", "--num-layers", "2", *size,

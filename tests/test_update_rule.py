@@ -52,7 +52,7 @@ def test_no_second_definition_of_the_optimizer_state():
     files = [*ROOT.glob("megalite/checkpoint/*.py"), ROOT / "tools/reshard_checkpoint.py",
              *ROOT.glob("megalite/data_parallel/*.py"), *(ROOT / "megalite/planner" / f for f in ("types.py", "estimate.py", "search.py")),
              ROOT / "megalite/moe/planning.py",
-             ROOT / "megalite/preflight.py", ROOT / "megalite/memory_tracker.py"]
+             ROOT / "megalite/train/preflight.py", ROOT / "megalite/observe/memory_tracker.py"]
     found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}" for path in files
              if str(path.relative_to(ROOT)) not in RULE_HOMES for n, line in _code_lines(path)
              if STATE_LITERAL.search(line) or BYTES_LITERAL.search(line)]

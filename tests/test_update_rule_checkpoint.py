@@ -144,7 +144,7 @@ def test_rules_are_found_by_name():
 
 
 def test_preflight_counts_the_rule_it_is_given(tmp_path, monkeypatch):
-    from megalite import preflight
+    from megalite.train import preflight
 
     monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: type("U", (), {"free": 0})())
     with pytest.raises(CheckpointError, match=r"1,000 parameters x 12 bytes: fp32 weights and two Adam moments"):
@@ -159,14 +159,14 @@ PRETRAIN = ["--mock-data", "--vocab-size", "300", "--num-layers", "2", "--hidden
 
 
 def _pretrain(rank, world, argv):
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     return [r["iteration"] for r in pretrain(argv)]
 
 
 def test_pretrain_load_refuses_another_rule_in_one_line(tmp_path, capsys):
     """pretrain_gpt.py --load of a checkpoint another rule wrote: exit 2, one line naming both
     rules and the fix; --no-load-optim and --finetune take its weights and train."""
-    from megalite.pretrain import main
+    from megalite.train.pretrain import main
     from megalite.testing import run_world
 
     run_world(_pretrain, 1, PRETRAIN + ["--train-iters", "1", "--save", str(tmp_path)])

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from megalite.pretrain import main, pretrain
+from megalite.train.pretrain import main, pretrain
 
 SMALL = ["--mock-data", "--vocab-size", "300", "--num-layers", "2", "--hidden-size", "32",
          "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",

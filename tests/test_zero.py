@@ -19,7 +19,7 @@ from megalite.parallel.grid import build_grid
 from megalite.parallel.sharding import gather_full
 from megalite.pipeline.partition import build_model_chunks
 from megalite.testing import run_world
-from megalite.training import LossScaler
+from megalite.train.step import LossScaler
 from megalite.testing.reference_step import build_optimizer, train_step
 
 STEPS, MICRO, GLOBAL = 10, 2, 8
@@ -244,13 +244,13 @@ PRETRAIN = ["--mock-data", "--vocab-size", "300", "--num-layers", "4", "--hidden
 
 
 def _pretrain_worker(rank, world, extra):
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     return [(r["loss"], r["grad_norm"]) for r in pretrain(PRETRAIN + extra)]
 
 
 @pytest.mark.slow
 def test_pretrain_zero_layouts_match_single_process():
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     serial = [(r["loss"], r["grad_norm"]) for r in pretrain(PRETRAIN)]
     layouts = {f"DP=2 ZeRO-{s}": (2, ["--zero-stage", str(s)]) for s in range(4)}
     layouts["DP=2 ZeRO-1 offload"] = (2, ["--use-distributed-optimizer", "--offload-optimizer"])

@@ -30,7 +30,7 @@ from megalite.pipeline.op_lists import (global_chunk, num_chunks, rank_ops, simu
 from megalite.pipeline.partition import build_model_chunks  # noqa: E402
 from megalite.pipeline.trace import Trace  # noqa: E402
 from megalite.testing import run_world  # noqa: E402
-from megalite.training import forward_backward  # noqa: E402
+from megalite.train.step import forward_backward  # noqa: E402
 
 
 # -- the split alone -----------------------------------------------------------------------------
@@ -235,7 +235,7 @@ def test_zero_bubble_refuses_transformer_engine():
 def _memory_worker(rank, world, m):
     """Peak bytes allocated during the step (memory tracker) under 1F1B and ZB-H1, and the
     W inputs one micro-batch keeps between its B and its W (counted by the store)."""
-    from megalite.memory_tracker import MemoryTracker
+    from megalite.observe.memory_tracker import MemoryTracker
     from megalite.pipeline import executor
     config = make_config(4, pp=world)
     config.train.global_batch_size = MICRO * m

@@ -35,7 +35,7 @@ MOE = list(MOE_MODEL) + ["--expert-model-parallel-size", "2"]
 
 
 def _pretrain(argv) -> list:
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     return [(r["iteration"], r["loss"], r["grad_norm"]) + ((r["valid_loss"],) if "valid_loss" in r else ())
             for r in pretrain(argv)]
 
@@ -64,7 +64,7 @@ def _overlap_check(rank, world, schedule, stage):
     from megalite.data_parallel.zero import DistributedOptimizer
     from megalite.parallel.grid import build_grid
     from megalite.pipeline.partition import build_model_chunks
-    from megalite.training import LossScaler
+    from megalite.train.step import LossScaler
     from megalite.testing.reference_step import train_step
 
     model = ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, vocab_size=97, seq_length=16,
@@ -84,7 +84,7 @@ def _overlap_check(rank, world, schedule, stage):
         x = torch.randint(0, 97, (2, 17), generator=g)
         mine.append({"tokens": x[:, :-1], "labels": x[:, 1:], "loss_mask": torch.ones(2, 16),
                      "position_ids": torch.arange(16).expand(2, -1)})
-    from megalite.host_syncs import count_host_syncs
+    from megalite.observe.host_syncs import count_host_syncs
     with count_host_syncs() as syncs:  # no host read in the step (each would stall a GPU)
         train_step(chunks, opt, mine, config.train, 0, LossScaler(False), grid)
     assert list(syncs) == [], list(syncs)
@@ -128,7 +128,7 @@ FP16_ITERS = ["--train-iters", "4"]
 def _fp16_pretrain(argv) -> list:
     """Per iteration: (iteration, skipped, loss scale after the step, loss, grad norm), the norm
     None on a skipped step (inf or nan there, which compares to nothing)."""
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     return [(r["iteration"], r["skipped"], r["loss_scale"], r["loss"], None if r["skipped"] else r["grad_norm"])
             for r in pretrain(argv)]
 
@@ -300,7 +300,7 @@ def test_zero_bubble_meta_dry_run_every_role(monkeypatch, layout):
     from pathlib import Path
     sys.path.insert(0, str(Path(__file__).parent))
     from test_dry_run import _cpu_tensors_meeting_meta, dry_run
-    from megalite import training
+    from megalite.train import step as training
 
     flags, ranks = ZB_LAYOUTS[layout]
     seen, Watch = _cpu_tensors_meeting_meta(flags)
@@ -310,7 +310,7 @@ def test_zero_bubble_meta_dry_run_every_role(monkeypatch, layout):
         with Watch():
             return step(*args, **kwargs)
 
-    monkeypatch.setattr("megalite.train_loop.train_step", watched)
+    monkeypatch.setattr("megalite.train.loop.train_step", watched)
     for rank in ranks:
         log = dry_run(monkeypatch, 16, rank, flags)
         assert [r["iteration"] for r in log] == [1, 2] and log[-1]["comm_bytes"], (layout, rank)

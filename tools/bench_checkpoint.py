@@ -39,7 +39,7 @@ from tools.tool_errors import one_line_errors, positive, writable  # noqa: E402
 def build(args, save_dir):
     from megalite.data import build_data_iterators
     from megalite.device import to_device
-    from megalite.pretrain import build_training_state, setup
+    from megalite.train.pretrain import build_training_state, setup
     argv = ["--mock-data", "--vocab-size", str(args.vocab), "--num-layers", str(args.layers), "--hidden-size",
             str(args.hidden), "--num-attention-heads", "8", "--seq-length", str(args.seq), "--micro-batch-size",
             "1", "--global-batch-size", "1", "--lr", "1e-4", "--train-iters", "100000", "--save", save_dir,

@@ -3,7 +3,7 @@
 
 A read of a tensor value on the host (``.item()``, ``.tolist()``, ``bool(t)``, an f-string of a
 tensor, ...) or an operator that syncs (``torch.nonzero``, ``torch.equal``, a boolean-mask
-index, ...) stops a GPU's queue; :mod:`megalite.host_syncs` counts those made by megalite's
+index, ...) stops a GPU's queue; :mod:`megalite.observe.host_syncs` counts those made by megalite's
 code, its ``kernels/`` included. For each
 layout this runs ``--steps`` steps of a small GPT with the DP/ZeRO optimizer (as
 ``pretrain_gpt.py`` does) and prints the reads per step and the reads of the log line (the
@@ -23,10 +23,10 @@ import torch  # noqa: E402
 
 from megalite.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from megalite.data_parallel.zero import DistributedOptimizer  # noqa: E402
-from megalite.host_syncs import count_host_syncs  # noqa: E402
+from megalite.observe.host_syncs import count_host_syncs  # noqa: E402
 from megalite.parallel.grid import build_grid  # noqa: E402
 from megalite.pipeline.partition import build_model_chunks  # noqa: E402
-from megalite.step_values import LossScaler, resolve_steps  # noqa: E402
+from megalite.observe.step_values import LossScaler, resolve_steps  # noqa: E402
 from megalite.testing import run_world  # noqa: E402
 from megalite.testing.reference_step import train_step  # noqa: E402
 from tools.tool_errors import one_line_errors, positive  # noqa: E402

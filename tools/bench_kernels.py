@@ -273,7 +273,7 @@ def plot(rows, path, device: str) -> list[str]:
     """The table as a chart: causal attention TFLOP/s against sequence length (forward,
     backward; the full-attention rows stay in the table) and the row-wise kernels' GB/s;
     returns the paths written."""
-    from megalite.plotting import new_figure, save
+    from megalite.observe.plotting import new_figure, save
 
     fig = new_figure(16, 5.2)
     grid = fig.add_gridspec(1, 3, width_ratios=[1, 1, 1.3])
@@ -340,7 +340,7 @@ def main():
     writable(p, "--json", args.json)
     writable(p, "--plot", args.plot)
     if args.plot:  # fail now, not after the benchmark
-        from megalite.plotting import require_matplotlib
+        from megalite.observe.plotting import require_matplotlib
         require_matplotlib()
     if GPU:
         seqs = [1024, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384]

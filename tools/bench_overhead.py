@@ -33,7 +33,7 @@ from torch import nn  # noqa: E402
 
 from megalite.config import ModelConfig, TrainConfig  # noqa: E402
 from megalite.model.gpt import GPTModel  # noqa: E402
-from megalite.training import LossScaler  # noqa: E402
+from megalite.train.step import LossScaler  # noqa: E402
 from megalite.testing.reference_step import build_optimizer, train_step  # noqa: E402
 from tools.tool_errors import one_line_errors, positive, writable  # noqa: E402
 

@@ -56,7 +56,7 @@ CPU_MODEL = ["--mock-data", "--vocab-size", "2048", "--num-layers", "2", "--hidd
 
 
 def cpu_tokens_per_second(iters: int, rounds: int = 2) -> None:
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
 
     packed = ["--reset-position-ids", "--reset-attention-mask"]
     print(f"\n2. end to end on this CPU (2 layers, hidden 128, 512 tokens x 4 per step, {iters} iterations "

@@ -16,7 +16,7 @@ the gradient of the stage's parameter, as megalite's linears do.
 Each case runs a warm-up step, then --repeat traced steps of which the shortest is kept
 (the one least disturbed by other work on the machine). Prints, per schedule and M: the
 measured bubble (idle fraction of the step, averaged over
-ranks) beside the theory (:func:`megalite.timeline.schedule_theory`), the idle time per
+ranks) beside the theory (:func:`megalite.observe.timeline.schedule_theory`), the idle time per
 rank in ms (measured, and theory: M (F+B+W) * bubble / (1 - bubble), the work of a rank
 being M (F+B+W) in every schedule), the step time, then ZB-H1 against 1F1B and ZBV against
 interleaved (ratio of idle times and of fractions). One timeline picture per case:
@@ -42,9 +42,9 @@ from megalite.parallel.grid import build_grid  # noqa: E402
 from megalite.pipeline.executor import ScheduleExecutor  # noqa: E402
 from megalite.pipeline.plan import resolve_schedule  # noqa: E402
 from megalite.pipeline.trace import Trace  # noqa: E402
-from megalite.plotting import FORMATS, require_matplotlib  # noqa: E402
+from megalite.observe.plotting import FORMATS, require_matplotlib  # noqa: E402
 from megalite.testing import run_world  # noqa: E402
-from megalite.timeline import NAMES, draw_timeline, idle_seconds, measured_bubble, schedule_theory  # noqa: E402
+from megalite.observe.timeline import NAMES, draw_timeline, idle_seconds, measured_bubble, schedule_theory  # noqa: E402
 from tools.tool_errors import one_line_errors, positive  # noqa: E402
 
 SHAPE = (4, 1, 8)

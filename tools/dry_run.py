@@ -93,7 +93,7 @@ def documents_line(config, layout: GridLayout) -> str | None:
 
 def run_role(flags: list[str], world: int, rank: int, gpus_per_node: int, device: str) -> dict:
     """One fake-process-group rank, one iteration, memory tracked; its last log record."""
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
 
     role_env = dict(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank % gpus_per_node),
                     LOCAL_WORLD_SIZE=str(gpus_per_node))

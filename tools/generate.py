@@ -31,7 +31,7 @@ from megalite.checkpoint import CheckpointError, PieceReader, load_serial_model 
 from megalite.checkpoint.format import checkpoint_tokenizer  # noqa: E402
 from megalite.checkpoint.serial import _checkpoint_dir  # noqa: E402
 from megalite.checkpoint.settings import CARRIED  # noqa: E402
-from megalite.generation import Sampling, generate  # noqa: E402
+from megalite.model.generation import Sampling, generate  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -20,8 +20,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.pipeline.schedule_kinds import schedule as describe  # noqa: E402
-from megalite.plotting import FORMATS  # noqa: E402
-from megalite.timeline import (  # noqa: E402
+from megalite.observe.plotting import FORMATS  # noqa: E402
+from megalite.observe.timeline import (  # noqa: E402
     NAMES, draw_timeline, load_traces, measured_bubble, schedule_name, schedule_theory)
 from tools.tool_errors import one_line_errors  # noqa: E402
 

@@ -27,7 +27,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite.plotting import FORMATS, new_figure, require_matplotlib, save  # noqa: E402
+from megalite.observe.plotting import FORMATS, new_figure, require_matplotlib, save  # noqa: E402
 from tools.tool_errors import one_line_errors  # noqa: E402
 
 TIME_PARTS = ["forward", "backward", "grad_sync", "optimizer"]

@@ -33,7 +33,7 @@ DEFAULT = ["--mock-data", "--vocab-size", "512", "--num-layers", "2", "--hidden-
 
 
 def _run(rank, world, argv):
-    from megalite.pretrain import pretrain
+    from megalite.train.pretrain import pretrain
     return [r["tokens_per_sec"] for r in pretrain(argv)]
 
 
@@ -60,7 +60,7 @@ def table(ranks: list[int], throughputs: list[float]) -> list[dict]:
 
 def plot(rows: list[dict], path: str, note: str | None = None) -> list[str]:
     """Efficiency against DP size, with the threshold lines; returns the paths written."""
-    from megalite.plotting import new_figure, save
+    from megalite.observe.plotting import new_figure, save
 
     ranks = [r["ranks"] for r in rows]
     eff = [r["efficiency"] for r in rows]
@@ -102,7 +102,7 @@ def main():
     writable(p, "--json", a.json)
     writable(p, "--plot", a.plot)
     if a.plot:  # fail now, not after the runs
-        from megalite.plotting import require_matplotlib
+        from megalite.observe.plotting import require_matplotlib
         require_matplotlib()
     if a.logs:
         try:

@@ -32,7 +32,7 @@ from megalite.model.gpt import GPTModel  # noqa: E402
 from megalite.parallel.comm import count_collectives  # noqa: E402
 from megalite.parallel.grid import build_grid  # noqa: E402
 from megalite.testing import run_world  # noqa: E402
-from megalite.training import LossScaler  # noqa: E402
+from megalite.train.step import LossScaler  # noqa: E402
 from megalite.testing.reference_step import train_step  # noqa: E402
 from tools.tool_errors import one_line_errors, positive, writable  # noqa: E402
 

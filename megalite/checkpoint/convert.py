@@ -36,7 +36,7 @@ from megalite.checkpoint.hf_io import HFReader, HFShardWriter, check_export_targ
 from megalite.checkpoint.settings import CARRIED, GENERATION_CONFIG, read_files, write_files
 from megalite.checkpoint.serial import _checkpoint_dir, model_config_from, write_weights_checkpoint
 from megalite.data.tokenizer import build_tokenizer
-from megalite.progress import track
+from megalite.observe.progress import track
 
 GPT2 = SimpleNamespace(import_globals=gpt2.import_globals, import_layer=gpt2.import_layer,
                        export_globals=gpt2.export_globals, export_layer=gpt2.export_layer)

@@ -37,7 +37,7 @@ from megalite.context_parallel.ring_attention import (assemble_output, block_ops
                                                       local_chunk_ids)
 from megalite.layers.documents import Documents
 from megalite.kernels.attention_reference import merge_attention
-from megalite.memory_tracker import category
+from megalite.observe.memory_tracker import category
 from megalite.parallel import comm
 
 

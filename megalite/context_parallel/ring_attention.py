@@ -64,7 +64,7 @@ from megalite.kernels.attention_reference import (attention_block_backward, atte
 from megalite.layers.attention import TRITON_MAX_HEAD_DIM, BackendUnavailable, require_flash
 from megalite.layers.backends import triton_missing
 from megalite.layers.documents import Documents
-from megalite.memory_tracker import category
+from megalite.observe.memory_tracker import category
 from megalite.parallel import comm
 
 RING_TAG = 7

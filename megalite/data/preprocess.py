@@ -33,7 +33,7 @@ from megalite.data.indexed_dataset import IndexedDatasetBuilder, best_dtype
 from megalite.data.sft import (SFTEncoder, encode_in_sft_worker, init_sft_worker, iter_sft_records,
                                loss_mask_prefix)
 from megalite.data.tokenizer import build_tokenizer
-from megalite.progress import is_terminal, progress_bar
+from megalite.observe.progress import is_terminal, progress_bar
 
 _worker_tokenizer = None
 

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megalite.device import is_fake
-from megalite.memory_tracker import category
+from megalite.observe.memory_tracker import category
 from megalite.parallel import comm
 from megalite.parallel.sharding import is_expert
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from megalite.memory_tracker import category, resized
+from megalite.observe.memory_tracker import category, resized
 from megalite.parallel import comm
 
 

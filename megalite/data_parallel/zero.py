@@ -34,7 +34,7 @@ from megalite.data_parallel.ddp import GradSync, group_by_size
 from megalite.data_parallel.sharded_params import ShardedParameters
 from megalite.data_parallel.update_rule import DEFAULT_RULE, MASTER_KIND, UpdateRule
 from megalite.host_memory import HostBuffer
-from megalite.memory_tracker import category
+from megalite.observe.memory_tracker import category
 from megalite.pipeline.plan import resolve_schedule
 from megalite.pipeline.schedule_kinds import schedule as schedule_kind
 from megalite.parallel import comm

@@ -22,7 +22,7 @@ from megalite.layers.rotary import apply_rotary
 from megalite.model.linears import linears_for
 from megalite.parallel import comm
 from megalite.parallel.random import get_rng_tracker
-from megalite.recompute import checkpointed
+from megalite.model.recompute import checkpointed
 
 
 class SelfAttention(nn.Module, SelfAttentionShape):

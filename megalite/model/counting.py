@@ -10,7 +10,7 @@ N_active: the parameters a token meets (an MoE layer's token meets top-k of its 
 parameter forward (a multiply-add), 3 x for forward and backward (backward is two matmuls per
 forward one). For GPT's softmax attention ``attended_flops`` = 4 h (Q K^T and P V), which gives
 the usual ``6 N + 12 L h s``. ``length``: the positions a token attends to, s, or with packed
-documents the mean over tokens of their document's length (:func:`megalite.monitor.attended_length`).
+documents the mean over tokens of their document's length (:func:`megalite.observe.monitor.attended_length`).
 Full recomputation runs the forward again: 4/3 of this (:func:`megalite.planner_pipeline.compute_seconds`).
 """
 from __future__ import annotations

@@ -55,7 +55,7 @@ from megalite.layers.tensor_parallel import (ColumnParallelLinear, VocabParallel
 from megalite.parallel import comm
 from megalite.parallel.random import get_rng_tracker, init_full_tensor
 from megalite.parallel.sharding import mark_sequence_parallel
-from megalite.recompute import run_layers
+from megalite.model.recompute import run_layers
 
 
 class ParallelDropout(nn.Dropout):

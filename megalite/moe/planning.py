@@ -23,7 +23,7 @@ optimizer state over that group (``megalite.data_parallel``): the ZeRO arithmeti
 e.g. ZeRO-1: 4 Psi_d + 12 Psi_d / N + 4 Psi_e + 12 Psi_e / EDP (w = g = 2 bytes).
 
 **Activations of one MoE layer per micro-batch**, measured with the meta dry run and
-:mod:`megalite.memory_tracker` under perfectly balanced routing (what the meta run assumes).
+:mod:`megalite.observe.memory_tracker` under perfectly balanced routing (what the meta run assumes).
 A rank routes T = s/c b/t tokens (t = 1 without SP) and N = T k rows; what the layer keeps for
 backward, beyond what its attention and norms keep (a dense layer's)::
 

@@ -41,7 +41,7 @@ def start_step(chunks, scale: float) -> None:
 
 def step_stats(chunks, grid, num_micro_global: int) -> torch.Tensor | None:
     """The step's MoE figures (see the module docstring), the same on every rank, as a device
-    vector (aux loss, z loss, load min, load max: :data:`megalite.step_values.MOE_KEYS`, read on
+    vector (aux loss, z loss, load min, load max: :data:`megalite.observe.step_values.MOE_KEYS`, read on
     the host with the step's other values, no sync here); None for a dense model. A
     collective: every rank calls it."""
     cfg = chunks[0].cfg

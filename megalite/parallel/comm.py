@@ -38,7 +38,7 @@ from collections import defaultdict
 import torch
 import torch.distributed as dist
 
-from megalite.memory_tracker import category
+from megalite.observe.memory_tracker import category
 
 # -- traffic accounting --------------------------------------------------------------------------
 

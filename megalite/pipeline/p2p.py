@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megalite.memory_tracker import category
+from megalite.observe.memory_tracker import category
 from megalite.parallel import comm
 
 ACTIVATION, GRADIENT = 0, 1

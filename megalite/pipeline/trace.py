@@ -2,12 +2,12 @@
 operation the executor runs (``F``, ``B``, ``W`` or ``BW``; :mod:`megalite.pipeline.orders`)."""
 from __future__ import annotations
 
-from megalite.timers import Clock
+from megalite.observe.timers import Clock
 
 
 class Trace:
     """(op, micro-batch, chunk, start, end) for every step of this rank, in perf_counter
-    seconds. On a GPU the marks are CUDA events (see :mod:`megalite.timers`), resolved to
+    seconds. On a GPU the marks are CUDA events (see :mod:`megalite.observe.timers`), resolved to
     times when ``events`` is first read, so the trace shows when the device ran each step."""
 
     def __init__(self, clock: Clock | None = None):

@@ -6,7 +6,7 @@
 x2 FLOPs, x3 with backward. With ``--reset-attention-mask`` a query attends only its own
 document, and megalite's Triton kernels skip the key tiles no document spans, so the attention
 work done is the documents' causal squares: s becomes the mean over tokens of their document's
-length, ``N_bar = sum_d N_d^2 / s`` (:func:`megalite.monitor.attended_length` reads it from a
+length, ``N_bar = sum_d N_d^2 / s`` (:func:`megalite.observe.monitor.attended_length` reads it from a
 batch). The planner takes a typical document length N and assumes equal documents of N tokens:
 ``N_bar = N`` (a document of N tokens holds N tokens that each attend within N), so attention
 costs ``12 L h N`` per token instead of ``12 L h s``, and saves ``12 L h (s - N)`` per token,
@@ -14,13 +14,13 @@ the fraction ``1 - N/s`` of the attention FLOPs. The MLP and projections (the ``
 unchanged. Real corpora mix lengths, and ``N_bar`` weighs long documents by their length (a 4k
 document among a hundred 40-token ones dominates it): pass the length-weighted mean when known.
 
-**The step's batch** (the "data" entry of the memory estimate). ``pretrain.py`` reads the step's
+**The step's batch** (the "data" entry of the memory estimate). ``train/pretrain.py`` reads the step's
 M micro-batches of b x s tokens from the host and moves them all to the device before the first
 forward (``megalite.device.to_device``); they live until the step ends. Per token: tokens 8,
 labels 8, position_ids 8 (int64), loss_mask 4 (float32) = 28 bytes, and with
 ``--reset-attention-mask`` doc_start and doc_end 4 + 4 (int32) = 36 bytes. Every pipeline stage
 holds the whole batch (pretrain moves every key on every rank). Under context parallelism the
-batch arrives whole and :func:`megalite.training.context_parallel_batches` slices a copy of each
+batch arrives whole and :func:`megalite.train.step.context_parallel_batches` slices a copy of each
 micro-batch for the rank at the start of the step (``torch.cat`` of the rank's two chunks): s/C
 tokens of every key but the documents' arrays, which stay whole and are not copied
 (:data:`megalite.context_parallel.data.WHOLE_SEQUENCE_KEYS`), plus a 4-byte loss denominator
@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 from megalite.config import ModelConfig
 from megalite.model.counting import attended_flops, flops_per_token
-from megalite.monitor import attended_length
+from megalite.observe.monitor import attended_length
 
 # Bytes per token of each key of a micro-batch (megalite.data.builder's dtypes).
 BATCH_BYTES = {"tokens": 8, "labels": 8, "position_ids": 8, "loss_mask": 4}

@@ -40,7 +40,7 @@ KINDS = ("nan", "spike", "slow", "hang", "kill", "kill-during-save")
 DEFAULT_VALUE = {"spike": 1000.0, "slow": 1.0, "hang": 3600.0}
 _SPEC = re.compile(r"^(?P<kind>[a-z-]+)@(?P<iteration>\d+)(?::(?P<rank>\d+))?(?:=(?P<value>[0-9.eE+-]+))?$")
 
-# The batch key that carries a spike's factor to the loss (megalite.training.stage_loss).
+# The batch key that carries a spike's factor to the loss (megalite.train.step.stage_loss).
 LOSS_FACTOR = "injected_loss_factor"
 
 

@@ -18,7 +18,7 @@ Every rank must take the same decision (a rank that rolls back alone leaves its 
 collective): :func:`agree` takes the earliest bad iteration over all ranks with one
 all-reduce (MIN) of one value on the gloo control group, once per flush.
 
-What happens then (``megalite.train_loop``): with rollbacks left (``--max-rollbacks``), the
+What happens then (``megalite.train.loop``): with rollbacks left (``--max-rollbacks``), the
 run goes back to the latest checkpoint, skips the faulty iteration's batch and the N-1 before
 it (``--rollback-skip-batches``), and goes on; else it stops with :class:`TrainingDiverged`.
 """
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megalite.faults import TrainingDiverged
+from megalite.resilience.faults import TrainingDiverged
 
 KIND_CODES = ("non-finite", "spike")  # an earlier iteration wins; at the same one, non-finite
 WARMUP_LOSSES = 3  # good losses known before the spike check is armed (or W, when W is smaller)

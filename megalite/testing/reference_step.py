@@ -21,9 +21,9 @@ from megalite.config import TrainConfig
 from megalite.data_parallel.zero import DistributedOptimizer
 from megalite.parallel import comm
 from megalite.parallel.sharding import is_expert, is_tensor_parallel, sum_local_tied_copies
-from megalite.step_values import LossScaler, StepResult
-from megalite.training import as_chunks, forward_backward, lr_at, moe_stats
-from megalite.training import train_step as distributed_train_step
+from megalite.observe.step_values import LossScaler, StepResult
+from megalite.train.step import as_chunks, forward_backward, lr_at, moe_stats
+from megalite.train.step import train_step as distributed_train_step
 
 
 def build_optimizer(model, t: TrainConfig) -> torch.optim.AdamW:
@@ -145,7 +145,7 @@ def reduce_gradients(params, grid=None) -> None:
 def train_step(model, optimizer, micro_batches, t: TrainConfig, iteration: int,
                scaler: LossScaler, grid=None, trace=None) -> StepResult:
     """One optimizer step over this rank's micro-batches of one global batch: megalite's step
-    (:func:`megalite.training.train_step`) for a DistributedOptimizer, else the plain
+    (:func:`megalite.train.step.train_step`) for a DistributedOptimizer, else the plain
     reference with a ``torch.optim`` optimizer (gradients reduced after the backward, the
     norm read on the host to skip a non-finite step)."""
     if isinstance(optimizer, DistributedOptimizer):

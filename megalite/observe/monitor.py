@@ -16,7 +16,7 @@ import torch
 from megalite.arguments import WANDB_MISSING
 from megalite.config import ModelConfig
 from megalite.model.counting import flops_per_token  # noqa: F401  (the one definition; MFU reads it)
-from megalite.progress import is_terminal, progress_bar
+from megalite.observe.progress import is_terminal, progress_bar
 
 # Dense 16-bit tensor-core peak TFLOP/s (bf16, fp32 accumulate; no 2:4 sparsity), keyed by the
 # exact ``torch.cuda.get_device_name()``: variants of one chip differ (an H100 PCIe is 756, an

@@ -38,17 +38,17 @@ from megalite.data_parallel.accounting import describe_memory
 from megalite.device import (cuda_allocator_environment, host_barrier, init_distributed, meta_stand_ins,
                              resolve_device)
 from megalite.launch import detect_launch, leave_world
-from megalite.faults import CollectiveTimeout, HangWatchdog, TrainingDiverged, report_failure
-from megalite.memory_tracker import training_tracker
-from megalite.monitor import Monitor, mock_data_note
-from megalite.preflight import check_datasets, check_output_paths, check_save_location
-from megalite.profiling import Profiler
+from megalite.resilience.faults import CollectiveTimeout, HangWatchdog, TrainingDiverged, report_failure
+from megalite.observe.memory_tracker import training_tracker
+from megalite.observe.monitor import Monitor, mock_data_note
+from megalite.train.preflight import check_datasets, check_output_paths, check_save_location
+from megalite.observe.profiling import Profiler
 from megalite.resilience.fault_injection import FaultInjector, check_fault_ranks
 from megalite.resilience.fault_injection import set_active as set_active_faults
 from megalite.resilience.flags import check_resilience_args
-from megalite.step_log import StepLog
-from megalite.train_loop import Run, TrainLoop, checkpoint_saver, checkpoint_writer, straggler_monitor
-from megalite.training import LossScaler, build_data_parallel_optimizer
+from megalite.observe.step_log import StepLog
+from megalite.train.loop import Run, TrainLoop, checkpoint_saver, checkpoint_writer, straggler_monitor
+from megalite.train.step import LossScaler, build_data_parallel_optimizer
 
 
 def _tokenizer_for(args):
@@ -308,7 +308,7 @@ def pretrain(argv=None) -> list[dict]:
 
 def main(argv=None) -> int:
     """Run, and turn every expected failure into ONE ``megalite:`` message and an exit code
-    (:func:`megalite.faults.report_failure`): printed by rank 0, as every rank meets the same
+    (:func:`megalite.resilience.faults.report_failure`): printed by rank 0, as every rank meets the same
     configuration, input or checkpoint error, and under torchrun recorded as the root cause of
     its failure summary; the other ranks add nothing. A timeout is reported by each waiting
     rank (each names who it waited for). Any other exception propagates with its traceback."""

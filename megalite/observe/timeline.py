@@ -109,7 +109,7 @@ def draw_timeline(events_per_rank: list[list], path: str, num_chunks: int = 1, *
     title, which also picks the theory (:func:`schedule_theory`; default: guessed from the
     trace, see :func:`schedule_name`); ``num_micro``: M (default: the number of
     micro-batches in the trace)."""
-    from megalite.plotting import new_figure, require_matplotlib, save
+    from megalite.observe.plotting import new_figure, require_matplotlib, save
 
     require_matplotlib()
     from matplotlib import colormaps

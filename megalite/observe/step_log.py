@@ -1,6 +1,6 @@
 """The training loop's log records, read from the device once per log interval.
 
-Each iteration leaves a :class:`PendingStep` (its :class:`~megalite.step_values.StepResult`,
+Each iteration leaves a :class:`PendingStep` (its :class:`~megalite.observe.step_values.StepResult`,
 still on the device, and what the host measured: collectives handed, memory, its start
 time). :meth:`StepLog.flush` runs at the log line (and before evaluation, a checkpoint, a
 stop, the end): it reads every pending step's values with one sync, checks them for
@@ -28,8 +28,8 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from megalite.faults import bytes_by_group, check_finite
-from megalite.step_values import StepResult, resolve_steps
+from megalite.resilience.faults import bytes_by_group, check_finite
+from megalite.observe.step_values import StepResult, resolve_steps
 
 
 @dataclass
@@ -110,7 +110,7 @@ class StepLog:
 
     def flush(self) -> list[dict]:
         """Records of the pending steps, in order (one sync for all of them). Raises
-        :class:`~megalite.faults.TrainingDiverged` at the first non-finite bf16/fp32 step."""
+        :class:`~megalite.resilience.faults.TrainingDiverged` at the first non-finite bf16/fp32 step."""
         steps, self.pending = self.pending, []
         if not steps:
             return []

@@ -35,8 +35,8 @@ from megalite.resilience.fault_injection import LOSS_FACTOR
 from megalite.pipeline.executor import ScheduleExecutor
 from megalite.pipeline.plan import resolve_schedule
 from megalite.pipeline.trace import Trace
-from megalite.step_values import LossScaler, StepResult
-from megalite.timers import Clock, StepTimers
+from megalite.observe.step_values import LossScaler, StepResult
+from megalite.observe.timers import Clock, StepTimers
 
 
 def lr_at(iteration: int, t: TrainConfig) -> float:
@@ -189,7 +189,7 @@ def train_step(model, optimizer: DistributedOptimizer, micro_batches, t: TrainCo
     """One step with the data-parallel optimizer (DDP / ZeRO): gradients are reduced in
     buckets during backward, then unscaled, measured, clipped and applied on the shards.
     No host sync: the inf/NaN skip, the clip coefficient and the loss scale are device
-    values (see :mod:`megalite.step_values`)."""
+    values (see :mod:`megalite.observe.step_values`)."""
     optimizer.zero_grad(num_micro=len(micro_batches))
     timers = StepTimers(Clock(model_device(model)))
     loss = forward_backward(model, micro_batches, t, scaler.scale, grid, trace, timers)

@@ -1,7 +1,7 @@
 """The training loop of ``pretrain``: steps, the log, evaluation, checkpoints, rollback, stops.
 
 One iteration: the next global batch (:class:`~megalite.data.batch_stream.BatchStream`, past
-skipped windows), the train step, and its :class:`~megalite.step_log.PendingStep`. The host
+skipped windows), the train step, and its :class:`~megalite.observe.step_log.PendingStep`. The host
 reads the device only at a flush (the log line, an evaluation, a save, a stop, the end), so
 between flushes the GPU stays fed. At a flush the records are checked (non-finite values,
 spikes: :mod:`megalite.resilience.rollback`); a bad step is rolled back or stops the run.
@@ -39,16 +39,16 @@ from megalite.checkpoint.async_save import AsyncCheckpointSaver
 from megalite.checkpoint.dcp import AsyncDcpSaver, save_dcp_checkpoint
 from megalite.checkpoint.format import CheckpointError, resolve_checkpoint
 from megalite.device import to_device
-from megalite.faults import hang_report, looks_like_timeout
-from megalite.monitor import attended_length, memory_line
+from megalite.resilience.faults import hang_report, looks_like_timeout
+from megalite.observe.monitor import attended_length, memory_line
 from megalite.parallel.comm import count_collectives
 from megalite.pipeline.trace import Trace
 from megalite.resilience.straggler import StragglerMonitor
 from megalite.resilience.rollback import (WARMUP_LOSSES, LossSentinel, agree, checkpoint_losses, exhausted,
                                           no_checkpoint, recent_good_losses)
-from megalite.step_log import PendingStep, json_line
-from megalite.timers import Clock
-from megalite.training import evaluate, train_step
+from megalite.observe.step_log import PendingStep, json_line
+from megalite.observe.timers import Clock
+from megalite.train.step import evaluate, train_step
 
 
 class TermSignal:
@@ -93,7 +93,7 @@ def write_trace(trace_dir: str, trace, grid, num_micro: int, num_chunks: int, sc
 
 @dataclass
 class Run:
-    """What the loop works with, built by :func:`megalite.pretrain.pretrain`."""
+    """What the loop works with, built by :func:`megalite.train.pretrain.pretrain`."""
     args: object
     config: object
     tokenizer: object

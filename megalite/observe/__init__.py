@@ -1,0 +1,1 @@
+"""Observability: timers, host-sync counting, memory tracking, the log line, MFU, profiles, plots."""

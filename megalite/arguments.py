@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from megalite.config_types import (Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig,
                                    llama3_rope_scaling)  # noqa: F401 - llama3_rope_scaling re-exported
-from megalite.flag_spec import from_namespace, read_field, settings_of
+from megalite.flag_spec import flag_of, from_namespace, read_field, settings_of
 from megalite.flag_spec import add_flags
 from megalite.pipeline.schedule_kinds import SCHEDULES
 from megalite.resilience.flags import ResilienceSettings
@@ -85,3 +85,12 @@ def parse_settings(argv=None, parser: argparse.ArgumentParser | None = None) -> 
     args = (parser or build_parser()).parse_args(argv)
     return settings_from_args(args, frozenset(explicit_args(argv)))
 
+
+
+def flag_for(name: str) -> str:
+    """The option that sets setting ``name`` (a field of one of :data:`OWNERS`), e.g. ``swiglu`` ->
+    ``--swiglu``, ``add_bias_linear`` -> ``--disable-bias-linear``: what the planner prints."""
+    for owner, _ in OWNERS:
+        if any(f.name == name for f, _ in settings_of(owner)):
+            return flag_of(owner, name)
+    raise KeyError(f"no setting named {name!r}")

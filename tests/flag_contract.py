@@ -1,7 +1,8 @@
 """The ``pretrain_gpt.py --help`` contract as data: every option string of the parser with its
 destination, default, type or action, choices and nargs (help text and groups left out, as they
 may improve). ``tests/fixtures/pretrain_flags.json`` holds it as recorded before issue 37 rebuilt
-the parser from the settings' dataclasses; ``test_flag_contract.py`` compares the two."""
+the parser from the settings' dataclasses; ``test_flag_contract.py`` compares the two. A new flag
+is added to it on purpose: ``python -m tests.flag_contract`` (from the repository root) rewrites it."""
 from __future__ import annotations
 
 import argparse

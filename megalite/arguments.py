@@ -11,20 +11,21 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass, field
 
-from megalite.config_types import (Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig,
+from megalite.config_types import (MOE, Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig,
                                    llama3_rope_scaling)  # noqa: F401 - llama3_rope_scaling re-exported
-from megalite.flag_spec import flag_of, from_namespace, read_field, settings_of
-from megalite.flag_spec import add_flags
+from megalite.flag_spec import add_flags, flag_of, from_namespace, read_field, settings_of
 from megalite.pipeline.schedule_kinds import SCHEDULES
-from megalite.resilience.flags import ResilienceSettings
+from megalite.resilience.flags import GROUP as LONG_RUNS, ResilienceSettings
 from megalite.run_settings import (WANDB_MISSING, CheckpointSettings, LaunchSettings,  # noqa: F401
                                    LoggingSettings, RunSettings, check_logging)
 
 # (owner, its --help group), in the order --help lists them; a setting may name another group.
 OWNERS = ((ModelConfig, "model"), (ParallelConfig, "parallelism"), (LaunchSettings, "device"),
           (TrainConfig, "training"), (DataConfig, "data"), (LoggingSettings, "logging and outputs"),
-          (CheckpointSettings, "checkpoints"),
-          (ResilienceSettings, "long runs: asynchronous checkpoints, rollback, stragglers, fault drills"))
+          (CheckpointSettings, "checkpoints"), (ResilienceSettings, LONG_RUNS))
+
+# The --help groups in the order they are listed (a setting may name a group other than its owner's).
+GROUPS = ("model", MOE, "parallelism", "device", "training", "data", "logging and outputs", "checkpoints", LONG_RUNS)
 
 # Choices a floor above the settings knows: the pipeline schedules of the schedule table.
 CHOICES = {"pipeline_schedule": list(SCHEDULES)}
@@ -33,7 +34,7 @@ CHOICES = {"pipeline_schedule": list(SCHEDULES)}
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description="Pretrain a GPT with megalite.",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    groups: dict = {}
+    groups = {title: p.add_argument_group(title) for title in GROUPS}
     for owner, group in OWNERS:
         add_flags(p, owner, group, groups, CHOICES)
     return p
@@ -56,9 +57,14 @@ def explicit_args(argv=None) -> set[str]:
 
 
 def config_from_args(args: argparse.Namespace, vocab_size: int, eod_token: int | None = None) -> Config:
-    """The :class:`Config` of a parsed command line. ``vocab_size``: the tokenizer's; ``eod_token``:
-    its end-of-document id (None: it has none), which the packed-document flags need."""
+    """The :class:`Config` of a parsed command line, its W&B flags checked (as pretrain checks
+    them). ``vocab_size``: the tokenizer's; ``eod_token``: its end-of-document id (None: it has
+    none), which the packed-document flags need."""
     check_logging(from_namespace(LoggingSettings, args))
+    return _config_of(args, vocab_size, eod_token)
+
+
+def _config_of(args: argparse.Namespace, vocab_size: int, eod_token: int | None = None) -> Config:
     return Config(model=from_namespace(ModelConfig, args, vocab_size=vocab_size),
                   parallel=from_namespace(ParallelConfig, args), train=from_namespace(TrainConfig, args),
                   data=from_namespace(DataConfig, args, eod_token=eod_token))
@@ -71,9 +77,10 @@ def _requested_vocab_size(args: argparse.Namespace) -> int | None:
 
 def settings_from_args(args: argparse.Namespace, given: frozenset = frozenset()) -> Settings:
     """Typed settings of a parsed namespace; the model's vocabulary is the flag's (or the
-    default) until :func:`megalite.pretrain.setup` sets the tokenizer's."""
+    default) until :func:`megalite.pretrain.setup` sets the tokenizer's, and the logging flags
+    are checked there (:func:`megalite.run_settings.check_logging`), in their turn."""
     requested = _requested_vocab_size(args)
-    config = config_from_args(args, requested if requested is not None else ModelConfig.vocab_size)
+    config = _config_of(args, requested if requested is not None else ModelConfig.vocab_size)
     run = RunSettings(launch=from_namespace(LaunchSettings, args), logging=from_namespace(LoggingSettings, args),
                       checkpoint=from_namespace(CheckpointSettings, args),
                       resilience=from_namespace(ResilienceSettings, args), vocab_size=requested, given=given)

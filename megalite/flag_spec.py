@@ -121,7 +121,8 @@ def add_flags(parser: argparse.ArgumentParser, cls, group: str, groups: dict | N
             groups[title] = parser.add_argument_group(title)
         for one in flags_of_field(f):
             if choices and f.name in choices and one.dest == f.name:
-                one = Flag(one.option, one.dest, tuple(sorted({**dict(one.kwargs), "choices": choices[f.name]}.items())))
+                kwargs = {**dict(one.kwargs), "choices": choices[f.name]}
+                one = Flag(one.option, one.dest, tuple(sorted(kwargs.items())))
             one.add_to(groups[title])
 
 

@@ -187,7 +187,8 @@ def build_training_state(config, grid, device):
 def pretrain(argv=None) -> list[dict]:
     plan, config, tokenizer, grid, device = setup(argv)
     m, t = config.model, config.train
-    ckpt, log, resilience, fake = plan.checkpoint, plan.logging, plan.resilience, plan.device.fake_process_group
+    ckpt, log, resilience = plan.checkpoint, plan.logging, plan.resilience
+    fake = plan.launch_settings.fake_process_group
     reporter = grid.rank == 0 or fake  # a fake rank is the only process: it reports
     say = RankZeroPrinter(0 if reporter else grid.rank)
     dp = grid.layout.dp
@@ -245,7 +246,8 @@ def pretrain(argv=None) -> list[dict]:
 
     global_batch = t.global_batch_size
     windows = merge_windows(windows)
-    reserve = batches_in(windows) + resilience.max_rollbacks * resilience.rollback_skip_batches  # batches read, not trained
+    # batches read, not trained
+    reserve = batches_in(windows) + resilience.max_rollbacks * resilience.rollback_skip_batches
     num_evals = t.train_iters // t.eval_interval + 1
     train_iter, valid_iter, _ = build_data_iterators_from(  # config.data.eod_token is tokenizer.eod (setup)
         config, dp_rank=grid.dp_rank, dp_size=dp, train_samples=(t.train_iters + reserve) * global_batch,
@@ -271,7 +273,7 @@ def pretrain(argv=None) -> list[dict]:
                     fp16=t.fp16, meta=device.type == "meta")
     watchdog = None
     if device.type == "cuda" and dist.is_initialized() and not fake:
-        watchdog = HangWatchdog(grid, 0.9 * plan.device.distributed_timeout_minutes * 60)
+        watchdog = HangWatchdog(grid, 0.9 * plan.launch_settings.distributed_timeout_minutes * 60)
     run = Run(plan=plan, config=config, tokenizer=tokenizer, grid=grid, device=device, model=model,
               optimizer=optimizer, scaler=scaler, stream=stream, valid_iter=valid_iter,
               start_iteration=start_iteration, say=say, monitor=monitor, steps=steps, faults=faults,

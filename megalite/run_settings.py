@@ -122,5 +122,5 @@ class RunPlan:
         return self.settings.resilience
 
     @property
-    def device(self) -> LaunchSettings:
+    def launch_settings(self) -> LaunchSettings:
         return self.settings.launch

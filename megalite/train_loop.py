@@ -179,7 +179,7 @@ class TrainLoop:
                 result = train_step(r.model, r.optimizer, micro_batches, t, iteration - 1, r.scaler, r.grid, trace)
         except RuntimeError as error:
             if dist.is_initialized() and looks_like_timeout(error):
-                raise hang_report(r.grid, r.plan.device.distributed_timeout_minutes * 60) from error
+                raise hang_report(r.grid, r.plan.launch_settings.distributed_timeout_minutes * 60) from error
             raise
         extra = {}
         if r.straggler is not None:
@@ -210,7 +210,8 @@ class TrainLoop:
                 if (print_line or evaluate_now or save_now or stop or iteration == t.train_iters
                         or r.faults.due("kill", iteration)):  # else: no sync, the GPU stays fed
                     if trace is not None:
-                        write_trace(r.plan.logging.pipeline_trace, trace, r.grid, self.num_micro, len(r.model), t.pipeline_schedule)
+                        write_trace(r.plan.logging.pipeline_trace, trace, r.grid, self.num_micro, len(r.model),
+                                    t.pipeline_schedule)
                     back_to = self.flush(iteration, print_line, evaluate_now, pending.traffic)
                     if back_to is not None:
                         iteration = back_to
@@ -369,7 +370,7 @@ def checkpoint_saver(plan: RunPlan, grid: ProcessGrid) -> AsyncCheckpointSaver |
     if c.ckpt_format == "torch_dcp":
         return AsyncDcpSaver(grid)
     # as long as a collective may take
-    return AsyncCheckpointSaver(grid, timeout_s=60 * plan.device.distributed_timeout_minutes)
+    return AsyncCheckpointSaver(grid, timeout_s=60 * plan.launch_settings.distributed_timeout_minutes)
 
 
 def straggler_monitor(r: ResilienceSettings, grid: ProcessGrid, device: torch.device) -> StragglerMonitor | None:

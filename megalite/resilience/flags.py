@@ -42,7 +42,8 @@ class ResilienceSettings:
 
     @property
     def checked(self) -> bool:
-        """Whether the loop checks each step's records and agrees on faults (else StepLog stops on non-finite values)."""
+        """Whether the loop checks each step's records and agrees on faults (else StepLog stops on
+        non-finite values)."""
         return self.check_for_spiky_loss or self.max_rollbacks > 0
 
 

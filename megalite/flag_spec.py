@@ -3,7 +3,8 @@
 A setting is a field of the dataclass that owns it (``ModelConfig``, ``CheckpointSettings``,
 ...), written ``name: type = setting(default, "help", ...)``. Its flag is Megatron's name,
 ``--`` + the field name with ``-`` for ``_``; its argparse type follows the default (a bool
-that defaults to False is a ``store_true`` switch) unless given. A few settings are set by
+that defaults to False is a ``store_true`` switch) unless a type, an action or choices are
+given. A few settings are set by
 flags of another shape (``--disable-bias-linear`` sets ``add_bias_linear`` to its negation,
 ``--use-rope-scaling --rope-scaling-factor F`` build ``rope_scaling``): they list their
 :class:`Flag` objects and a ``read`` function from the parsed namespace to the field's value.
@@ -97,6 +98,8 @@ def flags_of_field(f: dataclasses.Field) -> tuple[Flag, ...]:
     kwargs = dict(marks.kwargs)
     default = kwargs.pop("flag_default", _default(f))
     if "action" not in kwargs and "type" not in kwargs and "choices" not in kwargs:
+        if default is True:
+            raise TypeError(f"setting {f.name} defaults to True: name the flag that turns it off (flags=, read=)")
         if isinstance(default, bool):
             kwargs["action"] = "store_true"
         elif default is not None and not isinstance(default, (list, tuple)):

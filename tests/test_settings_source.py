@@ -139,3 +139,13 @@ def test_dataclass_defaults_are_the_parsers():
                 default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
                 assert parsed[flags[0].dest] == default, f.name
     assert TrainConfig().pipeline_schedule == parsed["pipeline_schedule"]
+
+
+def test_a_switch_that_defaults_on_must_name_its_flag():
+    """``--x`` can only turn a switch on: one that defaults to True lists the flag that turns it off."""
+    @dataclasses.dataclass
+    class Toy:
+        bias: bool = setting(True)
+
+    with pytest.raises(TypeError, match="bias defaults to True"):
+        flags_of_field(dataclasses.fields(Toy)[0])

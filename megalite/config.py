@@ -1,222 +1,31 @@
-"""Settings as plain dataclasses, and one function that applies every rule.
+"""The run's settings (re-exported from the ground floor, :mod:`megalite.config_types`) and
+every rule between them, checked before any process group or model is built.
 
-``validate(config, world_size, gpus_per_node)`` is called before any process group
-or model is built. It checks the rules between settings itself and calls down into the
-checks each part owns for its own options (attention backends, packed documents,
-transformer-engine, context parallelism, MoE), which import nothing from here. Each
-violated rule raises :class:`ConfigError` (:mod:`megalite.errors`) whose message
-names the values involved, the rule, and a fix. Rules that only cost performance
-(a tensor-parallel group that spans nodes) are returned as warnings instead.
+``validate(config, world_size, gpus_per_node)`` checks the rules between the settings of
+:mod:`megalite.config` itself and calls down into the checks each part owns for its own options
+(attention backends, packed documents, transformer-engine, context parallelism, MoE, pipeline
+schedules), which import nothing from here. Each violated rule raises :class:`ConfigError`
+(:mod:`megalite.errors`) whose message names the values involved, the rule, and a fix. Rules that
+only cost performance (a tensor-parallel group that spans nodes) are returned as warnings instead.
+This module sits above the layers it asks; the settings themselves sit on the ground floor,
+where the grid and the layers import them from.
 """
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass, field
-
-from megalite.errors import ConfigError  # noqa: F401 - defined on the ground floor, used here and re-exported
-
-
-@dataclass
-class ModelConfig:
-    num_layers: int = 4
-    hidden_size: int = 128
-    num_attention_heads: int = 4
-    ffn_hidden_size: int | None = None  # default 4*hidden (GPT-2); 8/3*hidden rounded for SwiGLU
-    num_query_groups: int | None = None  # grouped-query attention; None = multi-head (= heads)
-    vocab_size: int = 4096  # tokenizer vocabulary (before padding)
-    make_vocab_size_divisible_by: int = 128
-    seq_length: int = 128
-    max_position_embeddings: int | None = None  # default seq_length
-    position_embedding_type: str = "learned_absolute"  # or "rope"
-    rotary_base: float = 10000.0
-    normalization: str = "LayerNorm"  # or "RMSNorm"
-    norm_epsilon: float = 1e-5
-    swiglu: bool = False
-    add_bias_linear: bool = True
-    add_qkv_bias: bool = False  # bias on the q/k/v projection even without add_bias_linear (Qwen2)
-    # RoPE frequency scaling: None, or Llama 3.1's {"rope_type": "llama3", "factor", "low_freq_factor",
-    # "high_freq_factor", "original_max_position_embeddings"} (see megalite.layers.rotary)
-    rope_scaling: dict | None = None
-    untie_embeddings_and_output_weights: bool = False
-    hidden_dropout: float = 0.1
-    attention_dropout: float = 0.1
-    init_method_std: float = 0.02
-    attention_backend: str = "auto"  # auto, triton, flash, torch (see megalite.layers.attention)
-    fused_kernels: bool = False  # Triton norms and cross-entropy
-    recompute_granularity: str | None = None  # None, "full" or "selective"
-    recompute_method: str = "uniform"  # full: "uniform" (groups of N layers) or "block" (first N)
-    recompute_num_layers: int = 1
-    # context-parallel attention: p2p (ring), a2a (Ulysses), allgather, a2a+p2p (hierarchical);
-    # see megalite.context_parallel.attention. Changes no weight, so a resume may switch it.
-    cp_comm_type: str = "p2p"
-    # Mixture of experts (megalite.moe; Megatron's --num-experts, --moe-* flags). None = dense.
-    num_experts: int | None = None
-    moe_router_topk: int = 2
-    moe_ffn_hidden_size: int | None = None  # each expert's FFN size; default ffn_hidden_size
-    moe_layer_freq: int | list = 1  # every N-th layer is MoE (0, N, 2N, ...), or a 0/1 list per layer
-    moe_router_load_balancing_type: str = "aux_loss"  # or "none"
-    moe_aux_loss_coeff: float = 0.0
-    moe_z_loss_coeff: float | None = None
-    moe_expert_capacity_factor: float | None = None  # None = dropless
-    moe_shared_expert_intermediate_size: int | None = None  # a dense expert every token also takes
-    moe_grouped_gemm: bool = False  # Triton grouped GEMM for the experts (else a loop of matmuls)
-    # transformer-engine and FP8 (megalite.layers.transformer_engine; Megatron's flags)
-    transformer_impl: str = "local"
-    fp8_format: str | None = None
-    fp8_amax_history_len: int = 1
-    fp8_amax_compute_algo: str = "most_recent"
-    tp_comm_overlap: bool = False  # TE userbuffers: TP all-gathers / reduce-scatters inside the GEMMs
-    tp_comm_bootstrap_backend: str = "nccl"
-
-    def __post_init__(self):
-        if self.ffn_hidden_size is None and self.hidden_size > 0:
-            if self.swiglu:
-                # Keep the parameter count of a 4h GELU MLP: 2/3 * 4h, rounded up to 64.
-                self.ffn_hidden_size = ((int(8 * self.hidden_size / 3) + 63) // 64) * 64
-            else:
-                self.ffn_hidden_size = 4 * self.hidden_size
-        if self.num_query_groups is None:
-            self.num_query_groups = self.num_attention_heads
-        if self.max_position_embeddings is None:
-            self.max_position_embeddings = self.seq_length
-        if self.num_experts and self.moe_ffn_hidden_size is None:
-            self.moe_ffn_hidden_size = self.ffn_hidden_size
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    def padded_vocab_size(self, tensor_parallel_size: int = 1) -> int:
-        """Vocabulary padded to a multiple of ``make_vocab_size_divisible_by * TP``.
-
-        Padding rows exist so the embedding splits evenly over TP; their logits are
-        masked to -inf, so a padding id is never predicted.
-        """
-        multiple = self.make_vocab_size_divisible_by * tensor_parallel_size
-        return ((self.vocab_size + multiple - 1) // multiple) * multiple
-
-
-@dataclass
-class ParallelConfig:
-    tensor_model_parallel_size: int = 1
-    pipeline_model_parallel_size: int = 1
-    context_parallel_size: int = 1
-    num_layers_per_virtual_pipeline_stage: int | None = None
-    sequence_parallel: bool = False
-    # a2a+p2p: (A, B), all-to-all over A consecutive CP ranks, the ring over B of them; A*B = CP
-    hierarchical_context_parallel_sizes: tuple[int, int] | None = None
-    expert_model_parallel_size: int = 1  # experts split over this many ranks of one stage
-    expert_tensor_parallel_size: int = 1  # only 1: each expert whole on its rank (see megalite.moe)
-
-    @property
-    def model_parallel_size(self) -> int:
-        return (
-            self.tensor_model_parallel_size
-            * self.context_parallel_size
-            * self.pipeline_model_parallel_size
-        )
-
-    def data_parallel_size(self, world_size: int) -> int:
-        return world_size // self.model_parallel_size
-
-
-@dataclass
-class TrainConfig:
-    micro_batch_size: int = 4
-    global_batch_size: int | None = None  # default micro_batch_size * DP
-    train_iters: int = 100
-    lr: float = 3e-4
-    min_lr: float = 0.0
-    lr_warmup_iters: int = 0
-    lr_decay_iters: int | None = None  # default train_iters
-    lr_decay_style: str = "cosine"  # cosine, linear, constant
-    weight_decay: float = 0.01
-    clip_grad: float = 1.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_eps: float = 1e-8
-    seed: int = 1234
-    bf16: bool = False
-    fp16: bool = False
-    loss_scale: float | None = None  # fp16: static scale; None = dynamic
-    initial_loss_scale: float = 2.0**16
-    zero_stage: int = 0  # 0 DDP, 1 optimizer state, 2 + gradients, 3 + weights sharded over DP
-    overlap_grad_reduce: bool = False  # start each bucket's reduction during backward
-    ddp_bucket_size: int = 40_000_000  # parameters per gradient bucket
-    offload_optimizer: bool = False  # optimizer state and step on the CPU (stages 1, 2)
-    accumulate_allreduce_grads_in_fp32: bool | None = None  # default: True with --bf16/--fp16
-    pipeline_schedule: str = "1f1b"  # gpipe, zb-h1, zbv (megalite.pipeline.op_lists); V > 1: interleaved
-    log_interval: int = 1
-    eval_interval: int = 1000
-    eval_iters: int = 10
-
-
-@dataclass
-class DataConfig:
-    # prefix of a .bin/.idx pair from tools/preprocess_data.py, or a blend's --data-path
-    # values: weights and prefixes, ["0.7", "A", "0.3", "B"] (see megalite/data/blended.py)
-    data_path: str | list[str] | None = None
-    mock_data: bool = False
-    split: str = "969,30,1"
-    tokenizer_type: str | None = None
-    tokenizer_model: str | None = None
-    # Packed documents (Megatron's flags; megalite/data/packing.py): positions restart after
-    # each EOD token, attention stops at documents, no loss where the input is EOD.
-    reset_position_ids: bool = False
-    reset_attention_mask: bool = False
-    eod_mask_loss: bool = False
-    eod_token: int | None = None  # the tokenizer's end-of-document id (None: it has none)
-
-
-@dataclass
-class Config:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+from megalite.config_types import (MOE, Config, ConfigError, DataConfig, ModelConfig,  # noqa: F401 - re-exported
+                                   ParallelConfig, TrainConfig, _positive, llama3_rope_scaling, validate_layout)
+from megalite.context_parallel.checks import check_context_parallel
+from megalite.data.blended import parse_data_path
+from megalite.layers.attention import check_attention_backend
+from megalite.layers.documents import check_documents_attention
+from megalite.layers.transformer_engine import check_tp_comm_overlap, check_transformer_impl
+from megalite.moe.settings import validate_moe
+from megalite.pipeline.checks import check_pipeline_schedule
 
 
 def _divides(what: str, n: int, by_what: str, d: int, fix: str) -> None:
     if d <= 0 or n % d != 0:
         raise ConfigError(f"{what} ({n}) must be divisible by {by_what} ({d}). Fix: {fix}")
-
-
-def _positive(name: str, value, fix: str = "") -> None:
-    if value is None or value < 1:
-        raise ConfigError(f"{name} must be a positive integer, got {value}. {fix}".rstrip())
-
-
-def validate_layout(parallel: ParallelConfig, world_size: int, gpus_per_node: int | None = None,
-                    num_layers: int | None = None) -> list[str]:
-    """Rules of the (tp, cp, dp, pp) grid. Returns warnings (performance only)."""
-    tp = parallel.tensor_model_parallel_size
-    cp = parallel.context_parallel_size
-    pp = parallel.pipeline_model_parallel_size
-    _positive("--tensor-model-parallel-size", tp)
-    _positive("--context-parallel-size", cp)
-    _positive("--pipeline-model-parallel-size", pp)
-    _positive("world size", world_size)
-    mp = tp * cp * pp
-    if world_size % mp != 0:
-        raise ConfigError(
-            f"world size ({world_size}) must be divisible by TP*CP*PP = {tp}*{cp}*{pp} = {mp}; "
-            f"the data-parallel size is world/(TP*CP*PP). Fix: launch a multiple of {mp} "
-            f"processes, or choose sizes whose product divides {world_size}."
-        )
-    warnings = []
-    if gpus_per_node is not None and gpus_per_node > 0:
-        if tp > gpus_per_node or gpus_per_node % tp != 0:
-            warnings.append(
-                f"tensor-parallel group of {tp} ranks spans nodes ({gpus_per_node} GPUs per node): "
-                f"TP all-reduces run on every layer, forward and backward, and across nodes they "
-                f"travel over InfiniBand (~50 GB/s) instead of NVLink (~450 GB/s), typically a "
-                f"several-fold slowdown. Fix: keep TP <= {gpus_per_node} and a divisor of it; use "
-                f"pipeline or data parallelism across nodes."
-            )
-    return warnings
 
 
 def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = None) -> list[str]:
@@ -266,14 +75,8 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
                           f"({m.max_position_embeddings}): learned positions exist only up to "
                           f"that length. Fix: raise --max-position-embeddings or shorten "
                           f"--seq-length.")
-    from megalite.layers.documents import check_documents_attention
-
     check_documents_attention(m, d.reset_attention_mask)  # before "not installed": the fix differs
-    from megalite.layers.attention import check_attention_backend
-
     check_attention_backend(m)  # raises ConfigError naming what is missing and how to install it
-    from megalite.layers.transformer_engine import check_tp_comm_overlap, check_transformer_impl
-
     check_transformer_impl(m, tp)
     check_tp_comm_overlap(m, tp, p.sequence_parallel, t.bf16 or t.fp16)
     for name in ("hidden_dropout", "attention_dropout"):
@@ -307,8 +110,6 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
     if cp > 1:
         _divides("--seq-length", m.seq_length, "2 * --context-parallel-size", 2 * cp,
                  "the load-balanced causal split cuts each sequence into 2*CP equal chunks.")
-    from megalite.context_parallel.checks import check_context_parallel
-
     warnings += check_context_parallel(m, p, gpus_per_node)  # --cp-comm-type and its sizes
     if p.sequence_parallel:
         if tp == 1:
@@ -317,8 +118,6 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
                               "the flag.")
         _divides("--seq-length / CP", m.seq_length // cp, "--tensor-model-parallel-size", tp,
                  "sequence parallelism splits each rank's sequence over TP.")
-
-    from megalite.moe.settings import validate_moe
 
     validate_moe(m, p, t, world_size)
 
@@ -357,8 +156,6 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
     _positive("--ddp-bucket-size", t.ddp_bucket_size)
     if t.accumulate_allreduce_grads_in_fp32 is None:
         t.accumulate_allreduce_grads_in_fp32 = t.bf16 or t.fp16
-    from megalite.pipeline.checks import check_pipeline_schedule
-
     check_pipeline_schedule(m, p, t)
 
     # Training.
@@ -396,7 +193,6 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
             f"tokenizer that names one (eos_token in tokenizer_config.json of a Hugging Face "
             f"folder) and preprocess with --append-eod, or drop {flags}.")
     if d.data_path and not d.mock_data:
-        from megalite.data.blended import parse_data_path
         try:
             parse_data_path(d.data_path)
         except ValueError as e:

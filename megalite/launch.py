@@ -14,7 +14,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from megalite.config import ConfigError
+from megalite.errors import ConfigError
 
 TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 SLURM = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODELIST")

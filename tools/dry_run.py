@@ -41,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from megalite.arguments import build_parser, config_from_args  # noqa: E402
+from megalite.arguments import build_parser, config_from_args, parse_settings  # noqa: E402
 from megalite.config import ConfigError, validate  # noqa: E402
 from megalite.device import meta_stand_ins  # noqa: E402
 from megalite.parallel.grid import GridLayout  # noqa: E402
@@ -286,14 +286,14 @@ def main(argv=None) -> int:
         print(__doc__)
         return 0
     writable(own, "--json", args.json)
-    pre = one_line_errors(build_parser()).parse_args(flags)
-    if pre.vocab_size is None:
+    pre = parse_settings(flags, one_line_errors(build_parser()))
+    vocab_size = pre.run.vocab_size
+    if vocab_size is None:
         print("dry_run: --vocab-size is required (the run uses mock data)", file=sys.stderr)
         return 2
-    flags = flags + ([] if pre.mock_data else ["--mock-data"])
+    flags = flags + ([] if pre.config.data.mock_data else ["--mock-data"])
     try:
-        config = config_from_args(build_parser().parse_args(flags), pre.vocab_size,
-                                  eod_token=mock_eod(pre.vocab_size))
+        config = config_from_args(build_parser().parse_args(flags), vocab_size, eod_token=mock_eod(vocab_size))
     except ConfigError as e:
         print(f"dry_run: configuration error: {e}", file=sys.stderr)
         return 2

@@ -12,7 +12,7 @@ from megalite.checkpoint.format import CheckpointError, PieceReader, read_latest
 from megalite.checkpoint.serial import load_serial_model as _load_serial_megalite
 from megalite.checkpoint.serial import save_weights_checkpoint
 
-CKPT_FORMATS = ("megalite", "torch_dcp")
+from megalite.run_settings import CKPT_FORMATS  # the flag's choices, defined with the setting
 
 
 def is_dcp_checkpoint(directory: str) -> bool:

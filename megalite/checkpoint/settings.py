@@ -23,40 +23,19 @@ import json
 import os
 
 from megalite.checkpoint.format import TOKENIZER_FILES, same_layout  # noqa: F401 - re-exported
-from megalite.config import ConfigError, ModelConfig
+from megalite.config_types import ConfigError, ModelConfig
+from megalite.flag_spec import fixed_settings
 
 CARRIED = "huggingface"  # the folder in an iteration directory
 GENERATION_CONFIG = "generation_config.json"
 _RECORD = "_checkpoint_record"  # attribute of the run's ModelConfig (not a field: never in config.json)
 
-# The one list of the model settings a checkpoint fixes: model field -> (the flag that sets it,
-# the argparse destinations of that flag). ``--load`` adopts them (:func:`adopt_checkpoint_model`)
-# and the load refuses a checkpoint whose values differ from the run's (``SHAPE_FIELDS``, read by
-# :func:`megalite.checkpoint.core.check_config`). Others (dropout, init std, backends) may change at load.
-FIXED = {
-    "num_layers": ("--num-layers", ("num_layers",)),
-    "hidden_size": ("--hidden-size", ("hidden_size",)),
-    "num_attention_heads": ("--num-attention-heads", ("num_attention_heads",)),
-    "num_query_groups": ("--num-query-groups", ("num_query_groups",)),
-    "ffn_hidden_size": ("--ffn-hidden-size", ("ffn_hidden_size",)),
-    "position_embedding_type": ("--position-embedding-type", ("position_embedding_type",)),
-    "max_position_embeddings": ("--max-position-embeddings", ("max_position_embeddings",)),
-    "rotary_base": ("--rotary-base", ("rotary_base",)),
-    "rope_scaling": ("--use-rope-scaling", ("use_rope_scaling", "rope_scaling_factor")),
-    "normalization": ("--normalization", ("normalization",)),
-    "norm_epsilon": ("--norm-epsilon", ("norm_epsilon",)),
-    "swiglu": ("--swiglu", ("swiglu",)),
-    "add_bias_linear": ("--disable-bias-linear", ("disable_bias_linear",)),
-    "add_qkv_bias": ("--add-qkv-bias", ("add_qkv_bias",)),
-    "untie_embeddings_and_output_weights": ("--untie-embeddings-and-output-weights",
-                                            ("untie_embeddings_and_output_weights",)),
-    "vocab_size": ("--vocab-size", ("vocab_size",)),
-    "num_experts": ("--num-experts", ("num_experts",)),
-    "moe_ffn_hidden_size": ("--moe-ffn-hidden-size", ("moe_ffn_hidden_size",)),
-    "moe_layer_freq": ("--moe-layer-freq", ("moe_layer_freq",)),
-    "moe_shared_expert_intermediate_size": ("--moe-shared-expert-intermediate-size",
-                                            ("moe_shared_expert_intermediate_size",)),
-}
+# The model settings a checkpoint fixes, derived from the ``fixed`` marks of ModelConfig's fields
+# (megalite.config_types): model field -> (the flag that sets it, the argparse destinations of its flags).
+# ``--load`` adopts them (:func:`adopt_checkpoint_model`) and the load refuses a checkpoint whose
+# values differ from the run's (``SHAPE_FIELDS``, read by :func:`megalite.checkpoint.core.check_config`).
+# Others (dropout, init std, backends) may change at load.
+FIXED = fixed_settings(ModelConfig)
 SHAPE_FIELDS = tuple(FIXED)
 
 

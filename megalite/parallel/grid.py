@@ -37,7 +37,7 @@ import itertools
 import os
 from dataclasses import dataclass
 
-from megalite.config import ConfigError, ParallelConfig, validate_layout
+from megalite.config_types import ConfigError, ParallelConfig, validate_layout
 
 DIMS = ("tp", "cp", "dp", "pp")
 

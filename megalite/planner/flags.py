@@ -2,7 +2,8 @@
 
 One source of truth: every default the planner models (gradient accumulation dtype, dropout,
 micro batch, ZeRO stage, recomputation, sequence parallelism, the DDP bucket size) is read from
-``megalite.arguments.build_parser()``, the parser of ``pretrain_gpt.py``, never copied here.
+``megalite.arguments.build_parser()``, the parser of ``pretrain_gpt.py``, never copied here, and
+every flag printed is named by the setting's own mark (``megalite.arguments.flag_for``).
 :func:`pretrain_flags` writes a planned layout as the exact flags that train it, so that
 ``tools/dry_run.py`` with those flags measures what the planner estimated, and
 ``tools/plan_parallel.py --verify`` dry-runs nothing else.
@@ -24,7 +25,7 @@ from __future__ import annotations
 import functools
 import json
 
-from megalite.arguments import build_parser
+from megalite.arguments import build_parser, flag_for
 from megalite.config import ModelConfig
 
 
@@ -48,8 +49,9 @@ def grads_in_fp32(precision: str, accumulate: bool | None = None) -> bool:
     return bool(accumulate) or precision == "fp32"
 
 
-def _flag(dest: str) -> str:
-    return "--" + dest.replace("_", "-")
+def _flag(name: str) -> str:
+    """The flag of setting ``name``, from the settings' own marks (megalite.flag_spec), never a copy."""
+    return flag_for(name)
 
 
 def _model_flags(m: ModelConfig) -> list[str]:
@@ -65,8 +67,8 @@ def _model_flags(m: ModelConfig) -> list[str]:
               "attention_dropout"):
         if getattr(m, k) != d[k]:
             flags.append(f"{_flag(k)}={getattr(m, k)}")
-    flags += [f for f, on in (("--swiglu", m.swiglu), ("--disable-bias-linear", not m.add_bias_linear),
-                              ("--untie-embeddings-and-output-weights", m.untie_embeddings_and_output_weights))
+    flags += [_flag(k) for k, on in (("swiglu", m.swiglu), ("add_bias_linear", not m.add_bias_linear),
+                                     ("untie_embeddings_and_output_weights", m.untie_embeddings_and_output_weights))
               if on]
     if m.num_experts:
         flags += [f"{_flag(k)}={v}" for k, v in (
@@ -85,31 +87,33 @@ def pretrain_flags(m: ModelConfig, layout, global_batch: int, micro: int, precis
     at the parser's defaults are left out. Data flags are the user's (``--mock-data`` for a try)."""
     d = training_defaults()
     flags = _model_flags(m)
-    flags += [f"--global-batch-size={global_batch}", f"--micro-batch-size={micro}"]
+    flags += [f"{_flag('global_batch_size')}={global_batch}", f"{_flag('micro_batch_size')}={micro}"]
     flags += [f"{_flag(k)}={v}" for k, v in (("tensor_model_parallel_size", layout.tp),
                                              ("pipeline_model_parallel_size", layout.pp),
                                              ("context_parallel_size", layout.cp), ("zero_stage", layout.zero),
                                              ("expert_model_parallel_size", layout.ep)) if v != d[k]]
     if layout.pp > 1 and layout.schedule != d["pipeline_schedule"]:
-        flags.append(f"--pipeline-schedule={layout.schedule}")
+        flags.append(f"{_flag('pipeline_schedule')}={layout.schedule}")
     if layout.sp and not d["sequence_parallel"]:
-        flags.append("--sequence-parallel")
+        flags.append(_flag("sequence_parallel"))
     if layout.recompute != (d["recompute_granularity"] or "none"):
-        flags.append(f"--recompute-granularity={layout.recompute}")
+        flags.append(f"{_flag('recompute_granularity')}={layout.recompute}")
     if layout.zero >= 2 and not d["overlap_grad_reduce"]:
-        flags.append("--overlap-grad-reduce")
+        flags.append(_flag("overlap_grad_reduce"))
     if layout.cp > 1 and m.attention_dropout > 0:
-        flags.append("--attention-dropout=0")
+        flags.append(f"{_flag('attention_dropout')}=0")
     kind = layout.cp_comm_type
     if layout.cp > 1 and kind != d["cp_comm_type"]:
-        flags.append(f"--cp-comm-type={kind}")
+        flags.append(f"{_flag('cp_comm_type')}={kind}")
         if kind == "a2a+p2p":  # two values: A inner (all-to-all) ranks, B = CP/A outer (ring) ranks
-            flags += ["--hierarchical-context-parallel-sizes", str(layout.cp_inner), str(layout.cp // layout.cp_inner)]
+            flags += [_flag("hierarchical_context_parallel_sizes"), str(layout.cp_inner),
+                      str(layout.cp // layout.cp_inner)]
     if precision != "fp32":
-        flags.append(f"--{precision}")
+        flags.append(_flag(precision))  # --bf16 or --fp16
     if accumulate is not None and grads_in_fp32(precision, accumulate) != grads_in_fp32(precision, None):
-        flags.append("--accumulate-allreduce-grads-in-fp32" if accumulate else "--no-accumulate-allreduce-grads-in-fp32")
-    flags += [f for f, on in (("--reset-position-ids", reset_position_ids),
-                              ("--reset-attention-mask", reset_attention_mask)) if on]
+        option = _flag("accumulate_allreduce_grads_in_fp32")  # a BooleanOptionalAction: --no-... turns it off
+        flags.append(option if accumulate else "--no-" + option[2:])
+    flags += [_flag(k) for k, on in (("reset_position_ids", reset_position_ids),
+                                     ("reset_attention_mask", reset_attention_mask)) if on]
     return flags
 

@@ -30,6 +30,7 @@ import signal
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import Callable, TextIO
 
 import torch
 import torch.distributed as dist
@@ -38,15 +39,26 @@ from megalite.checkpoint import load_checkpoint, save_checkpoint
 from megalite.checkpoint.async_save import AsyncCheckpointSaver
 from megalite.checkpoint.dcp import AsyncDcpSaver, save_dcp_checkpoint
 from megalite.checkpoint.format import CheckpointError, resolve_checkpoint
+from megalite.config_types import Config
+from megalite.data.batch_stream import BatchStream
+from megalite.data.builder import MicroBatchIterator
+from megalite.data_parallel.zero import DistributedOptimizer
 from megalite.device import to_device
-from megalite.resilience.faults import hang_report, looks_like_timeout
-from megalite.observe.monitor import attended_length, memory_line
+from megalite.resilience.faults import HangWatchdog, hang_report, looks_like_timeout
+from megalite.observe.memory_tracker import MemoryTracker
+from megalite.observe.monitor import Monitor, attended_length, memory_line
 from megalite.parallel.comm import count_collectives
+from megalite.parallel.grid import ProcessGrid
 from megalite.pipeline.trace import Trace
+from megalite.observe.profiling import Profiler
+from megalite.resilience.fault_injection import FaultInjector
+from megalite.resilience.flags import ResilienceSettings
 from megalite.resilience.straggler import StragglerMonitor
 from megalite.resilience.rollback import (WARMUP_LOSSES, LossSentinel, agree, checkpoint_losses, exhausted,
                                           no_checkpoint, recent_good_losses)
-from megalite.observe.step_log import PendingStep, json_line
+from megalite.run_settings import CheckpointSettings, LoggingSettings, RunPlan
+from megalite.observe.step_log import PendingStep, StepLog, json_line
+from megalite.observe.step_values import LossScaler
 from megalite.observe.timers import Clock
 from megalite.train.step import evaluate, train_step
 
@@ -73,10 +85,10 @@ class TermSignal:
         signal.signal(signal.SIGTERM, self._previous)
 
 
-def step_trace(args, iteration: int, t, device) -> Trace | None:
+def step_trace(log: LoggingSettings, iteration: int, t, device) -> Trace | None:
     """The pipeline trace of the last iteration (``--pipeline-trace``; ``iteration`` 0-based),
     timed on the device's clock: CUDA events on a GPU (host timestamps time the launches only)."""
-    if not args.pipeline_trace or iteration != t.train_iters - 1:
+    if not log.pipeline_trace or iteration != t.train_iters - 1:
         return None
     return Trace(Clock(device))
 
@@ -94,43 +106,46 @@ def write_trace(trace_dir: str, trace, grid, num_micro: int, num_chunks: int, sc
 @dataclass
 class Run:
     """What the loop works with, built by :func:`megalite.train.pretrain.pretrain`."""
-    args: object
-    config: object
-    tokenizer: object
-    grid: object
+    plan: RunPlan                  # the run's settings and what setup worked out (load_dir, ...)
+    config: Config
+    tokenizer: object              # any of megalite.data.tokenizer's classes (no common base; saved with the run)
+    grid: ProcessGrid
     device: torch.device
-    model: list
-    optimizer: object
-    scaler: object
-    stream: object                 # BatchStream of the train data
-    valid_iter: object
+    model: list[torch.nn.Module]   # this rank's pipeline chunks
+    optimizer: DistributedOptimizer
+    scaler: LossScaler
+    stream: BatchStream            # the train data
+    valid_iter: MicroBatchIterator | None
     start_iteration: int
-    say: object                    # rank-0 printer
-    monitor: object
-    steps: object                  # StepLog
-    faults: object                 # FaultInjector
-    saver: object = None           # asynchronous checkpoint saver (--async-save) or None
-    save_fn: object = None         # synchronous save function
-    straggler: object = None       # StragglerMonitor or None
-    profiler: object = None
-    tracker: object = None
-    watchdog: object = None
-    log_file: object = None
-    log_lines: list = field(default_factory=list)
+    say: Callable[..., None]       # rank-0 printer
+    monitor: Monitor
+    steps: StepLog
+    faults: FaultInjector
+    saver: AsyncCheckpointSaver | AsyncDcpSaver | None = None  # --async-save's background saver
+    save_fn: Callable[..., str] | None = None  # synchronous save function
+    straggler: StragglerMonitor | None = None
+    profiler: Profiler | None = None
+    tracker: MemoryTracker | None = None
+    watchdog: HangWatchdog | None = None
+    log_file: TextIO | None = None
+    log_lines: list[dict] = field(default_factory=list)
 
 
 class TrainLoop:
     def __init__(self, run: Run):
         self.r = run
-        a, t = run.args, run.config.train
+        t = run.config.train
         self.t = t
+        self.ckpt: CheckpointSettings = run.plan.checkpoint
+        self.res: ResilienceSettings = run.plan.resilience
+        a = self.res
         self.num_micro = t.global_batch_size // (t.micro_batch_size * run.grid.layout.dp)
-        self.term = TermSignal() if a.save else None
-        resumed = a.load_dir if run.start_iteration > 0 else None  # not a --finetune / weights-only start
+        self.term = TermSignal() if self.ckpt.save else None
+        resumed = run.plan.load_dir if run.start_iteration > 0 else None  # not a --finetune / weights-only start
         self.loaded_losses = checkpoint_losses(resumed)  # a resume: the spike check is armed from its first step
         self.sentinel = LossSentinel(t.fp16, a.check_for_spiky_loss, a.spiky_loss_factor, a.spiky_loss_window,
                                      history=self.loaded_losses)
-        self.checked = a.check_for_spiky_loss or a.max_rollbacks > 0  # else StepLog stops on non-finite values
+        self.checked = a.checked  # else StepLog stops on non-finite values
         self.rollbacks = 0
         self.batch_of: dict[int, int] = {}  # iteration -> the global batch it trained on
         self.memory = ""  # the memory column of the latest step's log line
@@ -153,7 +168,7 @@ class TrainLoop:
         micro_batches = r.faults.corrupt(iteration, [to_device(b, r.device) for b in host_batches])
         if r.tracker is not None:  # the step's batches live on the device through the step
             r.tracker.register([x for b in micro_batches for x in b.values()], "data")
-        trace = step_trace(r.args, iteration - 1, t, r.device)
+        trace = step_trace(r.plan.logging, iteration - 1, t, r.device)
         if r.straggler is not None:
             r.straggler.start_step()
         r.faults.slow_compute(iteration, r.device)
@@ -164,7 +179,7 @@ class TrainLoop:
                 result = train_step(r.model, r.optimizer, micro_batches, t, iteration - 1, r.scaler, r.grid, trace)
         except RuntimeError as error:
             if dist.is_initialized() and looks_like_timeout(error):
-                raise hang_report(r.grid, r.args.distributed_timeout_minutes * 60) from error
+                raise hang_report(r.grid, r.plan.launch_settings.distributed_timeout_minutes * 60) from error
             raise
         extra = {}
         if r.straggler is not None:
@@ -179,9 +194,9 @@ class TrainLoop:
 
     # -- the loop --------------------------------------------------------------------------
     def run(self) -> list[dict]:
-        r, t, a = self.r, self.t, self.r.args
+        r, t, c = self.r, self.t, self.ckpt
         iteration = r.start_iteration
-        if a.check_for_spiky_loss:
+        if self.res.check_for_spiky_loss:
             r.say(self.sentinel.describe_arming(iteration))
         try:
             while iteration < t.train_iters:
@@ -191,11 +206,12 @@ class TrainLoop:
                 print_line = self.prints(iteration)
                 evaluate_now = r.valid_iter is not None and iteration % t.eval_interval == 0
                 stop = self.term is not None and self.term.agreed(r.grid)
-                save_now = bool(a.save and ((a.save_interval and iteration % a.save_interval == 0) or stop))
+                save_now = bool(c.save and ((c.save_interval and iteration % c.save_interval == 0) or stop))
                 if (print_line or evaluate_now or save_now or stop or iteration == t.train_iters
                         or r.faults.due("kill", iteration)):  # else: no sync, the GPU stays fed
                     if trace is not None:
-                        write_trace(a.pipeline_trace, trace, r.grid, self.num_micro, len(r.model), t.pipeline_schedule)
+                        write_trace(r.plan.logging.pipeline_trace, trace, r.grid, self.num_micro, len(r.model),
+                                    t.pipeline_schedule)
                     back_to = self.flush(iteration, print_line, evaluate_now, pending.traffic)
                     if back_to is not None:
                         iteration = back_to
@@ -213,7 +229,7 @@ class TrainLoop:
                           else f"SIGTERM: saved iteration {iteration} and stopping")
                     break
             finished = bool(r.log_lines) and r.log_lines[-1]["iteration"] == t.train_iters
-            if a.save and finished and not (a.save_interval and t.train_iters % a.save_interval == 0):
+            if c.save and finished and not (c.save_interval and t.train_iters % c.save_interval == 0):
                 self.save(t.train_iters)
         finally:
             if r.saver is not None:  # a stop, the end and an exception: the write in flight completes
@@ -272,13 +288,13 @@ class TrainLoop:
 
     # -- checkpoints -----------------------------------------------------------------------
     def save(self, iteration: int) -> None:
-        r, a = self.r, self.r.args
+        r, c = self.r, self.ckpt
         extra = {"skipped_batches": [list(w) for w in r.stream.windows], "data_batches": r.stream.batches_read,
                  "recent_losses": recent_good_losses(self.loaded_losses, r.log_lines, iteration,
-                                                     max(a.spiky_loss_window, WARMUP_LOSSES))}
+                                                     max(self.res.spiky_loss_window, WARMUP_LOSSES))}
         save = r.saver.save if r.saver is not None else r.save_fn
-        path = save(a.save, iteration, r.optimizer, r.scaler, r.config, r.grid, r.stream.consumed_samples,
-                    a.keep_last, r.tokenizer, extra_meta=extra)
+        path = save(c.save, iteration, r.optimizer, r.scaler, r.config, r.grid, r.stream.consumed_samples,
+                    c.keep_last, r.tokenizer, extra_meta=extra)
         if r.saver is not None:
             r.say(f"checkpoint {os.path.abspath(path)}: written in the background")
         else:
@@ -290,7 +306,8 @@ class TrainLoop:
     def rollback(self, bad) -> int:
         """Go back to the latest checkpoint and skip the batches that led to ``bad``; returns
         the checkpoint's iteration (the loop goes on from the one after it)."""
-        r, a, t = self.r, self.r.args, self.t
+        r, a, t = self.r, self.res, self.t
+        save = self.ckpt.save
         if self.rollbacks >= a.max_rollbacks:
             raise exhausted(bad, a.max_rollbacks, a.spiky_loss_factor, a.spiky_loss_window)
         if r.saver is not None:
@@ -300,7 +317,7 @@ class TrainLoop:
         meta = load_checkpoint(directory, r.optimizer, r.scaler, r.config, r.grid)
         back_to = meta["iteration"]
         if back_to >= bad.iteration:  # --save holds another run's later checkpoint
-            raise no_checkpoint(bad, a.save, a.spiky_loss_factor, a.spiky_loss_window)
+            raise no_checkpoint(bad, save, a.spiky_loss_factor, a.spiky_loss_window)
         batches = meta.get("data_batches", meta["consumed_samples"] // t.global_batch_size)
         for w in meta.get("skipped_batches", []):
             r.stream.skip(*w)
@@ -327,9 +344,9 @@ class TrainLoop:
         return back_to
 
     def _rollback_checkpoint(self, bad) -> str:
-        a = self.r.args
-        resumed = a.load_dir if self.r.start_iteration > 0 else None  # not a --finetune / weights-only start
-        for root in (a.save, resumed):
+        a, save = self.res, self.ckpt.save
+        resumed = self.r.plan.load_dir if self.r.start_iteration > 0 else None  # not a --finetune / weights-only start
+        for root in (save, resumed):
             if not root:
                 continue
             try:
@@ -337,24 +354,26 @@ class TrainLoop:
             except CheckpointError:  # nothing saved there yet
                 continue
             return directory
-        raise no_checkpoint(bad, a.save, a.spiky_loss_factor, a.spiky_loss_window)
+        raise no_checkpoint(bad, save, a.spiky_loss_factor, a.spiky_loss_window)
 
 
-def checkpoint_writer(args):
+def checkpoint_writer(c: CheckpointSettings) -> Callable[..., str]:
     """The synchronous save of ``--ckpt-format``."""
-    return save_dcp_checkpoint if args.ckpt_format == "torch_dcp" else save_checkpoint
+    return save_dcp_checkpoint if c.ckpt_format == "torch_dcp" else save_checkpoint
 
 
-def checkpoint_saver(args, grid):
+def checkpoint_saver(plan: RunPlan, grid: ProcessGrid) -> AsyncCheckpointSaver | AsyncDcpSaver | None:
     """The background saver of ``--async-save`` (None without it)."""
-    if not args.async_save:
+    c = plan.checkpoint
+    if not c.async_save:
         return None
-    if args.ckpt_format == "torch_dcp":
+    if c.ckpt_format == "torch_dcp":
         return AsyncDcpSaver(grid)
-    return AsyncCheckpointSaver(grid, timeout_s=60 * args.distributed_timeout_minutes)  # as long as a collective
+    # as long as a collective may take
+    return AsyncCheckpointSaver(grid, timeout_s=60 * plan.launch_settings.distributed_timeout_minutes)
 
 
-def straggler_monitor(args, grid, device):
-    if not args.straggler_report_interval:
+def straggler_monitor(r: ResilienceSettings, grid: ProcessGrid, device: torch.device) -> StragglerMonitor | None:
+    if not r.straggler_report_interval:
         return None
-    return StragglerMonitor(grid, args.straggler_report_interval, args.straggler_threshold, device)
+    return StragglerMonitor(grid, r.straggler_report_interval, r.straggler_threshold, device)

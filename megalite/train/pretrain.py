@@ -1,4 +1,4 @@
-"""The pretraining driver behind ``pretrain_gpt.py``: args -> config -> grid -> model -> loop.
+"""The pretraining driver behind ``pretrain_gpt.py``: flags -> settings -> grid -> model -> loop.
 
 Runs under torchrun (one process per rank; RANK, WORLD_SIZE, LOCAL_WORLD_SIZE from the
 environment) or plainly as one process. Every setting is validated before any process
@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from megalite.arguments import build_parser, config_from_args, explicit_args
+from megalite.arguments import build_parser, parse_settings
 from megalite.checkpoint import CheckpointError, load_checkpoint
 from megalite.checkpoint.format import complete_iterations, is_hugging_face_folder, resolve_checkpoint
 from megalite.checkpoint.settings import adopt_checkpoint_model, checkpoint_config, describe_layout_change
-from megalite.config import ConfigError, validate
+from megalite.config import ConfigError, DataConfig, validate
 from megalite.data import build_data_iterators_from
 from megalite.data.batch_stream import BatchStream, batches_in, merge_windows
 from megalite.data.blended import describe_data, parse_data_path
@@ -45,25 +45,28 @@ from megalite.train.preflight import check_datasets, check_output_paths, check_s
 from megalite.observe.profiling import Profiler
 from megalite.resilience.fault_injection import FaultInjector, check_fault_ranks
 from megalite.resilience.fault_injection import set_active as set_active_faults
-from megalite.resilience.flags import check_resilience_args
+from megalite.resilience.flags import check_resilience
+from megalite.run_settings import RunPlan, check_logging
 from megalite.observe.step_log import StepLog
 from megalite.train.loop import Run, TrainLoop, checkpoint_saver, checkpoint_writer, straggler_monitor
 from megalite.train.step import LossScaler, build_data_parallel_optimizer
 
 
-def _tokenizer_for(args):
-    if args.tokenizer_type is None:
-        args.tokenizer_type = "NullTokenizer" if args.mock_data else "SentencePieceTokenizer"
-    if args.tokenizer_type == "NullTokenizer":
-        if args.vocab_size is None:
+def _tokenizer_for(data: DataConfig, vocab_size: int | None):
+    """The run's tokenizer; ``data.tokenizer_type`` left unset becomes NullTokenizer with
+    --mock-data, else SentencePieceTokenizer. ``vocab_size``: --vocab-size (NullTokenizer's range)."""
+    if data.tokenizer_type is None:
+        data.tokenizer_type = "NullTokenizer" if data.mock_data else "SentencePieceTokenizer"
+    if data.tokenizer_type == "NullTokenizer":
+        if vocab_size is None:
             raise ConfigError("--vocab-size is required with --mock-data / NullTokenizer "
                               "(the range of the random token ids). Fix: add --vocab-size N.")
-        return build_tokenizer("NullTokenizer", vocab_size=args.vocab_size)
-    if not args.tokenizer_model:
-        what = ("a local folder holding tokenizer.json" if args.tokenizer_type == "HuggingFaceTokenizer"
+        return build_tokenizer("NullTokenizer", vocab_size=vocab_size)
+    if not data.tokenizer_model:
+        what = ("a local folder holding tokenizer.json" if data.tokenizer_type == "HuggingFaceTokenizer"
                 else "a sentencepiece .model from tools/train_tokenizer.py")
-        raise ConfigError(f"--tokenizer-type {args.tokenizer_type} needs --tokenizer-model PATH ({what}).")
-    return build_tokenizer(args.tokenizer_type, args.tokenizer_model)
+        raise ConfigError(f"--tokenizer-type {data.tokenizer_type} needs --tokenizer-model PATH ({what}).")
+    return build_tokenizer(data.tokenizer_type, data.tokenizer_model)
 
 
 def restart_note(finetune: bool) -> str:
@@ -89,13 +92,6 @@ class RankZeroPrinter:
                 print(*parts, **kw, flush=True)
 
 
-def _world_from_env(args) -> tuple[int, int]:
-    """(world size, rank) from torchrun's variables, else SLURM's, or those a fake process
-    group is given (megalite.launch)."""
-    args.launch = detect_launch(fake_process_group=args.fake_process_group)  # torchrun, SLURM or one process
-    return args.launch.world_size, args.launch.rank
-
-
 def set_tf32(enabled: bool) -> None:
     """TF32 tensor cores for fp32 matmuls and convolutions on Ampere and later (10-bit
     mantissa inputs, fp32 accumulation): the usual choice for training speed. Off for exact
@@ -113,42 +109,48 @@ def setup(argv=None):
     (``LOCAL_RANK`` -> ``set_device``), the default process group, the grid's groups."""
     parser = build_parser()
     parser.error = _flag_error  # one configuration-error line (rank 0's), not a usage text per rank
-    args = parser.parse_args(argv)
-    if args.device in ("auto", "cuda"):
+    settings = parse_settings(argv, parser)
+    config, run = settings.config, settings.run
+    here, ckpt = run.launch, run.checkpoint
+    if here.device in ("auto", "cuda"):
         cuda_allocator_environment()  # before any torch.cuda call: the allocator reads it once
-    world_size, rank = _world_from_env(args)
-    check_resilience_args(args)  # sets args.faults, args.skip_windows
-    check_fault_ranks(args.faults, world_size)
+    # (world size, rank) from torchrun's variables, else SLURM's, or those a fake process group is given
+    plan = RunPlan(run, detect_launch(fake_process_group=here.fake_process_group))
+    world_size, rank = plan.launch.world_size, plan.launch.rank
+    resilience = check_resilience(run.resilience, ckpt.save, ckpt.async_save, here.fake_process_group)
+    plan.faults, plan.skip_windows = resilience.faults, resilience.skip_windows
+    check_fault_ranks(plan.faults, world_size)
     # Elastic jobs pass --load D --save D from the first start: nothing to load yet is fine there.
-    if args.ckpt_step is not None and not args.load:
-        raise ConfigError(f"--ckpt-step {args.ckpt_step} needs --load DIR (the checkpoint root to take it from).")
-    args.fresh_start = bool(args.load and args.save and os.path.abspath(args.load) == os.path.abspath(args.save)
-                            and args.ckpt_step is None and not os.path.exists(os.path.join(args.load, "latest"))
-                            and not is_hugging_face_folder(args.load))  # that one is refused: convert it first
-    done = complete_iterations(args.load) if args.fresh_start and os.path.isdir(args.load) else []
+    if ckpt.ckpt_step is not None and not ckpt.load:
+        raise ConfigError(f"--ckpt-step {ckpt.ckpt_step} needs --load DIR (the checkpoint root to take it from).")
+    plan.fresh_start = bool(ckpt.load and ckpt.save and os.path.abspath(ckpt.load) == os.path.abspath(ckpt.save)
+                            and ckpt.ckpt_step is None and not os.path.exists(os.path.join(ckpt.load, "latest"))
+                            and not is_hugging_face_folder(ckpt.load))  # that one is refused: convert it first
+    done = complete_iterations(ckpt.load) if plan.fresh_start and os.path.isdir(ckpt.load) else []
     if done:  # no 'latest', but complete iterations: a fresh start's saves would overwrite them
-        raise ConfigError(f"--load {args.load} --save {args.save}: there is no 'latest' file, but complete "
+        raise ConfigError(f"--load {ckpt.load} --save {ckpt.save}: there is no 'latest' file, but complete "
                           f"iterations are ({', '.join(map(str, done))}); starting fresh would overwrite them. "
                           f"Fix: --ckpt-step {done[-1]} to resume the newest, or --save to another directory.")
     # The iteration directory, resolved once: the config read here and the weights loaded later
     # come from the same iteration even if 'latest' moves in between.
-    load_dir = resolve_checkpoint(args.load, args.ckpt_step) if args.load and not args.fresh_start else None
-    args.load_dir = load_dir
+    load_dir = resolve_checkpoint(ckpt.load, ckpt.ckpt_step) if ckpt.load and not plan.fresh_start else None
+    plan.load_dir = load_dir
     saved_config = checkpoint_config(load_dir) if load_dir else None
     saved = saved_config["model"] if saved_config else None
-    if saved and args.mock_data and args.vocab_size is None and args.tokenizer_type in (None, "NullTokenizer"):
-        args.vocab_size = saved["vocab_size"]  # mock data over the checkpoint's vocabulary
-    tokenizer = _tokenizer_for(args)
-    config = config_from_args(args, tokenizer.vocab_size, eod_token=tokenizer.eod)
+    vocab_size = run.vocab_size
+    if saved and config.data.mock_data and vocab_size is None and config.data.tokenizer_type in (None, "NullTokenizer"):
+        vocab_size = saved["vocab_size"]  # mock data over the checkpoint's vocabulary
+    tokenizer = _tokenizer_for(config.data, vocab_size)
+    check_logging(run.logging)
+    config.model.vocab_size, config.data.eod_token = tokenizer.vocab_size, tokenizer.eod
     if saved:  # the model is the checkpoint's; contradicting flags are refused
-        given = explicit_args(argv)
-        adopt_checkpoint_model(config.model, saved, given, tokenizer.vocab_size, load_dir)
+        adopt_checkpoint_model(config.model, saved, run.given, tokenizer.vocab_size, load_dir)
         batch = saved_config["train"].get("global_batch_size")
-        if batch and not args.finetune and "global_batch_size" not in given:
+        if batch and not ckpt.finetune and "global_batch_size" not in run.given:
             config.train.global_batch_size = batch  # a resumed run keeps its global batch under any DP
-    if args.device == "meta":  # nothing computes: GPU-only kernels give way to the torch paths
+    if here.device == "meta":  # nothing computes: GPU-only kernels give way to the torch paths
         swapped = meta_stand_ins(config.model)
-        if swapped and (rank == 0 or args.fake_process_group):  # a fake rank is the only process
+        if swapped and (rank == 0 or here.fake_process_group):  # a fake rank is the only process
             print(f"meta device: megalite's torch layers and kernels stand in for {', '.join(swapped)} "
                   f"(same parameters and communication)")
     for warning in validate(config, world_size, gpus_per_node_from_env(world_size)):
@@ -157,18 +159,18 @@ def setup(argv=None):
     # Fail before the work: bad data or an unusable --save stop here, before any group or step.
     if config.data.data_path and not config.data.mock_data:
         check_datasets(parse_data_path(config.data.data_path)[0], config.model.vocab_size)
-    if args.save:
-        check_save_location(args.save, count_parameters(config.model))
-    check_output_paths(args)  # --log-json, --tensorboard-dir, ...: folders created now, or refused by flag
-    device = resolve_device(args.device, args.fake_process_group)
+    if ckpt.save:
+        check_save_location(ckpt.save, count_parameters(config.model))
+    check_output_paths(run.logging)  # --log-json, --tensorboard-dir, ...: folders created now, or refused by flag
+    device = resolve_device(here.device, here.fake_process_group)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    set_tf32(not args.disable_tf32)
-    timeout = timedelta(minutes=args.distributed_timeout_minutes)
-    init_distributed(device, world_size, rank, timeout, fake=args.fake_process_group)
-    comm.expect_device(device if args.fake_process_group else None)  # the dry run's collective check
+    set_tf32(not here.disable_tf32)
+    timeout = timedelta(minutes=here.distributed_timeout_minutes)
+    init_distributed(device, world_size, rank, timeout, fake=here.fake_process_group)
+    comm.expect_device(device if here.fake_process_group else None)  # the dry run's collective check
     grid = build_grid(config.parallel, world_size, rank, timeout=timeout, experts=bool(config.model.num_experts))
-    return args, config, tokenizer, grid, device
+    return plan, config, tokenizer, grid, device
 
 
 def build_training_state(config, grid, device):
@@ -183,15 +185,17 @@ def build_training_state(config, grid, device):
 
 
 def pretrain(argv=None) -> list[dict]:
-    args, config, tokenizer, grid, device = setup(argv)
+    plan, config, tokenizer, grid, device = setup(argv)
     m, t = config.model, config.train
-    reporter = grid.rank == 0 or args.fake_process_group  # a fake rank is the only process: it reports
+    ckpt, log, resilience = plan.checkpoint, plan.logging, plan.resilience
+    fake = plan.launch_settings.fake_process_group
+    reporter = grid.rank == 0 or fake  # a fake rank is the only process: it reports
     say = RankZeroPrinter(0 if reporter else grid.rank)
     dp = grid.layout.dp
     num_micro = t.global_batch_size // (t.micro_batch_size * dp)
     say(grid.describe())
-    if args.launch.source != "single":
-        say(args.launch.describe())
+    if plan.launch.source != "single":
+        say(plan.launch.describe())
     say(f"model: {count_parameters(m) / 1e6:.2f}M parameters, {m.num_layers} layers, hidden "
         f"{m.hidden_size}, {m.num_attention_heads} heads, vocab {m.vocab_size} (padded "
         f"{m.padded_vocab_size(grid.layout.tp)}), seq {m.seq_length}")
@@ -210,28 +214,28 @@ def pretrain(argv=None) -> list[dict]:
             f"layer(s); schedule {schedule}")
     say(f"device: {device}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
         + (f"; fake process group: this process is rank {grid.rank} of {grid.layout.world_size}"
-           if args.fake_process_group else ""))
+           if fake else ""))
     say(f"batch: global {t.global_batch_size} = micro {t.micro_batch_size} x DP {dp} x "
         f"{num_micro} accumulation steps; {t.train_iters} iterations")
 
     release_tp_comm_buffers = tp_comm_overlap(config)  # TE userbuffers (only with --tp-comm-overlap)
     model, optimizer, scaler = build_training_state(config, grid, device)
-    start_iteration, consumed, windows = 0, 0, list(args.skip_windows)
-    if args.load and not args.fresh_start:
-        meta = load_checkpoint(args.load_dir, optimizer, scaler, config, grid, load_optimizer=not args.no_load_optim,
-                               load_rng=not args.no_load_rng, finetune=args.finetune)
+    start_iteration, consumed, windows = 0, 0, list(plan.skip_windows)
+    if ckpt.load and not plan.fresh_start:
+        meta = load_checkpoint(plan.load_dir, optimizer, scaler, config, grid, load_optimizer=not ckpt.no_load_optim,
+                               load_rng=not ckpt.no_load_rng, finetune=ckpt.finetune)
         start_iteration, consumed = meta["iteration"], meta["consumed_samples"]
         windows += [tuple(w) for w in meta.get("skipped_batches", [])]  # a resume does not replay them
-        if args.finetune or meta.get("weights_only"):
-            start_iteration, consumed, windows = 0, 0, list(args.skip_windows)
+        if ckpt.finetune or meta.get("weights_only"):
+            start_iteration, consumed, windows = 0, 0, list(plan.skip_windows)
         say(f"loaded {meta['directory']} at iteration {meta['iteration']} (layout then {meta['layout']}; "
-            f"{meta['rng_note']})" + (restart_note(args.finetune) if args.finetune or meta.get("weights_only") else ""))
-        if not (args.finetune or meta.get("weights_only")):
+            f"{meta['rng_note']})" + (restart_note(ckpt.finetune) if ckpt.finetune or meta.get("weights_only") else ""))
+        if not (ckpt.finetune or meta.get("weights_only")):
             change = describe_layout_change(meta, grid, t)
             if change:
                 say(change)
-    elif args.fresh_start:
-        say(f"--load {args.load}: no checkpoint there yet, starting from iteration 0 (with --save to the same "
+    elif plan.fresh_start:
+        say(f"--load {ckpt.load}: no checkpoint there yet, starting from iteration 0 (with --save to the same "
             f"directory, a restarted job resumes from what this run saves)")
     say(describe_memory(optimizer, dp))
     if start_iteration >= t.train_iters:
@@ -242,7 +246,8 @@ def pretrain(argv=None) -> list[dict]:
 
     global_batch = t.global_batch_size
     windows = merge_windows(windows)
-    reserve = batches_in(windows) + args.max_rollbacks * args.rollback_skip_batches  # batches read, not trained
+    # batches read, not trained
+    reserve = batches_in(windows) + resilience.max_rollbacks * resilience.rollback_skip_batches
     num_evals = t.train_iters // t.eval_interval + 1
     train_iter, valid_iter, _ = build_data_iterators_from(  # config.data.eod_token is tokenizer.eod (setup)
         config, dp_rank=grid.dp_rank, dp_size=dp, train_samples=(t.train_iters + reserve) * global_batch,
@@ -257,26 +262,25 @@ def pretrain(argv=None) -> list[dict]:
         for _ in range((start_iteration // t.eval_interval) * t.eval_iters * num_micro):
             next(valid_iter)
 
-    log_file = open(args.log_json, "a" if args.load else "w") if args.log_json and reporter else None
+    log_file = open(log.log_json, "a" if ckpt.load else "w") if log.log_json and reporter else None
     tokens_per_step = global_batch * m.seq_length
-    monitor = Monitor(m, grid.layout.world_size, tokens_per_step, t.train_iters, args.peak_tflops,
-                      args.tensorboard_dir, enabled=reporter, device=device, wandb_project=args.wandb_project,
-                      wandb_exp_name=args.wandb_exp_name, wandb_save_dir=args.wandb_save_dir, config=config.to_dict())
-    faults = FaultInjector(args.faults, grid.rank)
+    monitor = Monitor(m, grid.layout.world_size, tokens_per_step, t.train_iters, log.peak_tflops,
+                      log.tensorboard_dir, enabled=reporter, device=device, wandb_project=log.wandb_project,
+                      wandb_exp_name=log.wandb_exp_name, wandb_save_dir=log.wandb_save_dir, config=config.to_dict())
+    faults = FaultInjector(plan.faults, grid.rank)
     set_active_faults(faults)  # the checkpoint writer's kill-during-save reaches it there
-    checked = args.check_for_spiky_loss or args.max_rollbacks > 0  # then the loop checks and agrees
-    steps = StepLog(monitor, grid, check=device.type != "meta" and not args.fake_process_group and not checked,
+    steps = StepLog(monitor, grid, check=device.type != "meta" and not fake and not resilience.checked,
                     fp16=t.fp16, meta=device.type == "meta")
     watchdog = None
-    if device.type == "cuda" and dist.is_initialized() and not args.fake_process_group:
-        watchdog = HangWatchdog(grid, 0.9 * args.distributed_timeout_minutes * 60)
-    run = Run(args=args, config=config, tokenizer=tokenizer, grid=grid, device=device, model=model,
+    if device.type == "cuda" and dist.is_initialized() and not fake:
+        watchdog = HangWatchdog(grid, 0.9 * plan.launch_settings.distributed_timeout_minutes * 60)
+    run = Run(plan=plan, config=config, tokenizer=tokenizer, grid=grid, device=device, model=model,
               optimizer=optimizer, scaler=scaler, stream=stream, valid_iter=valid_iter,
               start_iteration=start_iteration, say=say, monitor=monitor, steps=steps, faults=faults,
-              saver=checkpoint_saver(args, grid), save_fn=checkpoint_writer(args),
-              straggler=straggler_monitor(args, grid, device),
-              profiler=Profiler(args, grid.rank) if args.profile else None,
-              tracker=training_tracker(model, optimizer) if args.track_memory else None,
+              saver=checkpoint_saver(plan, grid), save_fn=checkpoint_writer(ckpt),
+              straggler=straggler_monitor(resilience, grid, device),
+              profiler=Profiler(log, grid.rank) if log.profile else None,
+              tracker=training_tracker(model, optimizer) if log.track_memory else None,
               watchdog=watchdog, log_file=log_file)
     start = time.perf_counter()
     try:
@@ -298,9 +302,9 @@ def pretrain(argv=None) -> list[dict]:
         say(f"done: {len(log_lines)} iterations in {total:.1f} s{rate}; "
             f"loss {_value(log_lines[0]['loss'])} -> {_value(log_lines[-1]['loss'])}")
     if log_file:
-        say(f"log: {os.path.abspath(args.log_json)}")
-    if args.pipeline_trace:
-        say(f"pipeline trace: {os.path.abspath(args.pipeline_trace)} (draw it with tools/pipeline_timeline.py)")
+        say(f"log: {os.path.abspath(log.log_json)}")
+    if log.pipeline_trace:
+        say(f"pipeline trace: {os.path.abspath(log.pipeline_trace)} (draw it with tools/pipeline_timeline.py)")
     release_tp_comm_buffers()
     host_barrier(grid)
     return log_lines

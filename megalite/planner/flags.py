@@ -105,9 +105,8 @@ def pretrain_flags(m: ModelConfig, layout, global_batch: int, micro: int, precis
     kind = layout.cp_comm_type
     if layout.cp > 1 and kind != d["cp_comm_type"]:
         flags.append(f"{_flag('cp_comm_type')}={kind}")
-        if kind == "a2a+p2p":  # two values: A inner (all-to-all) ranks, B = CP/A outer (ring) ranks
-            flags += [_flag("hierarchical_context_parallel_sizes"), str(layout.cp_inner),
-                      str(layout.cp // layout.cp_inner)]
+        if layout.cp_sizes:  # a hierarchical type: A inner (all-to-all) ranks, B = CP/A outer (ring) ranks
+            flags += [_flag("hierarchical_context_parallel_sizes"), *map(str, layout.cp_sizes)]
     if precision != "fp32":
         flags.append(_flag(precision))  # --bf16 or --fp16
     if accumulate is not None and grads_in_fp32(precision, accumulate) != grads_in_fp32(precision, None):

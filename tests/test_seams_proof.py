@@ -231,9 +231,14 @@ DP2_ZERO1 = ["--use-distributed-optimizer"]
 TOL = 1e-5
 
 
-def _run(rank, world, argv):
+def _run(rank, world, argv, flagless=PICKED):
     from megalite.train.pretrain import pretrain
-    return [(r["iteration"], r["loss"], r["grad_norm"]) for r in pretrain(argv, PICKED)]
+    return [(r["iteration"], r["loss"], r["grad_norm"]) for r in pretrain(argv, flagless)]
+
+
+def _resume_naming_only_the_rule(rank, world, argv):
+    """A resume that does not name the attention: ``--load`` adopts it from the checkpoint (a fixed setting)."""
+    return _run(rank, world, argv, {"train": PICKED["train"]})
 
 
 def _close(a, b, rtol=TOL):
@@ -270,10 +275,13 @@ def test_tp2_pp2_and_dp2_zero1_equal_serial(tmp_path):
 @pytest.mark.slow
 def test_save_reshard_resume_continues_equal(tmp_path):
     """Saved under TP 2 x PP 2 after 3 iterations, resharded to DP 2 ZeRO-1 and to TP 1 x PP 4
-    (the momentum carried); each resumes to iteration 6 as the TP 2 x PP 2 run resumed does."""
+    (the momentum carried); each resumes to iteration 6 as the TP 2 x PP 2 run resumed does, and
+    so does a resume that names only the rule (the checkpoint fixes the attention)."""
     src = tmp_path / "tp2pp2"
     run_world(_run, 4, BASE + TP2_PP2 + ["--train-iters", "3", "--save", str(src)])
     same = run_world(_run, 4, BASE + TP2_PP2 + ["--train-iters", "6", "--load", str(src)])[0]
+    _close(run_world(_resume_naming_only_the_rule, 4, BASE + TP2_PP2 + ["--train-iters", "6", "--load", str(src)])[0],
+           same)
     for world, tp, pp, dp, zero, flags in ((2, 1, 1, 2, 1, DP2_ZERO1),
                                            (4, 1, 4, 1, 0, ["--pipeline-model-parallel-size", "4"])):
         dst = tmp_path / f"tp{tp}pp{pp}dp{dp}"

@@ -40,6 +40,7 @@ from megalite.checkpoint.format import CheckpointError, PieceReader, resolve_che
 from megalite.checkpoint.serial import model_config_from
 from megalite.config import Config, ConfigError, DataConfig, ModelConfig, TrainConfig, validate
 from megalite.data_parallel.update_rule import MASTER_KIND, RULES, UpdateRule, register_rule, rule_named
+from megalite.flag_spec import set_flagless
 from megalite.model.attention import SelfAttention
 from megalite.model.counting import flops_per_token
 from megalite.model.gpt import GPTModel, count_parameters
@@ -146,6 +147,15 @@ def test_the_settings_have_no_flag_and_default_to_megatrons_parts():
     config = config_from_args(build_parser().parse_args(["--mock-data"]), 100)
     assert (config.model.attention_kind, config.train.optimizer) == ("self", "adam")
     assert rule_named(config.train.optimizer).name == "adamw"
+
+
+def test_only_a_setting_without_a_flag_is_handed_beside_the_flags():
+    """``pretrain(argv, flagless)`` and the dry run hand on exactly the settings no flag sets;
+    one a flag sets stays the command line's."""
+    config = picked(Config())
+    assert dry_run.flagless_settings(config) == PICKED
+    with pytest.raises(KeyError, match="num_layers is not a setting without a flag"):
+        set_flagless(config.model, {"num_layers": 3})
 
 
 def test_the_settings_pick_the_registered_parts():

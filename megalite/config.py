@@ -16,7 +16,9 @@ from megalite.config_types import (MOE, Config, ConfigError, DataConfig, ModelCo
                                    ParallelConfig, TrainConfig, _positive, llama3_rope_scaling, validate_layout)
 from megalite.context_parallel.checks import check_context_parallel
 from megalite.data.blended import parse_data_path
+from megalite.data_parallel.update_rule import RULES, rule_named
 from megalite.layers.attention import check_attention_backend
+from megalite.layers.attention_kinds import check_attention_kind
 from megalite.layers.documents import check_documents_attention
 from megalite.layers.transformer_engine import check_tp_comm_overlap, check_transformer_impl
 from megalite.moe.settings import validate_moe
@@ -75,6 +77,7 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
                           f"({m.max_position_embeddings}): learned positions exist only up to "
                           f"that length. Fix: raise --max-position-embeddings or shorten "
                           f"--seq-length.")
+    check_attention_kind(m)  # a registered attention part
     check_documents_attention(m, d.reset_attention_mask)  # before "not installed": the fix differs
     check_attention_backend(m)  # raises ConfigError naming what is missing and how to install it
     check_transformer_impl(m, tp)
@@ -174,6 +177,13 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
                           f"[0, --lr-decay-iters ({t.lr_decay_iters})].")
     if t.bf16 and t.fp16:
         raise ConfigError("--bf16 and --fp16 are exclusive. Fix: pick one.")
+    try:
+        rule_named(t.optimizer)
+    except ValueError:
+        raise ConfigError(f"optimizer {t.optimizer!r} is not a registered update rule; registered: "
+                          f"{', '.join(sorted(RULES))}. Fix: set TrainConfig.optimizer to one of them, or register "
+                          f"the rule first (megalite.data_parallel.update_rule.register_rule(name, rule))."
+                          ) from None
     if t.clip_grad < 0:
         raise ConfigError(f"--clip-grad must be >= 0 (0 disables clipping), got {t.clip_grad}.")
 

@@ -14,7 +14,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from megalite.errors import ConfigError  # noqa: F401 - defined on the ground floor, used here and re-exported
-from megalite.flag_spec import flag, setting
+from megalite.flag_spec import NO_FLAG, flag, setting
 
 MOE = "mixture of experts (megalite.moe)"
 
@@ -59,6 +59,9 @@ class ModelConfig:
                flag("--rope-scaling-factor", type=float, default=8.0, help="with --use-rope-scaling")],
         read=lambda ns: llama3_rope_scaling(ns.rope_scaling_factor) if ns.use_rope_scaling else None)
     untie_embeddings_and_output_weights: bool = setting(False, fixed=True)
+    # the attention part of every layer, by its registered name (megalite.layers.attention_kinds;
+    # "self": softmax self-attention); its weights differ, so a checkpoint fixes it. No flag yet (issue 38).
+    attention_kind: str = setting("self", "the attention part's registered name", fixed=True, flags=NO_FLAG)
     hidden_dropout: float = setting(0.1)
     attention_dropout: float = setting(0.1)
     init_method_std: float = setting(0.02)
@@ -187,6 +190,9 @@ class TrainConfig:
     lr_decay_style: str = setting("cosine", choices=["cosine", "linear", "constant"])
     weight_decay: float = setting(0.01)
     clip_grad: float = setting(1.0)
+    # the update rule, by its registered name (megalite.data_parallel.update_rule.rule_named;
+    # "adam": AdamW, Megatron's name). No flag yet (issue 39 gives it --optimizer).
+    optimizer: str = setting("adam", "the update rule's registered name", flags=NO_FLAG)
     adam_beta1: float = setting(0.9)
     adam_beta2: float = setting(0.999)
     adam_eps: float = setting(1e-8)

@@ -4,7 +4,8 @@ A setting is a field of the dataclass that owns it (``ModelConfig``, ``Checkpoin
 ...), written ``name: type = setting(default, "help", ...)``. Its flag is Megatron's name,
 ``--`` + the field name with ``-`` for ``_``; its argparse type follows the default (a bool
 that defaults to False is a ``store_true`` switch) unless a type, an action or choices are
-given. A few settings are set by
+given. A setting with ``flags=()`` has no command-line flag (:data:`NO_FLAG`): a config built
+in code, or a checkpoint, sets it; a parsed command line leaves its default. A few settings are set by
 flags of another shape (``--disable-bias-linear`` sets ``add_bias_linear`` to its negation,
 ``--use-rope-scaling --rope-scaling-factor F`` build ``rope_scaling``): they list their
 :class:`Flag` objects and a ``read`` function from the parsed namespace to the field's value.
@@ -22,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 KEY = "megalite_setting"  # the field metadata key
+NO_FLAG = ()  # ``flags=NO_FLAG``: a setting no command-line flag sets
 _UNSET = object()
 
 
@@ -47,7 +49,7 @@ class Setting:
     help: str = ""
     fixed: bool = False          # a checkpoint fixes it (``--load`` adopts it; a contradicting flag is refused)
     group: str | None = None     # the --help group (None: the owner's)
-    flags: tuple | None = None   # the options that set it (None: one, named after the field)
+    flags: tuple | None = None   # the options that set it (None: one, named after the field; (): none)
     read: Callable | None = None  # parsed namespace -> the field's value (None: the namespace's field name)
     kwargs: tuple = ()           # add_argument keywords of the one flag named after the field
 
@@ -71,8 +73,12 @@ def settings_of(cls) -> list[tuple[dataclasses.Field, Setting]]:
 
 
 def flag_of(cls, name: str) -> str:
-    """The option that sets field ``name`` of ``cls`` (its first, e.g. ``--disable-bias-linear``)."""
-    return flags_of_field(_field(cls, name))[0].option
+    """The option that sets field ``name`` of ``cls`` (its first, e.g. ``--disable-bias-linear``);
+    KeyError for a setting without a flag."""
+    flags = flags_of_field(_field(cls, name))
+    if not flags:
+        raise KeyError(f"{cls.__name__}.{name} has no command-line flag")
+    return flags[0].option
 
 
 def _field(cls, name: str) -> dataclasses.Field:
@@ -120,7 +126,7 @@ def add_flags(parser: argparse.ArgumentParser, cls, group: str, groups: dict | N
     groups = {} if groups is None else groups
     for f, marks in settings_of(cls):
         title = marks.group or group
-        if title not in groups:
+        if title not in groups and flags_of_field(f):
             groups[title] = parser.add_argument_group(title)
         for one in flags_of_field(f):
             if choices and f.name in choices and one.dest == f.name:
@@ -137,17 +143,33 @@ def read_field(f: dataclasses.Field, namespace: argparse.Namespace):
 def from_namespace(cls, namespace: argparse.Namespace, **overrides):
     """``cls`` built from a parsed namespace: each setting read from its flags; ``overrides``
     (values known only after parsing, such as the tokenizer's vocabulary) win."""
-    values = {f.name: read_field(f, namespace) for f, _ in settings_of(cls)}
+    values = {f.name: read_field(f, namespace) for f, marks in settings_of(cls)
+              if flags_of_field(f) or marks.read is not None}  # a setting without a flag keeps its default
     values.update(overrides)
     return cls(**values)
 
 
 def fixed_settings(cls) -> dict[str, tuple[str, tuple[str, ...]]]:
     """``{field: (the flag that sets it, the argparse destinations of its flags)}`` of the
-    settings of ``cls`` that a checkpoint fixes."""
+    settings of ``cls`` that a checkpoint fixes; a setting without a flag: ``(None, ())``."""
     out = {}
     for f, marks in settings_of(cls):
         if marks.fixed:
             flags = flags_of_field(f)
-            out[f.name] = (flags[0].option, tuple(one.dest for one in flags))
+            out[f.name] = (flags[0].option if flags else None, tuple(one.dest for one in flags))
     return out
+
+
+def flagless(obj) -> dict:
+    """``{field: value}`` of the settings of dataclass instance ``obj`` that no flag sets."""
+    return {f.name: getattr(obj, f.name) for f, marks in settings_of(type(obj))
+            if not flags_of_field(f) and marks.read is None}
+
+
+def set_flagless(obj, values: dict) -> None:
+    """Set settings of ``obj`` that no flag sets (a flag's setting is the command line's: KeyError)."""
+    mine = flagless(obj)
+    for name, value in values.items():
+        if name not in mine:
+            raise KeyError(f"{type(obj).__name__}.{name} is not a setting without a flag (pass its flag instead)")
+        setattr(obj, name, value)

@@ -1,81 +1,38 @@
 """Proof of the model-part seam (issue 37, item 7, attention half).
 
-A scaled-cosine attention is defined and registered in this file alone: q and k are L2-normalised
-per head, and the logits are ``tau exp(g_h) cos(q_h, k)`` with a learned log-gain ``g`` per head
+A scaled-cosine attention (defined and registered in tests/test_seams_proof.py alone): q and k are
+L2-normalised per head, and the logits are ``tau exp(g_h) cos(q_h, k)`` with a learned log-gain ``g`` per head
 (split over TP with its heads). Nothing in megalite names it; the tests show that it trains under
 TP 2 x PP 2 and DP 2 ZeRO-1 as serially, that a checkpoint of it reshards to another layout and
 resumes equal, and that the planner's parameters, memory and FLOPs for it are the model's and
 the dry run's.
 
-Which attention a config picks: ``ModelConfig`` has no attention setting yet, so the fixture gives
-the class an ``attention_kind`` attribute for the test (the field issue 37 would add), which every
-config pretrain parses then carries, in this process and in the forked ranks of ``run_world``.
+Which attention a config picks: the setting ``ModelConfig.attention_kind`` (no flag yet): a config
+built here names it, and pretrain (in the forked ranks of ``run_world``, and the dry run's) is
+handed it beside its flags (``pretrain(argv, flagless)``). The part is defined once, in
+tests/test_seams_proof.py, which registers it.
 """
 from __future__ import annotations
 
-import math
 import os
 import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.model.attention import SelfAttention
 from megalite.model.counting import flops_per_token, total_parameters
 from megalite.model.gpt import GPTModel, count_parameters
-from megalite.model.parts import ATTENTIONS, register_attention
-from megalite.parallel import comm
-from megalite.parallel.sharding import TPSplit, mark_tensor_parallel
+from megalite.model.parts import ATTENTIONS
 from megalite.testing import run_world
+from tests.test_seams_proof import ScaledCosineAttention
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 from reshard_checkpoint import reshard  # noqa: E402
 
-TAU = 10.0  # the logits' scale at g = 0: cosines in [-1, 1] would give a flat softmax
-
-
-class ScaledCosineAttention(SelfAttention):
-    """Self-attention whose scores are ``tau exp(g_h) cos(q_h, k)``: q and k normalised per head,
-    a learned log-gain ``g`` per query head (``log_gain``, split over TP with the heads)."""
-
-    def __init__(self, cfg, tp_group=None, sequence_parallel: bool = False, cp_group=None,
-                 cp_hierarchy: tuple = (None, None)):
-        super().__init__(cfg, tp_group, sequence_parallel, cp_group, cp_hierarchy)
-        tp, rank, heads = comm.group_size(tp_group), comm.group_rank(tp_group), cfg.num_attention_heads
-        self.log_gain = nn.Parameter(torch.empty(heads // tp))
-        mark_tensor_parallel(self.log_gain, (heads,), TPSplit(0), rank, tp)
-
-    def score_inputs(self, q, k):
-        # attention() divides the logits by sqrt(d): fold it into q's gain.
-        gain = self.log_gain.exp().view(1, -1, 1, 1) * (TAU * math.sqrt(self.cfg.head_dim))
-        return F.normalize(q, dim=-1) * gain, F.normalize(k, dim=-1)
-
-    @classmethod
-    def extra_parameters(cls, m):
-        return m.num_attention_heads, 0  # log_gain: one per head, split over TP
-
-    @classmethod
-    def activation_bytes(cls, m, s, b, act_bytes, recompute="none", flash_attention=False):
-        """SelfAttention's, plus what the normalisation keeps: the normalised q (1 s b h) and the
-        division's inputs, q and k: with rotary positions new tensors (1 + groups/heads), else
-        views that keep the whole fused qkv alive (1 + 2 groups/heads)."""
-        replicated, split, scores = super().activation_bytes(m, s, b, act_bytes, recompute, flash_attention)
-        kv = m.num_query_groups / m.num_attention_heads
-        inputs = 1 + (kv if m.position_embedding_type == "rope" else 2 * kv)
-        return replicated, split + act_bytes * s * b * m.hidden_size * (1 + inputs), scores
-
-
-register_attention("scaled_cosine", ScaledCosineAttention)
-
-
-@pytest.fixture
-def cosine(monkeypatch):
-    """Every ModelConfig picks the scaled-cosine attention while the test runs."""
-    monkeypatch.setattr(ModelConfig, "attention_kind", "scaled_cosine", raising=False)
+COSINE = {"model": {"attention_kind": "scaled_cosine"}}  # the setting pretrain is handed beside its flags
 
 
 BASE = ["--mock-data", "--vocab-size", "300", "--num-layers", "4", "--hidden-size", "32",
@@ -88,7 +45,7 @@ DP2_ZERO1 = ["--use-distributed-optimizer"]
 
 def _run(rank, world, argv):
     from megalite.train.pretrain import pretrain
-    return [(r["iteration"], r["loss"], r["grad_norm"]) for r in pretrain(argv)]
+    return [(r["iteration"], r["loss"], r["grad_norm"]) for r in pretrain(argv, COSINE)]
 
 
 def _close(a, b, rtol=1e-5):
@@ -97,9 +54,9 @@ def _close(a, b, rtol=1e-5):
         assert abs(x[1] - y[1]) <= rtol * abs(y[1]) and abs(x[2] - y[2]) <= rtol * abs(y[2]), (x, y)
 
 
-def test_the_registered_attention_is_the_one_built(cosine):
+def test_the_registered_attention_is_the_one_built():
     cfg = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=100, seq_length=16,
-                      hidden_dropout=0.0, attention_dropout=0.0)
+                      hidden_dropout=0.0, attention_dropout=0.0, attention_kind="scaled_cosine")
     assert ATTENTIONS["scaled_cosine"] is ScaledCosineAttention
     model = GPTModel(cfg)
     assert all(type(layer.attn) is ScaledCosineAttention for layer in model.layers.values())
@@ -119,24 +76,26 @@ def test_the_registered_attention_is_the_one_built(cosine):
     assert model.layers["0"].attn.log_gain.grad.abs().sum() > 0
 
 
-def test_the_parts_shape_is_the_models(cosine):
+def test_the_parts_shape_is_the_models():
     """Parameters counted from the parts' shapes equal the built model's; FLOPs per token count
     the log-gains (6 per parameter) and the same attention FLOPs as softmax attention."""
     for kw in (dict(), dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True,
                             num_query_groups=2, add_bias_linear=False, untie_embeddings_and_output_weights=True)):
-        cfg = ModelConfig(num_layers=3, hidden_size=48, num_attention_heads=4, vocab_size=100, seq_length=32, **kw)
+        cfg = ModelConfig(num_layers=3, hidden_size=48, num_attention_heads=4, vocab_size=100, seq_length=32,
+                          attention_kind="scaled_cosine", **kw)
         assert total_parameters(cfg) == count_parameters(cfg)
         L, h, s, n = cfg.num_layers, cfg.hidden_size, cfg.seq_length, count_parameters(cfg)
         assert flops_per_token(cfg) == 6 * n + 12 * L * h * s
 
 
-def _planned_and_measured(flags):
+def _planned_and_measured(flags, kind):
     from megalite.arguments import build_parser, config_from_args
     from megalite.config import validate
     from megalite.parallel.grid import GridLayout
     from tools.dry_run import measure_layout
 
     config = config_from_args(build_parser().parse_args(flags), 1000)  # --vocab-size
+    config.model.attention_kind = kind
     validate(config, 8, 8)
     layout = GridLayout.from_config(config.parallel, 8)
     return config, list(measure_layout(flags, config, layout, 8))
@@ -150,7 +109,7 @@ DRY = ["--num-layers", "4", "--hidden-size", "512", "--num-attention-heads", "8"
 
 
 @pytest.mark.parametrize("positions", [[], ["--position-embedding-type", "rope"]])
-def test_planner_memory_matches_the_dry_run(monkeypatch, positions):
+def test_planner_memory_matches_the_dry_run(positions):
     """One rank per pipeline stage of TP 2 x PP 2 x DP 2 (ZeRO-1), on meta, with softmax and with
     scaled-cosine attention: the weights the planner counts from the parts' shapes are what the
     model holds, to the byte, and the activations the cosine part says it adds (its
@@ -158,8 +117,7 @@ def test_planner_memory_matches_the_dry_run(monkeypatch, positions):
     is as close to the measured peak as for softmax attention."""
     runs = {}
     for kind in ("self", "scaled_cosine"):
-        monkeypatch.setattr(ModelConfig, "attention_kind", kind, raising=False)
-        runs[kind] = _planned_and_measured(DRY + positions)[1]
+        runs[kind] = _planned_and_measured(DRY + positions, kind)[1]
     for plain, cos in zip(runs["self"], runs["scaled_cosine"]):
         for role in (plain, cos):
             assert role["categories"]["parameters"] == role["planned_categories"]["weights"], role["role"]
@@ -170,7 +128,7 @@ def test_planner_memory_matches_the_dry_run(monkeypatch, positions):
 
 
 @pytest.mark.slow
-def test_tp2_pp2_and_dp2_zero1_equal_serial(cosine):
+def test_tp2_pp2_and_dp2_zero1_equal_serial():
     argv = BASE + ["--train-iters", "4"]
     serial = run_world(_run, 1, argv)[0]
     _close(run_world(_run, 4, argv + TP2_PP2)[0], serial)
@@ -178,7 +136,7 @@ def test_tp2_pp2_and_dp2_zero1_equal_serial(cosine):
 
 
 @pytest.mark.slow
-def test_save_reshard_resume_continues_equal(cosine, tmp_path):
+def test_save_reshard_resume_continues_equal(tmp_path):
     """Saved under TP 2 x PP 2 after 3 iterations, resharded to one rank (PP 1) and to TP 1 x PP 4;
     each resumes to iteration 6 as the TP 2 x PP 2 run resumed from the saved checkpoint does."""
     src = tmp_path / "tp2pp2"

@@ -1,4 +1,5 @@
-"""Proof of the update-rule seam (issue 37, item 7): a new rule, written in this file alone.
+"""Proof of the update-rule seam (issue 37, item 7): a new rule, written in tests/test_seams_proof.py
+alone (registered there as "signum").
 
 Signum (sign-SGD with momentum) keeps one fp32 state tensor per parameter, the momentum
 buffer ``m``; for gradient ``g`` (divided by the clip coefficient), learning rate ``lr`` and
@@ -30,7 +31,7 @@ import torch
 
 from megalite.checkpoint import PieceReader, load_checkpoint, save_checkpoint, save_dcp_checkpoint
 from megalite.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
-from megalite.data_parallel.update_rule import MASTER_KIND, UpdateRule
+from megalite.data_parallel.update_rule import MASTER_KIND
 from megalite.data_parallel.zero import DistributedOptimizer
 from megalite.model.gpt import GPTModel
 from megalite.parallel.grid import build_grid
@@ -42,48 +43,11 @@ from megalite.train.step import LossScaler
 from megalite.testing.reference_step import train_step
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tests.test_seams_proof import BETA, SIGNUM  # noqa: E402 - the rule, defined and registered once there
 from tools import reshard_checkpoint  # noqa: E402
 
-BETA = 0.9
 SAVED_AT, STEPS, MICRO, GLOBAL = 2, 4, 2, 8
 TOL = 1e-5
-
-
-class FlatSignum:
-    """The rule's step on flat fp32 shards (the seam's interface: ``step`` and ``step_count``).
-    ``found_inf`` skips the update on the device, as AdamW's fused kernel does."""
-
-    def __init__(self, masters, states, decay_ranges, t: TrainConfig):
-        self.masters, self.momentum, self.weight_decay = masters, states["momentum"], t.weight_decay
-        self.decayed = []
-        for master, ranges in zip(masters, decay_ranges):
-            mask = torch.zeros(master.numel(), device=master.device)
-            for a, z in ranges:
-                mask[a:z] = 1.0
-            self.decayed.append(mask)
-        self.steps = torch.zeros((), device=masters[0].device if masters else "cpu")
-
-    @property
-    def step_count(self) -> int:
-        return 0 if self.steps.device.type == "meta" else int(self.steps.item())
-
-    @step_count.setter
-    def step_count(self, value: int) -> None:
-        self.steps.fill_(value)
-
-    @torch.no_grad()
-    def step(self, grads, lr, grad_scale=None, found_inf=None) -> None:
-        keep = torch.ones((), device=self.steps.device) if found_inf is None else (found_inf == 0).float()
-        for w, m, g, decayed in zip(self.masters, self.momentum, grads, self.decayed):
-            g = g.float() if grad_scale is None else g.float() / grad_scale
-            new_m = BETA * m + (1 - BETA) * g
-            new_w = w * (1 - lr * self.weight_decay * decayed) - lr * torch.sign(new_m)
-            m.copy_(torch.where(keep > 0, new_m, m))
-            w.copy_(torch.where(keep > 0, new_w, w))
-        self.steps += keep
-
-
-SIGNUM = UpdateRule("signum", ("momentum",), FlatSignum, state_label="momentum buffer")
 
 
 class SerialSignum(torch.optim.Optimizer):
@@ -226,23 +190,26 @@ def test_dp2_zero1_from_scratch_equals_serial():
     _compare(results, ref_losses, ref_params)
 
 
-def test_the_planner_counts_the_rule_as_a_dry_run_measures_it(monkeypatch):
-    """A dry run of one ZeRO-1 DP2 rank whose optimizer steps with SIGNUM (no flag picks a rule
-    yet, issue 39: the optimizer's default is swapped here): the memory tracker's optimizer
+def test_the_planner_counts_the_rule_as_a_dry_run_measures_it():
+    """A dry run of one ZeRO-1 DP2 rank whose optimizer steps with SIGNUM (the config's
+    ``optimizer`` setting, no flag yet: issue 39; the dry run hands it to pretrain): the memory tracker's optimizer
     state (master weights + momentum) equals the planner's estimate for the rule, 8 bytes per
-    parameter over DP, and is 8/12 of what the planner counts for AdamW."""
+    parameter over DP (the dry run's planned column says so too), and is 8/12 of what the planner
+    counts for AdamW."""
     from megalite.arguments import build_parser, config_from_args
     from megalite.parallel.grid import GridLayout
     from megalite.planner import Layout, stage_memory
     from tools import dry_run as tool
 
-    init = DistributedOptimizer.__init__
-    monkeypatch.setattr(DistributedOptimizer, "__init__", lambda self, *a, **k: init(self, *a, **{**k, "rule": SIGNUM}))
     flags = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length",
              "64", "--vocab-size", "500", "--micro-batch-size", "2", "--global-batch-size", "4", "--zero-stage", "1"]
     config = config_from_args(build_parser().parse_args(flags), 500, eod_token=tool.mock_eod(500))
+    config.train.optimizer = "signum"
     (role,) = tool.measure_layout(flags, config, GridLayout.from_config(config.parallel, 2), 8)
     measured = role["categories"]["optimizer state"]
     planned = stage_memory(config.model, Layout(dp=2, zero=1), 0, 2, 1, precision("fp32", rule=SIGNUM),
                            flash_attention=True)[1]
-    assert measured == planned["master_and_optimizer"] == role["planned_categories"]["master_and_optimizer"] * 8 / 12
+    adamw = stage_memory(config.model, Layout(dp=2, zero=1), 0, 2, 1, precision("fp32"), flash_attention=True)[1]
+    # the dry run's planned column reads the config's rule too (before the setting it counted AdamW's 12 bytes)
+    assert measured == planned["master_and_optimizer"] == role["planned_categories"]["master_and_optimizer"]
+    assert measured == adamw["master_and_optimizer"] * 8 / 12

@@ -43,7 +43,9 @@ import torch.distributed as dist  # noqa: E402
 
 from megalite.arguments import build_parser, config_from_args, parse_settings  # noqa: E402
 from megalite.config import ConfigError, validate  # noqa: E402
+from megalite.data_parallel.update_rule import rule_named  # noqa: E402
 from megalite.device import meta_stand_ins  # noqa: E402
+from megalite.flag_spec import flagless  # noqa: E402
 from megalite.parallel.grid import GridLayout  # noqa: E402
 from megalite.moe.planning import wire_from_handed  # noqa: E402
 from megalite.planner import DEFAULT_HEADROOM, Hardware, Layout, communication, precision, stage_memory  # noqa: E402
@@ -91,8 +93,17 @@ def documents_line(config, layout: GridLayout) -> str | None:
     return dry_run_line(config.model, host_batches(config, layout))
 
 
-def run_role(flags: list[str], world: int, rank: int, gpus_per_node: int, device: str) -> dict:
-    """One fake-process-group rank, one iteration, memory tracked; its last log record."""
+def flagless_settings(config) -> dict:
+    """``{section: {field: value}}`` of ``config``'s settings that no flag sets (the attention part,
+    the update rule): what a dry run of that config hands pretrain beside its flags."""
+    sections = {name: flagless(getattr(config, name)) for name in ("model", "parallel", "train", "data")}
+    return {name: values for name, values in sections.items() if values}
+
+
+def run_role(flags: list[str], world: int, rank: int, gpus_per_node: int, device: str,
+             unflagged: dict | None = None) -> dict:
+    """One fake-process-group rank, one iteration, memory tracked; its last log record.
+    ``unflagged``: the settings no flag sets (:func:`flagless_settings`)."""
     from megalite.train.pretrain import pretrain
 
     role_env = dict(WORLD_SIZE=str(world), RANK=str(rank), LOCAL_RANK=str(rank % gpus_per_node),
@@ -108,7 +119,7 @@ def run_role(flags: list[str], world: int, rank: int, gpus_per_node: int, device
             # warm-up longer than one iteration would not validate).
             record = pretrain(flags + ["--fake-process-group", "--device", device, "--track-memory",
                                        "--train-iters", "1", "--lr-warmup-iters", "0", "--lr-decay-iters", "1",
-                                       "--eval-interval", "1000000", "--log-interval", "1"])[-1]
+                                       "--eval-interval", "1000000", "--log-interval", "1"], unflagged)[-1]
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -125,7 +136,8 @@ def run_role(flags: list[str], world: int, rank: int, gpus_per_node: int, device
 def _plan_inputs(config, layout: GridLayout):
     t, m = config.train, config.model
     prec = precision("bf16" if t.bf16 else "fp16" if t.fp16 else "fp32",
-                     fp32_grads=bool(t.accumulate_allreduce_grads_in_fp32) and (t.bf16 or t.fp16))
+                     fp32_grads=bool(t.accumulate_allreduce_grads_in_fp32) and (t.bf16 or t.fp16),
+                     rule=rule_named(t.optimizer))
     plan_layout = Layout.of_run(layout, m, t)
     num_micro = t.global_batch_size // (t.micro_batch_size * layout.dp)
     return m, plan_layout, t.micro_batch_size, num_micro, prec
@@ -199,7 +211,8 @@ def measure_layout(flags: list[str], config, layout: GridLayout, gpus_per_node: 
     """Yield, per role, the measured peak and categories, the planner's estimate, the bytes per
     group and whether it fits ``budget`` bytes."""
     for role in roles(layout):
-        record = run_role(flags, layout.world_size, role["ranks"][0], gpus_per_node, device)
+        record = run_role(flags, layout.world_size, role["ranks"][0], gpus_per_node, device,
+                          flagless_settings(config))
         tracked = record["memory_tracked"]
         plan = planned(config, layout, role["stage"])
         result = {**role, "measured_bytes": tracked["peak"], "planned_bytes": plan["total"],

@@ -2,7 +2,7 @@
 
 A layer holds an attention part and an MLP part, built from linears of one implementation:
 
-- the attention: ``ATTENTIONS[attention_kind(cfg)]`` ("self": :class:`SelfAttention`; an
+- the attention: ``ATTENTIONS[cfg.attention_kind]`` ("self": :class:`SelfAttention`; an
   attention variant, e.g. Multi-head Latent Attention, is one class and one
   :func:`register_attention`);
 - the MLP: the dense :class:`MLP`, or an MoE layer's :class:`megalite.moe.block.MoEMLP` on the
@@ -12,42 +12,29 @@ A layer holds an attention part and an MLP part, built from linears of one imple
 Each part class carries its shape (:class:`megalite.layers.part_shape.PartShape`: parameters,
 FLOPs, activations), which the counting in :mod:`megalite.model.counting` adds up per layer.
 
-Which attention: ``ModelConfig`` has no attention setting yet, so ``attention_kind`` reads a
-config's ``attention_kind`` attribute where it has one and is "self" otherwise (issue 37: the
-field to add is ``attention_kind: str = "self"``, a setting a checkpoint fixes).
+Which attention: the setting ``ModelConfig.attention_kind`` (default "self"; a checkpoint fixes
+it), looked up in the registry of :mod:`megalite.layers.attention_kinds`, which
+:func:`megalite.config.validate` checks the name against.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megalite.layers.part_shape import PartShape
+from megalite.layers.attention_kinds import (ATTENTIONS, DEFAULT_ATTENTION,  # noqa: F401 - re-exported
+                                             attention_names, register_attention)
 from megalite.model.attention import SelfAttention
 from megalite.model.linears import LocalLinears, linears_for
 from megalite.model.mlp import MLP
 from megalite.moe.settings import moe_layers
 
-DEFAULT_ATTENTION = "self"
-ATTENTIONS: dict[str, type[SelfAttention]] = {DEFAULT_ATTENTION: SelfAttention}
-
-
-def register_attention(name: str, part: type) -> type:
-    """Make ``part`` (a module taking SelfAttention's constructor arguments and forward, with a
-    PartShape) the attention of configs whose ``attention_kind`` is ``name``; returns ``part``."""
-    if not issubclass(part, PartShape):
-        raise TypeError(f"attention {name!r}: {part.__name__} does not describe its shape (PartShape)")
-    ATTENTIONS[name] = part
-    return part
-
-
-def attention_kind(cfg) -> str:
-    return getattr(cfg, "attention_kind", DEFAULT_ATTENTION)
+register_attention(DEFAULT_ATTENTION, SelfAttention)
 
 
 def attention_part(cfg) -> type[SelfAttention]:
     """The attention class the config picks (ValueError naming the registered ones if unknown)."""
-    kind = attention_kind(cfg)
+    kind = cfg.attention_kind
     if kind not in ATTENTIONS:
-        raise ValueError(f"attention_kind {kind!r} is not registered; registered: {', '.join(sorted(ATTENTIONS))}")
+        raise ValueError(f"attention_kind {kind!r} is not registered; registered: {', '.join(attention_names())}")
     return ATTENTIONS[kind]
 
 

@@ -35,6 +35,8 @@ from megalite.parallel.random import model_parallel_seed
 from megalite.pipeline.partition import build_model_chunks, virtual_stages
 from megalite.pipeline.schedule_kinds import schedule as schedule_kind
 from megalite.data_parallel.accounting import describe_memory
+from megalite.data_parallel.update_rule import rule_named
+from megalite.flag_spec import set_flagless
 from megalite.device import (cuda_allocator_environment, host_barrier, init_distributed, meta_stand_ins,
                              resolve_device)
 from megalite.launch import detect_launch, leave_world
@@ -104,13 +106,17 @@ def _flag_error(message: str):
     raise ConfigError(f"{message}. (python pretrain_gpt.py --help lists the flags.)")
 
 
-def setup(argv=None):
+def setup(argv=None, flagless: dict | None = None):
     """Parse and validate (before any group or model), then, in this order: the device
-    (``LOCAL_RANK`` -> ``set_device``), the default process group, the grid's groups."""
+    (``LOCAL_RANK`` -> ``set_device``), the default process group, the grid's groups.
+    ``flagless``: ``{section: {field: value}}`` for the settings no flag sets (``model``'s
+    ``attention_kind``, ``train``'s ``optimizer``), as a caller holding a config hands them on."""
     parser = build_parser()
     parser.error = _flag_error  # one configuration-error line (rank 0's), not a usage text per rank
     settings = parse_settings(argv, parser)
     config, run = settings.config, settings.run
+    for section, values in (flagless or {}).items():
+        set_flagless(getattr(config, section), values)
     here, ckpt = run.launch, run.checkpoint
     if here.device in ("auto", "cuda"):
         cuda_allocator_environment()  # before any torch.cuda call: the allocator reads it once
@@ -160,7 +166,7 @@ def setup(argv=None):
     if config.data.data_path and not config.data.mock_data:
         check_datasets(parse_data_path(config.data.data_path)[0], config.model.vocab_size)
     if ckpt.save:
-        check_save_location(ckpt.save, count_parameters(config.model))
+        check_save_location(ckpt.save, count_parameters(config.model), rule_named(config.train.optimizer))
     check_output_paths(run.logging)  # --log-json, --tensorboard-dir, ...: folders created now, or refused by flag
     device = resolve_device(here.device, here.fake_process_group)
     if device.type == "cuda":
@@ -181,11 +187,14 @@ def build_training_state(config, grid, device):
     model = build_model_chunks(config, grid, device)
     for chunk in model:
         chunk.init_weights(t.seed)
-    return model, build_data_parallel_optimizer(model, t, grid), LossScaler(t.fp16, t.initial_loss_scale, t.loss_scale)
+    optimizer = build_data_parallel_optimizer(model, t, grid, rule=rule_named(t.optimizer))
+    return model, optimizer, LossScaler(t.fp16, t.initial_loss_scale, t.loss_scale)
 
 
-def pretrain(argv=None) -> list[dict]:
-    plan, config, tokenizer, grid, device = setup(argv)
+def pretrain(argv=None, flagless: dict | None = None) -> list[dict]:
+    """Train as the command line ``argv`` (and the settings without a flag, :func:`setup`) say;
+    returns the log records."""
+    plan, config, tokenizer, grid, device = setup(argv, flagless)
     m, t = config.model, config.train
     ckpt, log, resilience = plan.checkpoint, plan.logging, plan.resilience
     fake = plan.launch_settings.fake_process_group

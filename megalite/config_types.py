@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass, field
 
+from megalite.context_parallel.comm_types import CP_COMM_TYPES
 from megalite.errors import ConfigError  # noqa: F401 - defined on the ground floor, used here and re-exported
 from megalite.flag_spec import NO_FLAG, flag, setting
 
@@ -77,7 +78,7 @@ class ModelConfig:
     # see megalite.context_parallel.attention. Changes no weight, so a resume may switch it.
     cp_comm_type: str = setting("p2p", "context-parallel attention: p2p ring, a2a (Ulysses, heads/TP divisible "
                                 "by CP), allgather of K/V, or a2a+p2p (all-to-all inside, ring across)",
-                                group="parallelism", choices=["p2p", "a2a", "allgather", "a2a+p2p"])
+                                group="parallelism", choices=list(CP_COMM_TYPES))
     # Mixture of experts (megalite.moe; Megatron's --num-experts, --moe-* flags). None = dense.
     num_experts: int | None = setting(None, "experts per MoE layer (default: a dense model)", fixed=True,
                                       group=MOE, type=int)

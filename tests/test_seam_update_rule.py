@@ -30,7 +30,7 @@ import torch
 
 from megalite.checkpoint import PieceReader, load_checkpoint, save_checkpoint, save_dcp_checkpoint
 from megalite.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
-from megalite.data_parallel.update_rule import MASTER_KIND, UpdateRule
+from megalite.data_parallel.update_rule import MASTER_KIND, DeviceStepCount, UpdateRule
 from megalite.data_parallel.zero import DistributedOptimizer
 from megalite.model.gpt import GPTModel
 from megalite.parallel.grid import build_grid
@@ -49,11 +49,12 @@ SAVED_AT, STEPS, MICRO, GLOBAL = 2, 4, 2, 8
 TOL = 1e-5
 
 
-class FlatSignum:
+class FlatSignum(DeviceStepCount):
     """The rule's step on flat fp32 shards (the seam's interface: ``step`` and ``step_count``).
     ``found_inf`` skips the update on the device, as AdamW's fused kernel does."""
 
     def __init__(self, masters, states, decay_ranges, t: TrainConfig):
+        super().__init__(masters)
         self.masters, self.momentum, self.weight_decay = masters, states["momentum"], t.weight_decay
         self.decayed = []
         for master, ranges in zip(masters, decay_ranges):
@@ -61,15 +62,6 @@ class FlatSignum:
             for a, z in ranges:
                 mask[a:z] = 1.0
             self.decayed.append(mask)
-        self.steps = torch.zeros((), device=masters[0].device if masters else "cpu")
-
-    @property
-    def step_count(self) -> int:
-        return 0 if self.steps.device.type == "meta" else int(self.steps.item())
-
-    @step_count.setter
-    def step_count(self, value: int) -> None:
-        self.steps.fill_(value)
 
     @torch.no_grad()
     def step(self, grads, lr, grad_scale=None, found_inf=None) -> None:

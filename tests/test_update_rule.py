@@ -106,3 +106,30 @@ def test_state_bytes_reach_accounting_and_the_planners(stage):
     moe = planning.model_state_bytes(psi, 0, n, 1, stage, 2, 2, MOMENTUM_ONLY.bytes_per_parameter)
     assert moe == pytest.approx(one)
     assert planning.model_state_bytes(psi, 0, n, 1, stage, 2, 2) == pytest.approx(adam)
+
+
+STEP_COUNT_HOME = "megalite/data_parallel/step_counter.py"
+# The steppers' count as code: the device tensor made, or the property defined (the optimizer's
+# ``step_count``, in zero.py, only hands through to its stepper's).
+COUNTER_LITERAL = re.compile(r"(self\.steps\s*=\s*torch\.|def step_count\b)")
+
+
+def test_one_device_step_counter():
+    """Every rule's stepper takes its step count from DeviceStepCount: no stepper in megalite/ or
+    the seam test makes its own ``steps`` tensor or ``step_count`` property; the count is a
+    device scalar, settable, and reads 0 on meta tensors (a dry run)."""
+    from megalite.data_parallel.adamw import FlatAdamW
+    from megalite.data_parallel.step_counter import DeviceStepCount
+
+    files = [*ROOT.glob("megalite/data_parallel/*.py"), ROOT / "tests/test_seam_update_rule.py"]
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}" for path in files
+             if str(path.relative_to(ROOT)) not in {STEP_COUNT_HOME, "megalite/data_parallel/zero.py"}
+             for n, line in _code_lines(path) if COUNTER_LITERAL.search(line)]
+    assert found == [], f"a step count defined outside {STEP_COUNT_HOME}:\n" + "\n".join(found)
+    assert issubclass(FlatAdamW, DeviceStepCount)
+    counter = DeviceStepCount([torch.zeros(4)])
+    counter.step_count = 7
+    counter.steps += 1
+    assert counter.step_count == 8 and counter.steps.dtype == torch.float32 and counter.steps.dim() == 0
+    assert DeviceStepCount([torch.zeros(4, device="meta")]).step_count == 0
+    assert DeviceStepCount([]).steps.device.type == "cpu"

@@ -108,6 +108,19 @@ def test_state_bytes_reach_accounting_and_the_planners(stage):
     assert planning.model_state_bytes(psi, 0, n, 1, stage, 2, 2) == pytest.approx(adam)
 
 
+
+def test_zero_report_names_the_rule_it_measures():
+    """tools/zero_report.py's header takes the rule's name, state and bytes from the rule (no
+    fixed "Adam" text): AdamW's by default, a one-state rule's when given one."""
+    from tools import zero_report
+
+    assert zero_report.RULE is ADAMW
+    adam = zero_report.header(ADAMW, 4, False)
+    assert "adamw (fp32 master + two Adam moments: 12 bytes per parameter)" in adam
+    one = zero_report.header(MOMENTUM_ONLY, 2, True).splitlines()
+    assert "momentum (fp32 master + one momentum buffers: 8 bytes per parameter)" in one[0]
+    assert "Adam" not in one[0] and "adam" not in one[1] and "momentum" in one[1]
+
 STEP_COUNT_HOME = "megalite/data_parallel/step_counter.py"
 # The steppers' count as code: the device tensor made, or the property defined (the optimizer's
 # ``step_count``, in zero.py, only hands through to its stepper's).

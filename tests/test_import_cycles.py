@@ -194,10 +194,11 @@ FLOORS = {
     "megalite": 1, "megalite.errors": 1, "megalite.flag_spec": 1, "megalite.config_types": 1,
     "megalite.context_parallel.comm_types": 1,  # the CP types, a plain table the settings' choices read "megalite.device": 1, "megalite.observe.memory_tracker": 1,
     "megalite.observe.timers": 1, "megalite.observe.host_syncs": 1, "megalite.host_memory": 1, "megalite.observe.progress": 1,
-    "megalite.observe.plotting": 1, "megalite.observe.step_values": 1, "megalite.observe.profiling": 1, "megalite.testing": 1,
+    "megalite.observe.plotting": 1, "megalite.observe.step_values": 1, "megalite.testing": 1,
     # 2: the grid, collectives and random streams; data; what needs only them
     "megalite.parallel": 2, "megalite.data": 2, "megalite.resilience.faults": 2, "megalite.model.recompute": 2,
     "megalite.resilience": 2, "megalite.launch": 2, "megalite.run_settings": 2,
+    "megalite.observe.profiling": 2,  # it reads the run's LoggingSettings
     "megalite.kernels": 3,
     "megalite.layers": 4, "megalite.model.generation": 4,
     "megalite.context_parallel": 5,
@@ -208,6 +209,7 @@ FLOORS = {
     "megalite.pipeline.checks": 5,  # the schedule rules, read from the table
     # the update rules and the ZeRO arithmetic (torch only), which the parts' counting and the planners ask:
     "megalite.data_parallel.adamw": 5, "megalite.data_parallel.update_rule": 5, "megalite.data_parallel.accounting": 5,
+    "megalite.data_parallel.step_counter": 5,  # the steppers' device step count (torch only)
     "megalite.config": 6, "megalite.arguments": 6,
     "megalite.moe": 7,
     "megalite.model": 8,

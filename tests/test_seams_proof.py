@@ -39,7 +39,7 @@ from megalite.checkpoint.core import check_config
 from megalite.checkpoint.format import CheckpointError, PieceReader, resolve_checkpoint
 from megalite.checkpoint.serial import model_config_from
 from megalite.config import Config, ConfigError, DataConfig, ModelConfig, TrainConfig, validate
-from megalite.data_parallel.update_rule import MASTER_KIND, RULES, UpdateRule, register_rule, rule_named
+from megalite.data_parallel.update_rule import MASTER_KIND, RULES, DeviceStepCount, UpdateRule, register_rule, rule_named
 from megalite.flag_spec import set_flagless
 from megalite.model.attention import SelfAttention
 from megalite.model.counting import flops_per_token
@@ -89,11 +89,13 @@ class ScaledCosineAttention(SelfAttention):
         return replicated, split + act_bytes * s * b * m.hidden_size * (1 + inputs), scores
 
 
-class FlatSignum:
-    """The rule's step on flat fp32 shards (the seam's interface: ``step`` and ``step_count``).
-    ``found_inf`` skips the update on the device, as AdamW's fused kernel does."""
+class FlatSignum(DeviceStepCount):
+    """The rule's step on flat fp32 shards (the seam's interface: ``step``; the step counter
+    ``step_count`` comes from the base). ``found_inf`` skips the update on the device, as
+    AdamW's fused kernel does."""
 
     def __init__(self, masters, states, decay_ranges, t: TrainConfig):
+        super().__init__(masters)
         self.masters, self.momentum, self.weight_decay = masters, states["momentum"], t.weight_decay
         self.decayed = []
         for master, ranges in zip(masters, decay_ranges):
@@ -101,15 +103,6 @@ class FlatSignum:
             for a, z in ranges:
                 mask[a:z] = 1.0
             self.decayed.append(mask)
-        self.steps = torch.zeros((), device=masters[0].device if masters else "cpu")
-
-    @property
-    def step_count(self) -> int:
-        return 0 if self.steps.device.type == "meta" else int(self.steps.item())
-
-    @step_count.setter
-    def step_count(self, value: int) -> None:
-        self.steps.fill_(value)
 
     @torch.no_grad()
     def step(self, grads, lr, grad_scale=None, found_inf=None) -> None:

@@ -106,3 +106,43 @@ def test_state_bytes_reach_accounting_and_the_planners(stage):
     moe = planning.model_state_bytes(psi, 0, n, 1, stage, 2, 2, MOMENTUM_ONLY.bytes_per_parameter)
     assert moe == pytest.approx(one)
     assert planning.model_state_bytes(psi, 0, n, 1, stage, 2, 2) == pytest.approx(adam)
+
+
+
+def test_zero_report_names_the_rule_it_measures():
+    """tools/zero_report.py's header takes the rule's name, state and bytes from the rule (no
+    fixed "Adam" text): AdamW's by default, a one-state rule's when given one."""
+    from tools import zero_report
+
+    assert zero_report.RULE is ADAMW
+    adam = zero_report.header(ADAMW, 4, False)
+    assert "adamw (fp32 master + two Adam moments: 12 bytes per parameter)" in adam
+    one = zero_report.header(MOMENTUM_ONLY, 2, True).splitlines()
+    assert "momentum (fp32 master + one momentum buffers: 8 bytes per parameter)" in one[0]
+    assert "Adam" not in one[0] and "adam" not in one[1] and "momentum" in one[1]
+
+STEP_COUNT_HOME = "megalite/data_parallel/step_counter.py"
+# The steppers' count as code: the device tensor made, or the property defined (the optimizer's
+# ``step_count``, in zero.py, only hands through to its stepper's).
+COUNTER_LITERAL = re.compile(r"(self\.steps\s*=\s*torch\.|def step_count\b)")
+
+
+def test_one_device_step_counter():
+    """Every rule's stepper takes its step count from DeviceStepCount: no stepper in megalite/ or
+    the seam test makes its own ``steps`` tensor or ``step_count`` property; the count is a
+    device scalar, settable, and reads 0 on meta tensors (a dry run)."""
+    from megalite.data_parallel.adamw import FlatAdamW
+    from megalite.data_parallel.step_counter import DeviceStepCount
+
+    files = [*ROOT.glob("megalite/data_parallel/*.py"), ROOT / "tests/test_seams_proof.py"]
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}" for path in files
+             if str(path.relative_to(ROOT)) not in {STEP_COUNT_HOME, "megalite/data_parallel/zero.py"}
+             for n, line in _code_lines(path) if COUNTER_LITERAL.search(line)]
+    assert found == [], f"a step count defined outside {STEP_COUNT_HOME}:\n" + "\n".join(found)
+    assert issubclass(FlatAdamW, DeviceStepCount)
+    counter = DeviceStepCount([torch.zeros(4)])
+    counter.step_count = 7
+    counter.steps += 1
+    assert counter.step_count == 8 and counter.steps.dtype == torch.float32 and counter.steps.dim() == 0
+    assert DeviceStepCount([torch.zeros(4, device="meta")]).step_count == 0
+    assert DeviceStepCount([]).steps.device.type == "cpu"

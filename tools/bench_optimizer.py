@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megalite.config import ModelConfig, TrainConfig  # noqa: E402
+from megalite.data_parallel.update_rule import ADAMW  # noqa: E402
 from megalite.data_parallel.zero import DistributedOptimizer  # noqa: E402
 from megalite.model.gpt import GPTModel  # noqa: E402
 from megalite.testing.reference_step import build_optimizer  # noqa: E402
@@ -69,7 +70,7 @@ def torch_variant(cfg, t, model, grads, **kind):
 def megalite_variant(cfg, t, model, grads, unfused=False):
     copy = GPTModel(cfg)
     copy.load_state_dict(model.state_dict())
-    opt = DistributedOptimizer([copy], t, None, stage=0)
+    opt = DistributedOptimizer([copy], t, None, stage=0, rule=ADAMW)
     for name, p in copy.named_parameters():
         p.grad = grads[name].clone()
     opt.zero_grad()
@@ -97,11 +98,12 @@ def unfused_step(opt, t, coeff):
     opt.update.steps += 1
     step = float(opt.update.steps)
     b1, b2 = t.adam_beta1, t.adam_beta2
+    first, second = (opt.state[name] for name in ADAMW.state_names)  # the moments m and v, named by the rule
     for i, b in enumerate(opt.sync.buckets):
         for a, z in opt.decay_ranges[i]:
             opt.master[i][a:z].mul_(1 - t.lr * t.weight_decay)
         g = opt.sync.shard_grad(b).float() * coeff
-        m, v, w = opt.exp_avg[i], opt.exp_avg_sq[i], opt.master[i]
+        m, v, w = first[i], second[i], opt.master[i]
         m.lerp_(g, 1 - b1)
         v.mul_(b2).addcmul_(g, g, value=1 - b2)
         denom = (v.sqrt() / math.sqrt(1 - b2 ** step)).add_(t.adam_eps)

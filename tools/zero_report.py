@@ -2,10 +2,12 @@
 """Memory per rank and communication per step for DDP and ZeRO stages 1-3, measured on a
 real gloo world on CPU, against the ZeRO arithmetic and ring-collective theory.
 
-Memory: bytes this rank holds between steps (weights, gradients, fp32 master weights, Adam
-moments), from DistributedOptimizer.memory_bytes(), against
-DDP 16 Psi, ZeRO-1 4 Psi + 12 Psi/N, ZeRO-2 2 Psi + 14 Psi/N, ZeRO-3 16 Psi/N
-(bf16 weights and gradients; with --fp32-grads the gradient terms take 4 bytes).
+Memory: bytes this rank holds between steps (weights, gradients, fp32 master weights, the
+update rule's state), from DistributedOptimizer.memory_bytes(), against the ZeRO arithmetic
+with the rule's bytes per parameter K (master weights and state; AdamW: 12):
+DDP (4 + K) Psi, ZeRO-1 4 Psi + K Psi/N, ZeRO-2 2 Psi + (2 + K) Psi/N, ZeRO-3 (4 + K) Psi/N
+(bf16 weights and gradients; with --fp32-grads the gradient terms take 4 bytes). The rule is
+the default one (what pretrain_gpt.py trains with); its name and state come from the rule.
 
 Communication: bytes handed to each data-parallel collective in one step (the full tensor
 each works on), and the ring traffic per rank they imply: all-reduce 2(N-1)/N of it,
@@ -27,6 +29,7 @@ import torch  # noqa: E402
 
 from megalite.config import ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
 from megalite.data_parallel.accounting import model_parameters, zero_theory_bytes  # noqa: E402
+from megalite.data_parallel.update_rule import DEFAULT_RULE  # noqa: E402
 from megalite.data_parallel.zero import DistributedOptimizer  # noqa: E402
 from megalite.model.gpt import GPTModel  # noqa: E402
 from megalite.parallel.comm import count_collectives  # noqa: E402
@@ -35,6 +38,8 @@ from megalite.testing import run_world  # noqa: E402
 from megalite.train.step import LossScaler  # noqa: E402
 from megalite.testing.reference_step import train_step  # noqa: E402
 from tools.tool_errors import one_line_errors, positive, writable  # noqa: E402
+
+RULE = DEFAULT_RULE  # the update rule measured, and named in the report
 
 
 def measure(rank, world, stage, hidden, layers, fp32_grads):
@@ -46,7 +51,7 @@ def measure(rank, world, stage, hidden, layers, fp32_grads):
     model.init_weights(0)
     opt = DistributedOptimizer([model], t, grid, stage=stage, overlap=True, bucket_size=hidden * hidden * 4,
                                param_dtype=torch.bfloat16,
-                               grad_dtype=torch.float32 if fp32_grads else torch.bfloat16)
+                               grad_dtype=torch.float32 if fp32_grads else torch.bfloat16, rule=RULE)
     x = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(rank))
     batch = [{"tokens": x[:, :-1], "labels": x[:, 1:], "loss_mask": torch.ones(2, 32),
               "position_ids": torch.arange(32).expand(2, -1)}]
@@ -54,6 +59,15 @@ def measure(rank, world, stage, hidden, layers, fp32_grads):
     with count_collectives() as stats:
         train_step(model, opt, batch, t, 1, LossScaler(False), grid)
     return opt.memory_bytes(), model_parameters(opt), {k: dict(v) for k, v in stats.items()}
+
+
+def header(rule, n: int, fp32_grads: bool) -> str:
+    """The report's first two lines: the setting, with the update rule's name, state and bytes per
+    parameter in its own words, and the table's columns (the state column named after the rule)."""
+    return (f"DP={n}, bf16 weights, {'fp32' if fp32_grads else 'bf16'} gradients, {rule.name} (fp32 master + "
+            f"{rule.describe_state()}: {rule.bytes_per_parameter} bytes per parameter)\n"
+            f"{'stage':>5} {'weights':>9} {'grads':>9} {'master':>9} {rule.name:>9} {'total':>10} {'theory':>10} "
+            f"{'ratio':>6} | {'handed':>10} {'ring/rank':>10} {'theory':>10} {'ratio':>6}")
 
 
 def main():
@@ -69,13 +83,11 @@ def main():
     writable(p, "--json", args.json)
     n, g = args.dp, 4 if args.fp32_grads else 2
     report = []
-    print(f"DP={n}, bf16 weights, {'fp32' if args.fp32_grads else 'bf16'} gradients, Adam (fp32 master + 2 moments)")
-    print(f"{'stage':>5} {'weights':>9} {'grads':>9} {'master':>9} {'adam':>9} {'total':>10} {'theory':>10} "
-          f"{'ratio':>6} | {'handed':>10} {'ring/rank':>10} {'theory':>10} {'ratio':>6}")
+    print(header(RULE, n, args.fp32_grads))
     ddp_ring = None
     for stage in range(4):
         mem, psi, stats = run_world(measure, n, stage, args.hidden, args.layers, args.fp32_grads)[0]
-        theory = zero_theory_bytes(psi, n, stage, 2, g)
+        theory = zero_theory_bytes(psi, n, stage, 2, g, RULE.bytes_per_parameter)
         total = sum(mem.values())
         handed = {k: v["bytes"] for k, v in stats.items()}
         ring = (2 * handed.get("all_reduce", 0) + handed.get("all_gather", 0)

@@ -26,12 +26,15 @@ separate torch ops. Its two device-side inputs keep the step free of host syncs:
 The decayed and the undecayed ranges of a shard go to two calls (the decay is one scalar per
 call), as lists of views of the flat shards: no copies. 16-bit gradients (training without
 ``--accumulate-allreduce-grads-in-fp32``) are cast to fp32 in slices of at most
-``STEP_CHUNK`` elements, so the temporaries stay small. The step count is a device tensor;
+``STEP_CHUNK`` elements, so the temporaries stay small. The step count is a device tensor
+(:class:`megalite.data_parallel.step_counter.DeviceStepCount`, which every rule's stepper shares);
 ``step_count`` reads it (one sync, at checkpoint time).
 """
 from __future__ import annotations
 
 import torch
+
+from megalite.data_parallel.step_counter import DeviceStepCount
 
 STEP_CHUNK = 1 << 24  # elements per slice of 16-bit gradients cast to fp32 (64 MiB of fp32)
 
@@ -53,24 +56,16 @@ def segments(decay_ranges: list[tuple[int, int]], numel: int, max_len: int = STE
     return out
 
 
-class FlatAdamW:
+class FlatAdamW(DeviceStepCount):
     """The update of the module docstring over lists of flat shards (master weights and both
-    moments, fp32, on one device) whose decayed elements are given as index ranges."""
+    moments, fp32, on one device) whose decayed elements are given as index ranges. The step
+    count (``steps``, which the kernel reads on the device) comes from :class:`DeviceStepCount`."""
 
     def __init__(self, masters, exp_avgs, exp_avg_sqs, decay_ranges, *, betas, eps: float, weight_decay: float):
+        super().__init__(masters)
         self.masters, self.exp_avgs, self.exp_avg_sqs = masters, exp_avgs, exp_avg_sqs
         self.segments = [segments(r, m.numel()) for r, m in zip(decay_ranges, masters)]
         self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
-        device = masters[0].device if masters else torch.device("cpu")
-        self.steps = torch.zeros((), dtype=torch.float32, device=device)  # the kernel reads it there
-
-    @property
-    def step_count(self) -> int:
-        return 0 if self.steps.device.type == "meta" else int(self.steps.item())
-
-    @step_count.setter
-    def step_count(self, value: int) -> None:
-        self.steps.fill_(value)
 
     @torch.no_grad()
     def step(self, grads, lr: float, grad_scale: torch.Tensor | None = None,

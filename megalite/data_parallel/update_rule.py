@@ -14,7 +14,9 @@ An :class:`UpdateRule` is the one place that knows an optimizer's per-parameter 
 
 :class:`megalite.data_parallel.zero.DistributedOptimizer` takes a rule (``ADAMW`` unless
 told otherwise), allocates its state from ``state_names`` and steps with ``build``'s object,
-which has ``step(grads, lr, grad_scale, found_inf)`` and a ``step_count`` property.
+which has ``step(grads, lr, grad_scale, found_inf)`` and a ``step_count`` property. A rule's
+stepper inherits the count from :class:`DeviceStepCount` (``steps`` on the device,
+``step_count`` as an int) and writes only its math.
 
 A checkpoint records the rule that wrote it (:meth:`UpdateRule.record`: its name and each
 state tensor's name, dtype and bytes per parameter), so the tools that read it take the state
@@ -28,6 +30,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from megalite.data_parallel.adamw import FlatAdamW
+from megalite.data_parallel.step_counter import DeviceStepCount  # noqa: F401  (the steppers' base, for a new rule)
 
 MASTER_KIND = "weight"  # the checkpoint's name for the fp32 master weights
 FP32_BYTES = 4

@@ -12,6 +12,8 @@ import os
 
 import torch
 
+from megalite.run_settings import LoggingSettings
+
 COMM_WORDS = ("gloo", "nccl", "c10d", "all_reduce", "allreduce", "all_gather", "allgather",
               "reduce_scatter", "broadcast", "send", "recv", "barrier")
 
@@ -29,9 +31,12 @@ def split_compute_comm(key_averages) -> tuple[float, float]:
 
 
 class Profiler:
-    def __init__(self, args, rank: int):
-        self.start, self.end, self.rank = args.profile_step_start, args.profile_step_end, rank
-        self.directory = args.profile_dir
+    """One rank's profile of iterations [``log.profile_step_start``, ``log.profile_step_end``],
+    written to ``log.profile_dir``."""
+
+    def __init__(self, log: LoggingSettings, rank: int):
+        self.start, self.end, self.rank = log.profile_step_start, log.profile_step_end, rank
+        self.directory = log.profile_dir
         self.prof = None
 
     def step(self, iteration: int) -> None:

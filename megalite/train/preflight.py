@@ -20,6 +20,7 @@ import uuid
 from megalite.checkpoint.format import CheckpointError
 from megalite.config import ConfigError
 from megalite.data_parallel.update_rule import DEFAULT_RULE, UpdateRule
+from megalite.run_settings import LoggingSettings
 
 
 def _gib(n: float) -> str:
@@ -44,27 +45,27 @@ def _writable_folder(folder: str) -> None:
     os.remove(probe)
 
 
-# (attribute, flag, is a directory); --save has its own check (room for a checkpoint): check_save_location.
+# (LoggingSettings field, flag, is a directory); --save has its own check (room for a checkpoint): check_save_location.
 OUTPUT_FLAGS = (("log_json", "--log-json", False), ("tensorboard_dir", "--tensorboard-dir", True),
                 ("wandb_save_dir", "--wandb-save-dir", True), ("pipeline_trace", "--pipeline-trace", True),
                 ("profile_dir", "--profile-dir", True))
 
 
-def output_paths(args) -> list[tuple[str, str, bool]]:
+def output_paths(log: LoggingSettings) -> list[tuple[str, str, bool]]:
     """(flag, path, is a directory) of every output the run will write besides --save."""
     out = []
     for attr, flag, is_dir in OUTPUT_FLAGS:
-        path = getattr(args, attr, None)
-        if path and (attr != "profile_dir" or getattr(args, "profile", False)):
+        path = getattr(log, attr)
+        if path and (attr != "profile_dir" or log.profile):
             out.append((flag, path, is_dir))
     return out
 
 
-def check_output_paths(args) -> None:
-    """Create every output folder now, before the model is built, or raise ConfigError with one
-    line per unusable path naming the flag, the path, the reason and the fix."""
+def check_output_paths(log: LoggingSettings) -> None:
+    """Create every output folder of ``log`` now, before the model is built, or raise ConfigError
+    with one line per unusable path naming the flag, the path, the reason and the fix."""
     problems = []
-    for flag, path, is_dir in output_paths(args):
+    for flag, path, is_dir in output_paths(log):
         folder = path if is_dir else os.path.dirname(os.path.abspath(path))
         what = "create and write that directory" if is_dir else f"create and write its folder {folder}"
         try:

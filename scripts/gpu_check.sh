@@ -74,7 +74,7 @@
 #   probe   20 s  one process: S (import torch + CUDA init), GPU name and versions; nvidia-smi; the
 #                 preflight: a launcher-like extension built (~0.4 s), nvcc, nvidia-smi: ~2 s.
 #   (a)    120 s  variants with fixed tiles, from the gpu tests' shapes: attention 7 shapes x bf16/fp16
-#                 x 4 kernels (fwd, delta, dk/dv, dq) = 56, test_attention_configs 5 x 4 + 1 = 21,
+#                 x 4 kernels (fwd, delta, dk/dv, dq) = 56, test_attention_autotune 5 x 4 + 1 = 21,
 #                 packed documents 4 (bf16), norms 4 shapes x 2 kinds x 2 dtypes x fwd/bwd = 32,
 #                 cross-entropy 3 x 2 dtypes x (stats, grad) x (whole vocabulary, TP slice) + 4 = 28,
 #                 grouped GEMM 2 x 3 x 3 + 3 = 21, the fp32 training runs ~10: ~175 x C = ~175 s.

@@ -19,7 +19,7 @@ from megalite.layers.documents import Documents
 from megalite.layers.kv_cache import cached_attention
 from megalite.layers.part_shape import SelfAttentionShape
 from megalite.layers.rotary import apply_rotary
-from megalite.model.linears import linears_for
+from megalite.model.linears import linears_for, mark_residual_output
 from megalite.parallel import comm
 from megalite.parallel.random import get_rng_tracker
 from megalite.model.recompute import checkpointed
@@ -45,8 +45,14 @@ class SelfAttention(nn.Module, SelfAttentionShape):
         qkv, proj = self.linears(cfg)
         self.qkv = linears.column(cfg, qkv.in_features, qkv.out_features, bias=qkv.bias, norm_inside=True,
                                   name="qkv", **par)
-        self.proj = linears.row(cfg, proj.in_features, proj.out_features, bias=proj.bias, name="proj", **par)
+        self.proj = mark_residual_output(linears.row(cfg, proj.in_features, proj.out_features, bias=proj.bias,
+                                                     name="proj", **par))
         self.te_core = te_layers.te_attention_core(cfg, tp_group, self.cp_group)  # None: megalite's attention
+
+    @property
+    def input_linear(self) -> nn.Module:
+        """The linear the block's norm feeds (transformer-engine may fuse the norm into it)."""
+        return self.qkv
 
     # -- forward ----------------------------------------------------------------------------------
     def score_inputs(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

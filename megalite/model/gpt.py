@@ -95,7 +95,7 @@ class TransformerBlock(nn.Module):
         super().__init__()
         spec = spec or LayerSpec(attention_part(cfg), moe, linears_for(cfg))
         attn = spec.attention(cfg, tp_group, sequence_parallel, cp_group, cp_hierarchy)
-        self.attn_norm = spec.linears.norm_before(attn.qkv, cfg, sequence_parallel)
+        self.attn_norm = spec.linears.norm_before(attn.input_linear, cfg, sequence_parallel)
         self.attn = attn
         if spec.moe:
             shared = cfg.moe_shared_expert_intermediate_size
@@ -104,7 +104,7 @@ class TransformerBlock(nn.Module):
                               shared_expert=spec.mlp(cfg, tp_group, sequence_parallel, shared) if shared else None)
         else:
             mlp = spec.mlp(cfg, tp_group, sequence_parallel, norm_inside=True)
-            self.mlp_norm = spec.linears.norm_before(mlp.fc1, cfg, sequence_parallel)
+            self.mlp_norm = spec.linears.norm_before(mlp.input_linear, cfg, sequence_parallel)
             self.mlp = mlp
         self.dropout = ParallelDropout(cfg.hidden_dropout, sequence_parallel)
 
@@ -251,7 +251,7 @@ class GPTModel(nn.Module):
                 real = init_full_tensor((self.vocab_size, full_shape[1]), seed,
                                         "word_embeddings.weight" if name.startswith("word") else name, std)
                 full = torch.cat([real, torch.zeros(full_shape[0] - self.vocab_size, full_shape[1])])
-            elif name.endswith("attn.proj.weight") or name.endswith("fc2.weight"):
+            elif getattr(param, "residual_output", False):  # the branch's last linear (model/linears.py)
                 full = init_full_tensor(full_shape, seed, name, output_std)
             else:
                 full = init_full_tensor(full_shape, seed, name, std)

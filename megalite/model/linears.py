@@ -16,6 +16,14 @@ from megalite.layers.tensor_parallel import ColumnParallelLinear, RowParallelLin
 from megalite.parallel.sharding import mark_sequence_parallel
 
 
+def mark_residual_output(linear: nn.Module) -> nn.Module:
+    """Mark the weight of a branch's last linear, the one that writes into the residual stream:
+    GPT-2's init draws it with std / sqrt(2 * layers) (:meth:`megalite.model.gpt.GPTModel.init_weights`),
+    so the residual's variance does not grow with depth. The part that builds the linear marks it."""
+    linear.weight.residual_output = True
+    return linear
+
+
 class LocalLinears:
     """megalite's ColumnParallelLinear / RowParallelLinear; norms apart from the linears."""
     fused_norm = None  # the norms' kernels: --fused-kernels

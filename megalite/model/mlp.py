@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.layers.part_shape import MLPShape
-from megalite.model.linears import linears_for
+from megalite.model.linears import linears_for, mark_residual_output
 
 
 class MLP(nn.Module, MLPShape):
@@ -28,7 +28,13 @@ class MLP(nn.Module, MLPShape):
         fc1, fc2 = self.linears(cfg, ffn or cfg.ffn_hidden_size)
         self.fc1 = linears.column(cfg, fc1.in_features, fc1.out_features, bias=fc1.bias, sections=2 if cfg.swiglu else 1,
                                   norm_inside=norm_inside, name="fc1", **par)
-        self.fc2 = linears.row(cfg, fc2.in_features, fc2.out_features, bias=fc2.bias, name="fc2", **par)
+        self.fc2 = mark_residual_output(linears.row(cfg, fc2.in_features, fc2.out_features, bias=fc2.bias,
+                                                    name="fc2", **par))
+
+    @property
+    def input_linear(self) -> nn.Module:
+        """The linear the block's norm feeds (transformer-engine may fuse the norm into it)."""
+        return self.fc1
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.fc1(x)

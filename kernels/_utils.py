@@ -89,8 +89,8 @@ def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) ->
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"flash_attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}.")
     if max(q.shape[3], v.shape[3]) > MAX_HEAD_DIM:
-        raise ValueError(f"flash_attention: head dim {max(q.shape[3], v.shape[3])} is above {MAX_HEAD_DIM}, the largest "
-                         f"this kernel supports. Fix: use the torch or flash attention backend.")
+        raise ValueError(f"flash_attention: head dim {max(q.shape[3], v.shape[3])} is above {MAX_HEAD_DIM}, "
+                         f"the largest this kernel supports. Fix: use the torch or flash attention backend.")
 
 
 def check_backward_shapes(what: str, q, out, dout, lse, delta, v_dim: int | None = None) -> None:

@@ -72,7 +72,8 @@ def _fwd_kernel(Q, K, V, O, LSE, DS, TILES, stride_qb, stride_qh, stride_qs, str
                 stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os, s_q, s_k, delta, qk_scale,
                 heads, groups, n_bh, SQ_KEY, SK_KEY,
                 HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr, COUNT: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                CAUSAL: tl.constexpr, DOCS: tl.constexpr, COUNT: tl.constexpr,
                 MASK_N: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, GRID_Y: tl.constexpr):
     # Reductions call tl.reduce with the combine functions tl.sum / tl.max use: the same code
     # when compiled, and it skips a jit-wrapper call that costs milliseconds in the interpreter.
@@ -197,10 +198,11 @@ _fwd = triton.heuristics({"MASK_N": _mask_n})(_fwd_kernel)  # no mask on an unma
 
 def _tuned_fwd(head_dim: int, dtype: torch.dtype, v_dim: int | None = None):
     """The autotuned forward for a head dim, value head dim (default the same) and dtype: one
-    autotuner per (head dim, value head dim, dtype), so V_DIM need not be in its key. ``triton.autotune`` times the configs that
-    fit the GPU the first time it meets a key (head dim, causal, s_q and s_k rounded to powers of
-    two, and the dtypes of the tensors) and caches the fastest per key for the process. Under
-    MEGALITE_KERNEL_TUNING=fixed: one config, the first that fits the current GPU."""
+    autotuner per (head dim, value head dim, dtype), so V_DIM need not be in its key.
+    ``triton.autotune`` times the configs that fit the GPU the first time it meets a key (head
+    dim, causal, s_q and s_k rounded to powers of two, and the dtypes of the tensors) and
+    caches the fastest per key for the process. Under MEGALITE_KERNEL_TUNING=fixed: one
+    config, the first that fits the current GPU."""
     return _build_fwd(head_dim, v_dim or head_dim, dtype, fixed_limit())
 
 
@@ -247,7 +249,8 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
                  q, k, v, out, lse, document_starts(doc_start, k_offset, q), tile_counter(q, tile_count),
                  *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], s_q, s_k,
                  int(q_offset) - int(k_offset), scale * LOG2E, heads, groups, b * heads, seq_key(s_q), seq_key(s_k),
-                 HEAD_DIM=d, V_DIM=d_v, BLOCK_D=block_d(d), BLOCK_DV=block_d(d_v), CAUSAL=bool(causal), DOCS=doc_start is not None,
+                 HEAD_DIM=d, V_DIM=d_v, BLOCK_D=block_d(d), BLOCK_DV=block_d(d_v), CAUSAL=bool(causal),
+                 DOCS=doc_start is not None,
                  COUNT=tile_count is not None, UPCAST=INTERPRET,
                  PREC="ieee" if q.dtype == torch.float32 else "tf32", GRID_Y=_utils.MAX_GRID_Y)
     return out, lse

@@ -77,7 +77,8 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DS, DE, TILES, DK, DV, stride_qb, stri
                  stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os, stride_lb,
                  stride_lh, stride_eb, stride_eh, s_q, s_k, delta_pos, qk_scale, scale, heads, groups, n_bg,
                  SQ_KEY, SK_KEY, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr, COUNT: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 CAUSAL: tl.constexpr, DOCS: tl.constexpr, COUNT: tl.constexpr,
                  UPCAST: tl.constexpr, PREC: tl.constexpr, GRID_Y: tl.constexpr):
     # One program: BLOCK_N keys of group g of batch b, over the query blocks of the group's
     # heads. stride_o*: dout's; stride_l*, stride_e*: lse's and delta's (sequence stride 1).
@@ -163,7 +164,8 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DS, DE, TILES, DQ, stride_qb, stride_qh,
                stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os, stride_lb,
                stride_lh, stride_eb, stride_eh, s_q, s_k, delta_pos, qk_scale, scale, heads, groups, n_bh,
                SQ_KEY, SK_KEY, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr, COUNT: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+               CAUSAL: tl.constexpr, DOCS: tl.constexpr, COUNT: tl.constexpr,
                UPCAST: tl.constexpr, PREC: tl.constexpr, GRID_Y: tl.constexpr):
     # DS, DE, TILES as in the dk/dv kernel (DE unused here): the forward's key-tile bounds.
     start_m = tl.program_id(0) * BLOCK_M
@@ -421,7 +423,8 @@ def flash_attention_backward(q, k, v, out, dout, lse, causal: bool = True, q_off
     args = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *lse_strides,
             *delta_strides, s_q, s_k, int(q_offset) - int(k_offset), scale * LOG2E, scale, heads, groups)
     keys = (seq_key(s_q), seq_key(s_k))
-    consts = dict(HEAD_DIM=d, V_DIM=d_v, BLOCK_D=block_d(d), BLOCK_DV=block_d(d_v), CAUSAL=bool(causal), DOCS=doc_start is not None,
+    consts = dict(HEAD_DIM=d, V_DIM=d_v, BLOCK_D=block_d(d), BLOCK_DV=block_d(d_v), CAUSAL=bool(causal),
+                  DOCS=doc_start is not None,
                   COUNT=tile_count is not None, UPCAST=INTERPRET,
                   PREC="ieee" if q.dtype == torch.float32 else "tf32", GRID_Y=_utils.MAX_GRID_Y)
     tiles = (block_m, block_n, num_warps, num_stages)

@@ -5,12 +5,12 @@ Triton lowers to PTX and runs its bundled ptxas without touching a device, so th
 what the CPU interpreter cannot: type errors of the compiled language, unsupported dot
 shapes, and tiles that need more shared memory than a GPU has (printed per kernel; an H100
 block may use 227 KB, an A100 block 163 KB, sm_86/sm_89 99 KB). It compiles the configurations
-the launchers use on a GPU: for the autotuned kernels (flash attention forward, dk/dv, dq and
-delta for head dims 64, 96, 128 and 256, and q/k 192 with v 128 as DeepSeek-V3's MLA; grouped GEMM) every autotune config, with pointers,
-strides and sizes 16-divisible as in a model, so the pipelined loops are what compiles. For
-those it also prints the launcher's shared-memory estimate (the one that prunes configs on a
-GPU) and fails if the estimate is below the compiled figure; and, with the bundled cuobjdump,
-registers per thread and the stack frame (``stack`` > 0: register spills). The norms
+the launchers use on a GPU: for the autotuned kernels (flash attention forward, dk/dv, dq and delta for head dims 64, 96, 128 and 256, and q/k 192 with v 128
+as DeepSeek-V3's MLA; grouped GEMM) every autotune config, with pointers, strides and sizes
+16-divisible as in a model, so the pipelined loops are what compiles. For those it also prints
+the launcher's shared-memory estimate (the one that prunes configs on a GPU) and fails if the
+estimate is below the compiled figure; and, with the bundled cuobjdump, registers per thread and
+the stack frame (``stack`` > 0: register spills). The norms
 (LayerNorm and RMSNorm, whole-row and chunked) and the cross-entropy (both vocabulary block
 widths) compile in the one tile setting their launchers use. Uncached, each compilation takes
 seconds (the last line prints the count and seconds per variant; point TRITON_CACHE_DIR at an
@@ -90,8 +90,8 @@ def attention_jobs(dtype: str):
     for d, d_v in ATTENTION_HEAD_DIMS:
         width, v_width = fa.block_d(d), fa.block_d(d_v)
         label = f"d{d}" if d == d_v else f"d{d}/{d_v}"
-        tile = dict(HEAD_DIM=d, V_DIM=d_v, BLOCK_D=width, BLOCK_DV=v_width, CAUSAL=True, COUNT=False, UPCAST=False, PREC=prec,
-                    GRID_Y=fa._utils.MAX_GRID_Y)
+        tile = dict(HEAD_DIM=d, V_DIM=d_v, BLOCK_D=width, BLOCK_DV=v_width, CAUSAL=True, COUNT=False, UPCAST=False,
+                    PREC=prec, GRID_Y=fa._utils.MAX_GRID_Y)
         kinds = (("fwd", fa._fwd_kernel, fa.fwd_configs, fa.fwd_shared_bytes, dict(MASK_N=True)),
                  ("dk/dv", fb._dkdv_kernel, fb.dkdv_configs, fb.dkdv_shared_bytes, {}),
                  ("dq", fb._dq_kernel, fb.dq_configs, fb.dq_shared_bytes, {}))

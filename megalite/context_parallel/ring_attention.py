@@ -216,8 +216,9 @@ def _pairs(rank, src, size, causal):
 
 def assemble_output(q: torch.Tensor, acc: list) -> tuple[torch.Tensor, torch.Tensor]:
     """The merged (out, lse) of each local query chunk, in order -> one output like q but of the
-    value head size d_v (the partials'), laid out (s, b, heads, d_v): the order proj reads (as the Triton kernel writes it), so the model's
-    permute + reshape is a view and the output is kept once; and the lse of all chunks."""
+    value head size d_v (the partials'), laid out (s, b, heads, d_v): the order proj reads (as the
+    Triton kernel writes it), so the model's permute + reshape is a view and the output is kept
+    once; and the lse of all chunks."""
     (b, heads, s, _), d_v = q.shape, acc[0][0].shape[3]
     out = torch.empty((s, b, heads, d_v), dtype=q.dtype, device=q.device).permute(1, 2, 0, 3)
     start = 0

@@ -1,20 +1,20 @@
 #!/usr/bin/env python
 """Compile every megalite Triton kernel for a CUDA architecture, on a machine without a GPU.
 
-Triton lowers to PTX and runs its bundled ptxas without touching a device, so this catches
-what the CPU interpreter cannot: type errors of the compiled language, unsupported dot
-shapes, and tiles that need more shared memory than a GPU has (printed per kernel; an H100
-block may use 227 KB, an A100 block 163 KB, sm_86/sm_89 99 KB). It compiles the configurations
-the launchers use on a GPU: for the autotuned kernels (flash attention forward, dk/dv, dq and delta for head dims 64, 96, 128 and 256, and q/k 192 with v 128
-as DeepSeek-V3's MLA; grouped GEMM) every autotune config, with pointers, strides and sizes
-16-divisible as in a model, so the pipelined loops are what compiles. For those it also prints
-the launcher's shared-memory estimate (the one that prunes configs on a GPU) and fails if the
-estimate is below the compiled figure; and, with the bundled cuobjdump, registers per thread and
-the stack frame (``stack`` > 0: register spills). The norms
-(LayerNorm and RMSNorm, whole-row and chunked) and the cross-entropy (both vocabulary block
-widths) compile in the one tile setting their launchers use. Uncached, each compilation takes
-seconds (the last line prints the count and seconds per variant; point TRITON_CACHE_DIR at an
-empty folder to time it): ``--quick`` compiles one dtype (bf16), ``--only`` a subset.
+Triton lowers to PTX and runs its bundled ptxas without touching a device, so this catches what
+the CPU interpreter cannot: type errors of the compiled language, unsupported dot shapes, and
+tiles that need more shared memory than a GPU has (printed per kernel; an H100 block may use 227
+KB, an A100 block 163 KB, sm_86/sm_89 99 KB). It compiles the configurations the launchers use
+on a GPU: for the autotuned kernels (flash attention forward, dk/dv, dq and delta for head dims
+64, 96, 128 and 256, and q/k 192 with v 128 as DeepSeek-V3's MLA; grouped GEMM) every autotune
+config, with pointers, strides and sizes 16-divisible as in a model, so the pipelined loops are
+what compiles. For those it also prints the launcher's shared-memory estimate (the one that
+prunes configs on a GPU) and fails if the estimate is below the compiled figure; and, with the
+bundled cuobjdump, registers per thread and the stack frame (``stack`` > 0: register spills).
+The norms (LayerNorm and RMSNorm, whole-row and chunked) and the cross-entropy (both vocabulary
+block widths) compile in the one tile setting their launchers use. Uncached, each compilation
+takes seconds (the last line prints the count and seconds per variant; point TRITON_CACHE_DIR at
+an empty folder to time it): ``--quick`` compiles one dtype (bf16), ``--only`` a subset.
 
     python tools/compile_kernels.py [--arch 80 90] [--quick] [--only attention] [--json out.json]
 """

@@ -20,6 +20,7 @@ from megalite.config import ParallelConfig
 from megalite.context_parallel.attention import CP_COMM_TYPES, ContextParallelGroups, context_parallel_attention
 from megalite.context_parallel.data import context_parallel_slice
 from megalite.context_parallel.flash_blocks import flash_block_forward
+from megalite.context_parallel.traffic import cp_attention_traffic
 from megalite.kernels import _utils
 from megalite.kernels import flash_attention as fa
 from megalite.kernels import flash_attention_bwd as fb
@@ -27,6 +28,7 @@ from megalite.kernels.attention_reference import attention_block_backward, atten
 from megalite.kernels.flash_attention import flash_attention
 from megalite.layers.attention import BackendUnavailable, attention, resolve_backend
 from megalite.layers.documents import Documents
+from megalite.parallel import comm
 from megalite.parallel.grid import build_grid
 from megalite.testing import run_world
 
@@ -176,20 +178,30 @@ def _cp_worker(rank, world, cases):
                 t.shape[0], t.shape[1], -1, t.shape[3])
 
         ref = grads(lambda q_, k_, v_: oracle(q_, k_, v_, causal)[0], q.double(), k.double(), v.double(), dout)
-        local = grads(lambda q_, k_, v_: context_parallel_attention(q_, k_, v_, groups, comm_type, causal=causal,
-                                                                    backend=backend),
-                      mine(q), mine(k), mine(v), mine(dout))
-        results.append([rel(a, mine(r)) for a, r in zip(local, ref)] + [tuple(t.shape[-1] for t in local)])
+        with comm.count_collectives() as counted:
+            local = grads(lambda q_, k_, v_: context_parallel_attention(q_, k_, v_, groups, comm_type,
+                                                                        causal=causal, backend=backend),
+                          mine(q), mine(k), mine(v), mine(dout))
+        handed = {kind: entry["bytes"] for kind, entry in counted.items()}
+        results.append(([rel(a, mine(r)) for a, r in zip(local, ref)], tuple(t.shape[-1] for t in local), handed))
     return results
 
 
 def test_every_cp_comm_type_takes_a_value_head_size_of_its_own():
     """C = 2: p2p, a2a, allgather and a2a+p2p (2 x 1) with d = 24, d_v = 16, GQA, causal and not,
     on the torch blocks, and the ring and allgather once on the Triton kernels: output, dQ, dK,
-    dV equal single-process attention (fp32, 1e-5)."""
+    dV equal single-process attention (fp32, 1e-5); the bytes handed to the collectives,
+    forward and backward together, are context_parallel.traffic's with v_head_dim=16."""
     cases = [(t, causal, "torch") for t in CP_COMM_TYPES for causal in (True, False)]
     cases += [("p2p", True, "triton"), ("allgather", True, "triton")]
     for rank_results in run_world(_cp_worker, 2, cases, timeout=300):
-        for case, (*errs, sizes) in zip(cases, rank_results):
+        for case, (errs, sizes, handed) in zip(cases, rank_results):
             assert sizes == (16, 24, 24, 16), (case, sizes)
             assert max(errs) < 1e-5, (case, errs)
+            theory = cp_attention_traffic(case[0], batch=2, seq=16, heads=4, groups=2, head_dim=24, cp=2,
+                                          element_size=4, inner=2, v_head_dim=16)
+            totals = {}
+            for kinds in theory.handed.values():
+                for kind, nbytes in kinds.items():
+                    totals[kind] = totals.get(kind, 0) + nbytes
+            assert handed == totals, (case, handed, totals)

@@ -173,7 +173,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
                          f"causal={causal}, s_q {q.shape[2]}, s_k {k.shape[2]}.")
     if q.device.type == "meta":
         return _MetaFlashAttention.apply(q, k, v)
-    backend = resolve_backend(backend, q, dropout_p, documents=documents is not None, v_head_dim=v.shape[-1])
+    if documents is None and v.shape[-1] == q.shape[-1]:
+        backend = resolve_backend(backend, q, dropout_p)
+    else:  # flash refuses either; auto passes over it
+        backend = resolve_backend(backend, q, dropout_p, documents=documents is not None, v_head_dim=v.shape[-1])
     if backend == "triton":
         from megalite.kernels.flash_attention import flash_attention
 

@@ -152,7 +152,7 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DS, DE, TILES, DK, DV, stride_qb, stri
             ds_t = p_t * (dp_t - dlt[None, :])
             dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PREC)
     # contiguous; the tile's base in int64, its rows (BLOCK_N x HEAD_DIM or V_DIM) in int32
-    rows = (bg.to(tl.int64) * s_k + start_n)
+    rows = bg.to(tl.int64) * s_k + start_n
     out = rows * HEAD_DIM + tl.arange(0, BLOCK_N)[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=k_mask)
     out = rows * V_DIM + tl.arange(0, BLOCK_N)[:, None] * V_DIM + offs_dv[None, :]

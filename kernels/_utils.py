@@ -76,28 +76,32 @@ def check_blocks(*blocks: int) -> tuple[int, ...]:
 
 
 def check_attention_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """Shapes q (b, heads, s_q, d), k = v (b, groups, s_k, d), heads % groups == 0, d <= MAX_HEAD_DIM."""
+    """Shapes q (b, heads, s_q, d), k (b, groups, s_k, d), v (b, groups, s_k, d_v), heads % groups
+    == 0, d and d_v <= MAX_HEAD_DIM (d_v, the value head size, may differ from d)."""
     check_tensors("flash_attention", q, k, v)
     check_float("flash_attention", q, k, v)
-    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
-        raise ValueError(f"flash_attention: expected q (b, heads, s_q, d) and k, v (b, groups, s_k, d), "
-                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}.")
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"flash_attention: expected q (b, heads, s_q, d), k (b, groups, s_k, d) and "
+                         f"v (b, groups, s_k, d_v), got q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}.")
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3] or q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"flash_attention: q {tuple(q.shape)} and k {tuple(k.shape)} must share batch "
                          f"and head dim, and query heads must be a multiple of key/value heads.")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"flash_attention: q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}.")
-    if q.shape[3] > MAX_HEAD_DIM:
-        raise ValueError(f"flash_attention: head dim {q.shape[3]} is above {MAX_HEAD_DIM}, the largest "
-                         f"this kernel supports. Fix: use the torch or flash attention backend.")
+    if max(q.shape[3], v.shape[3]) > MAX_HEAD_DIM:
+        raise ValueError(f"flash_attention: head dim {max(q.shape[3], v.shape[3])} is above {MAX_HEAD_DIM}, "
+                         f"the largest this kernel supports. Fix: use the torch or flash attention backend.")
 
 
-def check_backward_shapes(what: str, q, out, dout, lse, delta) -> None:
-    """An attention backward's inputs: dout (and out, unless delta is given) of q's shape, lse of
+def check_backward_shapes(what: str, q, out, dout, lse, delta, v_dim: int | None = None) -> None:
+    """An attention backward's inputs: dout (and out, unless delta is given) of shape (b, heads,
+    s_q, d_v), q's first three sizes and the value head size ``v_dim`` (default q's d); lse of
     q's (b, heads, s_q)."""
-    if dout.shape != q.shape or lse.shape != q.shape[:3] or (delta is None and out.shape != q.shape):
-        raise ValueError(f"{what}: out and dout must have q's shape {tuple(q.shape)} and lse "
-                         f"{tuple(q.shape[:3])}, got dout {tuple(dout.shape)}, lse {tuple(lse.shape)}.")
+    shape = tuple(q.shape[:3]) + (q.shape[3] if v_dim is None else v_dim,)
+    if tuple(dout.shape) != shape or lse.shape != q.shape[:3] or (delta is None and tuple(out.shape) != shape):
+        raise ValueError(f"{what}: out and dout must have the shape {shape} (q's b, heads, s_q and v's "
+                         f"head size) and lse {tuple(q.shape[:3])}, got dout {tuple(dout.shape)}, "
+                         f"lse {tuple(lse.shape)}.")
 
 
 def on_input_device(fn):

@@ -14,6 +14,9 @@ absolute position where its document begins; key j is visible to query i iff
 (exclusive): no query at or past it sees the key. It carries no extra information (documents
 are contiguous) and only tells the kernels which query tiles to skip; the reference ignores it.
 
+Value head size: v's last size d_v may differ from q's and k's d (DeepSeek-V3's MLA: 192 and
+128); scores and the default scale 1/sqrt(d) use d, out, dout and dv have d_v.
+
 Grouped-query attention: q has ``heads`` heads and k, v have ``groups`` heads; query head h
 reads key/value head ``h // (heads / groups)`` (consecutive query heads share a group).
 
@@ -71,7 +74,7 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causa
                         doc_start: torch.Tensor | None = None, doc_end: torch.Tensor | None = None):
     """(out, lse) in plain torch, computed in the inputs' dtype (pass float64 for a reference).
 
-    q: (b, heads, s_q, d); k, v: (b, groups, s_k, d). Returns out (b, heads, s_q, d) and
+    q: (b, heads, s_q, d); k: (b, groups, s_k, d); v: (b, groups, s_k, d_v). Returns out (b, heads, s_q, d_v) and
     lse (b, heads, s_q) with the natural log. Differentiable with autograd. ``doc_start`` /
     ``doc_end``: packed documents (module docstring), causal only.
     """
@@ -130,10 +133,10 @@ def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _check_block_inputs(what: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] \
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape[:3] != v.shape[:3] or q.shape[0] != k.shape[0] \
             or q.shape[3] != k.shape[3] or q.shape[1] % k.shape[1] != 0:
-        raise ValueError(f"{what}: expected q (b, heads, s_q, d) and k, v (b, groups, s_k, d) with "
-                         f"heads a multiple of groups, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
+        raise ValueError(f"{what}: expected q (b, heads, s_q, d), k (b, groups, s_k, d) and v (b, groups, "
+                         f"s_k, d_v) with heads a multiple of groups, got q {tuple(q.shape)}, k {tuple(k.shape)}, "
                          f"v {tuple(v.shape)}.")
 
 
@@ -183,7 +186,7 @@ def attention_block_backward(q, k, v, out, dout, lse, causal: bool = True, q_off
     ``delta``), as ``flash_attention_backward``: in the inputs' dtypes, dk and dv summed over
     each group's query heads. A gradient on lse enters as ``delta - dlse``."""
     _check_block_inputs("attention_block_backward", q, k, v)
-    check_backward_shapes("attention_block_backward", q, out, dout, lse, delta)
+    check_backward_shapes("attention_block_backward", q, out, dout, lse, delta, v.shape[3])
     check_documents("attention_block_backward", causal, q, k, doc_start, doc_end)
     acc = _compute_dtype(q.dtype)
     b, heads, s_q, d = q.shape
@@ -196,7 +199,7 @@ def attention_block_backward(q, k, v, out, dout, lse, causal: bool = True, q_off
     # Query heads grouped by their key/value head: (b, groups, heads/groups, s, d) against
     # k, v of shape (b, groups, 1, s_k, d), so GQA sums dk, dv over dim 2.
     q_g = q.to(acc).reshape(b, groups, heads // groups, s_q, d)
-    do_g = dout.to(acc).reshape(b, groups, heads // groups, s_q, d)
+    do_g = dout.to(acc).reshape(b, groups, heads // groups, s_q, v.shape[3])
     k_g, v_g = k.to(acc).unsqueeze(2), v.to(acc).unsqueeze(2)
     lse_g = lse.to(acc).reshape(b, groups, heads // groups, s_q, 1)
     delta_g = delta.to(acc).reshape(b, groups, heads // groups, s_q, 1)

@@ -13,11 +13,13 @@ The probabilities are never stored. Causal masking with offsets keeps key j for 
 Without causal masking and with s_k a multiple of BLOCK_N no mask is applied. A query that
 sees no key gets o = 0, lse = -inf.
 
-Layout: q (b, heads, s_q, d), k and v (b, groups, s_k, d) with ``heads % groups == 0``;
-query head h reads key/value head ``h // (heads // groups)``; d up to 256. The kernels take
+Layout: q (b, heads, s_q, d), k (b, groups, s_k, d) and v (b, groups, s_k, d_v) with
+``heads % groups == 0``; query head h reads key/value head ``h // (heads // groups)``; d and
+d_v each up to 256, and they may differ (DeepSeek-V3's MLA: 192 and 128): the scores use d
+(the default scale is 1/sqrt(d)), the output and its accumulator d_v. The kernels take
 the (batch, head, sequence) strides of every input, so any tensor whose last dim has stride
 1 (a permuted view of a fused qkv, a chunk along the sequence) is read in place; others are
-copied first. The output is a (b, heads, s_q, d) view of memory laid out (s_q, b, heads, d), the
+copied first. The output is a (b, heads, s_q, d_v) view of memory laid out (s_q, b, heads, d_v), the
 order the model's output projection reads it in: there ``permute + reshape`` to (s, b, h) is a
 view, so the tensor the kernel keeps for backward and the projection's input are one. The lse
 is contiguous. fp32, fp16, bf16; softmax statistics and accumulators
@@ -27,11 +29,11 @@ exact ("ieee") dot products.
 
 Tiles. On a GPU ``triton.autotune`` picks (BLOCK_M, BLOCK_N, num_warps, num_stages) from a
 few configs per dtype class (16-bit; fp32: smaller, FMA products need registers) and tile
-width (the head dim rounded up to a power of two: 64 serves d <= 64, 128 serves 96 and 128,
-256 up to 256). Before timing, the configs whose estimated shared memory
+width (the wider of d and d_v rounded up to a power of two: 64 serves <= 64, 128 serves 96
+and 128, 256 up to 256). Before timing, the configs whose estimated shared memory
 (``fwd_shared_bytes``) exceeds the device's per-block limit are dropped (sm_90 keeps all,
 sm_80 all but the largest, ~100 KB GPUs the smaller ones; at least one always remains). The
-key is (head dim, causal, s_q and s_k rounded up to powers of two, the tensors' dtypes): the
+key is (head dims d and d_v, causal, s_q and s_k rounded up to powers of two, the tensors' dtypes): the
 first call with a new key times the configs, and the fastest is cached by the autotuner for
 the rest of the process and on disk (``_utils.autotune``). MEGALITE_KERNEL_TUNING=fixed gives
 the autotuner one config instead, the first that fits the GPU (a test run: one compiled variant
@@ -69,14 +71,16 @@ TUNING_KEY = ("HEAD_DIM", "CAUSAL", "DOCS", "SQ_KEY", "SK_KEY")  # + the tensors
 def _fwd_kernel(Q, K, V, O, LSE, DS, TILES, stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
                 stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os, s_q, s_k, delta, qk_scale,
                 heads, groups, n_bh, SQ_KEY, SK_KEY,
-                HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr, COUNT: tl.constexpr,
+                HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                CAUSAL: tl.constexpr, DOCS: tl.constexpr, COUNT: tl.constexpr,
                 MASK_N: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, GRID_Y: tl.constexpr):
     # Reductions call tl.reduce with the combine functions tl.sum / tl.max use: the same code
     # when compiled, and it skips a jit-wrapper call that costs milliseconds in the interpreter.
     # SQ_KEY, SK_KEY (the lengths rounded to powers of two) only key the autotuner.
     # DS (DOCS): per query row, the first key index (this call's key numbering) of its
     # document; TILES (COUNT, tests and benchmarks): one count per key tile computed.
+    # HEAD_DIM (tile width BLOCK_D): q's and k's head size; V_DIM (BLOCK_DV): v's and out's.
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1) + tl.program_id(2) * GRID_Y  # (batch, head): axes 1 and 2 (split_grid)
     if bh >= n_bh:
@@ -91,16 +95,18 @@ def _fwd_kernel(Q, K, V, O, LSE, DS, TILES, stride_qb, stride_qh, stride_qs, str
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     d_ok = offs_d[None, :] < HEAD_DIM
+    dv_ok = offs_dv[None, :] < V_DIM
     q_mask = (offs_m[:, None] < s_q) & d_ok
     q = tl.load(q_base + offs_m.to(tl.int64)[:, None] * stride_qs + offs_d[None, :], mask=q_mask, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
     k_rel = offs_n0[:, None] * stride_ks + offs_d[None, :]  # within a key block; int32 is enough
-    v_rel = offs_n0[:, None] * stride_vs + offs_d[None, :]
+    v_rel = offs_n0[:, None] * stride_vs + offs_dv[None, :]
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
-    acc = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, BLOCK_DV], 0.0, tl.float32)
     hi = s_k
     if CAUSAL:  # the tile's last row, start_m + BLOCK_M - 1, sees keys j <= it + delta
         hi = tl.maximum(tl.minimum(s_k, start_m + BLOCK_M + delta), 0)
@@ -112,10 +118,10 @@ def _fwd_kernel(Q, K, V, O, LSE, DS, TILES, stride_qb, stride_qh, stride_qs, str
         if COUNT:
             tl.atomic_add(TILES, 1)
         offs_n = start_n + offs_n0
-        kv_mask = (offs_n[:, None] < s_k) & d_ok
+        n_ok = offs_n[:, None] < s_k
         row0 = tl.cast(start_n, tl.int64)
-        k = tl.load(k_base + row0 * stride_ks + k_rel, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + row0 * stride_vs + v_rel, mask=kv_mask, other=0.0)
+        k = tl.load(k_base + row0 * stride_ks + k_rel, mask=n_ok & d_ok, other=0.0)
+        v = tl.load(v_base + row0 * stride_vs + v_rel, mask=n_ok & dv_ok, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -137,8 +143,8 @@ def _fwd_kernel(Q, K, V, O, LSE, DS, TILES, stride_qb, stride_qh, stride_qs, str
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     out = acc / l_safe[:, None]
     lse = tl.where(l_i == 0.0, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
-    o_ptrs = O + b * stride_ob + h * stride_oh + offs_m.to(tl.int64)[:, None] * stride_os + offs_d[None, :]
-    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=q_mask)
+    o_ptrs = O + b * stride_ob + h * stride_oh + offs_m.to(tl.int64)[:, None] * stride_os + offs_dv[None, :]
+    tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m[:, None] < s_q) & dv_ok)
     bh = bh.to(tl.int64)
     tl.store(LSE + bh * s_q + offs_m, lse, mask=offs_m < s_q)
 
@@ -163,22 +169,24 @@ _FWD_FP32 = {
 
 
 def fwd_configs(head_dim: int, dtype: torch.dtype, interpret: bool = INTERPRET) -> list[triton.Config]:
-    """The forward's autotuning configs for this head dim and dtype; under the interpreter
-    (``interpret``) one small config."""
+    """The forward's autotuning configs for this head dim and dtype (with a value head size of
+    its own, callers pass the wider of the two); under the interpreter (``interpret``) one small
+    config."""
     if interpret:
         return [tile_config(*INTERPRET_TILES)]
     table = _FWD_FP32 if dtype == torch.float32 else _FWD_16BIT
     return [tile_config(*t) for t in table[config_width(head_dim)]]
 
 
-def fwd_shared_bytes(config: triton.Config, width: int, element_size: int) -> int:
-    """Estimated shared memory of a forward config: the q tile, ``max(2, num_stages)`` buffers
-    of the streamed k and v tiles (compiled 16-bit tiles take num_stages on sm_90, one fewer on
+def fwd_shared_bytes(config: triton.Config, width: int, element_size: int, v_width: int | None = None) -> int:
+    """Estimated shared memory of a forward config: the q tile (``width``, q/k's tile width),
+    ``max(2, num_stages)`` buffers of the streamed k tiles and v tiles (``v_width``, v's tile
+    width, default ``width``) (compiled 16-bit tiles take num_stages on sm_90, one fewer on
     sm_80; fp32 ones about one), and the probability tile p staged for its product.
     tools/compile_kernels.py checks it is never below the compiled figure (it is 3-25% above
     for 16-bit tiles on sm_90, up to 2x for fp32)."""
-    bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
-    return (bm * width + max(2, config.num_stages) * 2 * bn * width + bm * bn) * element_size
+    bm, bn, v_width = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], v_width or width
+    return (bm * width + max(2, config.num_stages) * bn * (width + v_width) + bm * bn) * element_size
 
 
 def _mask_n(args) -> bool:
@@ -188,19 +196,22 @@ def _mask_n(args) -> bool:
 _fwd = triton.heuristics({"MASK_N": _mask_n})(_fwd_kernel)  # no mask on an unmasked, whole-tile loop
 
 
-def _tuned_fwd(head_dim: int, dtype: torch.dtype):
-    """The autotuned forward for a head dim and dtype. ``triton.autotune`` times the configs that
-    fit the GPU the first time it meets a key (head dim, causal, s_q and s_k rounded to powers of
-    two, and the dtypes of the tensors) and caches the fastest per key for the process. Under
-    MEGALITE_KERNEL_TUNING=fixed: one config, the first that fits the current GPU."""
-    return _build_fwd(head_dim, dtype, fixed_limit())
+def _tuned_fwd(head_dim: int, dtype: torch.dtype, v_dim: int | None = None):
+    """The autotuned forward for a head dim, value head dim (default the same) and dtype: one
+    autotuner per (head dim, value head dim, dtype), so V_DIM need not be in its key.
+    ``triton.autotune`` times the configs that fit the GPU the first time it meets a key (head
+    dim, causal, s_q and s_k rounded to powers of two, and the dtypes of the tensors) and
+    caches the fastest per key for the process. Under MEGALITE_KERNEL_TUNING=fixed: one
+    config, the first that fits the current GPU."""
+    return _build_fwd(head_dim, v_dim or head_dim, dtype, fixed_limit())
 
 
 @functools.lru_cache(maxsize=None)
-def _build_fwd(head_dim: int, dtype: torch.dtype, limit: int | None):
-    width, size = block_d(head_dim), dtype.itemsize
-    return autotune(fwd_configs(head_dim, dtype), list(TUNING_KEY), shared_memory_pruner("Q", fwd_shared_bytes),
-                    lambda c: fwd_shared_bytes(c, width, size), limit)(_fwd)
+def _build_fwd(head_dim: int, v_dim: int, dtype: torch.dtype, limit: int | None):
+    width, v_width, size = block_d(head_dim), block_d(v_dim), dtype.itemsize
+    nbytes = lambda c, element_size: fwd_shared_bytes(c, width, element_size, v_width)  # noqa: E731
+    return autotune(fwd_configs(max(head_dim, v_dim), dtype), list(TUNING_KEY),
+                    shared_memory_pruner("Q", nbytes, width_arg=None), lambda c: nbytes(c, size), limit)(_fwd)
 
 
 @on_input_device
@@ -210,8 +221,8 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
                             num_warps: int | None = None, num_stages: int | None = None,
                             doc_start: torch.Tensor | None = None, doc_end: torch.Tensor | None = None,
                             tile_count: torch.Tensor | None = None):
-    """(out, lse): out (b, heads, s_q, d) in q's dtype, laid out (s_q, b, heads, d) in memory (module
-    docstring), lse (b, heads, s_q) float32
+    """(out, lse): out (b, heads, s_q, d_v) in q's dtype (d_v: v's head size, which may differ from
+    q's and k's d), laid out (s_q, b, heads, d_v) in memory (module docstring), lse (b, heads, s_q) float32
     natural log; no autograd. q, k, v of any strides with a unit last stride are read in place
     (e.g. permuted views of a fused qkv); others are copied. Tiles: autotuned on a GPU (see
     ``fwd_configs``), or the ones given (``block_m``/``block_n``/``num_warps``/``num_stages``;
@@ -224,21 +235,22 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     check_documents("flash_attention_forward", causal, q, k, doc_start, doc_end)
     q, k, v = unit_last_stride(q), seq_strided(k), seq_strided(v)  # q's offsets are int64
     b, heads, s_q, d = q.shape
-    groups, s_k = k.shape[1], k.shape[2]
+    groups, s_k, d_v = k.shape[1], k.shape[2], v.shape[3]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     config = None
     if block_m or block_n or num_warps or num_stages:
-        config = explicit_config(fwd_configs(d, q.dtype), block_m, block_n, num_warps, num_stages)
-    out = torch.empty((s_q, b, heads, d), device=q.device, dtype=q.dtype).permute(1, 2, 0, 3)
+        config = explicit_config(fwd_configs(max(d, d_v), q.dtype), block_m, block_n, num_warps, num_stages)
+    out = torch.empty((s_q, b, heads, d_v), device=q.device, dtype=q.dtype).permute(1, 2, 0, 3)
     lse = torch.empty((b, heads, s_q), device=q.device, dtype=torch.float32)
     if out.numel() == 0:
         return out, lse.fill_(float("-inf"))
     grid = lambda meta: split_grid("flash_attention_forward", triton.cdiv(s_q, meta["BLOCK_M"]), b * heads)  # noqa
-    launch_tiles(_fwd, None if config else _tuned_fwd(d, q.dtype), config, grid,
+    launch_tiles(_fwd, None if config else _tuned_fwd(d, q.dtype, d_v), config, grid,
                  q, k, v, out, lse, document_starts(doc_start, k_offset, q), tile_counter(q, tile_count),
                  *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], s_q, s_k,
                  int(q_offset) - int(k_offset), scale * LOG2E, heads, groups, b * heads, seq_key(s_q), seq_key(s_k),
-                 HEAD_DIM=d, BLOCK_D=block_d(d), CAUSAL=bool(causal), DOCS=doc_start is not None,
+                 HEAD_DIM=d, V_DIM=d_v, BLOCK_D=block_d(d), BLOCK_DV=block_d(d_v), CAUSAL=bool(causal),
+                 DOCS=doc_start is not None,
                  COUNT=tile_count is not None, UPCAST=INTERPRET,
                  PREC="ieee" if q.dtype == torch.float32 else "tf32", GRID_Y=_utils.MAX_GRID_Y)
     return out, lse

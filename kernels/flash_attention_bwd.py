@@ -1,6 +1,8 @@
 """Flash attention backward in Triton, from the saved log-sum-exp (no stored probabilities).
 
-With ``p_ij = exp(s_ij - lse_i)``, ``s_ij = scale q_i . k_j`` over visible keys:
+With ``p_ij = exp(s_ij - lse_i)``, ``s_ij = scale q_i . k_j`` over visible keys (q_i, k_j of the
+q/k head size d; v_j, o_i, do_i of the value head size d_v, which may differ: dq and dk come
+back of size d, dv of size d_v; delta is a row sum over d_v):
 
     dv_j = sum_i p_ij do_i
     dp_ij = do_i . v_j
@@ -16,7 +18,7 @@ views of a fused qkv, ring attention's chunks along the sequence); gradients are
 
 Tiles, as for the forward (``flash_attention.py``): on a GPU each of the three kernels is
 autotuned over its own few configs per dtype class and tile width (``dkdv_configs``,
-``dq_configs``, ``delta_configs``), pruned by the device's shared memory (the
+``dq_configs``, ``delta_configs``, in ``attention_bwd_tiles.py``), pruned by the device's shared memory (the
 ``*_shared_bytes`` estimates, checked against the compiled figures by
 tools/compile_kernels.py), keyed on (head dim, causal, s_q and s_k rounded up to powers of
 two, dtypes) and cached by ``triton.autotune`` per key (one config under
@@ -39,11 +41,12 @@ import triton
 import triton.language as tl
 
 from megalite.kernels import _utils
-from megalite.kernels._utils import (INTERPRET, INTERPRET_TILES, autotune, block_d, check_attention_inputs,
-                                     check_backward_shapes, config_width, document_starts, explicit_config,
-                                     fixed_limit, tile_counter,
-                                     launch_tiles, on_input_device, seq_key, seq_strided, shared_memory_pruner,
-                                     split_grid, tile_config, unit_last_stride)
+from megalite.kernels._utils import (INTERPRET, autotune, block_d, check_attention_inputs, check_backward_shapes,
+                                     document_starts, explicit_config, fixed_limit, tile_counter, launch_tiles,
+                                     on_input_device, seq_key, seq_strided, shared_memory_pruner, split_grid,
+                                     unit_last_stride)
+from megalite.kernels.attention_bwd_tiles import (delta_configs, delta_shared_bytes, dkdv_configs,  # noqa: F401
+                                                  dkdv_shared_bytes, dq_configs, dq_shared_bytes)
 from megalite.kernels.attention_reference import check_documents
 
 LOG2E = 1.4426950408889634
@@ -74,13 +77,15 @@ def _delta_kernel(O, DO, DELTA, stride_ob, stride_oh, stride_os, stride_db, stri
 def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DS, DE, TILES, DK, DV, stride_qb, stride_qh, stride_qs, stride_kb,
                  stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os, stride_lb,
                  stride_lh, stride_eb, stride_eh, s_q, s_k, delta_pos, qk_scale, scale, heads, groups, n_bg,
-                 SQ_KEY, SK_KEY, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr, COUNT: tl.constexpr,
+                 SQ_KEY, SK_KEY, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+                 CAUSAL: tl.constexpr, DOCS: tl.constexpr, COUNT: tl.constexpr,
                  UPCAST: tl.constexpr, PREC: tl.constexpr, GRID_Y: tl.constexpr):
     # One program: BLOCK_N keys of group g of batch b, over the query blocks of the group's
     # heads. stride_o*: dout's; stride_l*, stride_e*: lse's and delta's (sequence stride 1).
     # DOCS: DS per query row its document's first key index, DE per key its document's end
     # as a query index (no query from there on sees it). TILES (COUNT): one per query tile.
+    # HEAD_DIM (BLOCK_D): q's, k's and dk's head size; V_DIM (BLOCK_DV): v's, do's and dv's.
     start_n = tl.program_id(0) * BLOCK_N
     bg = tl.program_id(1) + tl.program_id(2) * GRID_Y  # (batch, group): axes 1 and 2 (split_grid)
     if bg >= n_bg:
@@ -91,20 +96,23 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DS, DE, TILES, DK, DV, stride_qb, stri
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m0 = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     d_ok = offs_d[None, :] < HEAD_DIM
-    kv_mask = (offs_n[:, None] < s_k) & d_ok
+    dv_ok = offs_dv[None, :] < V_DIM
+    k_mask = (offs_n[:, None] < s_k) & d_ok
+    v_mask = (offs_n[:, None] < s_k) & dv_ok
     n64 = offs_n.to(tl.int64)[:, None]
     k_ptrs = K + b * stride_kb + g * stride_kh + n64 * stride_ks + offs_d[None, :]
-    v_ptrs = V + b * stride_vb + g * stride_vh + n64 * stride_vs + offs_d[None, :]
-    k = tl.load(k_ptrs, mask=kv_mask, other=0.0)
-    v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
+    v_ptrs = V + b * stride_vb + g * stride_vh + n64 * stride_vs + offs_dv[None, :]
+    k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+    v = tl.load(v_ptrs, mask=v_mask, other=0.0)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     q_rel = offs_m0[:, None] * stride_qs + offs_d[None, :]  # within a query block; int32 is enough
-    do_rel = offs_m0[:, None] * stride_os + offs_d[None, :]
+    do_rel = offs_m0[:, None] * stride_os + offs_dv[None, :]
     dk = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
-    dv = tl.full([BLOCK_N, BLOCK_D], 0.0, tl.float32)
+    dv = tl.full([BLOCK_N, BLOCK_DV], 0.0, tl.float32)
     lo = 0
     if CAUSAL:  # query i sees key start_n iff i >= start_n - delta_pos
         lo = tl.maximum(start_n - delta_pos, 0) // BLOCK_M * BLOCK_M
@@ -122,10 +130,10 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DS, DE, TILES, DK, DV, stride_qb, stri
             if COUNT:
                 tl.atomic_add(TILES, 1)
             offs_m = start_m + offs_m0
-            q_mask = (offs_m[:, None] < s_q) & d_ok
+            m_ok = offs_m[:, None] < s_q
             row0 = tl.cast(start_m, tl.int64)
-            q = tl.load(q_base + row0 * stride_qs + q_rel, mask=q_mask, other=0.0)
-            do = tl.load(do_base + row0 * stride_os + do_rel, mask=q_mask, other=0.0)
+            q = tl.load(q_base + row0 * stride_qs + q_rel, mask=m_ok & d_ok, other=0.0)
+            do = tl.load(do_base + row0 * stride_os + do_rel, mask=m_ok & dv_ok, other=0.0)
             if UPCAST:
                 q = q.to(tl.float32)
                 do = do.to(tl.float32)
@@ -144,18 +152,21 @@ def _dkdv_kernel(Q, K, V, DO, LSE, DELTA, DS, DE, TILES, DK, DV, stride_qb, stri
             dp_t = tl.dot(v, tl.trans(do), input_precision=PREC)
             ds_t = p_t * (dp_t - dlt[None, :])
             dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PREC)
-    # contiguous; the tile's base in int64, its rows (BLOCK_N x HEAD_DIM) in int32
-    out = (bg.to(tl.int64) * s_k + start_n) * HEAD_DIM + tl.arange(0, BLOCK_N)[:, None] * HEAD_DIM + offs_d[None, :]
-    tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=kv_mask)
+    # contiguous; the tile's base in int64, its rows (BLOCK_N x HEAD_DIM or V_DIM) in int32
+    rows = bg.to(tl.int64) * s_k + start_n
+    out = rows * HEAD_DIM + tl.arange(0, BLOCK_N)[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(DK + out, (dk * scale).to(DK.dtype.element_ty), mask=k_mask)
+    out = rows * V_DIM + tl.arange(0, BLOCK_N)[:, None] * V_DIM + offs_dv[None, :]
+    tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=v_mask)
 
 
 @triton.jit(do_not_specialize=["n_bh"])  # b * heads: no variant per value class
 def _dq_kernel(Q, K, V, DO, LSE, DELTA, DS, DE, TILES, DQ, stride_qb, stride_qh, stride_qs, stride_kb,
                stride_kh, stride_ks, stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os, stride_lb,
                stride_lh, stride_eb, stride_eh, s_q, s_k, delta_pos, qk_scale, scale, heads, groups, n_bh,
-               SQ_KEY, SK_KEY, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_D: tl.constexpr, CAUSAL: tl.constexpr, DOCS: tl.constexpr, COUNT: tl.constexpr,
+               SQ_KEY, SK_KEY, HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+               CAUSAL: tl.constexpr, DOCS: tl.constexpr, COUNT: tl.constexpr,
                UPCAST: tl.constexpr, PREC: tl.constexpr, GRID_Y: tl.constexpr):
     # DS, DE, TILES as in the dk/dv kernel (DE unused here): the forward's key-tile bounds.
     start_m = tl.program_id(0) * BLOCK_M
@@ -169,13 +180,15 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DS, DE, TILES, DQ, stride_qb, stride_qh,
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     d_ok = offs_d[None, :] < HEAD_DIM
+    dv_ok = offs_dv[None, :] < V_DIM
     q_mask = (offs_m[:, None] < s_q) & d_ok
     m64 = offs_m.to(tl.int64)[:, None]
     q_ptrs = Q + b * stride_qb + h * stride_qh + m64 * stride_qs + offs_d[None, :]
-    do_ptrs = DO + b * stride_ob + h * stride_oh + m64 * stride_os + offs_d[None, :]
+    do_ptrs = DO + b * stride_ob + h * stride_oh + m64 * stride_os + offs_dv[None, :]
     q = tl.load(q_ptrs, mask=q_mask, other=0.0)
-    do = tl.load(do_ptrs, mask=q_mask, other=0.0)
+    do = tl.load(do_ptrs, mask=(offs_m[:, None] < s_q) & dv_ok, other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
@@ -185,7 +198,7 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DS, DE, TILES, DQ, stride_qb, stride_qh,
     k_base = K + b * stride_kb + g * stride_kh
     v_base = V + b * stride_vb + g * stride_vh
     k_rel = offs_n0[:, None] * stride_ks + offs_d[None, :]  # within a key block; int32 is enough
-    v_rel = offs_n0[:, None] * stride_vs + offs_d[None, :]
+    v_rel = offs_n0[:, None] * stride_vs + offs_dv[None, :]
     dq = tl.full([BLOCK_M, BLOCK_D], 0.0, tl.float32)
     hi = s_k
     if CAUSAL:
@@ -198,10 +211,10 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DS, DE, TILES, DQ, stride_qb, stride_qh,
         if COUNT:
             tl.atomic_add(TILES, 1)
         offs_n = start_n + offs_n0
-        kv_mask = (offs_n[:, None] < s_k) & d_ok
+        n_ok = offs_n[:, None] < s_k
         row0 = tl.cast(start_n, tl.int64)
-        k = tl.load(k_base + row0 * stride_ks + k_rel, mask=kv_mask, other=0.0)
-        v = tl.load(v_base + row0 * stride_vs + v_rel, mask=kv_mask, other=0.0)
+        k = tl.load(k_base + row0 * stride_ks + k_rel, mask=n_ok & d_ok, other=0.0)
+        v = tl.load(v_base + row0 * stride_vs + v_rel, mask=n_ok & dv_ok, other=0.0)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
@@ -220,108 +233,33 @@ def _dq_kernel(Q, K, V, DO, LSE, DELTA, DS, DE, TILES, DQ, stride_qb, stride_qh,
     tl.store(DQ + out, (dq * scale).to(DQ.dtype.element_ty), mask=q_mask)
 
 
-# -- configurations ------------------------------------------------------------------------------
-#
-# (BLOCK_M queries, BLOCK_N keys, num_warps, num_stages) per tile width (64: d <= 64; 128: d = 96,
-# 128; 256: d up to 256) and dtype class, as for the forward. dk/dv programs hold a (BLOCK_N,
-# width) pair of fp32 accumulators and stream query tiles: few queries, many keys; dq programs
-# the mirror image. Chosen (tools/compile_kernels.py) to compile on sm_80 and sm_90 without
-# register spills; 8 warps for the wide accumulators; fp32 (FMA, every operand in registers)
-# small tiles. Each 16-bit list has a config of <= 99 KB (sm_86/sm_89) by the estimate.
-
-_DKDV_16BIT = {
-    64: ((32, 128, 8, 3), (64, 128, 8, 3), (16, 128, 8, 3), (32, 64, 4, 3), (64, 64, 8, 2)),
-    128: ((32, 64, 8, 3), (16, 128, 8, 2), (32, 128, 8, 2), (64, 64, 8, 2), (64, 32, 8, 3)),
-    256: ((16, 32, 8, 2), (16, 32, 8, 3), (32, 32, 8, 2), (32, 32, 8, 3), (64, 32, 8, 2)),
-}
-_DKDV_FP32 = {
-    64: ((32, 32, 8, 2), (16, 64, 8, 2), (32, 16, 8, 2)),
-    128: ((16, 32, 8, 2), (32, 16, 8, 2), (16, 64, 8, 2)),
-    256: ((16, 16, 8, 1), (16, 32, 8, 1), (16, 32, 8, 2)),
-}
-_DQ_16BIT = {
-    64: ((128, 32, 4, 3), (128, 32, 8, 3), (128, 64, 8, 3), (64, 32, 4, 3), (64, 64, 4, 3)),
-    128: ((128, 32, 8, 3), (128, 64, 8, 2), (128, 16, 8, 3), (64, 64, 8, 3), (64, 32, 4, 3)),
-    256: ((64, 32, 8, 2), (64, 16, 8, 3), (32, 64, 8, 2), (32, 16, 4, 2)),
-}
-_DQ_FP32 = {
-    64: ((64, 32, 8, 2), (32, 64, 8, 2), (64, 16, 8, 2)),
-    128: ((32, 32, 8, 1), (64, 16, 8, 2), (32, 16, 8, 2), (16, 64, 8, 1)),
-    256: ((32, 16, 8, 2), (16, 32, 8, 1), (32, 32, 8, 1), (16, 16, 8, 1)),
-}
-# delta: BLOCK_M rows of BLOCK_D (memory bound; ~4K-16K elements per program)
-_DELTA_ROWS = ((4096, 4), (8192, 4), (16384, 8))
+# The configurations and their shared-memory estimates: attention_bwd_tiles.py.
 
 
-def _configs(tables, head_dim: int, dtype: torch.dtype, interpret: bool) -> list[triton.Config]:
-    if interpret:
-        return [tile_config(*INTERPRET_TILES)]
-    return [tile_config(*t) for t in tables[dtype == torch.float32][config_width(head_dim)]]
-
-
-def dkdv_configs(head_dim: int, dtype: torch.dtype, interpret: bool = INTERPRET) -> list[triton.Config]:
-    """The dk/dv kernel's autotuning configs (one small one under the interpreter)."""
-    return _configs((_DKDV_16BIT, _DKDV_FP32), head_dim, dtype, interpret)
-
-
-def dq_configs(head_dim: int, dtype: torch.dtype, interpret: bool = INTERPRET) -> list[triton.Config]:
-    """The dq kernel's autotuning configs (one small one under the interpreter)."""
-    return _configs((_DQ_16BIT, _DQ_FP32), head_dim, dtype, interpret)
-
-
-def delta_configs(head_dim: int, dtype: torch.dtype = torch.float32,
-                  interpret: bool = INTERPRET) -> list[triton.Config]:
-    """The delta kernel's configs: BLOCK_M rows of 4K-16K elements (one config under the
-    interpreter); the same for every dtype (loads are upcast)."""
-    if interpret:
-        return [triton.Config(dict(BLOCK_M=INTERPRET_TILES[0]), num_warps=1, num_stages=1)]
-    width = block_d(head_dim)
-    return [triton.Config(dict(BLOCK_M=max(16, n // width)), num_warps=w, num_stages=1)
-            for n, w in _DELTA_ROWS]
-
-
-def dkdv_shared_bytes(config: triton.Config, width: int, element_size: int) -> int:
-    """Estimated shared memory of a dk/dv config: the k and v tiles, ``max(2, num_stages)``
-    buffers of the streamed q and do tiles, and the p and ds tiles staged for their products
-    (never below the compiled figure: tools/compile_kernels.py checks)."""
-    bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
-    return (2 * bn * width + max(2, config.num_stages) * 2 * bm * width + 2 * bm * bn) * element_size
-
-
-def dq_shared_bytes(config: triton.Config, width: int, element_size: int) -> int:
-    """Estimated shared memory of a dq config: the q and do tiles, ``max(2, num_stages)``
-    buffers of the streamed k and v tiles, and the p and ds tiles staged for their products."""
-    bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
-    return (2 * bm * width + max(2, config.num_stages) * 2 * bn * width + 2 * bm * bn) * element_size
-
-
-def delta_shared_bytes(config: triton.Config, width: int, element_size: int) -> int:
-    """Estimated shared memory of a delta config: a cross-warp row reduction, one fp32 per row
-    and warp (and nothing when a warp holds whole rows)."""
-    return 4 * config.kwargs["BLOCK_M"] * config.num_warps
-
-
-def _tuned(kind: str, head_dim: int, dtype: torch.dtype):
-    """The autotuned ``kind`` kernel ("dkdv", "dq" or "delta") for a head dim and dtype.
+def _tuned(kind: str, head_dim: int, dtype: torch.dtype, v_dim: int | None = None):
+    """The autotuned ``kind`` kernel ("dkdv", "dq" or "delta") for a head dim (q/k's; delta's is
+    out's), a value head dim ``v_dim`` (default the same) and dtype: one autotuner per (head
+    dim, value head dim, dtype), so V_DIM need not be in its key.
     ``triton.autotune`` times the configs that fit the GPU's shared memory the first time it
     meets a key (head dim, causal, s_q and s_k rounded to powers of two, and the tensors'
     dtypes) and caches the fastest per key for the process. Under
     MEGALITE_KERNEL_TUNING=fixed: one config, the first that fits the current GPU."""
-    return _build(kind, head_dim, dtype, fixed_limit())
+    return _build(kind, head_dim, v_dim or head_dim, dtype, fixed_limit())
 
 
 @functools.lru_cache(maxsize=None)
-def _build(kind: str, head_dim: int, dtype: torch.dtype, limit: int | None):
+def _build(kind: str, head_dim: int, v_dim: int, dtype: torch.dtype, limit: int | None):
+    width, v_width, size = block_d(head_dim), block_d(v_dim), dtype.itemsize
     if kind == "delta":
         fn, configs, key, tensor = _delta_kernel, delta_configs(head_dim, dtype), ["HEAD_DIM", "SQ_KEY"], "O"
-        nbytes = delta_shared_bytes
+        nbytes = lambda c, element_size: delta_shared_bytes(c, width, element_size)  # noqa: E731
     else:
-        fn, configs, nbytes = ((_dkdv_kernel, dkdv_configs, dkdv_shared_bytes) if kind == "dkdv"
+        fn, configs, shared = ((_dkdv_kernel, dkdv_configs, dkdv_shared_bytes) if kind == "dkdv"
                                else (_dq_kernel, dq_configs, dq_shared_bytes))
-        configs, key, tensor = configs(head_dim, dtype), list(TUNING_KEY), "Q"
-    width, size = block_d(head_dim), dtype.itemsize
-    return autotune(configs, key, shared_memory_pruner(tensor, nbytes),
-                    lambda c: nbytes(c, width, size), limit)(fn)
+        configs, key, tensor = configs(max(head_dim, v_dim), dtype), list(TUNING_KEY), "Q"
+        nbytes = lambda c, element_size: shared(c, width, element_size, v_width)  # noqa: E731
+    return autotune(configs, key, shared_memory_pruner(tensor, nbytes, width_arg=None),
+                    lambda c: nbytes(c, size), limit)(fn)
 
 
 @on_input_device
@@ -378,11 +316,11 @@ def flash_attention_backward(q, k, v, out, dout, lse, causal: bool = True, q_off
     document, the dk/dv kernel query tiles past its last key's document end (without
     ``doc_end`` it only masks). ``tile_count``: one added per tile pair computed, both kernels."""
     check_attention_inputs(q, k, v)
-    check_backward_shapes("flash_attention_backward", q, out, dout, lse, delta)
+    check_backward_shapes("flash_attention_backward", q, out, dout, lse, delta, v.shape[3])
     check_documents("flash_attention_backward", causal, q, k, doc_start, doc_end)
     q, k, v, dout = seq_strided(q), seq_strided(k), seq_strided(v), seq_strided(dout)
     b, heads, s_q, d = q.shape
-    groups, s_k = k.shape[1], k.shape[2]
+    groups, s_k, d_v = k.shape[1], k.shape[2], v.shape[3]
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
     if delta is None:
         delta = attention_delta(out, dout)
@@ -391,7 +329,7 @@ def flash_attention_backward(q, k, v, out, dout, lse, causal: bool = True, q_off
     (lse, *lse_strides), (delta, *delta_strides) = _seq_strides(lse), _seq_strides(delta)
     dq = torch.empty((b, heads, s_q, d), device=q.device, dtype=grad_dtype or q.dtype)
     dk = torch.empty((b, groups, s_k, d), device=k.device, dtype=grad_dtype or k.dtype)
-    dv = torch.empty((b, groups, s_k, d), device=v.device, dtype=grad_dtype or v.dtype)
+    dv = torch.empty((b, groups, s_k, d_v), device=v.device, dtype=grad_dtype or v.dtype)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     explicit = bool(block_m or block_n or num_warps or num_stages)
@@ -402,16 +340,17 @@ def flash_attention_backward(q, k, v, out, dout, lse, causal: bool = True, q_off
     args = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *lse_strides,
             *delta_strides, s_q, s_k, int(q_offset) - int(k_offset), scale * LOG2E, scale, heads, groups)
     keys = (seq_key(s_q), seq_key(s_k))
-    consts = dict(HEAD_DIM=d, BLOCK_D=block_d(d), CAUSAL=bool(causal), DOCS=doc_start is not None,
+    consts = dict(HEAD_DIM=d, V_DIM=d_v, BLOCK_D=block_d(d), BLOCK_DV=block_d(d_v), CAUSAL=bool(causal),
+                  DOCS=doc_start is not None,
                   COUNT=tile_count is not None, UPCAST=INTERPRET,
                   PREC="ieee" if q.dtype == torch.float32 else "tf32", GRID_Y=_utils.MAX_GRID_Y)
     tiles = (block_m, block_n, num_warps, num_stages)
-    config = explicit_config(dkdv_configs(d, q.dtype), *tiles) if explicit else None
+    config = explicit_config(dkdv_configs(max(d, d_v), q.dtype), *tiles) if explicit else None
     grid = lambda meta: split_grid("attention dk/dv", triton.cdiv(s_k, meta["BLOCK_N"]), b * groups)  # noqa: E731
-    launch_tiles(_dkdv_kernel, None if config else _tuned("dkdv", d, q.dtype), config, grid,
+    launch_tiles(_dkdv_kernel, None if config else _tuned("dkdv", d, q.dtype, d_v), config, grid,
                  *tensors, dk, dv, *args, b * groups, *keys, **consts)
-    config = explicit_config(dq_configs(d, q.dtype), *tiles) if explicit else None
+    config = explicit_config(dq_configs(max(d, d_v), q.dtype), *tiles) if explicit else None
     grid = lambda meta: split_grid("attention dq", triton.cdiv(s_q, meta["BLOCK_M"]), b * heads)  # noqa: E731
-    launch_tiles(_dq_kernel, None if config else _tuned("dq", d, q.dtype), config, grid,
+    launch_tiles(_dq_kernel, None if config else _tuned("dq", d, q.dtype, d_v), config, grid,
                  *tensors, dq, *args, b * heads, *keys, **consts)
     return dq, dk, dv

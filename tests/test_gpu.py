@@ -4,7 +4,7 @@
 
 1. The Triton kernels compiled for the GPU, in bf16 and fp16, against float64 torch
    references computed on the GPU: flash attention forward and backward (non-powers of two,
-   GQA/MQA, offsets, rows without keys), the fused LayerNorm/RMSNorm forward and backward,
+   GQA/MQA, offsets, rows without keys; a value head size of its own, 192/128), the fused LayerNorm/RMSNorm forward and backward,
    and the cross-entropy (per-slice statistics combined as TP ranks do, and the autograd
    loss with padding and ignored targets).
    Error measure: max |a - ref| / max(1, max |ref|) (floor 1, where test_kernels.py's fp32 CPU
@@ -119,6 +119,37 @@ def test_flash_attention_16bit_forward_backward_on_cuda(device, dtype, shape):
     assert torch.equal(torch.isneginf(lse), empty), "rows without a visible key must have lse = -inf"
     assert err(out, ref_out) < OUT_TOL[dtype]
     assert err(lse[~empty], ref_lse[~empty]) < LSE_TOL
+    for name, x, r in zip(("dq", "dk", "dv"), leaves, ref64):
+        assert err(x.grad, r.grad) < OUT_TOL[dtype], (name, err(x.grad, r.grad))
+
+
+# a value head size of its own (issue 38, DeepSeek-V3's MLA): (batch, heads, groups, s, d, d_v, causal)
+VALUE_HEAD_SHAPES = [(2, 16, 16, 1024, 192, 128, True), (1, 6, 2, 197, 80, 48, False)]
+CPU_VALUE_HEAD_SHAPES = [(1, 2, 1, 37, 40, 24, True)]  # fp16, tile widths 64 and 32
+
+
+@pytest.mark.parametrize("device,dtype,shape",
+                         device_cases([("fp16", s) for s in CPU_VALUE_HEAD_SHAPES],
+                                      [(dt, s) for s in VALUE_HEAD_SHAPES for dt in DTYPES],
+                                      ids=lambda c: f"{c[0]}-{shape_id(c[1])}"))
+def test_flash_attention_value_head_size_of_its_own_on_cuda(device, dtype, shape):
+    """v of head size d_v != d (q/k): out and dv of size d_v, dq and dk of d, lse unchanged."""
+    from megalite.kernels.attention_reference import attention_reference
+    from megalite.kernels.flash_attention import flash_attention
+
+    b, h, g, s, d, d_v, causal = shape
+    dev, dt = compiled(device), DTYPES[dtype]
+    q, k = torch.randn(b, h, s, d, device=dev).to(dt), torch.randn(b, g, s, d, device=dev).to(dt)
+    v, dout = torch.randn(b, g, s, d_v, device=dev).to(dt), torch.randn(b, h, s, d_v, device=dev).to(dt)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = flash_attention(*leaves, causal, return_lse=True)
+    out.backward(dout)
+    synchronize(dev)
+    ref64 = [x.double().requires_grad_() for x in (q, k, v)]
+    ref_out, ref_lse = attention_reference(*ref64, causal)
+    ref_out.backward(dout.double())
+    assert out.shape == (b, h, s, d_v) and [x.grad.shape[-1] for x in leaves] == [d, d, d_v]
+    assert err(out, ref_out) < OUT_TOL[dtype] and err(lse, ref_lse) < LSE_TOL
     for name, x, r in zip(("dq", "dk", "dv"), leaves, ref64):
         assert err(x.grad, r.grad) < OUT_TOL[dtype], (name, err(x.grad, r.grad))
 

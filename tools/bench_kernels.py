@@ -3,8 +3,10 @@
 
 - attention: megalite Triton flash attention vs torch SDPA (default choice; on a GPU also
   forced to its flash backend, FlashAttention-2) vs flash-attn (when installed).
-  Causal and full, head dims 64 and 128, sequence 1k to 16k (16k tokens per case) on a GPU.
-  TFLOP/s: forward 4*B*H*N^2*D, backward 2.5x that, half of each when causal.
+  Causal and full, head dims 64 and 128, and q/k 192 with v 128 (DeepSeek-V3's MLA; not
+  flash-attn, which takes one head size), sequence 1k to 16k (16k tokens per case) on a GPU.
+  TFLOP/s: forward 2*B*H*N^2*(D + D_v) (= 4*B*H*N^2*D when they are equal), backward 2.5x
+  that, half of each when causal.
 - layernorm / rmsnorm: Triton vs torch (and torch.compile of it on a GPU), hidden up to 16k.
   GB/s: forward reads x and writes y, backward reads x and dy and writes dx.
 - cross-entropy: Triton (stats + gradient, no probabilities stored) vs torch F.cross_entropy
@@ -113,12 +115,17 @@ def attention_impls(causal: bool = True):
 
 
 def bench_attention(cases, dtype, reps, causal: bool = True):
+    """Cases (b, heads, n, d) or (b, heads, n, d, d_v): a value head size of its own (MLA's
+    192/128), labelled D{d}/{d_v}; FLOPs 2 b h n^2 (d + d_v) (halved when causal); flash-attn 2
+    takes one head size and is left out of those."""
     rows = []
     kind = "causal" if causal else "full"
-    for b, h, n, d in cases:
+    for b, h, n, d, *rest in cases:
+        d_v = rest[0] if rest else d
+        label = f"B{b} H{h} N{n} D{d}" + (f"/{d_v}" if d_v != d else "")
         gen = torch.Generator(DEVICE).manual_seed(0)
-        q, k, v, dout = (torch.randn(b, h, n, d, device=DEVICE, dtype=dtype, generator=gen)
-                         for _ in range(4))
+        q, k, v, dout = (torch.randn(b, h, n, size, device=DEVICE, dtype=dtype, generator=gen)
+                         for size in (d, d, d_v, d_v))
         tail = min(n, 64)  # reference rows: the last queries, which see every key
         ref_out, _ = attention_reference(q[:1, :, -tail:].double(), k[:1].double(), v[:1].double(),
                                          causal, n - tail, 0)
@@ -127,19 +134,19 @@ def bench_attention(cases, dtype, reps, causal: bool = True):
             leaves = [x[:1].detach().double().requires_grad_() for x in (q, k, v)]
             attention_reference(*leaves, causal)[0].backward(dout[:1].double())
             ref_grads = [x.grad for x in leaves]
-        flops = 4 * b * h * n * n * d / (2 if causal else 1)
+        flops = 2 * b * h * n * n * (d + d_v) / (2 if causal else 1)
         for name, fn in attention_impls(causal).items():
-            if name == "sdpa-flash" and dtype == torch.float32:
+            if name == "sdpa-flash" and dtype == torch.float32 or name == "flash-attn" and d_v != d:
                 continue
             try:
                 t_f, t_b, out, grads = fwd_bwd(fn, (q, k, v), dout, reps)
             except (RuntimeError, torch.cuda.OutOfMemoryError) as e:  # e.g. math SDPA at 16k
-                rows.append(dict(kernel="attention", case=f"B{b} H{h} N{n} D{d} {kind}", impl=name,
+                rows.append(dict(kernel="attention", case=f"{label} {kind}", impl=name,
                                  error=str(e).splitlines()[0][:80]))
                 continue
             bwd_err = (max(max_err(g[:1], r) for g, r in zip(grads, ref_grads))
                        if ref_grads is not None else None)
-            rows.append(dict(kernel="attention", case=f"B{b} H{h} N{n} D{d} {kind}",
+            rows.append(dict(kernel="attention", case=f"{label} {kind}",
                              dtype=str(dtype).split(".")[-1], impl=name, fwd_ms=t_f, bwd_ms=t_b,
                              fwd_rate=flops / t_f / 1e9, bwd_rate=2.5 * flops / t_b / 1e9 if t_b else None,
                              unit="TFLOP/s", fwd_err=max_err(out[:1, :, -tail:], ref_out),
@@ -280,8 +287,8 @@ def plot(rows, path, device: str) -> list[str]:
     attention = [r for r in rows if r["kernel"] == "attention" and "error" not in r and r["case"].endswith("causal")]
     series = {}
     for r in attention:
-        n, d = (int(x) for x in re.search(r"N(\d+) D(\d+)", r["case"]).groups())
-        series.setdefault(f"{r['impl']} D{d} {r['dtype']}", []).append((n, r))
+        n, d = re.search(r"N(\d+) D(\d+(?:/\d+)?)", r["case"]).groups()
+        series.setdefault(f"{r['impl']} D{d} {r['dtype']}", []).append((int(n), r))
     lengths = sorted({n for pts in series.values() for n, _ in pts})
     for col, (key, what) in enumerate((("fwd_rate", "forward"), ("bwd_rate", "backward"))):
         ax = fig.add_subplot(grid[0, col])
@@ -346,6 +353,7 @@ def main():
         seqs = [1024, 4096] if args.quick else [1024, 2048, 4096, 8192, 16384]
         # 16k tokens per case, hidden 2048 either way: 16 heads of 128 or 32 heads of 64
         attn = [(max(1, 16384 // n), 16, n, 128) for n in seqs] + [(max(1, 16384 // n), 32, n, 64) for n in seqs]
+        attn += [(max(1, 16384 // n), 16, n, 192, 128) for n in seqs]  # DeepSeek-V3 MLA: q/k 192, v 128
         dtypes, reps = [torch.bfloat16], None
         norm_cases = [(16384, 1024), (16384, 4096), (8192, 8192), (4096, 16384)]
         ce_cases = [(4096, 50304), (4096, 128256), (2048, 256000)]
@@ -354,7 +362,7 @@ def main():
         grouped_cases = [(8, tokens, 4096, 2 * 14336)] + ([] if args.quick else [(8, tokens, 14336, 4096)])
         print(f"device: {torch.cuda.get_device_name()}")
     else:
-        attn, dtypes, reps = [(1, 2, 96, 64)], [torch.float32, torch.float16], 3
+        attn, dtypes, reps = [(1, 2, 96, 64), (1, 2, 40, 24, 16)], [torch.float32, torch.float16], 3
         norm_cases, ce_cases = [(64, 1000)], [(32, 1000)]
         grouped_cases = [(4, [0, 37, 5, 22], 48, 40)]
         print("NOTE: no GPU: the Triton kernels run in the CPU interpreter (TRITON_INTERPRET=1), one "

@@ -1,20 +1,20 @@
 #!/usr/bin/env python
 """Compile every megalite Triton kernel for a CUDA architecture, on a machine without a GPU.
 
-Triton lowers to PTX and runs its bundled ptxas without touching a device, so this catches
-what the CPU interpreter cannot: type errors of the compiled language, unsupported dot
-shapes, and tiles that need more shared memory than a GPU has (printed per kernel; an H100
-block may use 227 KB, an A100 block 163 KB, sm_86/sm_89 99 KB). It compiles the configurations
-the launchers use on a GPU: for the autotuned kernels (flash attention forward, dk/dv, dq and
-delta for head dims 64, 96, 128 and 256; grouped GEMM) every autotune config, with pointers,
-strides and sizes 16-divisible as in a model, so the pipelined loops are what compiles. For
-those it also prints the launcher's shared-memory estimate (the one that prunes configs on a
-GPU) and fails if the estimate is below the compiled figure; and, with the bundled cuobjdump,
-registers per thread and the stack frame (``stack`` > 0: register spills). The norms
-(LayerNorm and RMSNorm, whole-row and chunked) and the cross-entropy (both vocabulary block
-widths) compile in the one tile setting their launchers use. Uncached, each compilation takes
-seconds (the last line prints the count and seconds per variant; point TRITON_CACHE_DIR at an
-empty folder to time it): ``--quick`` compiles one dtype (bf16), ``--only`` a subset.
+Triton lowers to PTX and runs its bundled ptxas without touching a device, so this catches what
+the CPU interpreter cannot: type errors of the compiled language, unsupported dot shapes, and
+tiles that need more shared memory than a GPU has (printed per kernel; an H100 block may use 227
+KB, an A100 block 163 KB, sm_86/sm_89 99 KB). It compiles the configurations the launchers use
+on a GPU: for the autotuned kernels (flash attention forward, dk/dv, dq and delta for head dims
+64, 96, 128 and 256, and q/k 192 with v 128 as DeepSeek-V3's MLA; grouped GEMM) every autotune
+config, with pointers, strides and sizes 16-divisible as in a model, so the pipelined loops are
+what compiles. For those it also prints the launcher's shared-memory estimate (the one that
+prunes configs on a GPU) and fails if the estimate is below the compiled figure; and, with the
+bundled cuobjdump, registers per thread and the stack frame (``stack`` > 0: register spills).
+The norms (LayerNorm and RMSNorm, whole-row and chunked) and the cross-entropy (both vocabulary
+block widths) compile in the one tile setting their launchers use. Uncached, each compilation
+takes seconds (the last line prints the count and seconds per variant; point TRITON_CACHE_DIR at
+an empty folder to time it): ``--quick`` compiles one dtype (bf16), ``--only`` a subset.
 
     python tools/compile_kernels.py [--arch 80 90] [--quick] [--only attention] [--json out.json]
 """
@@ -68,7 +68,7 @@ def resources(cubin: bytes) -> dict:
     return dict(regs=int(found.group(1)), stack=int(found.group(2))) if found else {}
 
 
-ATTENTION_HEAD_DIMS = (64, 96, 128, 256)
+ATTENTION_HEAD_DIMS = ((64, 64), (96, 96), (128, 128), (256, 256), (192, 128))  # (q/k head dim, v head dim)
 
 
 def attention_jobs(dtype: str):
@@ -87,22 +87,25 @@ def attention_jobs(dtype: str):
     tensors = {name: p for name in ("Q", "K", "V", "O", "DO", "DK", "DV", "DQ")}
     documents = dict(DS="*i32:16", DE="*i32:16", TILES="*i32:16")  # packed documents; tile counter
     types = dict(**tensors, LSE="*fp32:16", DELTA="*fp32:16", **documents, **strides, **sizes)
-    for d in ATTENTION_HEAD_DIMS:
-        width = fa.block_d(d)
-        tile = dict(HEAD_DIM=d, BLOCK_D=width, CAUSAL=True, COUNT=False, UPCAST=False, PREC=prec,
-                    GRID_Y=fa._utils.MAX_GRID_Y)
+    for d, d_v in ATTENTION_HEAD_DIMS:
+        width, v_width = fa.block_d(d), fa.block_d(d_v)
+        label = f"d{d}" if d == d_v else f"d{d}/{d_v}"
+        tile = dict(HEAD_DIM=d, V_DIM=d_v, BLOCK_D=width, BLOCK_DV=v_width, CAUSAL=True, COUNT=False, UPCAST=False,
+                    PREC=prec, GRID_Y=fa._utils.MAX_GRID_Y)
         kinds = (("fwd", fa._fwd_kernel, fa.fwd_configs, fa.fwd_shared_bytes, dict(MASK_N=True)),
                  ("dk/dv", fb._dkdv_kernel, fb.dkdv_configs, fb.dkdv_shared_bytes, {}),
                  ("dq", fb._dq_kernel, fb.dq_configs, fb.dq_shared_bytes, {}))
         for kind, fn, configs, nbytes, extra in kinds:
-            for i, c in enumerate(configs(d, tdtype, interpret=False)):
+            for i, c in enumerate(configs(max(d, d_v), tdtype, interpret=False)):
                 kw = c.kwargs
-                name = f"attention {kind} d{d} {kw['BLOCK_M']}x{kw['BLOCK_N']} w{c.num_warps} s{c.num_stages}"
+                name = f"attention {kind} {label} {kw['BLOCK_M']}x{kw['BLOCK_N']} w{c.num_warps} s{c.num_stages}"
                 # Every config as the plain causal kernel; the first also with packed documents
                 # (two more loads and a compare per tile: the same tiles must still fit).
                 for docs in (False, True) if i == 0 else (False,):
                     yield (name + (" documents" if docs else ""), fn, types, dict(**tile, **kw, **extra, DOCS=docs),
-                           c.num_warps, c.num_stages, nbytes(c, width, size))
+                           c.num_warps, c.num_stages, nbytes(c, width, size, v_width))
+        if d != d_v:  # the delta kernel reads out and dout only: the v head dim's, listed already
+            continue
         for c in fb.delta_configs(d, tdtype, interpret=False):
             yield (f"attention delta d{d} {c.kwargs['BLOCK_M']} rows w{c.num_warps}", fb._delta_kernel, types,
                    dict(HEAD_DIM=d, BLOCK_D=width, GRID_Y=fa._utils.MAX_GRID_Y, **c.kwargs), c.num_warps, c.num_stages,

@@ -25,7 +25,7 @@ device (narrowing would be a host sync per layer); the Triton kernels skip the k
 it instead, and the torch blocks mask them.
 
 Traffic per rank and layer, counted as bytes handed to the collectives (all-gather output,
-reduce-scatter input): forward 2 b G s d e (K and V), backward 2 b G s d e again plus 2 b G s d e
+reduce-scatter input): forward b G s (d + d_v) e (K and V side by side), backward the same again plus b G s (d + d_v) e
 reduced; (C-1)/C of each crosses the wire. See ``context_parallel.traffic``.
 """
 from __future__ import annotations
@@ -42,12 +42,15 @@ from megalite.parallel import comm
 
 
 class GatheredKV:
-    """An all-gather of this rank's K and V shards (b, groups, s_local, d), started at once;
-    :meth:`wait` gives the whole sequence's K and V (b, groups, s, d) in natural order."""
+    """An all-gather of this rank's K and V shards (b, groups, s_local, d) and (b, groups, s_local,
+    d_v), started at once; :meth:`wait` gives the whole sequence's K and V (b, groups, s, d) and
+    (b, groups, s, d_v) in natural order. K and V travel side by side along the last dim
+    (s_local, b, g, d + d_v), so the value head size may differ from the key's."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, group, causal: bool):
         self.size, self.causal = comm.group_size(group), causal
-        local = torch.stack([k, v]).permute(3, 0, 1, 2, 4).contiguous()  # (s_local, 2, b, g, d)
+        self.sizes = [k.shape[3], v.shape[3]]
+        local = torch.cat([k, v], dim=3).permute(2, 0, 1, 3).contiguous()  # (s_local, b, g, d + d_v)
         with category("communication"):
             self.full = torch.empty((self.size * local.shape[0],) + tuple(local.shape[1:]), dtype=k.dtype,
                                     device=k.device)
@@ -55,9 +58,9 @@ class GatheredKV:
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
         self.work.wait()
-        full = rank_major_to_natural(self.full, 0, self.size, self.causal)  # (s, 2, b, g, d)
+        full = rank_major_to_natural(self.full, 0, self.size, self.causal)  # (s, b, g, d + d_v)
         self.full = None  # the rank-major copy goes as soon as the natural one exists
-        k_full, v_full = full.permute(1, 2, 3, 0, 4).unbind(0)
+        k_full, v_full = full.permute(1, 2, 0, 3).split(self.sizes, dim=3)
         return k_full, v_full
 
 
@@ -66,8 +69,9 @@ def rank_major_chunks(size: int, causal: bool) -> list[int]:
     return [c for r in range(size) for c in ((r, 2 * size - 1 - r) if causal else (r,))]
 
 
-def scatter_sequence_sum(both: torch.Tensor, group, causal: bool, dtype: torch.dtype):
-    """Every rank's full-sequence partial dK and dV, ``both`` (s, 2, b, groups, d) in natural order
+def scatter_sequence_sum(both: torch.Tensor, group, causal: bool, dtype: torch.dtype, key_size: int):
+    """Every rank's full-sequence partial dK and dV side by side, ``both`` (s, b, groups, d + d_v)
+    in natural order (``key_size`` = d)
     -> this rank's shards of their sums (one reduce-scatter of both, in ``dtype``). The rank-major
     send buffer is filled chunk by chunk, cast on the way: no further full-sequence copy."""
     size = comm.group_size(group)
@@ -77,8 +81,8 @@ def scatter_sequence_sum(both: torch.Tensor, group, causal: bool, dtype: torch.d
     natural = both.chunk(len(ids), 0)
     for dst, chunk_id in zip(rank_major.chunk(len(ids), 0), ids):
         dst.copy_(natural[chunk_id])
-    mine = comm.reduce_scatter_dim0(rank_major, group)  # (s_local, 2, b, g, d)
-    dk_local, dv_local = mine.permute(1, 2, 3, 0, 4).unbind(0)
+    mine = comm.reduce_scatter_dim0(rank_major, group)  # (s_local, b, g, d + d_v)
+    dk_local, dv_local = mine.permute(1, 2, 0, 3).split([key_size, mine.shape[3] - key_size], dim=3)
     return dk_local, dv_local
 
 
@@ -144,9 +148,9 @@ class _AllGatherAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=acc_dtype, device=q.device)
         dq_parts = dq.chunk(n, 2)
         b, groups, s_local, d = k.shape
-        # dK and dV of the whole sequence in fp32, laid out (s, 2, b, g, d) as the reduce-scatter sends.
-        both = torch.zeros((size * s_local, 2, b, groups, d), dtype=acc_dtype, device=k.device)
-        dk_full, dv_full = both.permute(1, 2, 3, 0, 4).unbind(0)
+        # dK and dV of the whole sequence in fp32, laid out (s, b, g, d + d_v) as the reduce-scatter sends.
+        both = torch.zeros((size * s_local, b, groups, d + v.shape[3]), dtype=acc_dtype, device=k.device)
+        dk_full, dv_full = both.permute(1, 2, 0, 3).split([d, v.shape[3]], dim=3)
         chunk = q_parts[0].shape[2]
 
         def block(part, k_blk, v_blk, lo, hi, diag):
@@ -164,7 +168,7 @@ class _AllGatherAttention(torch.autograd.Function):
         for part, lo, hi in _gathered_blocks(rank, size, chunk, causal):
             block(part, k_full[:, :, lo:hi], v_full[:, :, lo:hi], lo, hi, False)
         del k_full, v_full, dk_full, dv_full  # the gathered K/V are not needed for the reduce-scatter
-        dk, dv = scatter_sequence_sum(both, group, causal, k.dtype)
+        dk, dv = scatter_sequence_sum(both, group, causal, k.dtype, d)
         return dq.to(q.dtype), dk, dv, None, None, None, None, None
 
 

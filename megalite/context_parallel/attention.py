@@ -46,8 +46,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
                                causal: bool = True, backend: str = "auto",
                                documents: Documents | None = None) -> torch.Tensor:
     """Attention of this rank's queries (b, heads, s_local, d) over the whole sequence's keys and
-    values (b, groups, s_local, d each), by ``comm_type`` (see the module docstring);
-    ``documents``: packed documents of the whole sequence, or None."""
+    values (b, groups, s_local, d; v's head size may differ, and the output has it), by
+    ``comm_type`` (see the module docstring); ``documents``: packed documents of the whole
+    sequence, or None."""
     kind = cp_comm_type(comm_type)  # refuses an unknown type
     if kind.hierarchical:
         if groups.inner is None and groups.outer is None:

@@ -40,6 +40,8 @@ import inspect
 
 import torch
 
+from megalite.layers.attention import refuse_flash_value_head_size
+
 # Every parameter of the 2.x block functions besides the tensors, and the value megalite wants.
 _DEFAULTS = {"dropout_p": 0.0, "return_softmax": False, "window_size": (-1, -1), "window_size_left": -1,
              "window_size_right": -1, "softcap": 0.0, "alibi_slopes": None, "deterministic": False,
@@ -97,7 +99,9 @@ def _call(fn, tensors: dict, scale: float, causal: bool):
     return fn(**kwargs)
 
 
-def _check_causal(q: torch.Tensor, k: torch.Tensor, causal: bool) -> None:
+def _check_causal(q: torch.Tensor, k: torch.Tensor, causal: bool, v: torch.Tensor | None = None) -> None:
+    if v is not None:
+        refuse_flash_value_head_size("context-parallel attention on flash-attn blocks", q.shape[-1], v.shape[-1])
     if causal and q.shape[2] != k.shape[2]:
         raise ValueError(f"flash-attn aligns a causal mask bottom-right, megalite top-left: they agree only "
                          f"for square blocks, got {q.shape[2]} queries x {k.shape[2]} keys.")
@@ -110,7 +114,7 @@ def _bshd(t: torch.Tensor) -> torch.Tensor:
 
 def flash_block_forward(q, k, v, causal: bool = True, scale: float | None = None, interface=None):
     """(out (b, heads, s_q, d) like q, lse (b, heads, s_q) float32) of one block."""
-    _check_causal(q, k, causal)
+    _check_causal(q, k, causal, v)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     result = _call(_interface(interface)._flash_attn_forward, {"q": _bshd(q), "k": _bshd(k), "v": _bshd(v)},
                    scale, causal)
@@ -122,7 +126,7 @@ def flash_block_backward(q, k, v, out, dout, lse, causal: bool = True, scale: fl
                          delta=None, interface=None):
     """(dq, dk, dv) of one block from the global ``out`` and ``lse`` (flash-attn computes delta =
     rowsum(dout * out) itself, so ``delta`` is not needed)."""
-    _check_causal(q, k, causal)
+    _check_causal(q, k, causal, v)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     qs, ks, vs = _bshd(q), _bshd(k), _bshd(v)
     dq, dk, dv = torch.empty_like(qs), torch.empty_like(ks), torch.empty_like(vs)

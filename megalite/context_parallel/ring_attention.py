@@ -101,7 +101,8 @@ def resolve_ring_backend(backend: str, q: torch.Tensor) -> str:
 
 
 def _meta_forward(q, k, v, causal: bool = True, scale: float | None = None, **documents):
-    return torch.empty_like(q), torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
+    out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
+    return out, torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
 
 
 def _meta_backward(q, k, v, out, dout, lse, causal: bool = True, scale: float | None = None, delta=None,
@@ -114,7 +115,7 @@ def _meta_delta(out, dout):
 
 
 # On meta tensors (the dry run) nothing is computed: these give the outputs the Triton kernels
-# give on a GPU (out like q, fp32 lse and delta, fp32 block gradients), and, as those kernels,
+# give on a GPU (out like q with v's head size, fp32 lse and delta, fp32 block gradients), and, as those kernels,
 # never materialize a block's (s_q x s_k) scores, so the dry run measures a GPU's memory.
 META_OPS = BlockOps("meta", _meta_forward, _meta_backward, _meta_delta)
 
@@ -214,11 +215,12 @@ def _pairs(rank, src, size, causal):
 
 
 def assemble_output(q: torch.Tensor, acc: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """The merged (out, lse) of each local query chunk, in order -> one output like q, laid out
-    (s, b, heads, d): the order proj reads (as the Triton kernel writes it), so the model's
-    permute + reshape is a view and the output is kept once; and the lse of all chunks."""
-    b, heads, s, d = q.shape
-    out = torch.empty((s, b, heads, d), dtype=q.dtype, device=q.device).permute(1, 2, 0, 3)
+    """The merged (out, lse) of each local query chunk, in order -> one output like q but of the
+    value head size d_v (the partials'), laid out (s, b, heads, d_v): the order proj reads (as the
+    Triton kernel writes it), so the model's permute + reshape is a view and the output is kept
+    once; and the lse of all chunks."""
+    (b, heads, s, _), d_v = q.shape, acc[0][0].shape[3]
+    out = torch.empty((s, b, heads, d_v), dtype=q.dtype, device=q.device).permute(1, 2, 0, 3)
     start = 0
     for part, _ in acc:
         out[:, :, start: start + part.shape[2]].copy_(part)
@@ -309,7 +311,8 @@ def ring_attention(q, k, v, group, causal: bool = True, scale: float | None = No
                    documents: Documents | None = None) -> torch.Tensor:
     """Exact attention of this rank's queries over the whole sequence's keys and values.
 
-    q: (b, heads, s_local, d); k, v: (b, groups, s_local, d), in the layout of
+    q: (b, heads, s_local, d); k: (b, groups, s_local, d); v: (b, groups, s_local, d_v) (the value
+    head size may differ; the output has it), in the layout of
     :func:`megalite.context_parallel.data.context_parallel_slice`. ``backend``: auto, triton,
     flash or torch (the block functions, see the module docstring). ``documents``: packed
     documents of the whole sequence (b, s), absolute positions, causal only. No dropout."""

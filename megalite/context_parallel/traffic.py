@@ -19,6 +19,8 @@ leaves the rank: all of a send, (n-1)/n of an all-to-all, all-gather or reduce-s
 |           | ring over B: send (B-1) 2bG'Ld e  | (B-1) 2bG'Ld e + B 2bG'Ld f                        |
 
 Recomputation (full or selective) runs the forward again inside backward: add one forward.
+A value head size d_v of its own (``v_head_dim``, MLA): every "2 ... d" above that counts K and
+V (or q and the output) becomes "(d + d_v)".
 """
 from __future__ import annotations
 
@@ -46,28 +48,31 @@ class CPTraffic:
 
 
 def _ring(t: CPTraffic, size: int, kv: float, f_over_e: float, level: str) -> None:
-    """kv: bytes of this rank's K (= V) shard."""
-    t.add("forward", "send", (size - 1) * 2 * kv, level, 1.0)
-    t.add("backward", "send", (size - 1) * 2 * kv + size * 2 * kv * f_over_e, level, 1.0)
+    """kv: bytes of this rank's K and V shards together."""
+    t.add("forward", "send", (size - 1) * kv, level, 1.0)
+    t.add("backward", "send", (size - 1) * kv + size * kv * f_over_e, level, 1.0)
 
 
 def _all_to_all(t: CPTraffic, size: int, q: float, kv: float, level: str) -> None:
-    """q, kv: bytes of this rank's q (= output) and of one expanded K (= V) shard."""
+    """q, kv: bytes of this rank's q and output together, and of its expanded K and V shards."""
     for phase in ("forward", "backward"):
-        t.add(phase, "all_to_all", 2 * q + 2 * kv, level, (size - 1) / size)
+        t.add(phase, "all_to_all", q + kv, level, (size - 1) / size)
 
 
 def cp_attention_traffic(comm_type: str, *, batch: int, seq: int, heads: int, groups: int, head_dim: int,
-                         cp: int, element_size: int = 2, inner: int | None = None) -> CPTraffic:
+                         cp: int, element_size: int = 2, inner: int | None = None,
+                         v_head_dim: int | None = None) -> CPTraffic:
     """The theory of one layer's CP attention traffic per rank (module docstring). ``heads`` and
-    ``groups`` per TP rank; ``inner``: the all-to-all size A of a2a+p2p."""
+    ``groups`` per TP rank; ``inner``: the all-to-all size A of a2a+p2p; ``v_head_dim``: the
+    value head size when it differs from ``head_dim`` (the q/k one)."""
     kind = cp_comm_type(comm_type)  # refuses an unknown type
     t = CPTraffic()
     if cp == 1:
         return t
     local = seq // cp
     f_over_e = max(element_size, 4) / element_size
-    unit = batch * local * head_dim * element_size  # one head of this rank's shard
+    # one head of this rank's shard, q/k and v together (2 d when the sizes agree)
+    unit = batch * local * (head_dim + (head_dim if v_head_dim is None else v_head_dim)) * element_size
     if kind.hierarchical:
         if not inner or cp % inner:
             raise ValueError(f"{kind.name} needs the inner (all-to-all) size dividing CP={cp}, got {inner}")
@@ -82,7 +87,7 @@ def cp_attention_traffic(comm_type: str, *, batch: int, seq: int, heads: int, gr
     elif comm_type == "a2a":
         _all_to_all(t, cp, heads * unit, expanded_kv_groups(groups, cp) * unit, "cp")
     else:  # allgather
-        full_kv = 2 * groups * unit * cp
+        full_kv = groups * unit * cp
         t.add("forward", "all_gather", full_kv, "cp", (cp - 1) / cp)
         t.add("backward", "all_gather", full_kv, "cp", (cp - 1) / cp)
         t.add("backward", "reduce_scatter", full_kv, "cp", (cp - 1) / cp)

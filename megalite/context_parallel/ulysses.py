@@ -63,7 +63,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inner, 
     """Exact attention of this rank's queries over the whole sequence: all-to-all over
     ``inner``, then the ring over ``outer`` (None or one rank: plain attention), then back.
     q: (b, heads, s_local, d); k, v: (b, groups, s_local, d), heads divisible by the inner
-    size (the config refuses other layouts before any work)."""
+    size (the config refuses other layouts before any work); v's head size may differ from
+    q's and k's (the output has v's)."""
     size = comm.group_size(inner)
     heads, groups = q.shape[1], k.shape[1]
     if heads % size != 0:

@@ -1,8 +1,11 @@
 """Attention: one function that every part of the model calls, so backends can be swapped.
 
 ``attention(q, k, v)`` computes ``softmax(q k^T / sqrt(d) + mask) v`` per head, with
-q of shape (b, heads, s_q, d) and k, v of shape (b, groups, s_k, d). Grouped-query
-attention: each key/value group serves ``heads / groups`` consecutive query heads.
+q of shape (b, heads, s_q, d), k of shape (b, groups, s_k, d) and v of shape (b, groups, s_k,
+d_v); the output is (b, heads, s_q, d_v). Grouped-query attention: each key/value group serves
+``heads / groups`` consecutive query heads. The value head size d_v may differ from d
+(DeepSeek-V3's MLA: 192 and 128): torch, triton and meta take it; flash-attn 2 does not, so the
+flash backend refuses it (``refuse_flash_value_head_size``) and ``auto`` never picks flash for it.
 
 Backends (``--attention-backend``), all giving the same numbers up to rounding:
 
@@ -92,16 +95,29 @@ def refuse_flash_documents(what: str) -> None:
                              f"or torch).")
 
 
-def resolve_backend(backend: str, q: torch.Tensor, dropout_p: float = 0.0, documents: bool = False) -> str:
+def refuse_flash_value_head_size(what: str, head_dim: int, v_head_dim: int) -> None:
+    """Raise BackendUnavailable when flash-attn is asked for a value head size ``v_head_dim``
+    other than the query/key one ``head_dim`` (flash-attn 2's kernels take one head size)."""
+    if v_head_dim != head_dim:
+        raise BackendUnavailable(f"{what} takes one head size for q, k and v (flash-attn 2), got a "
+                                 f"query/key head size of {head_dim} and a value head size of "
+                                 f"{v_head_dim}. Fix: --attention-backend triton (or auto, or torch).")
+
+
+def resolve_backend(backend: str, q: torch.Tensor, dropout_p: float = 0.0, documents: bool = False,
+                    v_head_dim: int | None = None) -> str:
     """The backend that runs this call: ``auto`` becomes flash, triton or torch (see module
     docstring); the others are returned as asked after checking they can run here.
-    ``documents``: the call has packed documents (flash refuses them, auto skips it)."""
+    ``documents``: the call has packed documents (flash refuses them, auto skips it).
+    ``v_head_dim``: v's head size when it differs from q's (flash refuses it, auto skips it)."""
     device = q.device.type
+    v_head_dim = q.shape[-1] if v_head_dim is None else v_head_dim
     if backend == "auto":
-        if not documents and flash_missing(device) is None and q.dtype in (torch.float16, torch.bfloat16):
+        if not documents and v_head_dim == q.shape[-1] and flash_missing(device) is None \
+                and q.dtype in (torch.float16, torch.bfloat16):
             return "flash"
         if device == "cuda" and dropout_p == 0 and triton_missing(device) is None \
-                and q.shape[-1] <= TRITON_MAX_HEAD_DIM:
+                and max(q.shape[-1], v_head_dim) <= TRITON_MAX_HEAD_DIM:
             return "triton"
         return "torch"
     if backend == "triton":
@@ -114,6 +130,7 @@ def resolve_backend(backend: str, q: torch.Tensor, dropout_p: float = 0.0, docum
     elif backend == "flash":
         if documents:
             refuse_flash_documents("attention backend 'flash'")
+        refuse_flash_value_head_size("attention backend 'flash'", q.shape[-1], v_head_dim)
         require_flash(q, "attention backend 'flash'")
     elif backend != "torch":
         raise BackendUnavailable(f"attention backend {backend!r} is unknown; use one of "
@@ -134,8 +151,8 @@ class _MetaFlashAttention(torch.autograd.Function):
         # views that keep the fused qkv (= q + k + v) alive; with RoPE q and k are new tensors
         # and the model copies v out of qkv (SelfAttention.forward), so qkv is freed.
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-        b, h, s, d = q.shape  # laid out (s, b, heads, d), as the Triton kernel writes it
-        out = torch.empty((s, b, h, d), dtype=q.dtype, device=q.device).permute(1, 2, 0, 3)
+        b, h, s, d_v = *q.shape[:3], v.shape[3]  # laid out (s, b, heads, d_v), as the Triton kernel writes it
+        out = torch.empty((s, b, h, d_v), dtype=q.dtype, device=q.device).permute(1, 2, 0, 3)
         lse = torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
         ctx.save_for_backward(q, k, v, out, lse)
         return out
@@ -148,17 +165,18 @@ class _MetaFlashAttention(torch.autograd.Function):
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
               dropout_p: float = 0.0, backend: str = "torch", documents: Documents | None = None) -> torch.Tensor:
-    """Output (b, heads, s_q, d) from q (b, heads, s_q, d), k, v (b, groups, s_k, d).
+    """Output (b, heads, s_q, d_v) from q (b, heads, s_q, d), k (b, groups, s_k, d) and v (b, groups,
+    s_k, d_v) (the value head size may differ from the query/key one, module docstring).
     ``documents``: packed documents over the whole sequence (s_q = s_k = s), causal only."""
     if documents is not None and (not causal or q.shape[2] != k.shape[2]):
         raise ValueError(f"packed documents need causal self-attention over the whole sequence, got "
                          f"causal={causal}, s_q {q.shape[2]}, s_k {k.shape[2]}.")
     if q.device.type == "meta":
         return _MetaFlashAttention.apply(q, k, v)
-    if documents is None:
+    if documents is None and v.shape[-1] == q.shape[-1]:
         backend = resolve_backend(backend, q, dropout_p)
-    else:
-        backend = resolve_backend(backend, q, dropout_p, documents=True)
+    else:  # flash refuses either; auto passes over it
+        backend = resolve_backend(backend, q, dropout_p, documents=documents is not None, v_head_dim=v.shape[-1])
     if backend == "triton":
         from megalite.kernels.flash_attention import flash_attention
 

@@ -1,0 +1,163 @@
+"""Qwen3's attention: QK-norm (``--qk-layernorm``) and a head size apart from hidden/heads
+(``--kv-channels``).
+
+The layer is checked against a float64 reference written from the equations (Qwen3 report /
+the RoFormer paper), not from megalite's code: separate W_q (a d x h), W_k, W_v (g d x h) and
+W_o (h x a d);
+
+    q_i = RMSNorm(W_q x)_i = w_q * q_i / sqrt(mean_j q_ij^2 + eps)   per head i, over its d
+    k_j likewise with w_k;  then RoPE: x -> x cos(t theta) + rotate_half(x) sin(t theta),
+    theta_m = base^(-2m/d);  o_i = softmax(q_i k_{g(i)}^T / sqrt(d) + causal) v_{g(i)};
+    y = W_o [o_0 ... o_{a-1}]
+
+and the parts' shapes (parameters, FLOPs, activations) are the built model's. Every parallel
+layout equals serial: tests/test_qwen3_layouts.py.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megalite.config import ConfigError, ModelConfig
+from megalite.layers.part_shape import SelfAttentionShape
+from megalite.model.attention import SelfAttention
+from megalite.model.counting import flops_per_token, total_parameters
+from megalite.model.gpt import GPTModel, count_parameters
+
+H, A, G, D, EPS, BASE = 32, 4, 2, 16, 1e-6, 10000.0  # width a d = 64 != h = 32
+
+
+def qwen3_config(**kw) -> ModelConfig:
+    fields = dict(num_layers=2, hidden_size=H, num_attention_heads=A, num_query_groups=G, kv_channels=D,
+                  qk_layernorm=True, normalization="RMSNorm", norm_epsilon=EPS, position_embedding_type="rope",
+                  swiglu=True, add_bias_linear=False, vocab_size=100, seq_length=16, hidden_dropout=0.0,
+                  attention_dropout=0.0)
+    return ModelConfig(**{**fields, **kw})
+
+
+def rope_angles(positions):
+    """cos and sin (s, d) of t theta_m, each repeated for the two halves, float64."""
+    theta = BASE ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)
+    angle = positions[:, None].double() * theta[None]  # (s, d/2)
+    return torch.cat([angle.cos()] * 2, -1), torch.cat([angle.sin()] * 2, -1)
+
+
+def reference_attention(x, wq, wk, wv, wo, norm_q, norm_k, positions):
+    """x (s, h) float64 -> (s, h), from the equations in the module docstring."""
+    s = x.shape[0]
+
+    def rms(t, w):  # over the last (head) dim
+        return w * t / torch.sqrt((t * t).mean(-1, keepdim=True) + EPS)
+
+    def rope(t):  # t (heads, s, d): rotate the pairs (m, m + d/2) by angle t * theta_m
+        cos, sin = rope_angles(positions)
+        half = torch.cat([-t[..., D // 2:], t[..., :D // 2]], -1)
+        return t * cos + half * sin
+
+    q = rope(rms((x @ wq.T).view(s, A, D).transpose(0, 1), norm_q))
+    k = rope(rms((x @ wk.T).view(s, G, D).transpose(0, 1), norm_k))
+    v = (x @ wv.T).view(s, G, D).transpose(0, 1)
+    out = []
+    for i in range(A):
+        g = i // (A // G)  # query heads 0..a/g-1 share key/value group 0, and so on
+        scores = q[i] @ k[g].T / math.sqrt(D)
+        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+        out.append(scores.softmax(-1) @ v[g])
+    return torch.cat(out, -1) @ wo.T
+
+
+def test_attention_equals_the_float64_reference():
+    torch.manual_seed(0)
+    cfg = qwen3_config()
+    attn = SelfAttention(cfg).double()
+    wq, wk, wv = (torch.randn(n * D, H, dtype=torch.float64) * 0.3 for n in (A, G, G))
+    wo = torch.randn(H, A * D, dtype=torch.float64) * 0.3
+    norm_q, norm_k = 1 + 0.5 * torch.randn(D, dtype=torch.float64), 1 + 0.5 * torch.randn(D, dtype=torch.float64)
+    # megalite's fused qkv rows, per key/value group: its query heads, its key head, its value head
+    per = A // G
+    fused = torch.cat([torch.cat([wq.view(G, per * D, H)[g], wk.view(G, D, H)[g], wv.view(G, D, H)[g]])
+                       for g in range(G)])
+    with torch.no_grad():
+        attn.qkv.weight.copy_(fused)
+        attn.proj.weight.copy_(wo)
+        attn.q_norm.weight.copy_(norm_q)
+        attn.k_norm.weight.copy_(norm_k)
+    s = 12
+    x = torch.randn(s, 1, H, dtype=torch.float64)
+    positions = torch.arange(s)
+    cos, sin = rope_angles(positions)
+    got = attn(x, (cos[None, None], sin[None, None]))[:, 0]
+    want = reference_attention(x[:, 0], wq, wk, wv, wo, norm_q, norm_k, positions)
+    assert (got - want).abs().max().item() < 1e-12 * want.abs().max().item() + 1e-12
+    # the norm weights get a gradient (each rank's heads' share of it under TP: the layouts test)
+    got.sum().backward()
+    assert attn.q_norm.weight.grad.abs().sum() > 0 and attn.k_norm.weight.grad.abs().sum() > 0
+
+
+def test_the_shape_is_the_built_model():
+    """Parameters (the q/k norms replicated, the linears heads x kv-channels wide), the per-tensor
+    list, FLOPs (attention 4 a d per attended position) from the parts' shapes equal the model's."""
+    for kw in (dict(), dict(qk_layernorm=False), dict(kv_channels=None, qk_layernorm=True),
+               dict(normalization="LayerNorm")):
+        cfg = qwen3_config(**kw)
+        assert total_parameters(cfg) == count_parameters(cfg), kw
+        attn = SelfAttention(cfg)
+        assert SelfAttentionShape.parameter_list(cfg, 1) == [p.numel() for p in attn.parameters()], kw
+        L, s, n = cfg.num_layers, cfg.seq_length, count_parameters(cfg)
+        assert flops_per_token(cfg) == 6 * n + 12 * L * A * cfg.head_dim * s, kw
+    cfg = qwen3_config()
+    names = {n for n, _ in GPTModel(cfg).named_parameters()}
+    assert {"layers.0.attn.q_norm.weight", "layers.0.attn.k_norm.weight"} <= names
+    assert GPTModel(cfg).layers["0"].attn.qkv.weight.shape == ((A + 2 * G) * D, H)
+    _, split, _ = SelfAttentionShape.activation_bytes(cfg, 16, 2, 2)
+    assert split == 2 * 16 * 2 * A * D * (2 + 2 * G / A + 1 + G / A)  # q k v out, and the norms' inputs
+
+
+def test_the_norm_weights_are_ones_at_init_and_marked_for_the_tp_sum():
+    cfg = qwen3_config()
+    model = GPTModel(cfg)
+    model.init_weights(3)
+    attn = model.layers["1"].attn
+    assert torch.equal(attn.q_norm.weight, torch.ones(D)) and torch.equal(attn.k_norm.weight, torch.ones(D))
+    assert not getattr(attn.q_norm.weight, "sequence_parallel", False)  # TP 1: nothing to sum
+
+
+@pytest.mark.parametrize("change, message", [
+    (dict(kv_channels=0), "--kv-channels"),
+    (dict(kv_channels=15), "even head dim"),
+    (dict(hidden_size=30, kv_channels=None, qk_layernorm=False), "--kv-channels"),
+])
+def test_bad_head_sizes_are_one_message(change, message):
+    from megalite.config import Config, validate
+    cfg = qwen3_config(**change)
+    with pytest.raises(ConfigError, match=message):
+        validate(Config(model=cfg))
+
+
+def test_a_hidden_size_not_divisible_by_the_heads_is_fine_with_kv_channels():
+    from megalite.config import Config, validate
+    cfg = qwen3_config(hidden_size=30, kv_channels=16)
+    validate(Config(model=cfg))
+    model = GPTModel(cfg)
+    model.init_weights(0)
+    tokens = torch.randint(0, 100, (2, 16))
+    assert torch.isfinite(model(tokens, labels=tokens)).all()
+
+
+def test_planner_memory_matches_the_dry_run():
+    """TP 2 + SP x PP 2 x DP 2 on meta: with QK-norm and a head size of twice hidden/heads the
+    weights the planner counts from the shapes are the model's to the byte, and the activations
+    the shapes add over plain RoPE attention are what the dry run measures them adding (3%)."""
+    from tests.test_seam_attention import DRY, _planned_and_measured
+
+    rope = ["--position-embedding-type", "rope"]
+    plain = _planned_and_measured(DRY + rope, "self")[1]
+    qwen = _planned_and_measured(DRY + rope + ["--qk-layernorm", "--kv-channels", "128"], "self")[1]
+    for base, role in zip(plain, qwen):
+        assert role["categories"]["parameters"] == role["planned_categories"]["weights"], role["role"]
+        measured = role["categories"]["activations"] - base["categories"]["activations"]
+        planned = role["planned_categories"]["activations"] - base["planned_categories"]["activations"]
+        print(role["role"], measured, planned)
+        assert planned > 0 and abs(measured - planned) / planned < 0.03, (role["role"], measured, planned)

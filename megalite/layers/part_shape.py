@@ -153,14 +153,19 @@ class SelfAttentionShape(PartShape):
     def activation_bytes(cls, m, s: float, b: int, act_bytes: int, recompute: str = "none",
                          flash_attention: bool = False) -> tuple[float, float, float]:
         """QKV's input (replicated, s b h); Q, K, V and the attention output (split: (2 + 2 g/a)
-        s b a d); with QK-norm the norms' inputs too (views that keep the qkv output alive:
-        (1 + g/a) s b a d more); the scores and their dropout mask, (2 e + 1) a s^2 b, unless
+        s b a d); with QK-norm the norms' inputs too, views that keep the whole qkv output alive
+        ((1 + 2 g/a) s b a d more), and their fp32 row statistics (1/rms; LayerNorm: and the
+        mean) per head and token; the scores and their dropout mask, (2 e + 1) a s^2 b, unless
         selective recomputation or a flash-style kernel drops them."""
         B, sbh, kv = act_bytes, s * b * m.hidden_size, m.num_query_groups / m.num_attention_heads
-        width = s * b * m.num_attention_heads * m.head_dim  # s b a d (= s b h by default)
-        kept = (2 + 2 * kv) + ((1 + kv) if getattr(m, "qk_layernorm", False) else 0)
-        scores = 0.0 if recompute == "selective" or flash_attention else (2 * B + 1) * m.num_attention_heads * s * s * b
-        return B * sbh, B * width * kept, scores
+        a, g = m.num_attention_heads, m.num_query_groups
+        width = s * b * a * m.head_dim  # s b a d (= s b h by default)
+        split = B * width * (2 + 2 * kv)
+        if getattr(m, "qk_layernorm", False):
+            stats = 8 if m.normalization == "LayerNorm" else 4
+            split += B * width * (1 + 2 * kv) + stats * s * b * (a + g)
+        scores = 0.0 if recompute == "selective" or flash_attention else (2 * B + 1) * a * s * s * b
+        return B * sbh, split, scores
 
 
 class MLPShape(PartShape):

@@ -88,10 +88,11 @@ class SelfAttention(nn.Module, SelfAttentionShape):
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        if rope is not None and not self.cfg.qk_layernorm:
+        if rope is not None or self.cfg.qk_layernorm:
             # q and k are new tensors now; saved for backward, the view v would keep all of qkv
             # alive (heads + groups head dims per token more than q, k, v need): copy it out.
-            # (The q/k norms keep their inputs, views of qkv, so with them qkv lives on anyway.)
+            # (The q/k norms keep their inputs, views of qkv, so with them qkv lives on anyway;
+            # the copy is still what a kernel needing a contiguous v would make and keep.)
             v = v.contiguous()
         q, k = self.score_inputs(q, k)
         dropout_p = self.cfg.attention_dropout if self.training else 0.0

@@ -124,7 +124,8 @@ def _moe_fields(hf: dict, seq_length: int) -> dict:
 
 def _qwen3_moe_fields(hf: dict) -> dict:
     """Qwen3-MoE's experts and dense layers as megalite's MoE settings (dropless, no shared expert)."""
-    k, E, n = hf.get("num_experts_per_tok", 8), hf["num_experts"], hf["num_hidden_layers"]
+    # the hub's files say num_experts, transformers 5 writes num_local_experts
+    k, E, n = hf.get("num_experts_per_tok", 8), hf.get("num_experts") or hf["num_local_experts"], hf["num_hidden_layers"]
     if hf.get("norm_topk_prob", False) != (k > 1):
         raise UnsupportedModel(f"config.json norm_topk_prob {hf.get('norm_topk_prob', False)} with num_experts_per_tok "
                                f"{k}: megalite's router renormalizes the top-k weights exactly when k > 1 (Mixtral's "

@@ -171,3 +171,23 @@ def test_planner_memory_matches_the_dry_run():
         # planner does not hold per layer: measured 16% over on the 2-layer stage 0, 0% on stage 1
         assert planned > 0 and abs(measured - planned) / planned < 0.2, (role["role"], measured, planned)
         assert abs(role["difference"]) <= abs(base["difference"]) + 0.01, (role["difference"], base["difference"])
+
+
+def test_transformer_engine_layers_take_qk_norm_and_kv_channels(monkeypatch):
+    """QK-norm is megalite's own norm between TE's LayerNormLinear qkv and TE's attention core,
+    so --transformer-impl transformer_engine takes it (here TE's stand-in, tests/te_standin.py):
+    the same parameter names, loss and gradients as the local layers."""
+    import dataclasses
+
+    from tests import te_standin
+    from tests.test_transformer_engine import _loss_and_grads
+
+    te_standin.install(monkeypatch)
+    cfg = qwen3_config(seq_length=16, vocab_size=97)
+    local_loss, local_grads, _ = _loss_and_grads(cfg)
+    te_loss, te_grads, model = _loss_and_grads(dataclasses.replace(cfg, transformer_impl="transformer_engine"))
+    assert type(model.layers["0"].attn.qkv).__name__ == "LayerNormLinear"
+    assert list(te_grads) == list(local_grads)
+    assert abs(te_loss - local_loss) <= 1e-6 * local_loss
+    for name, grad in local_grads.items():
+        assert torch.allclose(te_grads[name], grad, rtol=1e-5, atol=1e-7), name

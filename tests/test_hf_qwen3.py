@@ -141,7 +141,6 @@ def _finetune_worker(rank, world, ckpt, extra):
     return [(r["loss"], r["grad_norm"]) for r in pretrain(args)]
 
 
-@pytest.mark.slow
 def test_imported_qwen3_moe_trains_at_ep4_as_serially(tmp_path):
     qwen3_moe(tmp_path)
     import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), seq_length=32)

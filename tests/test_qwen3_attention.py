@@ -191,3 +191,24 @@ def test_transformer_engine_layers_take_qk_norm_and_kv_channels(monkeypatch):
     assert abs(te_loss - local_loss) <= 1e-6 * local_loss
     for name, grad in local_grads.items():
         assert torch.allclose(te_grads[name], grad, rtol=1e-5, atol=1e-7), name
+
+
+def test_fused_kernels_normalize_the_heads_the_same():
+    """--fused-kernels: the q/k norms run the Triton RMSNorm over each head's row (a
+    non-contiguous view of qkv): the same loss and norm-weight gradients as torch's."""
+    results = []
+    for fused in (False, True):
+        model = GPTModel(qwen3_config(fused_kernels=fused))
+        model.init_weights(0)
+        with torch.no_grad():
+            for layer in model.layers.values():
+                layer.attn.q_norm.weight.normal_(1, 0.3, generator=torch.Generator().manual_seed(1))
+        tokens = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0))
+        loss = model(tokens, labels=tokens).mean()
+        loss.backward()
+        attn = model.layers["0"].attn
+        results.append((loss.item(), attn.q_norm.weight.grad, attn.k_norm.weight.grad, type(attn.q_norm).__name__))
+    (torch_loss, *torch_grads, _), (fused_loss, *fused_grads, kind) = results
+    assert kind == "FusedRMSNorm" and abs(fused_loss - torch_loss) <= 1e-6 * torch_loss
+    for a, b in zip(torch_grads, fused_grads):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)

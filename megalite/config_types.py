@@ -51,6 +51,13 @@ class ModelConfig:
     # bias on the q/k/v projection even without add_bias_linear (Qwen2)
     add_qkv_bias: bool = setting(False, "bias on the q/k/v projection even with --disable-bias-linear (Qwen2)",
                                  fixed=True)
+    # Qwen3: the model's norm over each head's q and k before RoPE (one head_dim weight each, shared
+    # by the heads; see megalite.model.attention)
+    qk_layernorm: bool = setting(False, "normalize each attention head's query and key before RoPE (the "
+                                 "--normalization, RMSNorm for Qwen3; eps --norm-epsilon)", fixed=True)
+    # the head size apart from hidden/heads (Qwen3-0.6B: hidden 1024, 16 heads of 128); None = hidden/heads
+    kv_channels: int | None = setting(None, "attention head size (default hidden/heads); the attention width "
+                                      "heads*kv-channels may differ from the hidden size", fixed=True, type=int)
     # RoPE frequency scaling: None, or Llama 3.1's {"rope_type": "llama3", "factor", "low_freq_factor",
     # "high_freq_factor", "original_max_position_embeddings"} (see megalite.layers.rotary)
     rope_scaling: dict | None = setting(
@@ -131,7 +138,9 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        """Each head's size: ``kv_channels``, else hidden/heads."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
 
     def padded_vocab_size(self, tensor_parallel_size: int = 1) -> int:
         """Vocabulary padded to a multiple of ``make_vocab_size_divisible_by * TP``.

@@ -26,10 +26,12 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
 
 def hf_config_from(cfg: ModelConfig) -> dict:
     if (cfg.position_embedding_type, cfg.normalization, cfg.swiglu, cfg.num_query_groups,
-            cfg.untie_embeddings_and_output_weights, cfg.add_bias_linear) != \
-            ("learned_absolute", "LayerNorm", False, cfg.num_attention_heads, False, True):
+            cfg.untie_embeddings_and_output_weights, cfg.add_bias_linear, cfg.qk_layernorm,
+            cfg.head_dim * cfg.num_attention_heads) != \
+            ("learned_absolute", "LayerNorm", False, cfg.num_attention_heads, False, True, False, cfg.hidden_size):
         raise ValueError("only the GPT-2 architecture (learned positions, LayerNorm, GELU, tied "
-                         "embeddings, biases, multi-head attention) exports to Hugging Face GPT-2")
+                         "embeddings, biases, multi-head attention of hidden/heads heads, no QK-norm) exports to "
+                         "Hugging Face GPT-2")
     return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "n_embd": cfg.hidden_size,
             "n_layer": cfg.num_layers, "n_head": cfg.num_attention_heads, "n_inner": cfg.ffn_hidden_size,
             "n_positions": cfg.max_position_embeddings, "n_ctx": cfg.max_position_embeddings,

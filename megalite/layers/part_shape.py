@@ -119,7 +119,23 @@ def norm_parameters(m) -> int:
 
 
 class SelfAttentionShape(PartShape):
-    """The shape of :class:`megalite.model.attention.SelfAttention` (grouped-query softmax attention)."""
+    """The shape of :class:`megalite.model.attention.SelfAttention` (grouped-query softmax attention
+    of heads a, key/value groups g and head size d = ``head_dim``, apart from hidden/heads with
+    ``kv_channels``; QK-norm adds two replicated norms of size d)."""
+
+    @classmethod
+    def extra_parameters(cls, m) -> tuple[int, int]:
+        """QK-norm: the q and k norms' weights (and biases under LayerNorm), d each, replicated."""
+        if not getattr(m, "qk_layernorm", False):
+            return 0, 0
+        return 0, 2 * (2 if m.normalization == "LayerNorm" else 1) * m.head_dim
+
+    @classmethod
+    def parameter_list(cls, m, tp: int, *size) -> list[int]:
+        """The linears', then the q norm's and the k norm's parameters (d each) with QK-norm."""
+        out = [n for linear in cls.linears(m, *size) for n in linear.parameter_list(tp)]
+        _, norms = cls.extra_parameters(m)
+        return out + [m.head_dim] * (norms // m.head_dim)
 
     @classmethod
     def linears(cls, m, *size) -> list[LinearShape]:
@@ -131,17 +147,25 @@ class SelfAttentionShape(PartShape):
     @classmethod
     def attended_flops(cls, m) -> float:
         """Q K^T and P V: 2 matmuls of heads x head_dim per attended position, 2 FLOPs each."""
-        return 4.0 * m.hidden_size
+        return 4.0 * m.num_attention_heads * m.head_dim
 
     @classmethod
     def activation_bytes(cls, m, s: float, b: int, act_bytes: int, recompute: str = "none",
                          flash_attention: bool = False) -> tuple[float, float, float]:
-        """QKV's input (replicated); Q, K, V and the attention output (split: 2 + 2 groups/heads
-        s b h); the scores and their dropout mask, (2 e + 1) heads s^2 b, unless selective
-        recomputation or a flash-style kernel drops them."""
+        """QKV's input (replicated, s b h); Q, K, V and the attention output (split: (2 + 2 g/a)
+        s b a d); with QK-norm the norms' inputs too, views that keep the whole qkv output alive
+        ((1 + 2 g/a) s b a d more), and their fp32 row statistics (1/rms; LayerNorm: and the
+        mean) per head and token; the scores and their dropout mask, (2 e + 1) a s^2 b, unless
+        selective recomputation or a flash-style kernel drops them."""
         B, sbh, kv = act_bytes, s * b * m.hidden_size, m.num_query_groups / m.num_attention_heads
-        scores = 0.0 if recompute == "selective" or flash_attention else (2 * B + 1) * m.num_attention_heads * s * s * b
-        return B * sbh, B * sbh * (2 + 2 * kv), scores
+        a, g = m.num_attention_heads, m.num_query_groups
+        width = s * b * a * m.head_dim  # s b a d (= s b h by default)
+        split = B * width * (2 + 2 * kv)
+        if getattr(m, "qk_layernorm", False):
+            stats = 8 if m.normalization == "LayerNorm" else 4
+            split += B * width * (1 + 2 * kv) + stats * s * b * (a + g)
+        scores = 0.0 if recompute == "selective" or flash_attention else (2 * B + 1) * a * s * s * b
+        return B * sbh, split, scores
 
 
 class MLPShape(PartShape):

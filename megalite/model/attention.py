@@ -6,6 +6,20 @@ fused ``qkv`` weight has ``groups * (heads_per_group + 2) * head_dim`` rows orde
 rank whole groups. A variant (another scoring rule, say) subclasses it and overrides
 :meth:`SelfAttention.score_inputs` and its shape (:class:`megalite.layers.part_shape.PartShape`),
 then registers itself in :mod:`megalite.model.parts`.
+
+The head size d is ``cfg.head_dim`` (``--kv-channels``, default hidden/heads), so the attention
+width ``heads * d`` may differ from the hidden size h: ``qkv`` maps h to (heads + 2 groups) d and
+``proj`` maps heads d back to h (Qwen3-0.6B: h 1024, 16 heads of 128, width 2048).
+
+QK-norm (``--qk-layernorm``, Qwen3): before RoPE each head's query and key are normalized over
+their d elements, ``q_i <- w_q * q_i / sqrt(mean(q_i^2) + eps)`` (the model's ``--normalization``,
+RMSNorm for Qwen3; eps ``--norm-epsilon``) with one weight ``w_q`` of size d shared by every
+query head, and ``w_k`` by every key head. Under TP the weights are replicated and each rank
+normalizes its own heads; the column-parallel ``qkv`` has gathered the sequence already (under
+SP too), so each rank sees every position but only its heads. The gradient of a shared weight
+is then a partial sum over this rank's heads: it needs a sum over the TP group, the reduction
+SP norms get, so the weights carry the same mark (``param.sequence_parallel``) whenever TP > 1,
+with or without SP.
 """
 from __future__ import annotations
 
@@ -17,11 +31,13 @@ from megalite.layers import transformer_engine as te_layers
 from megalite.layers.attention import attention
 from megalite.layers.documents import Documents
 from megalite.layers.kv_cache import cached_attention
+from megalite.layers.norms import build_norm
 from megalite.layers.part_shape import SelfAttentionShape
 from megalite.layers.rotary import apply_rotary
 from megalite.model.linears import linears_for, mark_residual_output
 from megalite.parallel import comm
 from megalite.parallel.random import get_rng_tracker
+from megalite.parallel.sharding import mark_sequence_parallel
 from megalite.model.recompute import checkpointed
 
 
@@ -48,6 +64,12 @@ class SelfAttention(nn.Module, SelfAttentionShape):
         self.proj = mark_residual_output(linears.row(cfg, proj.in_features, proj.out_features, bias=proj.bias,
                                                      name="proj", **par))
         self.te_core = te_layers.te_attention_core(cfg, tp_group, self.cp_group)  # None: megalite's attention
+        if cfg.qk_layernorm:  # one weight of size head_dim each, shared by the heads (module docstring)
+            self.q_norm = build_norm(cfg.normalization, cfg.head_dim, cfg.norm_epsilon, fused=cfg.fused_kernels)
+            self.k_norm = build_norm(cfg.normalization, cfg.head_dim, cfg.norm_epsilon, fused=cfg.fused_kernels)
+            if comm.group_size(tp_group) > 1:  # partial sums over this rank's heads: summed over TP
+                for p in (*self.q_norm.parameters(), *self.k_norm.parameters()):
+                    mark_sequence_parallel(p)
 
     @property
     def input_linear(self) -> nn.Module:
@@ -68,10 +90,15 @@ class SelfAttention(nn.Module, SelfAttentionShape):
         qkv = qkv.view(s, b, -1, hpg + 2, d).permute(1, 2, 3, 0, 4)  # (b, groups, hpg + 2, s, d)
         q = qkv[:, :, :hpg].reshape(b, -1, s, d)  # (b, heads, s, d), grouped by kv group
         k, v = qkv[:, :, hpg], qkv[:, :, hpg + 1]  # (b, groups, s, d)
+        if self.cfg.qk_layernorm:  # each head over its d elements, before RoPE
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if rope is not None or self.cfg.qk_layernorm:
             # q and k are new tensors now; saved for backward, the view v would keep all of qkv
             # alive (heads + groups head dims per token more than q, k, v need): copy it out.
+            # (The q/k norms keep their inputs, views of qkv, so with them qkv lives on anyway;
+            # the copy is still what a kernel needing a contiguous v would make and keep.)
             v = v.contiguous()
         q, k = self.score_inputs(q, k)
         dropout_p = self.cfg.attention_dropout if self.training else 0.0

@@ -245,3 +245,15 @@ def test_cli_searches_or_fixes_the_type(fixed, capsys, tmp_path):
         assert ("--cp-comm-type" in " ".join(flags)) == (fixed != "p2p")
         assert all(c["layout"]["cp_comm_type"] == fixed for c in json.loads(out.read_text())["candidates"]
                    if c["layout"]["cp"] > 1)
+
+
+def test_printed_flags_keep_a_qwen3_attention():
+    """A Qwen3-shaped model (QK-norm, a head size apart from hidden / heads): the planner's printed
+    command line builds the same attention (a lost --kv-channels changes every shape)."""
+    m = ModelConfig(num_layers=4, hidden_size=512, num_attention_heads=8, vocab_size=1000, seq_length=1024,
+                    qk_layernorm=True, kv_channels=128, normalization="RMSNorm", swiglu=True,
+                    position_embedding_type="rope")
+    flags = pretrain_flags(m, Layout(tp=2, dp=4), 16, 1)
+    config = config_from_args(pretrain_parser().parse_args(flags + ["--mock-data"]), m.vocab_size)
+    validate(config, 8, 8)
+    assert (config.model.qk_layernorm, config.model.kv_channels, config.model.head_dim) == (True, 128, 128)

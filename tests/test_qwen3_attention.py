@@ -212,3 +212,13 @@ def test_fused_kernels_normalize_the_heads_the_same():
     assert kind == "FusedRMSNorm" and abs(fused_loss - torch_loss) <= 1e-6 * torch_loss
     for a, b in zip(torch_grads, fused_grads):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+
+
+def test_a_triton_head_size_too_large_names_kv_channels():
+    """The Triton backend's head-size limit names the flag that set the size: --kv-channels."""
+    from megalite.config import Config, DataConfig, ParallelConfig, TrainConfig, validate
+
+    model = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=2, kv_channels=288, vocab_size=100,
+                        seq_length=32, attention_backend="triton", attention_dropout=0.0)
+    with pytest.raises(ConfigError, match="got --kv-channels = 288. Fix: a smaller --kv-channels"):
+        validate(Config(model, ParallelConfig(), TrainConfig(), DataConfig(mock_data=True)), 1)

@@ -61,9 +61,12 @@ def check_attention_backend(model_config) -> None:
                               f"--attention-dropout {model_config.attention_dropout}. Fix: pass "
                               f"--attention-dropout 0, or use --attention-backend torch or flash.")
         if model_config.head_dim > TRITON_MAX_HEAD_DIM:
+            own = model_config.kv_channels is not None
+            head_size, smaller = (("--kv-channels", "a smaller --kv-channels") if own
+                                  else ("hidden/heads", "use more heads"))
             raise ConfigError(f"--attention-backend triton supports head dims up to "
-                              f"{TRITON_MAX_HEAD_DIM}, got hidden/heads = {model_config.head_dim}. "
-                              f"Fix: use more heads, or --attention-backend torch or flash.")
+                              f"{TRITON_MAX_HEAD_DIM}, got {head_size} = {model_config.head_dim}. "
+                              f"Fix: {smaller}, or --attention-backend torch or flash.")
     if name == "flash":
         why = flash_missing()
         if why:

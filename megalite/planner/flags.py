@@ -68,8 +68,11 @@ def _model_flags(m: ModelConfig) -> list[str]:
         if getattr(m, k) != d[k]:
             flags.append(f"{_flag(k)}={getattr(m, k)}")
     flags += [_flag(k) for k, on in (("swiglu", m.swiglu), ("add_bias_linear", not m.add_bias_linear),
-                                     ("untie_embeddings_and_output_weights", m.untie_embeddings_and_output_weights))
+                                     ("untie_embeddings_and_output_weights", m.untie_embeddings_and_output_weights),
+                                     ("qk_layernorm", m.qk_layernorm))
               if on]
+    if m.kv_channels is not None:  # a head size apart from hidden / heads (Qwen3)
+        flags.append(f"{_flag('kv_channels')}={m.kv_channels}")
     if m.num_experts:
         flags += [f"{_flag(k)}={v}" for k, v in (
             ("num_experts", m.num_experts), ("moe_router_topk", m.moe_router_topk),

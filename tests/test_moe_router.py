@@ -114,8 +114,11 @@ def test_bias_update_matches_reference_and_stays_fp32():
     got = bias.clone()
     bias_step(got, counts, 1e-3)
     assert max(abs(a - b) for a, b in zip(got.tolist(), want)) < 1e-7
-    layer = MoELayer(16, 8, 8, 2, routing=dict(score_function="sigmoid", expert_bias=True)).to(torch.bfloat16)
+    layer = MoELayer(16, 8, 8, 2, routing=dict(score_function="sigmoid", expert_bias=True))
+    layer.router.expert_bias.fill_(1 + 1e-3)  # not a bf16 number
+    layer = layer.to(torch.bfloat16)
     assert layer.router.expert_bias.dtype == torch.float32 and "router.expert_bias" in layer.state_dict()
+    assert torch.equal(layer.router.expert_bias, torch.full((8,), 1 + 1e-3))
 
 
 def _skewed_run(bias: bool, steps: int, tokens: int = 4096, E: int = 8, k: int = 2, rate: float = 5e-3):

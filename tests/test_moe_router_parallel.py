@@ -3,11 +3,14 @@ keeping 2 groups, routed scaling factor, a shared expert, aux-loss-free expert b
 trained 6 steps under EP2 x DP4, TP2 (SP) x EP2 x DP2 ZeRO-1, DP4 ZeRO-1 and PP2 x EP2 in one gloo
 world of 4, against the single-process run: losses and gradient norms to 1e-5, and the expert
 biases bit-identical to serial's (the global batch's loads, all-reduced over each stage); the
-biases also survive a checkpoint saved at EP2 and loaded at TP2 x EP2 (both formats)."""
+biases also survive a checkpoint saved at EP2 and loaded at TP2 x EP2 and into one process (both
+formats)."""
 import torch
 
 from megalite.checkpoint.core import load_checkpoint, save_checkpoint
 from megalite.checkpoint.dcp import load_dcp_checkpoint, save_dcp_checkpoint
+from megalite.checkpoint.dcp_offline import load_dcp_serial_model
+from megalite.checkpoint.serial import load_serial_model
 from megalite.config import Config, DataConfig, ModelConfig, ParallelConfig, TrainConfig
 from megalite.data_parallel.zero import DistributedOptimizer
 from megalite.model.gpt import GPTModel
@@ -110,3 +113,8 @@ def test_deepseek_routing_layouts_equal_serial_and_biases_bit_identical(tmp_path
             assert loaded.keys() == serial_biases.keys()
             for layer, bias in loaded.items():
                 assert torch.equal(bias, serial_biases[layer]), (fmt, layer)
+    for fmt, load in (("megalite", load_serial_model), ("dcp", load_dcp_serial_model)):  # one process, bf16
+        loaded = biases([load(str(tmp_path / fmt), torch.bfloat16)])
+        assert loaded.keys() == serial_biases.keys()
+        for layer, bias in loaded.items():
+            assert bias.dtype == torch.float32 and torch.equal(bias, serial_biases[layer]), (fmt, layer)

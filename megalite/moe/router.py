@@ -151,8 +151,8 @@ class TopKRouter(nn.Module):
         """``.to(bf16)`` / ``.half()`` leave the expert bias fp32 (its 1e-3 steps would round away)."""
         bias = self.expert_bias
         out = super()._apply(fn, recurse)
-        if bias is not None and self.expert_bias.dtype != torch.float32:
-            self.expert_bias = self.expert_bias.float()
+        if bias is not None and self.expert_bias.dtype != torch.float32:  # the fp32 values, on the new device
+            self.expert_bias = bias.to(self.expert_bias.device)
         return out
 
     def forward(self, x: torch.Tensor, token_group=None, token_index: torch.Tensor | None = None) -> RouterOutput:

@@ -3,8 +3,11 @@ keeping 2 groups, routed scaling factor, a shared expert, aux-loss-free expert b
 trained 6 steps under EP2 x DP4, TP2 (SP) x EP2 x DP2 ZeRO-1, DP4 ZeRO-1 and PP2 x EP2 in one gloo
 world of 4, against the single-process run: losses and gradient norms to 1e-5, and the expert
 biases bit-identical to serial's (the global batch's loads, all-reduced over each stage); the
-biases also survive a checkpoint saved at EP2 and loaded at TP2 x EP2 and into one process (both
-formats)."""
+biases also survive a checkpoint saved at EP2 and loaded at TP2 x EP2, into one process (both
+formats) and through tools/reshard_checkpoint.py (PP2, and to torch_dcp)."""
+import os
+import sys
+
 import torch
 
 from megalite.checkpoint.core import load_checkpoint, save_checkpoint
@@ -21,6 +24,9 @@ from megalite.testing.reference_step import build_optimizer, train_step
 from megalite.train.step import LossScaler
 
 from tests.test_zero import GLOBAL, MICRO, global_batch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+import reshard_checkpoint  # noqa: E402
 
 STEPS, TOL = 6, 1e-5
 DEEPSEEK = dict(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=16, moe_layer_freq=[0, 1],
@@ -113,7 +119,10 @@ def test_deepseek_routing_layouts_equal_serial_and_biases_bit_identical(tmp_path
             assert loaded.keys() == serial_biases.keys()
             for layer, bias in loaded.items():
                 assert torch.equal(bias, serial_biases[layer]), (fmt, layer)
-    for fmt, load in (("megalite", load_serial_model), ("dcp", load_dcp_serial_model)):  # one process, bf16
+    reshard_checkpoint.reshard(str(tmp_path / "megalite"), str(tmp_path / "pp2"), pp=2, ep=1)  # the offline tool
+    reshard_checkpoint.reshard(str(tmp_path / "megalite"), str(tmp_path / "to_dcp"), to_format="torch_dcp")
+    for fmt, load in (("megalite", load_serial_model), ("dcp", load_dcp_serial_model), ("pp2", load_serial_model),
+                      ("to_dcp", load_dcp_serial_model)):  # one process, bf16
         loaded = biases([load(str(tmp_path / fmt), torch.bfloat16)])
         assert loaded.keys() == serial_biases.keys()
         for layer, bias in loaded.items():

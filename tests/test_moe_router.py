@@ -168,8 +168,10 @@ def _validate(**moe):
 
 
 BAD = [
-    (dict(moe_router_num_groups=3, moe_router_group_topk=1), "--moe-router-num-groups 3 does not divide --num-experts 8"),
-    (dict(moe_router_num_groups=4, moe_router_group_topk=5), "--moe-router-group-topk 5 must be in [1, --moe-router-num-groups 4]"),
+    (dict(moe_router_num_groups=3, moe_router_group_topk=1),
+     "--moe-router-num-groups 3 does not divide --num-experts 8"),
+    (dict(moe_router_num_groups=4, moe_router_group_topk=5),
+     "--moe-router-group-topk 5 must be in [1, --moe-router-num-groups 4]"),
     (dict(moe_router_num_groups=4, moe_router_group_topk=1, moe_router_topk=3),
      "--moe-router-topk 3 exceeds the 2 experts of the kept groups"),
     (dict(moe_router_num_groups=4), "group-limited routing needs both"),

@@ -1,10 +1,11 @@
 """A DeepSeek-V3-tiny MoE GPT (first layer dense, then sigmoid routing over 4 groups of 2 experts
 keeping 2 groups, routed scaling factor, a shared expert, aux-loss-free expert bias, no aux loss)
-trained 6 steps under EP2 x DP4, TP2 (SP) x EP2 x DP2 ZeRO-1, DP4 ZeRO-1 and PP2 x EP2 in one gloo
-world of 4, against the single-process run: losses and gradient norms to 1e-5, and the expert
-biases bit-identical to serial's (the global batch's loads, all-reduced over each stage); the
-biases also survive a checkpoint saved at EP2 and loaded at TP2 x EP2, into one process (both
-formats) and through tools/reshard_checkpoint.py (PP2, and to torch_dcp)."""
+trained 6 steps under EP2 x DP4, TP2 (SP) x EP2 x DP2 ZeRO-1, DP4 ZeRO-1, PP2 x EP2 and
+CP2 x EP2 x DP2 ZeRO-1 in one gloo world of 4, against the single-process run: losses and
+gradient norms to 1e-5, and the expert biases bit-identical to serial's (the global batch's
+loads, all-reduced over each stage); the biases also survive a checkpoint saved at EP2 and
+loaded at TP2 x EP2, into one process (both formats) and through tools/reshard_checkpoint.py
+(PP2, and to torch_dcp)."""
 import os
 import sys
 
@@ -35,17 +36,17 @@ DEEPSEEK = dict(num_experts=8, moe_router_topk=2, moe_ffn_hidden_size=16, moe_la
                 moe_router_enable_expert_bias=True, moe_router_bias_update_rate=1e-2,
                 moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none")
 LAYOUTS = {"EP2 x DP4": (dict(ep=2), 0), "TP2 (SP) x EP2 x DP2 ZeRO-1": (dict(tp=2, ep=2), 1),
-           "DP4 ZeRO-1": (dict(), 1), "PP2 x EP2": (dict(pp=2, ep=2), 0)}
+           "DP4 ZeRO-1": (dict(), 1), "PP2 x EP2": (dict(pp=2, ep=2), 0), "CP2 x EP2 x DP2": (dict(cp=2, ep=2), 1)}
 
 
-def make_config(tp=1, pp=1, ep=1):
+def make_config(tp=1, pp=1, ep=1, cp=1):
     model = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, vocab_size=97, seq_length=16,
                         hidden_dropout=0.0, attention_dropout=0.0, add_bias_linear=False, swiglu=True,
                         normalization="RMSNorm", position_embedding_type="rope", **DEEPSEEK)
     t = TrainConfig(micro_batch_size=MICRO, global_batch_size=GLOBAL, lr=3e-3, weight_decay=0.1, clip_grad=0.5,
                     train_iters=STEPS, adam_eps=1e-5)
     parallel = ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, sequence_parallel=tp > 1,
-                              expert_model_parallel_size=ep)
+                              context_parallel_size=cp, expert_model_parallel_size=ep)
     return Config(model, parallel, t, DataConfig(mock_data=True))
 
 

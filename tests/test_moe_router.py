@@ -239,3 +239,20 @@ def test_deepseek_flags_reach_the_config():
     defaults = config_from_args(build_parser().parse_args(["--mock-data"]), vocab_size=100).model
     assert (defaults.moe_router_score_function, defaults.moe_router_num_groups, defaults.moe_router_enable_expert_bias,
             defaults.moe_router_bias_update_rate) == ("softmax", None, False, 1e-3)
+
+
+def test_routing_and_the_bias_update_read_nothing_on_the_host():
+    """Sigmoid group-limited routing with the bias, the load count and the bias update: no host
+    read (megalite.observe.host_syncs counts every read made from megalite's code)."""
+    from megalite.observe.host_syncs import count_host_syncs
+
+    layer = MoELayer(16, 8, 8, 2, routing=dict(score_function="sigmoid", num_groups=4, group_topk=2,
+                                               scaling_factor=2.5, expert_bias=True))
+    layer.init_weights(seed=1)
+    layer.train()
+    x = torch.randn(32, 16)
+    with count_host_syncs() as calls:
+        layer._record(layer.router(x))
+        update_expert_biases([layer], 1e-3)
+    assert calls == [], calls
+    assert layer.router.expert_bias.abs().sum() > 0 and layer.router.bias_tokens.sum() == 0

@@ -106,6 +106,20 @@ class ModelConfig:
         None, "FFN size of a dense shared expert every token also takes (DeepSeek / Qwen-MoE)", fixed=True,
         group=MOE, type=int)
     moe_grouped_gemm: bool = setting(False, "the experts' matmuls as one Triton grouped GEMM", group=MOE)
+    # DeepSeek-V3 routing (megalite.moe.router, megalite.moe.balancing); Megatron's names and defaults
+    moe_router_score_function: str = setting("softmax", "router scores: softmax over the experts, or each "
+                                             "expert's sigmoid (DeepSeek-V3)", group=MOE,
+                                             choices=["softmax", "sigmoid"])
+    moe_router_num_groups: int | None = setting(None, "group-limited routing: the experts split into this many "
+                                                "groups (DeepSeek-V3's node-limited routing)", group=MOE, type=int)
+    moe_router_group_topk: int | None = setting(None, "group-limited routing: the groups each token may use, "
+                                                "those with the best sum of their top-2 scores", group=MOE, type=int)
+    moe_router_topk_scaling_factor: float | None = setting(None, "the top-k weights times this factor (DeepSeek-V3's "
+                                                           "routed scaling factor; default 1)", group=MOE, type=float)
+    moe_router_enable_expert_bias: bool = setting(False, "aux-loss-free balancing: a per-expert bias added to the "
+                                                  "scores for the selection only, nudged after each step", group=MOE)
+    moe_router_bias_update_rate: float = setting(1e-3, "the expert bias's step: bias += rate * sign(mean load - "
+                                                 "load)", group=MOE)
     # megalite has one dispatcher; the flag is Megatron's and accepted for its command lines
     moe_token_dispatcher_type: str = setting("alltoall", "tokens travel to their experts by all-to-all over the "
                                              "expert-parallel group", group=MOE, choices=["alltoall"])

@@ -29,6 +29,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 RECORDED = json.loads((ROOT / "tests" / "fixtures" / "command_line_configs.json").read_text())
 ADDED = {("model", "moe_token_dispatcher_type"),  # a flag that used to stop at the namespace
          ("model", "qk_layernorm"), ("model", "kv_channels")}  # issue 38's Qwen3 settings, off by default
+ADDED |= {("model", f"moe_router_{name}") for name in  # issue 38: DeepSeek-V3 routing, new flags
+          ("score_function", "num_groups", "group_topk", "topk_scaling_factor", "enable_expert_bias",
+           "bias_update_rate")}
 
 
 @pytest.mark.parametrize("case", RECORDED, ids=[" ".join(c["argv"][:2]) or "defaults" for c in RECORDED])

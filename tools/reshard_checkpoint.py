@@ -52,6 +52,7 @@ from megalite.checkpoint.format import (FORMAT_VERSION, TOKENIZER_DIR, VOCAB_PAR
                                         PieceReader, fsync_path, iteration_dir, resolve_checkpoint,
                                         write_json_atomic, write_rank_files)
 from megalite.checkpoint.rule_record import RULE_KEY, saved_kinds, saved_rule_record  # noqa: E402
+from megalite.checkpoint.expert_bias import KIND as BIAS_KIND  # noqa: E402
 from megalite.checkpoint.serial import model_config_from  # noqa: E402
 from megalite.checkpoint.settings import CARRIED  # noqa: E402
 from megalite.data_parallel.update_rule import MASTER_KIND  # noqa: E402
@@ -270,11 +271,12 @@ def _write_ranks(reader, config, layout: GridLayout, out_dir: str, zero: int, mo
                         key, values, piece = _piece(global_name, kind, local, c.tp, layout.tp, split, lo, hi)
                         tensors[key] = values
                         pieces.append(piece)
-        if rank == 0:  # transformer-engine's FP8 scaling state: replicated, layout-free
-            for name in reader.names("fp8"):
-                full = reader.full_tensor(name, "fp8")
-                key, tensors[key], piece = _piece(name, "fp8", full, 0, 1, None, 0, full.numel())
-                pieces.append(piece)
+        if rank == 0:  # FP8 scaling state and the routers' expert biases: replicated, layout-free
+            for kind in ("fp8", BIAS_KIND):
+                for name in reader.names(kind):
+                    full = reader.full_tensor(name, kind)
+                    key, tensors[key], piece = _piece(name, kind, full, 0, 1, None, 0, full.numel())
+                    pieces.append(piece)
         if pieces:
             write_rank_files(out_dir, rank, tensors, pieces)
             files.append(f"rank{rank:05d}.safetensors")
@@ -289,8 +291,9 @@ def _write_dcp(reader, out_dir: str, model, kinds) -> list:
     for kind in kinds:
         for name in reader.names(MASTER_KIND):
             tensors[f"{kind}/{name}"] = reader.full_tensor(name, kind, model.vocab_size)
-    for name in reader.names("fp8"):
-        tensors[f"fp8/{name}"] = reader.full_tensor(name, "fp8")
+    for kind in ("fp8", BIAS_KIND):
+        for name in reader.names(kind):
+            tensors[f"{kind}/{name}"] = reader.full_tensor(name, kind)
     write_full_checkpoint(out_dir, tensors)
     return []
 

@@ -33,6 +33,8 @@ from megalite.checkpoint.format import (FORMAT_VERSION, VOCAB_PARAMS, Checkpoint
 from megalite.config import ModelConfig
 from megalite.data_parallel.update_rule import MASTER_KIND
 from megalite.device import host_barrier
+from megalite.checkpoint.expert_bias import KIND as BIAS_KIND
+from megalite.checkpoint.expert_bias import expert_biases, load_expert_biases
 from megalite.checkpoint.names import global_pieces
 from megalite.checkpoint.rule_record import RULE_KEY, check_update_rule
 from megalite.checkpoint.settings import SHAPE_FIELDS, carry_forward
@@ -103,9 +105,10 @@ def rank_state(optimizer, grid) -> tuple[dict[str, torch.Tensor], list[dict]]:
             pieces.append({"key": key, "name": name, "kind": kind, "tp_rank": c["tp_rank"],
                            "tp_size": c["tp_size"], "split": _split_of(p), "local_shape": list(shape),
                            "range": [a, z]})
-    if c["tp_rank"] == c["cp_rank"] == c["dp_rank"] == 0:  # FP8 scaling state: equal over the stage
+    if c["tp_rank"] == c["cp_rank"] == c["dp_rank"] == 0:  # FP8 scaling state, expert biases: equal over the stage
         for chunk in optimizer.chunks:
             _add_fp8_pieces(chunk, tensors, pieces)
+            _add_bias_pieces(chunk, tensors, pieces)
     for key, value in get_rng_tracker().state_dict().items():
         tensors[f"rng/{key}"] = value
     return tensors, pieces
@@ -185,6 +188,15 @@ def _add_fp8_pieces(chunk, tensors: dict, pieces: list) -> None:
                        "local_shape": list(t.shape), "range": [0, t.numel()]})
 
 
+def _add_bias_pieces(chunk, tensors: dict, pieces: list) -> None:
+    """The routers' expert biases (kind ``expert_bias``, replicated, :mod:`megalite.checkpoint.expert_bias`)."""
+    for name, t in expert_biases(chunk).items():
+        key = f"{BIAS_KIND}/{name}"
+        tensors[key] = t.detach().float().reshape(-1).clone()
+        pieces.append({"key": key, "name": name, "kind": BIAS_KIND, "tp_rank": 0, "tp_size": 1, "split": None,
+                       "local_shape": list(t.shape), "range": [0, t.numel()]})
+
+
 def _prune(root: str, keep_last: int) -> None:
     done = sorted(d for d in os.listdir(root) if d.startswith("iter_") and not d.endswith(".tmp"))
     for d in done[:-keep_last]:
@@ -244,6 +256,9 @@ def files_to_read(reader: PieceReader, optimizer, kinds, fp8: bool, rng_file: st
             files.update(f for f, _ in reader.index.get((name, kind), ()))
     for name in reader.names("fp8") if fp8 else ():
         files.update(f for f, _ in reader.index[(name, "fp8")])
+    if any(expert_biases(chunk) for chunk in optimizer.chunks):
+        for name in reader.names(BIAS_KIND):
+            files.update(f for f, _ in reader.index[(name, BIAS_KIND)])
     return sorted(files)
 
 
@@ -302,6 +317,9 @@ def load_checkpoint(root: str, optimizer, scaler, config, grid, load_optimizer: 
     if fp8_names and fp8:  # any layout: the state is the stage's
         saved = {n: reader.full_tensor(n, "fp8") for n in fp8_names}
         meta["fp8_modules_restored"] = sum(load_fp8_state(chunk, saved) for chunk in optimizer.chunks)
+    if any(expert_biases(chunk) for chunk in optimizer.chunks):  # any layout: the stage's layers, whole
+        saved = {n: reader.full_tensor(n, BIAS_KIND) for n in reader.names(BIAS_KIND)}
+        meta["expert_biases_restored"] = sum(load_expert_biases(chunk, saved) for chunk in optimizer.chunks)
     rng = {}
     if read_rng:
         handle = reader._file(rng_file)

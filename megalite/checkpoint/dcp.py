@@ -3,7 +3,8 @@
 The state dict uses megalite's global names: ``weight/<name>`` (fp32 master weights),
 then one key per state tensor of the update rule (AdamW: ``exp_avg/<name>``, ``exp_avg_sq/<name>``,
 the Adam moments; metadata.json's ``update_rule`` record names them), ``fp8/<module>.<state>``
-(transformer-engine's scaling state, if any) and ``rng/rankXXXXX/<stream>`` (each rank's
+(transformer-engine's scaling state, if any), ``expert_bias/<module>`` (the routers' expert
+biases, :mod:`megalite.checkpoint.expert_bias`) and ``rng/rankXXXXX/<stream>`` (each rank's
 random streams). Parameter tensors have their *global* shape, vocabulary rows unpadded, so
 the files do not depend on the layout that wrote them: each rank contributes the pieces it
 owns (the same ones it writes in megalite's format, :func:`megalite.checkpoint.core._owns`)
@@ -46,6 +47,8 @@ from megalite.checkpoint.rule_record import check_update_rule
 from megalite.checkpoint.format import (VOCAB_PARAMS, CheckpointError, iteration_dir, resolve_checkpoint,
                                         same_layout)
 from megalite.data_parallel.update_rule import MASTER_KIND
+from megalite.checkpoint.expert_bias import KIND as BIAS_KIND
+from megalite.checkpoint.expert_bias import expert_biases, load_expert_biases
 from megalite.layers.fp8 import load_fp8_state
 from megalite.parallel.random import get_rng_tracker
 
@@ -118,7 +121,9 @@ def load_dcp_checkpoint(root: str, optimizer, scaler, config, grid, load_optimiz
     if load_rng and same_layout(meta["layout"], c["layout"]):
         rng_keys = {k[len(prefix):]: k for k in stored if k.startswith(prefix)}
     fp8_keys = [k for k in stored if k.startswith("fp8/")] if config.model.fp8_format is not None else []
-    for k in list(rng_keys.values()) + fp8_keys:
+    bias_keys = ([k for k in stored if k.startswith(f"{BIAS_KIND}/")]
+                 if any(expert_biases(chunk) for chunk in optimizer.chunks) else [])
+    for k in list(rng_keys.values()) + fp8_keys + bias_keys:
         state[k] = torch.empty(list(stored[k].size), dtype=stored[k].properties.dtype)
     with read_errors(directory):
         dcp.load(state, storage_reader=dcp.FileSystemReader(directory), process_group=group, no_dist=group is None)
@@ -129,6 +134,9 @@ def load_dcp_checkpoint(root: str, optimizer, scaler, config, grid, load_optimiz
                 states[kind][i][offset: offset + z - a].zero_()
     for view, loaded in fills:
         view.copy_(loaded)
+    if bias_keys:  # any layout: the stage's layers, whole (megalite.checkpoint.expert_bias)
+        saved = {k[len(BIAS_KIND) + 1:]: state[k] for k in bias_keys}
+        meta["expert_biases_restored"] = sum(load_expert_biases(chunk, saved) for chunk in optimizer.chunks)
     return _finish(meta, directory, state, rng_keys, fp8_keys, optimizer, scaler, config, c, with_optim,
                    load_rng, finetune)
 

@@ -19,6 +19,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from megalite.checkpoint.expert_bias import KIND as BIAS_KIND
+from megalite.checkpoint.expert_bias import load_expert_biases
 from megalite.checkpoint.format import FORMAT_VERSION, VOCAB_PARAMS, CheckpointError, resolve_checkpoint
 from megalite.checkpoint.names import global_pieces
 
@@ -154,4 +156,5 @@ def load_dcp_serial_model(path: str, dtype: torch.dtype = torch.float32):
                 continue
             for global_name, start, numel, _ in global_pieces(name, p):
                 p.view(-1)[start: start + numel] = full[f"weight/{global_name}"].reshape(-1)
+        load_expert_biases(model, {n: reader.full_tensor(n, BIAS_KIND) for n in reader.names(BIAS_KIND)})
     return model.to(dtype).eval()

@@ -22,6 +22,8 @@ from megalite.checkpoint.format import FORMAT_VERSION, fsync_path, write_json_at
 from megalite.checkpoint.rule_record import RULE_KEY
 from megalite.host_memory import HostBuffer
 from megalite.checkpoint.settings import carry_forward
+from megalite.checkpoint.expert_bias import KIND as BIAS_KIND
+from megalite.checkpoint.expert_bias import expert_biases
 from megalite.layers.fp8 import fp8_state
 from megalite.parallel.random import get_rng_tracker
 
@@ -73,8 +75,8 @@ def _box_views(boxes: dict):
 
 def dcp_state_dict(optimizer, c, vocab: int, group, buffers: HostBuffer | None = None) -> dict:
     """The state dict this rank saves: copies of its boxes (into ``buffers``, one host buffer
-    reused across saves and page-locked on a GPU, when given), its FP8 state (the stage's
-    TP/CP/DP rank 0) and its RNG streams."""
+    reused across saves and page-locked on a GPU, when given), its FP8 state and expert biases
+    (the stage's TP/CP/DP rank 0) and its RNG streams."""
     rank = c["rank"]
     boxes = _rank_boxes(optimizer, c, vocab, optimizer.rule.checkpoint_kinds, owned_only=True)
     if buffers is None:
@@ -95,6 +97,8 @@ def dcp_state_dict(optimizer, c, vocab: int, group, buffers: HostBuffer | None =
         for chunk in optimizer.chunks:
             for name, t in fp8_state(chunk).items():
                 state[f"fp8/{name}"] = t.detach().float().cpu().clone()
+            for name, t in expert_biases(chunk).items():  # megalite.checkpoint.expert_bias
+                state[f"{BIAS_KIND}/{name}"] = t.detach().float().cpu().clone()
     for key, value in get_rng_tracker().state_dict().items():
         state[f"rng/rank{rank:05d}/{key}"] = value.detach().cpu().clone()
     return state

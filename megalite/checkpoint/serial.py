@@ -5,6 +5,8 @@ import os
 
 import torch
 
+from megalite.checkpoint.expert_bias import KIND as BIAS_KIND
+from megalite.checkpoint.expert_bias import load_expert_biases
 from megalite.checkpoint.names import global_pieces
 from megalite.checkpoint.format import (FORMAT_VERSION, VOCAB_PARAMS, PieceReader, iteration_dir,
                                         resolve_checkpoint, write_json_atomic, write_rank_files)
@@ -26,7 +28,7 @@ def _checkpoint_dir(path: str) -> str:
 
 
 def load_serial_model(path: str, dtype: torch.dtype = torch.float32):
-    """A single-process GPTModel with the checkpoint's weights, in eval mode:
+    """A single-process GPTModel with the checkpoint's weights (and routers' expert biases), in eval mode:
     ``model(tokens[b, s])`` returns logits ``[b, s, vocab]``."""
     from megalite.model.gpt import GPTModel
 
@@ -43,6 +45,7 @@ def load_serial_model(path: str, dtype: torch.dtype = torch.float32):
                 continue
             for global_name, start, numel, _ in global_pieces(name, p):  # experts: one tensor each
                 p.view(-1)[start: start + numel] = reader.full_tensor(global_name, "weight").reshape(-1)
+        load_expert_biases(model, {n: reader.full_tensor(n, BIAS_KIND) for n in reader.names(BIAS_KIND)})
     return model.to(dtype).eval()
 
 

@@ -1,6 +1,8 @@
 """Mixture of experts with expert parallelism.
 
-- :mod:`router`   top-k softmax router, load-balancing aux loss, z-loss, capacity dropping;
+- :mod:`router`   top-k router, load-balancing aux loss, z-loss, capacity dropping;
+- :mod:`scoring`  softmax / sigmoid scores, group-limited top-k, normalised and scaled weights;
+- :mod:`balancing` aux-loss-free balancing: the expert bias and its update after each step;
 - :mod:`experts`  stacked expert MLP weights and the grouped matmul over sorted rows;
 - :mod:`dispatch` sort / all-to-all / compute / all-to-all back / combine (serial and EP);
 - :mod:`layer`    :class:`MoELayer`, the nn.Module tying them together;

@@ -58,6 +58,13 @@ def serial_token_index(s_local: int, batch: int, tp_rank: int, tp: int, cp_rank:
     return (positions[:, None] * batch + torch.arange(batch, device=device)).reshape(-1)
 
 
+def routing_options(cfg) -> dict:
+    """The router's DeepSeek-V3 options from the config (:class:`megalite.moe.router.TopKRouter`)."""
+    return dict(score_function=cfg.moe_router_score_function, num_groups=cfg.moe_router_num_groups,
+                group_topk=cfg.moe_router_group_topk, scaling_factor=cfg.moe_router_topk_scaling_factor,
+                expert_bias=cfg.moe_router_enable_expert_bias)
+
+
 class MoEMLP(MoELayer):
     """See the module docstring. ``shared_expert``: a dense MLP every token also goes through
     (DeepSeek / Qwen-MoE), added to the routed output."""
@@ -69,7 +76,7 @@ class MoEMLP(MoELayer):
                          ep_group=ep_group, token_group=token_group,
                          capacity_factor=cfg.moe_expert_capacity_factor, swiglu=cfg.swiglu,
                          aux_loss_coeff=aux, z_loss_coeff=cfg.moe_z_loss_coeff or 0.0,
-                         grouped_gemm=cfg.moe_grouped_gemm)
+                         grouped_gemm=cfg.moe_grouped_gemm, routing=routing_options(cfg))
         if sequence_parallel:  # replicated over TP, sees this rank's positions: gradient summed over TP
             mark_sequence_parallel(self.router.weight)
         self.sp_size = comm.group_size(tp_group) if sequence_parallel else 1

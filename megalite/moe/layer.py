@@ -46,7 +46,10 @@ from megalite.parallel.random import init_full_tensor
 class MoELayer(nn.Module):
     def __init__(self, hidden: int, ffn: int, num_experts: int, topk: int, ep_group=None, token_group=None,
                  capacity_factor: float | None = None, swiglu: bool = True,
-                 aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0, grouped_gemm: bool = False):
+                 aux_loss_coeff: float = 0.0, z_loss_coeff: float = 0.0, grouped_gemm: bool = False,
+                 routing: dict | None = None):
+        """``routing``: :class:`TopKRouter`'s keyword options (score_function, num_groups,
+        group_topk, scaling_factor, expert_bias); default the softmax router."""
         super().__init__()
         ep = comm.group_size(ep_group)
         if num_experts % ep != 0:
@@ -55,7 +58,7 @@ class MoELayer(nn.Module):
         self.hidden, self.ffn, self.num_experts, self.topk = hidden, ffn, num_experts, topk
         self.ep_group, self.ep_size, self.token_group = ep_group, ep, token_group
         self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
-        self.router = TopKRouter(hidden, num_experts, topk, capacity_factor)
+        self.router = TopKRouter(hidden, num_experts, topk, capacity_factor, **(routing or {}))
         local = num_experts // ep
         self.experts = GroupedExperts(local, hidden, ffn, swiglu, first=comm.group_rank(ep_group) * local,
                                       grouped_gemm=grouped_gemm)
@@ -101,6 +104,8 @@ class MoELayer(nn.Module):
             self.stat_losses, self.stat_tokens = torch.zeros_like(losses), torch.zeros_like(r.tokens_per_expert)
         self.stat_losses += losses
         self.stat_tokens += r.tokens_per_expert
+        if self.router.bias_tokens is not None:  # the expert bias's load (megalite.moe.balancing)
+            self.router.bias_tokens += r.tokens_per_expert
 
     # -- names and init ------------------------------------------------------------------------
     def global_named_parameters(self, prefix: str = ""):
@@ -137,6 +142,9 @@ class MoELayer(nn.Module):
         output_std = std if output_std is None else output_std
         if self.router.weight.device.type == "meta":
             return
+        if self.router.expert_bias is not None:  # starts at zero (materialize leaves it uninitialized)
+            self.router.expert_bias.zero_()
+            self.router.bias_tokens.zero_()
         for name, tensor in self.global_named_parameters(name_prefix):
             if name.endswith("router.weight") and not router:
                 continue

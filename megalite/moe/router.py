@@ -1,4 +1,8 @@
-"""Top-k softmax router with the load-balancing auxiliary loss, z-loss and capacity.
+"""Top-k router with the load-balancing auxiliary loss, z-loss and capacity.
+
+The softmax router (below) is the default; sigmoid scores, group-limited top-k, the routed
+scaling factor and the expert bias of DeepSeek-V3 are :mod:`megalite.moe.scoring`'s (with
+sigmoid scores the aux loss's ``p`` is the scores normalised over the experts per token).
 
 For tokens ``x`` (T, h) and router weight ``W`` (E, h)::
 
@@ -70,6 +74,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from megalite.device import is_fake
+from megalite.moe.scoring import choose_experts, router_scores, topk_weights
+from megalite.moe.settings import check_routing
 from megalite.parallel import comm
 
 
@@ -113,16 +119,41 @@ def full_precision(device: torch.device):
 
 class TopKRouter(nn.Module):
     """``forward(x (T, h), token_group=None, token_index=None) -> RouterOutput``; see the
-    module docstring."""
+    module docstring. ``score_function``, ``num_groups`` / ``group_topk``, ``scaling_factor``:
+    the scores, the group-limited choice and the weights of :mod:`megalite.moe.scoring`
+    (defaults: the softmax router above). ``expert_bias``: aux-loss-free balancing
+    (:mod:`megalite.moe.balancing`): an fp32 buffer ``expert_bias`` (E,) added to the scores for
+    the choice only, and ``bias_tokens`` (E,) int64, the assignments counted since its last
+    update (the layer counts training forwards)."""
 
-    def __init__(self, hidden: int, num_experts: int, topk: int, capacity_factor: float | None = None):
+    def __init__(self, hidden: int, num_experts: int, topk: int, capacity_factor: float | None = None,
+                 score_function: str = "softmax", num_groups: int | None = None, group_topk: int | None = None,
+                 scaling_factor: float | None = None, expert_bias: bool = False):
         super().__init__()
         if not 1 <= topk <= num_experts:
             raise ValueError(f"topk must be in [1, num_experts={num_experts}], got {topk}")
         if capacity_factor is not None and capacity_factor <= 0:
             raise ValueError(f"capacity_factor must be positive or None, got {capacity_factor}")
+        problem = check_routing(num_experts, topk, num_groups, group_topk, score_function)
+        if problem:
+            raise ValueError(problem)
         self.num_experts, self.topk, self.capacity_factor = num_experts, topk, capacity_factor
+        self.score_function, self.num_groups, self.group_topk = score_function, num_groups, group_topk
+        self.scaling_factor = scaling_factor
         self.weight = nn.Parameter(torch.empty(num_experts, hidden))
+        if expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+            self.register_buffer("bias_tokens", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+        else:
+            self.expert_bias = self.bias_tokens = None
+
+    def _apply(self, fn, recurse=True):
+        """``.to(bf16)`` / ``.half()`` leave the expert bias fp32 (its 1e-3 steps would round away)."""
+        bias = self.expert_bias
+        out = super()._apply(fn, recurse)
+        if bias is not None and self.expert_bias.dtype != torch.float32:  # the fp32 values, on the new device
+            self.expert_bias = bias.to(self.expert_bias.device)
+        return out
 
     def forward(self, x: torch.Tensor, token_group=None, token_index: torch.Tensor | None = None) -> RouterOutput:
         E, k = self.num_experts, self.topk
@@ -130,9 +161,11 @@ class TopKRouter(nn.Module):
         t_global = T * G  # every rank of the group holds as many tokens
         with full_precision(x.device):
             logits = F.linear(x.float(), self.weight.float())  # (T, E) fp32
-            probs = logits.softmax(dim=-1)
-            top_p, ids = probs.topk(k, dim=-1)
-            weights = top_p / top_p.sum(dim=-1, keepdim=True) if k > 1 else top_p
+            scores = router_scores(logits, self.score_function)
+            ids = choose_experts(scores, k, self.expert_bias, self.num_groups, self.group_topk)
+            weights = topk_weights(scores, ids, self.scaling_factor)
+            # the aux loss's P_e: a distribution over the experts (sigmoid scores normalised per token)
+            probs = scores if self.score_function == "softmax" else scores / scores.sum(dim=-1, keepdim=True)
             requested = expert_counts(ids, E)  # (E,) this rank's assignments, before dropping
             total = comm.all_reduce(requested.clone(), token_group)  # the micro-batch's (no gradient)
             f = total.to(probs.dtype) / max(1, t_global * k)

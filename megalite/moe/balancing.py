@@ -39,6 +39,14 @@ def bias_step(bias: torch.Tensor, counts: torch.Tensor, rate: float) -> None:
 
 
 @torch.no_grad()
+def balance_after_step(chunks, grid) -> None:
+    """The train step's call after the optimizer's: with ``--moe-router-enable-expert-bias``,
+    :func:`update_expert_biases` over the pipeline stage's ranks; nothing otherwise."""
+    cfg = chunks[0].cfg
+    if cfg.num_experts and cfg.moe_router_enable_expert_bias:
+        update_expert_biases(chunks, cfg.moe_router_bias_update_rate, getattr(grid, "stage_group", None))
+
+
 def update_expert_biases(chunks, rate: float, group=None) -> None:
     """After the optimizer step: the global batch's loads (this rank's counts all-reduced over
     ``group``, the stage's TP x CP x DP ranks) nudge each layer's bias; the counts restart.

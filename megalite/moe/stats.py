@@ -1,9 +1,8 @@
 """Per-step MoE figures for the log line, and the per-step backward scale of the aux losses
 (:func:`start_step`).
 
-After a train step (after the optimizer's), :func:`step_stats` first updates the expert biases
-of aux-loss-free balancing (:func:`megalite.moe.balancing.update_expert_biases`, with the
-step's loads), then reduces what every MoE layer recorded
+After a train step (after the optimizer's and the expert biases' update,
+:func:`megalite.moe.balancing.balance_after_step`), :func:`step_stats` reduces what every MoE layer recorded
 (:meth:`MoELayer._record`) over the whole world (the DP x CP group, then TP x PP):
 
 - ``moe_aux_loss`` / ``moe_z_loss``: the load-balancing and z losses of a micro-batch,
@@ -18,7 +17,6 @@ from __future__ import annotations
 
 import torch
 
-from megalite.moe.balancing import update_expert_biases
 from megalite.moe.layer import MoELayer
 from megalite.moe.settings import moe_layers
 from megalite.parallel import comm
@@ -50,8 +48,6 @@ def step_stats(chunks, grid, num_micro_global: int) -> torch.Tensor | None:
     cfg = chunks[0].cfg
     if not cfg.num_experts:
         return None
-    if cfg.moe_router_enable_expert_bias:  # after the optimizer step: aux-loss-free balancing
-        update_expert_biases(chunks, cfg.moe_router_bias_update_rate, getattr(grid, "stage_group", None))
     pattern = moe_layers(cfg)
     index = {layer: i for i, layer in enumerate(i for i, moe in enumerate(pattern) if moe)}
     device = next(chunks[0].parameters()).device

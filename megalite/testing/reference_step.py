@@ -19,6 +19,7 @@ import torch
 
 from megalite.config import TrainConfig
 from megalite.data_parallel.zero import DistributedOptimizer
+from megalite.moe.balancing import balance_after_step
 from megalite.parallel import comm
 from megalite.parallel.sharding import is_expert, is_tensor_parallel, sum_local_tied_copies
 from megalite.observe.step_values import LossScaler, StepResult
@@ -168,6 +169,7 @@ def train_step(model, optimizer, micro_batches, t: TrainConfig, iteration: int,
         for group in optimizer.param_groups:
             group["lr"] = lr
         optimizer.step()
+    balance_after_step(as_chunks(model), grid)  # the expert biases move even on a skipped step, as megalite's
     if grid is not None:
         comm.all_reduce(loss, grid.dp_cp_group)
         loss /= comm.group_size(grid.dp_cp_group)

@@ -29,6 +29,7 @@ from megalite.data_parallel.zero import DistributedOptimizer
 from megalite.device import host_value
 from megalite.layers.documents import batch_documents
 from megalite.moe.stats import start_step as start_moe_step
+from megalite.moe.balancing import balance_after_step
 from megalite.moe.stats import step_stats as moe_step_stats
 from megalite.parallel import comm
 from megalite.resilience.fault_injection import LOSS_FACTOR
@@ -202,6 +203,7 @@ def train_step(model, optimizer: DistributedOptimizer, micro_batches, t: TrainCo
     scaler.update(found_inf)
     lr = lr_at(iteration, t)
     optimizer.step(lr, clip_coefficient(norm, t.clip_grad, found_inf), found_inf)
+    balance_after_step(as_chunks(model), grid)  # aux-loss-free expert biases, from the step's loads
     timers.add("optimizer", middle, timers.mark())
     if grid is not None:
         comm.all_reduce(loss, grid.dp_cp_group)

@@ -94,3 +94,20 @@ def test_what_megalite_cannot_express_is_refused(tmp_path):
     with pytest.raises(UnsupportedModel, match="needs no shared expert"):
         export_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"))
     assert not (tmp_path / "out").exists()  # refused before anything was written
+
+
+@pytest.mark.parametrize("routing,message", [({"moe_router_score_function": "sigmoid"}, "softmax router scores"),
+                                             ({"moe_router_enable_expert_bias": True}, "no expert bias"),
+                                             ({"moe_router_topk_scaling_factor": 2.5}, "no top-k scaling factor")])
+def test_deepseek_routing_does_not_export_as_mixtral(tmp_path, routing, message):
+    """Mixtral's router is softmax over all experts: a checkpoint routed as DeepSeek-V3 (sigmoid,
+    groups, scaled weights, expert bias) is refused before anything is written."""
+    mixtral(tmp_path)
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+    meta_path = next((tmp_path / "ckpt").glob("iter_*/metadata.json"))
+    meta = json.load(open(meta_path))
+    meta["config"]["model"].update(routing)
+    json.dump(meta, open(meta_path, "w"))
+    with pytest.raises(UnsupportedModel, match=message):
+        export_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()

@@ -181,11 +181,22 @@ def hf_config_from_llama(cfg: ModelConfig, model_type: str, dtype: torch.dtype, 
     return {**out, **special}
 
 
+def _softmax_routing(cfg: ModelConfig) -> tuple[tuple[bool, str], ...]:
+    """What Mixtral's and Qwen3-MoE's router can express: softmax scores over all experts, no
+    expert groups, no scaling of the top-k weights, no expert bias (DeepSeek-V3's routing)."""
+    return ((cfg.moe_router_score_function == "softmax", "softmax router scores"),
+            (cfg.moe_router_num_groups is None, "no expert groups"),
+            (cfg.moe_router_topk_scaling_factor in (None, 1.0), "no top-k scaling factor"),
+            (not cfg.moe_router_enable_expert_bias, "no expert bias"))
+
+
 def _check_qwen3(cfg: ModelConfig) -> None:
+    routing = _softmax_routing(cfg) if cfg.num_experts else ()
     why = [w for ok, w in ((cfg.normalization == "RMSNorm", "RMSNorm q/k norms (--normalization RMSNorm)"),
                            (not cfg.add_qkv_bias, "no q/k/v biases"),
                            (not cfg.moe_shared_expert_intermediate_size, "no shared expert"),
-                           (cfg.moe_expert_capacity_factor is None, "dropless routing (no capacity factor)"))
+                           (cfg.moe_expert_capacity_factor is None, "dropless routing (no capacity factor)"),
+                           *routing)
            if not ok]
     if why:
         raise UnsupportedModel(f"a model with QK-norm exports as Qwen3 / Qwen3-MoE, which needs {', '.join(why)}; "
@@ -197,7 +208,7 @@ def _check_mixtral(cfg: ModelConfig) -> None:
                            (not cfg.moe_shared_expert_intermediate_size, "no shared expert"),
                            (cfg.moe_expert_capacity_factor is None, "dropless routing (no capacity factor)"),
                            (cfg.moe_router_topk >= 2, "top-k of at least 2"),
-                           (not cfg.add_qkv_bias, "no q/k/v biases")) if not ok]
+                           (not cfg.add_qkv_bias, "no q/k/v biases"), *_softmax_routing(cfg)) if not ok]
     if why:
         raise UnsupportedModel(f"a mixture-of-experts model exports as Mixtral, which needs {', '.join(why)}; "
                                f"this checkpoint's model does not have that.")

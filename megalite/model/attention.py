@@ -20,6 +20,10 @@ SP too), so each rank sees every position but only its heads. The gradient of a 
 is then a partial sum over this rank's heads: it needs a sum over the TP group, the reduction
 SP norms get, so the weights carry the same mark (``param.sequence_parallel``) whenever TP > 1,
 with or without SP.
+
+The softmax scale is :func:`megalite.layers.rotary.softmax_scale` (1/sqrt(d), times YaRN's
+mscale(s, mscale_all_dim)^2): q is multiplied by ``softmax_scale * sqrt(d)`` before the core
+attention (:meth:`SelfAttention.scaled_for_softmax`), so every backend keeps dividing by sqrt(d).
 """
 from __future__ import annotations
 

@@ -237,3 +237,24 @@ def test_yarn_under_tp2_and_cp2_equals_serial():
     got = run_world(_runs, 4, [GPT + YARN_FLAGS + TP2_CP2])[0][0]
     worst = max(abs(a - b) / abs(b) for pair, ref in zip(got, serial) for a, b in zip(pair, ref))
     assert worst < 1e-5, (got, serial)
+
+
+def test_a_checkpoint_fixes_yarn(tmp_path, monkeypatch):
+    """rope_scaling is a fixed setting: a run loading a YaRN checkpoint takes its scaling, and a
+    YaRN flag typed against it is refused with both values (the checkpoint's files: not read here)."""
+    import dataclasses
+
+    from megalite.checkpoint import serial, settings
+    from megalite.checkpoint.settings import FIXED, adopt_checkpoint_model
+
+    monkeypatch.setattr(serial, "_checkpoint_dir", lambda load: load)
+    monkeypatch.setattr(settings, "checkpoint_record", lambda directory: None)
+
+    saved_model = ModelConfig(position_embedding_type="rope", rope_scaling=yarn_rope_scaling(**V3))
+    saved = {field: getattr(saved_model, field) for field in FIXED}
+    run = dataclasses.replace(saved_model, rope_scaling=None)
+    assert "rope_scaling" in adopt_checkpoint_model(run, saved, set(), saved["vocab_size"], str(tmp_path))
+    assert run.rope_scaling == saved["rope_scaling"]
+    typed = dataclasses.replace(saved_model, rope_scaling=yarn_rope_scaling(**dict(V3, factor=8.0)))
+    with pytest.raises(ConfigError, match="the checkpoint has .*'factor': 40.0.*the command line gives .*'factor': 8.0"):
+        adopt_checkpoint_model(typed, saved, {"rotary_scaling_factor"}, saved["vocab_size"], str(tmp_path))

@@ -102,9 +102,9 @@ def test_transformers_deepseek_v3_computes_the_same(name):
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
 
     d, base, sc = CASES[name]
-    if sc["mscale_all_dim"] == 0:
-        pytest.skip("transformers multiplies cos/sin by mscale(s, 1) whenever mscale_all_dim is 0, "
-                    "Megatron by mscale(s, mscale) / 1: the same for mscale 1, checked by the paper test")
+    # (transformers puts mscale(s, 1) on cos/sin whenever mscale_all_dim is 0, Megatron and megalite
+    # mscale(s, mscale) / 1: the same for every case here, whose mscale is 1 where mscale_all_dim is 0)
+    assert sc["mscale_all_dim"] != 0 or sc["mscale"] == 1
     hf_scaling = {"rope_type": "yarn", "rope_theta": base, **sc}
     config = transformers.DeepseekV3Config(
         vocab_size=32, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=1,

@@ -188,6 +188,19 @@ def test_the_flags_build_the_scaling():
         scaling(["--use-rope-scaling", "--rope-type", "yarn"])
 
 
+def test_deepseek_v3s_own_rope_scaling_dict_is_taken_as_it_stands():
+    """DeepSeek-V3's config.json form (older key ``type``, integer betas, no ``truncate``): valid,
+    and the same frequencies and scales as the flags' form."""
+    as_published = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                    "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+    model = ModelConfig(position_embedding_type="rope", rope_scaling=as_published)
+    validate(Config(model=model, data=DataConfig(mock_data=True)))
+    ours = yarn_rope_scaling(**V3)
+    assert torch.equal(yarn_frequencies(64, 10000.0, as_published), yarn_frequencies(64, 10000.0, ours))
+    assert rotary_amplitude(as_published) == rotary_amplitude(ours)
+    assert softmax_scale(model, 192) == softmax_scale(ModelConfig(rope_scaling=ours), 192)
+
+
 @pytest.mark.parametrize("change, message", [
     (dict(factor=0.0), r"--rotary-scaling-factor 0.0: .* must be > 0"),
     (dict(factor=-2.0), r"--rotary-scaling-factor -2.0"),

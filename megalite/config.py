@@ -20,6 +20,7 @@ from megalite.data_parallel.update_rule import RULES, rule_named
 from megalite.layers.attention import check_attention_backend
 from megalite.layers.attention_kinds import check_attention_kind
 from megalite.layers.documents import check_documents_attention
+from megalite.layers.rotary import check_rope_scaling
 from megalite.layers.transformer_engine import check_tp_comm_overlap, check_transformer_impl
 from megalite.moe.settings import validate_moe
 from megalite.pipeline.checks import check_pipeline_schedule
@@ -57,13 +58,9 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
                           f" = {m.head_dim}. Fix: change --kv-channels, --hidden-size or --num-attention-heads.")
     if m.rope_scaling is not None:
         if m.position_embedding_type != "rope":
-            raise ConfigError("RoPE scaling (--use-rope-scaling, or a checkpoint's rope_scaling) needs "
-                              "--position-embedding-type rope.")
-        kind = m.rope_scaling.get("rope_type", m.rope_scaling.get("type"))
-        need = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-        if kind != "llama3" or any(k not in m.rope_scaling for k in need):
-            raise ConfigError(f"rope_scaling {m.rope_scaling!r}: megalite implements the llama3 schedule "
-                              f"(rope_type 'llama3' with {', '.join(need)}). Fix: use that, or no scaling.")
+            raise ConfigError("RoPE scaling (--use-rope-scaling, --rope-type yarn, or a checkpoint's rope_scaling) "
+                              "needs --position-embedding-type rope.")
+        check_rope_scaling(m.rope_scaling)
     if m.position_embedding_type not in ("learned_absolute", "rope"):
         raise ConfigError(f"--position-embedding-type {m.position_embedding_type!r} is unknown. "
                           f"Fix: use learned_absolute or rope.")

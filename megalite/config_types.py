@@ -26,6 +26,28 @@ def llama3_rope_scaling(factor: float = 8.0) -> dict:
             "original_max_position_embeddings": 8192}
 
 
+def yarn_rope_scaling(factor: float = 1.0, original_max_position_embeddings: int = 4096, beta_fast: float = 32.0,
+                      beta_slow: float = 1.0, mscale: float = 1.0, mscale_all_dim: float = 0.0,
+                      truncate: bool = True) -> dict:
+    """Megatron's --rope-type yarn (DeepSeek-V3: factor 40, mscale = mscale_all_dim = 1), in Hugging
+    Face's ``rope_scaling`` keys (see megalite.layers.rotary)."""
+    return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": original_max_position_embeddings,
+            "beta_fast": beta_fast, "beta_slow": beta_slow, "mscale": mscale, "mscale_all_dim": mscale_all_dim,
+            "truncate": truncate}
+
+
+def _read_rope_scaling(ns: argparse.Namespace) -> dict | None:
+    """rope_scaling from --use-rope-scaling (llama3) or --rope-type yarn and its flags."""
+    if ns.rope_type == "yarn":
+        if ns.use_rope_scaling:
+            raise ConfigError("--use-rope-scaling (Llama 3.1's schedule) and --rope-type yarn both scale the RoPE "
+                              "frequencies. Fix: give one of them.")
+        return yarn_rope_scaling(ns.rotary_scaling_factor, ns.yarn_original_max_position_embeddings,
+                                 ns.yarn_beta_fast, ns.yarn_beta_slow, ns.mscale, ns.mscale_all_dim,
+                                 ns.yarn_correction_range_round_to_int)
+    return llama3_rope_scaling(ns.rope_scaling_factor) if ns.use_rope_scaling else None
+
+
 @dataclass
 class ModelConfig:
     num_layers: int = setting(4, fixed=True)
@@ -58,14 +80,33 @@ class ModelConfig:
     # the head size apart from hidden/heads (Qwen3-0.6B: hidden 1024, 16 heads of 128); None = hidden/heads
     kv_channels: int | None = setting(None, "attention head size (default hidden/heads); the attention width "
                                       "heads*kv-channels may differ from the hidden size", fixed=True, type=int)
-    # RoPE frequency scaling: None, or Llama 3.1's {"rope_type": "llama3", "factor", "low_freq_factor",
-    # "high_freq_factor", "original_max_position_embeddings"} (see megalite.layers.rotary)
+    # RoPE frequency scaling: None, Llama 3.1's {"rope_type": "llama3", "factor", "low_freq_factor",
+    # "high_freq_factor", "original_max_position_embeddings"} or YaRN's (yarn_rope_scaling)
+    # (see megalite.layers.rotary)
     rope_scaling: dict | None = setting(
         None, fixed=True,
         flags=[flag("--use-rope-scaling", action="store_true",
                     help="Llama 3.1 RoPE frequency scaling (original context 8192, low/high freq factors 1/4)"),
-               flag("--rope-scaling-factor", type=float, default=8.0, help="with --use-rope-scaling")],
-        read=lambda ns: llama3_rope_scaling(ns.rope_scaling_factor) if ns.use_rope_scaling else None)
+               flag("--rope-scaling-factor", type=float, default=8.0, help="with --use-rope-scaling"),
+               flag("--rope-type", type=str, default=None, choices=["rope", "yarn"],
+                    help="yarn: YaRN RoPE scaling (DeepSeek-V3) with the --rotary-scaling-factor, --yarn-* "
+                         "and --mscale* flags; rope (or none): plain RoPE"),
+               flag("--rotary-scaling-factor", type=float, default=1.0,
+                    help="YaRN context factor s (DeepSeek-V3: 40)"),
+               flag("--yarn-original-max-position-embeddings", type=int, default=4096,
+                    help="YaRN: the context the model was first trained on"),
+               flag("--yarn-beta-fast", type=float, default=32.0,
+                    help="YaRN: pairs turning more often than this over the original context keep their frequency"),
+               flag("--yarn-beta-slow", type=float, default=1.0,
+                    help="YaRN: pairs turning less often than this are slowed by the factor"),
+               flag("--mscale", type=float, default=1.0,
+                    help="YaRN: cos/sin times mscale(s, mscale)/mscale(s, mscale-all-dim), "
+                         "mscale(s, m) = 0.1 m ln s + 1"),
+               flag("--mscale-all-dim", type=float, default=0.0,
+                    help="YaRN: softmax scale times mscale(s, mscale-all-dim)^2 (0: none)"),
+               flag("--yarn-correction-range-round-to-int", action=argparse.BooleanOptionalAction, default=True,
+                    help="YaRN: round the ramp's ends out to whole pair indices")],
+        read=_read_rope_scaling)
     untie_embeddings_and_output_weights: bool = setting(False, fixed=True)
     # the attention part of every layer, by its registered name (megalite.layers.attention_kinds;
     # "self": softmax self-attention); its weights differ, so a checkpoint fixes it. No flag yet (issue 38).

@@ -20,6 +20,10 @@ SP too), so each rank sees every position but only its heads. The gradient of a 
 is then a partial sum over this rank's heads: it needs a sum over the TP group, the reduction
 SP norms get, so the weights carry the same mark (``param.sequence_parallel``) whenever TP > 1,
 with or without SP.
+
+The softmax scale is :func:`megalite.layers.rotary.softmax_scale` (1/sqrt(d), times YaRN's
+mscale(s, mscale_all_dim)^2): q is multiplied by ``softmax_scale * sqrt(d)`` before the core
+attention (:meth:`SelfAttention.scaled_for_softmax`), so every backend keeps dividing by sqrt(d).
 """
 from __future__ import annotations
 
@@ -33,7 +37,7 @@ from megalite.layers.documents import Documents
 from megalite.layers.kv_cache import cached_attention
 from megalite.layers.norms import build_norm
 from megalite.layers.part_shape import SelfAttentionShape
-from megalite.layers.rotary import apply_rotary
+from megalite.layers.rotary import apply_rotary, softmax_scale
 from megalite.model.linears import linears_for, mark_residual_output
 from megalite.parallel import comm
 from megalite.parallel.random import get_rng_tracker
@@ -101,6 +105,7 @@ class SelfAttention(nn.Module, SelfAttentionShape):
             # the copy is still what a kernel needing a contiguous v would make and keep.)
             v = v.contiguous()
         q, k = self.score_inputs(q, k)
+        q = self.scaled_for_softmax(q)
         dropout_p = self.cfg.attention_dropout if self.training else 0.0
         if cache is not None:  # generation: these positions attend over every position so far
             out = cached_attention(q, *cache.extend(k, v))
@@ -109,6 +114,15 @@ class SelfAttention(nn.Module, SelfAttentionShape):
         else:
             out = self.core_attention(q, k, v, dropout_p, documents)
         return self.proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
+
+    def scaled_for_softmax(self, q: torch.Tensor) -> torch.Tensor:
+        """q times softmax_scale(cfg, d) * sqrt(d) (megalite.layers.rotary.softmax_scale; 1 but with
+        YaRN's mscale_all_dim): every backend (torch, triton, flash, context parallel, the KV cache,
+        transformer-engine) divides the scores by its default sqrt(d), so the model's scale reaches
+        them all through q: (c q) k^T / sqrt(d) = q k^T * softmax_scale."""
+        d = q.shape[-1]
+        correction = softmax_scale(self.cfg, d) * d ** 0.5
+        return q if correction == 1.0 else q * correction
 
     def core_attention(self, q, k, v, dropout_p: float, documents: Documents | None = None) -> torch.Tensor:
         """``documents``: packed documents of the whole sequence (a token sees its own only)."""

@@ -74,15 +74,15 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
     _positive("--ffn-hidden-size", m.ffn_hidden_size)
     _positive("--num-query-groups", m.num_query_groups)
     _positive("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by)
-    if m.kv_channels is None:
+    if m.kv_channels is None and not m.multi_latent_attention:  # MLA's heads have sizes of their own
         _divides("--hidden-size", m.hidden_size, "--num-attention-heads", m.num_attention_heads,
                  "pick a hidden size that is a multiple of the head count (head dim = hidden/heads), or set "
                  "the head size with --kv-channels.")
-    else:
+    elif m.kv_channels is not None:
         _positive("--kv-channels", m.kv_channels)
     _divides("--num-attention-heads", m.num_attention_heads, "--num-query-groups",
              m.num_query_groups, "each key/value group must serve a whole number of query heads.")
-    if m.position_embedding_type == "rope" and m.head_dim % 2 != 0:
+    if m.position_embedding_type == "rope" and not m.multi_latent_attention and m.head_dim % 2 != 0:
         raise ConfigError(f"rotary embeddings need an even head dim, got "
                           f"{'--kv-channels' if m.kv_channels else f'hidden/heads = {m.hidden_size}/{m.num_attention_heads}'}"
                           f" = {m.head_dim}. Fix: change --kv-channels, --hidden-size or --num-attention-heads.")

@@ -20,7 +20,7 @@ import math
 import pytest
 import torch
 
-from megalite.config import Config, ConfigError, ModelConfig, ParallelConfig, validate
+from megalite.config import Config, ConfigError, DataConfig, ModelConfig, ParallelConfig, validate
 from megalite.layers.part_shape import MLAShape
 from megalite.model.counting import flops_per_token, total_parameters
 from megalite.model.gpt import GPTModel, count_parameters
@@ -135,9 +135,15 @@ def test_the_latent_norms_are_ones_at_init():
     (dict(q_lora_rank=0), {}, "--q-lora-rank"),
     (dict(attention_backend="flash"), {}, "value head size"),
     (dict(transformer_impl="transformer_engine"), {}, "transformer-engine"),
-    (dict(num_attention_heads=3), dict(tensor_model_parallel_size=2), "--num-attention-heads"),
+    (dict(num_attention_heads=3), dict(tensor_model_parallel_size=2), "--tensor-model-parallel-size"),
 ])
 def test_bad_settings_are_one_message(change, parallel, message):
     cfg = mla_config(**change)
     with pytest.raises(ConfigError, match=message):
         validate(Config(model=cfg, parallel=ParallelConfig(**parallel)), world_size=2 if parallel else 1)
+
+
+def test_the_heads_need_not_divide_the_hidden_size():
+    """MLA's heads have their own sizes: hidden 32 with 3 heads (and an odd hidden/heads) is valid."""
+    for cfg in (mla_config(num_attention_heads=3), mla_config(hidden_size=36)):  # hidden/heads 9: odd
+        validate(Config(model=cfg, data=DataConfig(mock_data=True)))

@@ -17,7 +17,8 @@ from megalite.config_types import (MOE, Config, ConfigError, DataConfig, ModelCo
 from megalite.context_parallel.checks import check_context_parallel
 from megalite.data.blended import parse_data_path
 from megalite.data_parallel.update_rule import RULES, rule_named
-from megalite.layers.attention import BackendUnavailable, check_attention_backend, refuse_flash_value_head_size
+from megalite.layers.attention import (TRITON_MAX_HEAD_DIM, BackendUnavailable, check_attention_backend,
+                                       refuse_flash_value_head_size)
 from megalite.layers.attention_kinds import check_attention_kind
 from megalite.layers.documents import check_documents_attention
 from megalite.layers.transformer_engine import check_tp_comm_overlap, check_transformer_impl
@@ -53,10 +54,14 @@ def check_multi_latent_attention(m) -> None:
     if m.transformer_impl != "local":
         raise ConfigError("--multi-latent-attention is built from megalite's own layers; with transformer-engine "
                           "it is not wired in. Fix: --transformer-impl local.")
+    d_qk = m.qk_head_dim + m.qk_pos_emb_head_dim
+    if m.attention_backend == "triton" and max(d_qk, m.v_head_dim) > TRITON_MAX_HEAD_DIM:
+        raise ConfigError(f"--attention-backend triton supports head sizes up to {TRITON_MAX_HEAD_DIM}, got "
+                          f"--qk-head-dim + --qk-pos-emb-head-dim = {d_qk} and --v-head-dim = {m.v_head_dim}. "
+                          f"Fix: smaller head parts, or --attention-backend torch.")
     if m.attention_backend == "flash":
         try:
-            refuse_flash_value_head_size("--attention-backend flash", m.qk_head_dim + m.qk_pos_emb_head_dim,
-                                         m.v_head_dim)
+            refuse_flash_value_head_size("--attention-backend flash", d_qk, m.v_head_dim)
         except BackendUnavailable as why:
             raise ConfigError(f"--multi-latent-attention: {why}") from None
 

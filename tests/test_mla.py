@@ -134,6 +134,8 @@ def test_the_latent_norms_are_ones_at_init():
     (dict(kv_lora_rank=0), {}, "--kv-lora-rank"),
     (dict(q_lora_rank=0), {}, "--q-lora-rank"),
     (dict(attention_backend="flash"), {}, "value head size"),
+    (dict(attention_backend="triton", qk_head_dim=260), {}, "--qk-head-dim \\+ --qk-pos-emb-head-dim = 264"),
+    (dict(num_query_groups=2), {}, "no key/value groups"),
     (dict(transformer_impl="transformer_engine"), {}, "transformer-engine"),
     (dict(num_attention_heads=3), dict(tensor_model_parallel_size=2), "--tensor-model-parallel-size"),
 ])

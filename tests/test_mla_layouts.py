@@ -5,7 +5,8 @@ values of 6: d_v != d_qk) trains under every layout as serially: losses and grad
 Two worlds: the serial run, and one world of 4 ranks running each layout in turn: TP 2 + SP x
 PP 2 (the replicated down-projections and latent norms: gradients summed over TP; the
 down-projections see the gathered sequence), CP 2 ring (p2p) x DP 2 ZeRO-1, and CP 2
-all-to-all (a2a) x TP 2 + SP.
+all-to-all (a2a) x TP 2 + SP, and TP 2 + SP x PP 2 under the zero-bubble schedule zb-h1 (the
+up-projections' weight gradients deferred, the replicated ones not) with selective recomputation.
 """
 from __future__ import annotations
 
@@ -22,7 +23,10 @@ TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 LAYOUTS = {"tp2+sp x pp2": TP2 + ["--pipeline-model-parallel-size", "2"],
            "cp2 p2p x dp2 zero-1": ["--context-parallel-size", "2", "--cp-comm-type", "p2p",
                                     "--use-distributed-optimizer"],
-           "cp2 a2a x tp2+sp": TP2 + ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]}
+           "cp2 a2a x tp2+sp": TP2 + ["--context-parallel-size", "2", "--cp-comm-type", "a2a"],
+           "tp2+sp x pp2 zb-h1, selective recompute": TP2 + ["--pipeline-model-parallel-size", "2",
+                                                            "--pipeline-schedule", "zb-h1",
+                                                            "--recompute-granularity", "selective"]}
 
 
 def _runs(rank, world, runs):

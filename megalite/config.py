@@ -17,7 +17,8 @@ from megalite.config_types import (MOE, Config, ConfigError, DataConfig, ModelCo
 from megalite.context_parallel.checks import check_context_parallel
 from megalite.data.blended import parse_data_path
 from megalite.data_parallel.update_rule import RULES, rule_named
-from megalite.layers.attention import check_attention_backend
+from megalite.layers.attention import (TRITON_MAX_HEAD_DIM, BackendUnavailable, check_attention_backend,
+                                       refuse_flash_value_head_size)
 from megalite.layers.attention_kinds import check_attention_kind
 from megalite.layers.documents import check_documents_attention
 from megalite.layers.rotary import check_rope_scaling
@@ -29,6 +30,41 @@ from megalite.pipeline.checks import check_pipeline_schedule
 def _divides(what: str, n: int, by_what: str, d: int, fix: str) -> None:
     if d <= 0 or n % d != 0:
         raise ConfigError(f"{what} ({n}) must be divisible by {by_what} ({d}). Fix: {fix}")
+
+
+def check_multi_latent_attention(m) -> None:
+    """The rules of ``--multi-latent-attention`` (megalite.model.mla): positive latent ranks and
+    head parts, an even RoPE part, RoPE positions, no key/value groups or QK-norm (MLA has its own
+    latent norms), megalite's layers, and no flash-attn when the value head differs from d_qk."""
+    if not m.multi_latent_attention:
+        return
+    for name in ("kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim"):
+        _positive("--" + name.replace("_", "-"), getattr(m, name))
+    if m.q_lora_rank is not None:
+        _positive("--q-lora-rank", m.q_lora_rank)
+    if m.qk_pos_emb_head_dim % 2:
+        raise ConfigError(f"--qk-pos-emb-head-dim must be even (RoPE rotates pairs), got {m.qk_pos_emb_head_dim}. "
+                          f"Fix: pass an even size (64 in DeepSeek-V3).")
+    if m.position_embedding_type != "rope":
+        raise ConfigError(f"--multi-latent-attention needs --position-embedding-type rope (its decoupled RoPE key), "
+                          f"got {m.position_embedding_type}. Fix: pass --position-embedding-type rope.")
+    if m.num_query_groups != m.num_attention_heads or m.qk_layernorm:
+        raise ConfigError("--multi-latent-attention has no key/value groups and no QK-norm (keys and values come "
+                          "from one latent per token, normalized itself). Fix: drop --num-query-groups and "
+                          "--qk-layernorm.")
+    if m.transformer_impl != "local":
+        raise ConfigError("--multi-latent-attention is built from megalite's own layers; with transformer-engine "
+                          "it is not wired in. Fix: --transformer-impl local.")
+    d_qk = m.qk_head_dim + m.qk_pos_emb_head_dim
+    if m.attention_backend == "triton" and max(d_qk, m.v_head_dim) > TRITON_MAX_HEAD_DIM:
+        raise ConfigError(f"--attention-backend triton supports head sizes up to {TRITON_MAX_HEAD_DIM}, got "
+                          f"--qk-head-dim + --qk-pos-emb-head-dim = {d_qk} and --v-head-dim = {m.v_head_dim}. "
+                          f"Fix: smaller head parts, or --attention-backend torch.")
+    if m.attention_backend == "flash":
+        try:
+            refuse_flash_value_head_size("--attention-backend flash", d_qk, m.v_head_dim)
+        except BackendUnavailable as why:
+            raise ConfigError(f"--multi-latent-attention: {why}") from None
 
 
 def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = None) -> list[str]:
@@ -44,15 +80,15 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
     _positive("--ffn-hidden-size", m.ffn_hidden_size)
     _positive("--num-query-groups", m.num_query_groups)
     _positive("--make-vocab-size-divisible-by", m.make_vocab_size_divisible_by)
-    if m.kv_channels is None:
+    if m.kv_channels is None and not m.multi_latent_attention:  # MLA's heads have sizes of their own
         _divides("--hidden-size", m.hidden_size, "--num-attention-heads", m.num_attention_heads,
                  "pick a hidden size that is a multiple of the head count (head dim = hidden/heads), or set "
                  "the head size with --kv-channels.")
-    else:
+    elif m.kv_channels is not None:
         _positive("--kv-channels", m.kv_channels)
     _divides("--num-attention-heads", m.num_attention_heads, "--num-query-groups",
              m.num_query_groups, "each key/value group must serve a whole number of query heads.")
-    if m.position_embedding_type == "rope" and m.head_dim % 2 != 0:
+    if m.position_embedding_type == "rope" and not m.multi_latent_attention and m.head_dim % 2 != 0:
         raise ConfigError(f"rotary embeddings need an even head dim, got "
                           f"{'--kv-channels' if m.kv_channels else f'hidden/heads = {m.hidden_size}/{m.num_attention_heads}'}"
                           f" = {m.head_dim}. Fix: change --kv-channels, --hidden-size or --num-attention-heads.")
@@ -79,6 +115,7 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
                           f"that length. Fix: raise --max-position-embeddings or shorten "
                           f"--seq-length.")
     check_attention_kind(m)  # a registered attention part
+    check_multi_latent_attention(m)  # before the backend's check: flash's refusal names the head sizes
     check_documents_attention(m, d.reset_attention_mask)  # before "not installed": the fix differs
     check_attention_backend(m)  # raises ConfigError naming what is missing and how to install it
     check_transformer_impl(m, tp)

@@ -108,6 +108,17 @@ class ModelConfig:
                     help="YaRN: round the ramp's ends out to whole pair indices")],
         read=_read_rope_scaling)
     untie_embeddings_and_output_weights: bool = setting(False, fixed=True)
+    # DeepSeek-V3's Multi-head Latent Attention (megalite.model.mla; Megatron's flags and defaults)
+    multi_latent_attention: bool = setting(False, "Multi-head Latent Attention (DeepSeek-V2/V3): queries, keys "
+                                           "and values from low-rank latents, a decoupled shared RoPE key",
+                                           fixed=True)
+    q_lora_rank: int | None = setting(None, "MLA: rank of the query latent (default: no query compression)",
+                                      fixed=True, type=int)
+    kv_lora_rank: int = setting(32, "MLA: rank of the key/value latent", fixed=True)
+    qk_head_dim: int = setting(128, "MLA: each query/key head's part without RoPE", fixed=True)
+    qk_pos_emb_head_dim: int = setting(64, "MLA: each query/key head's RoPE part (the shared RoPE key's size)",
+                                       fixed=True)
+    v_head_dim: int = setting(128, "MLA: each value head's size", fixed=True)
     # the attention part of every layer, by its registered name (megalite.layers.attention_kinds;
     # "self": softmax self-attention); its weights differ, so a checkpoint fixes it. No flag yet (issue 38).
     attention_kind: str = setting("self", "the attention part's registered name", fixed=True, flags=NO_FLAG)
@@ -195,6 +206,11 @@ class ModelConfig:
     def head_dim(self) -> int:
         """Each head's size: ``kv_channels``, else hidden/heads."""
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """The size RoPE rotates per head: the head size, or MLA's decoupled RoPE part."""
+        return self.qk_pos_emb_head_dim if self.multi_latent_attention else self.head_dim
 
 
     def padded_vocab_size(self, tensor_parallel_size: int = 1) -> int:

@@ -32,6 +32,8 @@ ADDED = {("model", "moe_token_dispatcher_type"),  # a flag that used to stop at 
 ADDED |= {("model", f"moe_router_{name}") for name in  # issue 38: DeepSeek-V3 routing, new flags
           ("score_function", "num_groups", "group_topk", "topk_scaling_factor", "enable_expert_bias",
            "bias_update_rate")}
+ADDED |= {("model", k) for k in ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+                               "qk_pos_emb_head_dim", "v_head_dim")}  # issue 38's MLA, off by default
 
 
 @pytest.mark.parametrize("case", RECORDED, ids=[" ".join(c["argv"][:2]) or "defaults" for c in RECORDED])
@@ -72,7 +74,8 @@ def test_special_flags_reach_their_fields():
 
 def test_fixed_settings_are_the_marked_fields():
     marked = {f.name for f, marks in settings_of(ModelConfig) if marks.fixed}
-    assert set(FIXED) == marked and len(FIXED) == 23  # 22 flags (issue 38: --qk-layernorm, --kv-channels) + attention_kind
+    # 28 flags (issue 38: --qk-layernorm, --kv-channels; MLA's six) + attention_kind
+    assert set(FIXED) == marked and len(FIXED) == 29
 
     @dataclasses.dataclass
     class Toy:  # a new model setting marked fixed is fixed, named by its flag

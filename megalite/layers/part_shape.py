@@ -188,3 +188,71 @@ class MLPShape(PartShape):
         4 s b f (SwiGLU: gate, up, silu(gate) and the product) elements (split)."""
         B = act_bytes
         return B * s * b * m.hidden_size, (4 if m.swiglu else 2) * B * (s * b * m.ffn_hidden_size), 0.0
+
+
+class MLAShape(PartShape):
+    """The shape of :class:`megalite.model.mla.MultiLatentAttention` (DeepSeek-V3's Multi-head
+    Latent Attention: heads a, RoPE-free part d_n = ``qk_head_dim``, RoPE part d_r =
+    ``qk_pos_emb_head_dim``, value head d_v = ``v_head_dim``, latent ranks r_q = ``q_lora_rank``
+    (None: no query latent) and r_kv = ``kv_lora_rank``).
+
+    Linears (split over TP by heads): the query's up-projection r_q -> a (d_n + d_r) (or h -> it
+    without a query latent), the key/value up-projection r_kv -> a (d_n + d_v) (column), and the
+    output projection a d_v -> h (row). Replicated extras: the down-projections h x r_q and
+    h x (r_kv + d_r) (the key/value latent and the shared RoPE key in one matrix) and the norms of
+    the two latents (r_q and r_kv; LayerNorm: with biases); they are plain linears here, not TP
+    ones (their weight gradients are summed over TP, not deferred)."""
+
+    @staticmethod
+    def _norm(m, n: int) -> int:
+        return (2 if m.normalization == "LayerNorm" else 1) * n
+
+    @classmethod
+    def linears(cls, m, *size) -> list[LinearShape]:
+        h, a = m.hidden_size, m.num_attention_heads
+        dn, dr, dv = m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim
+        q_in = m.q_lora_rank or h
+        return [LinearShape("q_up" if m.q_lora_rank else "q_proj", q_in, a * (dn + dr), True, False),
+                LinearShape("kv_up", m.kv_lora_rank, a * (dn + dv), True, False),
+                LinearShape("proj", a * dv, h, False, m.add_bias_linear)]
+
+    @classmethod
+    def replicated_list(cls, m) -> list[int]:
+        """The replicated parameters in registration order: q_down, kv_down, then the norms'
+        (weight, bias under LayerNorm) of the query latent (with one) and the key/value latent."""
+        h, rq, rkv, dr = m.hidden_size, m.q_lora_rank, m.kv_lora_rank, m.qk_pos_emb_head_dim
+        norms_q = [rq] * (cls._norm(m, 1)) if rq else []
+        return ([h * rq] if rq else []) + [h * (rkv + dr)] + norms_q + [rkv] * cls._norm(m, 1)
+
+    @classmethod
+    def extra_parameters(cls, m) -> tuple[int, int]:
+        return 0, sum(cls.replicated_list(m))
+
+    @classmethod
+    def parameter_list(cls, m, tp: int, *size) -> list[int]:
+        """The linears' (split), then the replicated ones (:meth:`replicated_list`)."""
+        return [n for linear in cls.linears(m, *size) for n in linear.parameter_list(tp)] + cls.replicated_list(m)
+
+    @classmethod
+    def attended_flops(cls, m) -> float:
+        """Q K^T over d_qk = d_n + d_r and P V over d_v: a (d_qk + d_v) multiply-adds, 2 a (d_qk + d_v)
+        FLOPs per attended position (softmax attention's 4 a d when d_qk = d_v = d)."""
+        return 2.0 * m.num_attention_heads * (m.qk_head_dim + m.qk_pos_emb_head_dim + m.v_head_dim)
+
+    @classmethod
+    def activation_bytes(cls, m, s: float, b: int, act_bytes: int, recompute: str = "none",
+                         flash_attention: bool = False) -> tuple[float, float, float]:
+        """Replicated: the input (s b h) and the latents the up-projections and norms keep (the
+        query latent before and after its norm, 2 r_q; the key/value latent and RoPE key,
+        r_kv + d_r, and the normed latent r_kv), per token. (Under SP the down-projections keep
+        the gathered sequence: this counts a shard, an underestimate by (t - 1) s b h e.)
+        Split: q and k (a d_qk each), v (a d_v), the key/value up-projection's output
+        (a (d_n + d_v)) and the attention output (a d_v). Recomputable: the scores and their
+        dropout mask, (2 e + 1) a s^2 b, unless selective recomputation or a flash kernel."""
+        B, a = act_bytes, m.num_attention_heads
+        dn, dr, dv = m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim
+        latents = 2 * (m.q_lora_rank or 0) + 2 * m.kv_lora_rank + dr
+        replicated = B * s * b * (m.hidden_size + latents)
+        split = B * s * b * a * (2 * (dn + dr) + dv + (dn + dv) + dv)
+        scores = 0.0 if recompute == "selective" or flash_attention else (2 * B + 1) * a * s * s * b
+        return replicated, split, scores

@@ -203,7 +203,7 @@ class GPTModel(nn.Module):
         x = self.embed(tokens, position_ids) if self.pre_process else hidden
         rope = None
         if self.cfg.position_embedding_type == "rope":
-            rope = rotary_angles(position_ids, self.cfg.head_dim, self.cfg.rotary_base, self.cfg.rope_scaling)
+            rope = rotary_angles(position_ids, self.cfg.rotary_dim, self.cfg.rotary_base, self.cfg.rope_scaling)
         if kv_cache is not None:
             for name, layer in self.layers.items():
                 x = layer(x, rope, kv_cache.layer(name))

@@ -24,15 +24,18 @@ from megalite.layers.attention_kinds import (ATTENTIONS, DEFAULT_ATTENTION,  # n
                                              attention_names, register_attention)
 from megalite.model.attention import SelfAttention
 from megalite.model.linears import LocalLinears, linears_for
+from megalite.model.mla import MLA_KIND, MultiLatentAttention
 from megalite.model.mlp import MLP
 from megalite.moe.settings import moe_layers
 
 register_attention(DEFAULT_ATTENTION, SelfAttention)
+register_attention(MLA_KIND, MultiLatentAttention)
 
 
 def attention_part(cfg) -> type[SelfAttention]:
-    """The attention class the config picks (ValueError naming the registered ones if unknown)."""
-    kind = cfg.attention_kind
+    """The attention class the config picks (ValueError naming the registered ones if unknown):
+    Multi-head Latent Attention under ``--multi-latent-attention``, else ``attention_kind``'s."""
+    kind = MLA_KIND if getattr(cfg, "multi_latent_attention", False) else cfg.attention_kind
     if kind not in ATTENTIONS:
         raise ValueError(f"attention_kind {kind!r} is not registered; registered: {', '.join(attention_names())}")
     return ATTENTIONS[kind]

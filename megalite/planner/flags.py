@@ -73,6 +73,11 @@ def _model_flags(m: ModelConfig) -> list[str]:
               if on]
     if m.kv_channels is not None:  # a head size apart from hidden / heads (Qwen3)
         flags.append(f"{_flag('kv_channels')}={m.kv_channels}")
+    if m.multi_latent_attention:  # MLA's latent ranks and head parts (megalite.model.mla)
+        flags.append(_flag("multi_latent_attention"))
+        flags += [f"{_flag(k)}={getattr(m, k)}" for k in ("q_lora_rank", "kv_lora_rank", "qk_head_dim",
+                                                          "qk_pos_emb_head_dim", "v_head_dim")
+                  if getattr(m, k) is not None]
     if m.num_experts:
         flags += [f"{_flag(k)}={v}" for k, v in (
             ("num_experts", m.num_experts), ("moe_router_topk", m.moe_router_topk),

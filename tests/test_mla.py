@@ -215,3 +215,21 @@ def test_printed_flags_keep_the_latent_attention():
     fields = ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
               "v_head_dim")
     assert [getattr(got, k) for k in fields] == [getattr(m, k) for k in fields]
+
+
+def test_a_latent_attention_model_is_not_exported_as_llama():
+    """An MLA model passes the Llama architecture check (rope, RMSNorm, SwiGLU) but has no q/k/v
+    matrices: the export refuses it in one message before writing anything."""
+    from megalite.checkpoint.hf_llama import UnsupportedModel, hf_config_from_llama
+
+    with pytest.raises(UnsupportedModel, match="Multi-head Latent Attention or YaRN"):
+        hf_config_from_llama(mla_config(), "llama", torch.float32, {})
+
+
+def test_the_triton_limit_reads_the_latent_attention_sizes():
+    """hidden / heads above the Triton limit means nothing under MLA (its heads have their own
+    sizes): a model of 2 heads of hidden 640 validates with MLA's 12 + 4 / 6 head sizes."""
+    from megalite.config import Config, DataConfig, ParallelConfig, TrainConfig, validate
+
+    model = mla_config(hidden_size=640, num_attention_heads=2, attention_backend="triton")
+    assert validate(Config(model, ParallelConfig(), TrainConfig(), DataConfig(mock_data=True)), 1) == []

@@ -10,6 +10,8 @@ up-projections' weight gradients deferred, the replicated ones not) with selecti
 """
 from __future__ import annotations
 
+import pytest
+
 from megalite.testing import run_world
 
 MLA = ["--mock-data", "--vocab-size", "300", "--num-layers", "2", "--hidden-size", "32",
@@ -34,6 +36,7 @@ def _runs(rank, world, runs):
     return [[(r["loss"], r["grad_norm"]) for r in pretrain(argv)] for argv in runs]
 
 
+@pytest.mark.slow  # a 4-rank world: the full suite runs it, the fast tier leaves it out
 def test_every_layout_equals_serial():
     serial = run_world(_runs, 1, [MLA])[0][0]
     assert len(serial) == 4

@@ -6,6 +6,7 @@ gradient norms to 1e-5, and the expert biases bit-identical to serial's (the glo
 loads, all-reduced over each stage); the biases also survive a checkpoint saved at EP2 and
 loaded at TP2 x EP2, into one process (both formats) and through tools/reshard_checkpoint.py
 (PP2, and to torch_dcp)."""
+import pytest
 import os
 import sys
 
@@ -102,6 +103,7 @@ def _worker(rank, world, root):
     return out
 
 
+@pytest.mark.slow  # a 4-rank world: the full suite runs it, the fast tier leaves it out
 def test_deepseek_routing_layouts_equal_serial_and_biases_bit_identical(tmp_path):
     losses, norms, serial_biases = serial_run()
     assert any(b.abs().sum() > 0 for b in serial_biases.values())

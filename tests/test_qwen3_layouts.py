@@ -7,6 +7,8 @@ DP 2 ZeRO-1, and CP 2 all-to-all (a2a) x TP 2 + SP.
 """
 from __future__ import annotations
 
+import pytest
+
 from megalite.testing import run_world
 
 QWEN3 = ["--mock-data", "--vocab-size", "300", "--num-layers", "2", "--hidden-size", "32",
@@ -27,6 +29,7 @@ def _runs(rank, world, runs):
     return [[(r["loss"], r["grad_norm"]) for r in pretrain(argv)] for argv in runs]
 
 
+@pytest.mark.slow  # a 4-rank world: the full suite runs it, the fast tier leaves it out
 def test_every_layout_equals_serial():
     serial = run_world(_runs, 1, [QWEN3])[0][0]
     assert len(serial) == 4

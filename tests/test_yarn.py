@@ -242,6 +242,7 @@ def _runs(rank, world, runs):
     return [[(r["loss"], r["grad_norm"]) for r in pretrain(argv)] for argv in runs]
 
 
+@pytest.mark.slow  # a 4-rank world: the full suite runs it, the fast tier leaves it out
 def test_yarn_under_tp2_and_cp2_equals_serial():
     """A GPT with YaRN (both corrections on) trains under TP 2 + SP x CP 2 (ring) as serially,
     losses and grad norms within 1e-5 (fp32); and YaRN changes the losses (it is on)."""

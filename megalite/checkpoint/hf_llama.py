@@ -146,6 +146,10 @@ def hf_config_from_llama(cfg: ModelConfig, model_type: str, dtype: torch.dtype, 
     if (cfg.position_embedding_type, cfg.normalization, cfg.swiglu, cfg.add_bias_linear) != ("rope", "RMSNorm", True, False):
         raise UnsupportedModel("only the Llama architecture (rope, RMSNorm, SwiGLU, no linear biases) exports to "
                                "Hugging Face Llama/Qwen2")
+    if cfg.multi_latent_attention or cfg.rope_scaling and cfg.rope_scaling.get("rope_type") == "yarn":
+        raise UnsupportedModel("a model with Multi-head Latent Attention or YaRN RoPE is DeepSeek-V3-shaped: "
+                               "its Hugging Face export (DeepseekV3ForCausalLM) is not built yet (issue 38); "
+                               "Llama, Qwen2/3 and Mixtral cannot hold it")
     if cfg.qk_layernorm:
         _check_qwen3(cfg)
         model_type = "qwen3_moe" if cfg.num_experts else "qwen3"

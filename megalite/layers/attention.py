@@ -60,7 +60,8 @@ def check_attention_backend(model_config) -> None:
                               f"flash kernel never materializes the probabilities to drop), got "
                               f"--attention-dropout {model_config.attention_dropout}. Fix: pass "
                               f"--attention-dropout 0, or use --attention-backend torch or flash.")
-        if model_config.head_dim > TRITON_MAX_HEAD_DIM:
+        if not model_config.multi_latent_attention and model_config.head_dim > TRITON_MAX_HEAD_DIM:
+            # (MLA's own query/key and value sizes are checked by config.check_multi_latent_attention)
             own = model_config.kv_channels is not None
             head_size, smaller = (("--kv-channels", "a smaller --kv-channels") if own
                                   else ("hidden/heads", "use more heads"))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from megalite.testing import run_world
+from tests.layouts_vs_serial import LAYOUTS, TP2, assert_layouts_equal_serial
 
 QWEN3 = ["--mock-data", "--vocab-size", "300", "--num-layers", "2", "--hidden-size", "32",
          "--num-attention-heads", "4", "--num-query-groups", "2", "--kv-channels", "16", "--qk-layernorm",
@@ -17,24 +17,6 @@ QWEN3 = ["--mock-data", "--vocab-size", "300", "--num-layers", "2", "--hidden-si
          "--untie-embeddings-and-output-weights", "--seq-length", "32", "--micro-batch-size", "2",
          "--global-batch-size", "8", "--lr", "3e-3", "--lr-warmup-iters", "1", "--train-iters", "4",
          "--log-interval", "100", "--adam-eps", "1e-5", "--hidden-dropout", "0", "--attention-dropout", "0"]
-TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
-LAYOUTS = {"tp2+sp x pp2": TP2 + ["--pipeline-model-parallel-size", "2"],
-           "cp2 p2p x dp2 zero-1": ["--context-parallel-size", "2", "--cp-comm-type", "p2p",
-                                    "--use-distributed-optimizer"],
-           "cp2 a2a x tp2+sp": TP2 + ["--context-parallel-size", "2", "--cp-comm-type", "a2a"]}
-
-
-def _runs(rank, world, runs):
-    from megalite.train.pretrain import pretrain
-    return [[(r["loss"], r["grad_norm"]) for r in pretrain(argv)] for argv in runs]
-
-
 @pytest.mark.slow  # a 4-rank world: the full suite runs it, the fast tier leaves it out
 def test_every_layout_equals_serial():
-    serial = run_world(_runs, 1, [QWEN3])[0][0]
-    assert len(serial) == 4
-    results = run_world(_runs, 4, [QWEN3 + flags for flags in LAYOUTS.values()])[0]
-    for name, got in zip(LAYOUTS, results):
-        worst = max(abs(a - b) / abs(b) for pair, ref in zip(got, serial) for a, b in zip(pair, ref))
-        print(f"{name}: worst relative difference {worst:.1e}")
-        assert worst < 1e-5, (name, got, serial)
+    assert_layouts_equal_serial(QWEN3, LAYOUTS)

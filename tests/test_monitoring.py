@@ -189,7 +189,7 @@ def _hang_worker(rank, world):
     start = time.monotonic()
     with contextlib.redirect_stderr(err):
         code = main(SMALL + ["--train-iters", "4", "--global-batch-size", "8", "--distributed-timeout-minutes", "0.1",
-                             "--inject-fault", "hang@2:2=20"])
+                             "--inject-fault", "hang@2:2=12"])
     return code, err.getvalue(), time.monotonic() - start
 
 

@@ -67,12 +67,13 @@ def yarn_ramp_bounds(scaling: dict, dim: int, base: float) -> tuple[float, float
     return max(lo, 0), min(hi, dim - 1)
 
 
-def yarn_frequencies(dim: int, base: float, scaling: dict) -> torch.Tensor:
-    """The d/2 YaRN frequencies f'_i (float32, computed in float64); see the module docstring."""
-    freq = float(base) ** -(torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+def yarn_frequencies(dim: int, base: float, scaling: dict, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The d/2 YaRN frequencies f'_i (float32, computed in float64 on ``device``, the positions'
+    one: no host-to-device copy in the forward); see the module docstring."""
+    freq = float(base) ** -(torch.arange(0, dim, 2, dtype=torch.float64, device=device) / dim)
     lo, hi = yarn_ramp_bounds(scaling, dim, base)
     width = hi - lo if hi != lo else 1e-3  # one index: a step
-    gamma = ((torch.arange(dim // 2, dtype=torch.float64) - lo) / width).clamp(0, 1)
+    gamma = ((torch.arange(dim // 2, dtype=torch.float64, device=device) - lo) / width).clamp(0, 1)
     return ((1 - gamma) * freq + gamma * freq / scaling["factor"]).float()
 
 
@@ -157,7 +158,7 @@ def rotary_angles(position_ids: torch.Tensor, head_dim: int, base: float,
     """cos and sin of shape (b, 1, s, head_dim) for integer positions of shape (b, s) (with YaRN
     both times :func:`rotary_amplitude`)."""
     if scaling_kind(scaling) == "yarn":
-        inv_freq = yarn_frequencies(head_dim, base, scaling).to(position_ids.device)
+        inv_freq = yarn_frequencies(head_dim, base, scaling, position_ids.device)
     else:
         exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=position_ids.device) / head_dim
         inv_freq = scaled_frequencies(base ** -exponents, scaling)

@@ -11,9 +11,13 @@ aux-loss-free expert bias (no aux loss).
 Layouts (losses and grad norms within 1e-5 of serial, the expert biases after 6 steps
 bit-identical to serial's): TP2+SP x EP2, CP2 a2a x EP2, CP2 p2p x DP2 ZeRO-1 on packed documents
 (its serial run packs them too), PP2 (1F1B) x EP2 x DP2 ZeRO-1, PP2 zb-h1 x DP2, TP2+SP x PP2
-with full recomputation.
+with full recomputation. docs/moe.md's "Train a DeepSeek-V3-style model" block is this command
+line (its --train-iters aside) at TP2+SP x EP2.
 """
 from __future__ import annotations
+
+import shlex
+from pathlib import Path
 
 import pytest
 
@@ -56,3 +60,14 @@ LAYOUTS = {
 @pytest.mark.slow  # a 4-rank world: the full suite runs it, the fast tier leaves it out
 def test_deepseek_v3_tiny_every_layout_equals_serial_with_bit_identical_expert_biases():
     assert_layouts_equal_serial(DEEPSEEK_V3_TINY, LAYOUTS, steps=STEPS, expert_biases=True, timeout=300)
+
+
+def test_docs_command_is_the_tested_one():
+    text = (Path(__file__).resolve().parent.parent / "docs" / "moe.md").read_text()
+    block = text.split("**Train a DeepSeek-V3-style model**", 1)[1].split("```bash\n", 1)[1].split("```", 1)[0]
+    argv = shlex.split(block.replace("\\\n", " "))
+    argv = argv[argv.index("pretrain_gpt.py") + 1:]
+    iters = argv.index("--train-iters")
+    tested = list(DEEPSEEK_V3_TINY)
+    tested[tested.index("--train-iters") + 1] = argv[iters + 1]
+    assert argv == tested + LAYOUTS["tp2+sp x ep2"], argv

@@ -11,7 +11,8 @@ aux-loss-free expert bias (no aux loss).
 Layouts (losses and grad norms within 1e-5 of serial, the expert biases after 6 steps
 bit-identical to serial's): TP2+SP x EP2, CP2 a2a x EP2, CP2 p2p x DP2 ZeRO-1 on packed documents
 (its serial run packs them too), PP2 (1F1B) x EP2 x DP2 ZeRO-1, PP2 zb-h1 x DP2, TP2+SP x PP2
-with full recomputation. docs/moe.md's "Train a DeepSeek-V3-style model" block is this command
+with full recomputation, EP4 x DP4 ZeRO-1 (each group of 2 experts on a rank of its own) and CP2
+all-gather x TP2+SP. docs/moe.md's "Train a DeepSeek-V3-style model" block is this command
 line (its --train-iters aside) at TP2+SP x EP2.
 """
 from __future__ import annotations
@@ -54,6 +55,8 @@ LAYOUTS = {
     "pp2 1f1b x ep2 x dp2 zero-1": PP2 + EP2 + ZERO1,
     "pp2 zb-h1 x dp2": PP2 + ["--pipeline-schedule", "zb-h1"],
     "tp2+sp x pp2, full recompute": TP2 + PP2 + ["--recompute-granularity", "full", "--recompute-method", "uniform"],
+    "ep4 x dp4 zero-1": ["--expert-model-parallel-size", "4"] + ZERO1,
+    "cp2 allgather x tp2+sp": TP2 + ["--context-parallel-size", "2", "--cp-comm-type", "allgather"],
 }
 
 

@@ -101,3 +101,23 @@ def test_a_full_cache_is_one_message():
     cache = model_cache(model, 1, 4, torch.float32, torch.device("cpu"))
     with torch.no_grad(), pytest.raises(ValueError, match="the KV cache holds 4 positions; 0 \\+ 5 do not fit"):
         model(torch.arange(5)[None], kv_cache=cache)
+
+
+def test_tools_generate_runs_a_latent_attention_checkpoint(tmp_path, capsys):
+    """tools/generate.py (the model whole, TP 1) loads a saved MLA + YaRN model and decodes with
+    the latent cache: the uncached loop's tokens."""
+    import json
+    import os
+    import sys
+
+    from megalite.checkpoint import save_weights_checkpoint
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
+    import generate as generate_tool
+
+    model = _model(**VARIANTS["yarn"])
+    save_weights_checkpoint(str(tmp_path / "ckpt"), model)
+    prompt = [5, 17, 42]
+    assert generate_tool.main(["--load", str(tmp_path / "ckpt"), "--prompt-ids", ",".join(map(str, prompt)),
+                               "--max-new-tokens", "9", "--greedy", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ids"] == _uncached_greedy(model, prompt, 9)

@@ -121,3 +121,15 @@ def test_tools_generate_runs_a_latent_attention_checkpoint(tmp_path, capsys):
     assert generate_tool.main(["--load", str(tmp_path / "ckpt"), "--prompt-ids", ",".join(map(str, prompt)),
                                "--max-new-tokens", "9", "--greedy", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["ids"] == _uncached_greedy(model, prompt, 9)
+
+
+def test_the_benchmark_measures_the_allocated_caches(capsys):
+    """tools/bench_generation_cache.py's first table (docs/BENCHMARKS.md): DeepSeek-V3's layer
+    caches 1152 bf16 bytes per token, Llama-3-8B's 4096 (3.56x), V3's heads uncompressed 81920."""
+    from tools.bench_generation_cache import per_layer
+
+    per_layer(16)
+    rows = {line[:34].strip(): line.split()[-3:] for line in capsys.readouterr().out.splitlines() if "layer" in line}
+    assert rows["DeepSeek-V3 layer (MLA 512 + 64)"] == ["1,152", "1,152", "3.56"]
+    assert rows["Llama-3-8B layer (GQA 8 x 128)"] == ["4,096", "4,096", "1.00"]
+    assert rows["V3 layer uncompressed (128 x 320)"][:2] == ["81,920", "81,920"]

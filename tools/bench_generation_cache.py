@@ -10,7 +10,7 @@ of the allocated buffers over the positions they hold, next to the formula
 (``megalite.model.counting.cache_bytes_per_token``) and the ratio GQA / MLA:
 
 1. one layer: DeepSeek-V3's (r_kv 512, d_r 64: 576 elements) against Llama-3-8B's (8 groups x
-   128 x 2 = 2048), and what V3's 128 heads of 192/128 would cache uncompressed (40960);
+   128 x 2 = 2048), and a cache of V3's 128 heads' keys and values of 192/128 (40960);
 2. whole models: DeepSeek-V3 (61 layers) against Llama-3-8B (32 layers), bf16;
 3. a tiny pair, built for real on the CPU, decoding greedily with the cache filled by the decode
    itself (bytes from that cache; decode tokens/s on this CPU, MLA's absorbed and expanded form).
@@ -29,6 +29,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # tiny decode steps: more threads
 import torch  # noqa: E402
 
 from megalite.config import ModelConfig  # noqa: E402
+from megalite.layers.kv_cache import KVCache  # noqa: E402
 from megalite.model.counting import cache_bytes_per_token  # noqa: E402
 from megalite.model.generation import model_cache  # noqa: E402
 from megalite.model.gpt import GPTModel  # noqa: E402
@@ -71,12 +72,14 @@ def table(title: str, rows: list[tuple[str, float, int]], baseline: float) -> No
 def per_layer(positions: int) -> None:
     v3 = measured(config(DEEPSEEK_V3, num_layers=1), positions)
     llama = measured(config(LLAMA_3_8B, num_layers=1), positions)
-    rows = [("Llama-3-8B layer (GQA 8 x 128)", *llama), ("DeepSeek-V3 layer (MLA 512 + 64)", *v3)]
+    heads, d_qk, d_v = 128, 128 + 64, 128  # V3's keys and values, were they cached per head
+    full = KVCache.for_layers({"0": [(heads, d_qk), (heads, d_v)]}, 1, positions, torch.bfloat16, torch.device("cpu"))
+    rows = [("Llama-3-8B layer (GQA 8 x 128)", *llama), ("DeepSeek-V3 layer (MLA 512 + 64)", *v3),
+            ("V3 layer uncompressed (128 x 320)", full.bytes_per_token(), 2 * heads * (d_qk + d_v))]
     table(f"1. one layer, bf16 ({positions} positions allocated)", rows, llama[0])
-    heads, d_qk, d_v = 128, 128 + 64, 128
-    uncompressed = 2 * heads * (d_qk + d_v)
-    print(f"   DeepSeek-V3's 128 heads uncompressed (keys 192 + values 128 each): {uncompressed:,} bytes/token, "
-          f"{uncompressed / v3[0]:.1f}x its latent cache\n")
+    print(f"   elements per token: Llama-3-8B 2 x 8 x 128 = 2048, DeepSeek-V3 512 + 64 = 576, uncompressed "
+          f"128 x (192 + 128) = 40960: the latent is {full.bytes_per_token() / v3[0]:.1f}x smaller than V3's "
+          f"heads' keys and values\n")
 
 
 def whole_models(positions: int) -> None:

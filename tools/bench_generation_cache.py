@@ -13,9 +13,12 @@ of the allocated buffers over the positions they hold, next to the formula
    128 x 2 = 2048), and a cache of V3's 128 heads' keys and values of 192/128 (40960);
 2. whole models: DeepSeek-V3 (61 layers) against Llama-3-8B (32 layers), bf16;
 3. a tiny pair, built for real on the CPU, decoding greedily with the cache filled by the decode
-   itself (bytes from that cache; decode tokens/s on this CPU, MLA's absorbed and expanded form).
+   itself (bytes from that cache; decode tokens/s on this CPU, MLA's absorbed and expanded form);
+4. one decode step of one attention layer (hidden 1024, 16 heads) over a long cache on this CPU:
+   GQA against MLA expanded (W_ukv applied to every cached latent each step) and absorbed (the
+   cache read once as one shared head).
 
-    python tools/bench_generation_cache.py [--positions 1024] [--tiny-tokens 64]
+    python tools/bench_generation_cache.py [--positions 1024] [--tiny-tokens 64] [--context 2048]
 """
 import argparse
 import os
@@ -30,6 +33,7 @@ import torch  # noqa: E402
 
 from megalite.config import ModelConfig  # noqa: E402
 from megalite.layers.kv_cache import KVCache  # noqa: E402
+from megalite.layers.rotary import rotary_angles  # noqa: E402
 from megalite.model.counting import cache_bytes_per_token  # noqa: E402
 from megalite.model.generation import model_cache  # noqa: E402
 from megalite.model.gpt import GPTModel  # noqa: E402
@@ -123,16 +127,57 @@ def tiny_pair(tokens: int) -> None:
     print()
 
 
+MID_MLA = dict(hidden_size=1024, num_attention_heads=16, ffn_hidden_size=1024, multi_latent_attention=True,
+               q_lora_rank=384, kv_lora_rank=256, qk_head_dim=64, qk_pos_emb_head_dim=32, v_head_dim=64, num_layers=1)
+MID_GQA = dict(hidden_size=1024, num_attention_heads=16, num_query_groups=4, ffn_hidden_size=1024, num_layers=1)
+
+
+@torch.no_grad()
+def step_ms(attn, cfg: ModelConfig, context: int, repeats: int = 5) -> float:
+    """Best time (ms) of one new position attending over ``context`` cached ones, one layer."""
+    cache = KVCache.for_layers({"0": attn.cache_buffers(cfg)}, 1, context + 1, torch.float32, torch.device("cpu"))
+    cos, sin = rotary_angles(torch.arange(context + 1)[None], cfg.rotary_dim, cfg.rotary_base)
+    attn(torch.randn(context, 1, cfg.hidden_size), (cos[..., :context, :], sin[..., :context, :]), cache.layer(0))
+    cache.advance(context)
+    x, step = torch.randn(1, 1, cfg.hidden_size), (cos[..., context:, :], sin[..., context:, :])
+    best = float("inf")
+    for _ in range(repeats):
+        cache.length = context  # the same step again
+        start = time.perf_counter()
+        attn(x, step, cache.layer(0))
+        best = min(best, time.perf_counter() - start)
+    return 1e3 * best
+
+
+def decode_step(context: int) -> None:
+    print(f"4. one decode step of one attention layer over {context} cached positions, this CPU, fp32, best of 5")
+    print(f"{'layer (hidden 1024, 16 heads)':<44} {'bytes/token':>12} {'step ms':>8}")
+    for name, shape, absorbed in (("GQA: 4 groups x 64", MID_GQA, None),
+                                  ("MLA: r_kv 256 + d_r 32, expanded", MID_MLA, False),
+                                  ("MLA: r_kv 256 + d_r 32, absorbed", MID_MLA, True)):
+        cfg = config(shape, seq_length=context + 1)
+        torch.manual_seed(0)
+        model = GPTModel(cfg).eval()
+        model.init_weights(0)
+        attn = model.layers["0"].attn
+        if absorbed is not None:
+            attn.absorbed = absorbed
+        print(f"{name:<44} {cache_bytes_per_token(cfg, 4):>12,} {step_ms(attn, cfg, context):>8.2f}")
+    print()
+
+
 def main(argv=None) -> int:
     p = one_line_errors(argparse.ArgumentParser(description=__doc__,
                                                 formatter_class=argparse.RawDescriptionHelpFormatter))
     p.add_argument("--positions", type=int, default=1024, help="positions each cache allocates (1. and 2.)")
     p.add_argument("--tiny-tokens", type=int, default=64, help="tokens the tiny pair decodes (3.)")
+    p.add_argument("--context", type=int, default=2048, help="cached positions of the decode step (4.)")
     a = p.parse_args(argv)
-    positive(p, "--positions/--tiny-tokens", a.positions, a.tiny_tokens)
+    positive(p, "--positions/--tiny-tokens/--context", a.positions, a.tiny_tokens, a.context)
     per_layer(a.positions)
     whole_models(a.positions)
     tiny_pair(a.tiny_tokens)
+    decode_step(a.context)
     return 0
 
 

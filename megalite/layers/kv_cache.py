@@ -99,3 +99,16 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
     mask = None if s_q == 1 else causal_visible(s_q, s_k, s_k - s_q, 0, q.device)
     return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scale,
                                           enable_gqa=k.shape[1] != q.shape[1])
+
+
+def shared_head_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """:func:`cached_attention` for one key/value head (k, v: (b, 1, s_k, .)) shared by every head
+    of q (b, heads, s_q, d): the heads are folded into the query rows, row ``i * s_q + j`` = head i,
+    position j (its mask row is position j's), so the cache is read once by one matmul instead of
+    being repeated per head. The absorbed form of Multi-head Latent Attention attends this way."""
+    b, heads, s_q, _ = q.shape
+    s_k = k.shape[2]
+    mask = None if s_q == 1 else causal_visible(s_q, s_k, s_k - s_q, 0, q.device).repeat(heads, 1)
+    out = F.scaled_dot_product_attention(q.reshape(b, 1, heads * s_q, -1), k.to(q.dtype), v.to(q.dtype),
+                                         attn_mask=mask, scale=scale)
+    return out.view(b, heads, s_q, -1)

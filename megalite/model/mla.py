@@ -55,7 +55,7 @@ from torch import nn
 
 from megalite.context_parallel.attention import ContextParallelGroups
 from megalite.layers.documents import Documents
-from megalite.layers.kv_cache import cached_attention
+from megalite.layers.kv_cache import cached_attention, shared_head_attention
 from megalite.layers.norms import build_norm
 from megalite.layers.part_shape import MLAShape
 from megalite.layers.rotary import apply_rotary
@@ -176,8 +176,8 @@ class MultiLatentAttention(nn.Module, MLAShape):
         else:
             w = self.kv_up.weight.view(heads, -1, rkv)  # per head [W_uk (d_n rows) ; W_uv (d_v rows)]
             q_latent = torch.einsum("bhsn,hnr->bhsr", q_nope, w[:, :dn])  # W_uk,i^T q_n,i
-            latent_out = cached_attention(torch.cat([q_latent, q_rope], dim=-1), entries, entries[..., :rkv],
-                                          scale=q.shape[-1] ** -0.5)
+            latent_out = shared_head_attention(torch.cat([q_latent, q_rope], dim=-1), entries, entries[..., :rkv],
+                                               scale=q.shape[-1] ** -0.5)
             out = torch.einsum("bhsr,hvr->bhsv", latent_out, w[:, dn:])  # W_uv,i times the head's latent output
         return self.proj(out.permute(2, 0, 1, 3).reshape(s, b, -1))
 

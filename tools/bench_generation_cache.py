@@ -106,7 +106,8 @@ def decode(model: GPTModel, tokens: int) -> tuple[float, float]:
 
 
 def tiny_pair(tokens: int) -> None:
-    print(f"3. tiny pair on this CPU, fp32, {tokens} tokens decoded greedily (cache bytes from the decode's cache)")
+    print(f"3. tiny pair on this CPU, fp32, {tokens} tokens decoded greedily, best of 3 (cache bytes from the "
+          f"decode's cache)")
     print(f"{'model':<40} {'bytes/token':>12} {'formula':>8} {'GQA / this':>11} {'decode tok/s':>13}")
     results = []
     for name, shape, absorbed in (("GQA: 4 heads, 2 groups x 16", TINY_GQA, None),
@@ -120,7 +121,8 @@ def tiny_pair(tokens: int) -> None:
             if absorbed is not None:
                 layer.attn.absorbed = absorbed
         decode(model, 8)  # warm-up
-        got, rate = decode(model, tokens)
+        runs = [decode(model, tokens) for _ in range(3)]  # the best of 3: other work shares the CPU
+        got, rate = runs[0][0], max(r for _, r in runs)
         results.append((name, got, cache_bytes_per_token(cfg, 4), rate))
     for name, got, formula, rate in results:
         print(f"{name:<40} {got:>12,.0f} {formula:>8,} {results[0][1] / got:>11.2f} {rate:>13,.0f}")

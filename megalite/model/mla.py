@@ -34,7 +34,8 @@ runs the model whole (TP 1). Two ways to attend over the cache, equal up to roun
   ``sum_j p_ij v_ij = W_uv,i sum_j p_ij c_j``: each head's query becomes
   ``[W_uk,i^T q_n,i ; q_r,i]`` (r_kv + d_r) and attends over the cache itself as one shared
   key/value head (keys ``[c ; k_r]``, values ``c``) with the scale of d_qk = d_n + d_r; W_uv,i
-  maps the head's latent output to its d_v. No cached position is up-projected.
+  maps the head's latent output to its d_v. No cached position is up-projected, and the cache is
+  read once for all heads (``kv_cache.shared_head_attention`` folds the heads into the query rows).
 
 **Tensor parallelism**: heads are split over TP. Column-parallel (a rank's whole heads):
 W_uq (or W_q) and W_ukv; row-parallel: W_o. Replicated on every TP rank: W_dq, W_dkv and the two

@@ -20,6 +20,10 @@ model, shares it with the model. The rules a part follows:
   bytes: ``replicated`` (held whole on every TP rank, a sequence shard under SP), ``split``
   (divided over TP), and ``recomputable`` (what selective recomputation or a flash-style kernel
   does not keep, divided over TP).
+- **Generation cache** (attention parts), elements per token per layer on one TP rank:
+  ``cache_buffers`` lists the buffers the KV cache allocates for the part, (n, w) each
+  (:mod:`megalite.layers.kv_cache`); ``cache_elements_per_token`` is their sum of n w, the one
+  definition of cache bytes per token (times the cache's element bytes).
 """
 from __future__ import annotations
 
@@ -104,6 +108,18 @@ class PartShape:
         return 0.0, 0.0, 0.0
 
     @classmethod
+    def cache_buffers(cls, m, tp: int = 1) -> list[tuple[int, int]]:
+        """What generation caches per token for the part on one TP rank: (n, w) per buffer, each
+        held as (batch, n, positions, w) (none: a part with no state across positions)."""
+        return []
+
+    @classmethod
+    def cache_elements_per_token(cls, m, tp: int = 1) -> int:
+        """Cached elements per token of one layer on one TP rank: the sum of n w over
+        :meth:`cache_buffers` (bytes: times the cache's element size)."""
+        return sum(n * w for n, w in cls.cache_buffers(m, tp))
+
+    @classmethod
     def w_input_elements(cls, m, tokens: float, tp: int, sp: bool, *size) -> float:
         """Elements its linears keep between B and W (every input x, then every output gradient dy)."""
         pairs = [linear.w_inputs_per_token(tp, sp) for linear in cls.linears(m, *size)]
@@ -143,6 +159,12 @@ class SelfAttentionShape(PartShape):
         h, d, a, g = m.hidden_size, m.head_dim, m.num_attention_heads, m.num_query_groups
         return [LinearShape("qkv", h, (a + 2 * g) * d, True, m.add_bias_linear or m.add_qkv_bias),
                 LinearShape("proj", a * d, h, False, m.add_bias_linear)]
+
+    @classmethod
+    def cache_buffers(cls, m, tp: int = 1) -> list[tuple[int, int]]:
+        """Keys and values of this rank's g / t groups, d each: 2 g d / t elements per token per
+        layer (Llama-3-8B, g 8 of d 128: 2048)."""
+        return [(m.num_query_groups // tp, m.head_dim)] * 2
 
     @classmethod
     def attended_flops(cls, m) -> float:
@@ -232,6 +254,15 @@ class MLAShape(PartShape):
     def parameter_list(cls, m, tp: int, *size) -> list[int]:
         """The linears' (split), then the replicated ones (:meth:`replicated_list`)."""
         return [n for linear in cls.linears(m, *size) for n in linear.parameter_list(tp)] + cls.replicated_list(m)
+
+    @classmethod
+    def cache_buffers(cls, m, tp: int = 1) -> list[tuple[int, int]]:
+        """One buffer of r_kv + d_r per token: the normed key/value latent c and the rotated RoPE
+        key shared by the heads (keys and values are W_ukv c, :mod:`megalite.model.mla`), on
+        every TP rank whole (the latent is replicated; each rank up-projects it for its heads).
+        DeepSeek-V3 (r_kv 512, d_r 64): 576 elements, against its 128 heads' uncompressed keys
+        and values, 128 x (192 + 128) = 40960, and a GQA layer's 2 g d."""
+        return [(1, m.kv_lora_rank + m.qk_pos_emb_head_dim)]
 
     @classmethod
     def attended_flops(cls, m) -> float:

@@ -61,6 +61,14 @@ def attended_flops(m) -> float:
     return float(sum(layer_spec(m, i).attention.attended_flops(m) for i in range(m.num_layers)))
 
 
+def cache_bytes_per_token(m, element_bytes: int = 2, tp: int = 1) -> int:
+    """Generation cache bytes per token of one sequence, all layers, on one TP rank: each layer's
+    attention part's :meth:`PartShape.cache_elements_per_token` times ``element_bytes``
+    (2 L g d e / t for grouped-query attention; L (r_kv + d_r) e for Multi-head Latent Attention,
+    whose latent every TP rank holds whole)."""
+    return element_bytes * sum(layer_spec(m, i).attention.cache_elements_per_token(m, tp) for i in range(m.num_layers))
+
+
 def flops_per_token(m, attended: float | None = None) -> float:
     """Model FLOPs per token for training (module docstring): 6 x the parameters a token meets +
     3 x the attention's FLOPs over ``attended`` positions (default s): ``6 N + 12 L h s`` for GPT."""

@@ -1,7 +1,9 @@
 """Autoregressive text generation with a KV cache: greedy, or sampled with temperature,
 top-k and top-p (nucleus).
 
-One forward pass over the prompt fills the cache; then each step feeds the one new token
+One forward pass over the prompt fills the cache (what a layer caches is its attention part's
+choice, :meth:`megalite.layers.part_shape.PartShape.cache_buffers`: keys and values of
+self-attention, the compressed latent of Multi-head Latent Attention); then each step feeds the one new token
 and reads the logits of the last position. Sampling, from the last position's logits z:
     greedy:      argmax z
     temperature: p = softmax(z / T)
@@ -16,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from megalite.layers.kv_cache import KVCache
+from megalite.parallel import comm
 
 
 @dataclass
@@ -53,6 +56,14 @@ def next_token(logits: torch.Tensor, sampling: Sampling, generator: torch.Genera
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))
 
 
+def model_cache(model, batch: int, max_length: int, dtype: torch.dtype, device) -> KVCache:
+    """An empty cache for ``model``'s layers, each sized by its attention part's
+    ``cache_buffers`` (on this TP rank)."""
+    tp = comm.group_size(model.tp_group)
+    return KVCache.for_layers({name: layer.attn.cache_buffers(model.cfg, tp) for name, layer in model.layers.items()},
+                              batch, max_length, dtype, device)
+
+
 @torch.no_grad()
 def generate(model, prompt: list[int], max_new_tokens: int, sampling: Sampling | None = None,
              eos_ids: tuple[int, ...] = ()) -> list[int]:
@@ -68,7 +79,7 @@ def generate(model, prompt: list[int], max_new_tokens: int, sampling: Sampling |
                          f"model's {cfg.max_position_embeddings} learned positions. Fix: shorten either.")
     param = next(model.parameters())
     model.eval()
-    cache = KVCache(model.layers.keys(), 1, cfg.num_query_groups, cfg.head_dim, length, param.dtype, param.device)
+    cache = model_cache(model, 1, length, param.dtype, param.device)
     generator = torch.Generator().manual_seed(sampling.seed)
     tokens = torch.tensor([prompt], device=param.device)
     out: list[int] = []

@@ -160,6 +160,36 @@ def test_attention_backends_take_a_value_head_size_of_their_own():
         flash_block_forward(q, k, v, causal=True, interface=object())
 
 
+def _aten_ops_run(fn) -> set[str]:
+    """The aten ops ``fn()`` dispatches (forward and backward)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    seen: set[str] = set()
+    with Record():
+        fn()
+    return seen
+
+
+@pytest.mark.parametrize("d,d_v", [(24, 16), (16, 24)])
+def test_torch_backend_takes_the_cpu_fused_kernel_with_two_head_sizes(d, d_v):
+    """On a CPU, SDPA's fused kernel needs one head size; with d_v != d the torch backend pads to
+    one (zeros), passes the unpadded 1/sqrt(d) scale and slices the output: the same numbers as
+    the definition, without SDPA's math path (which materialises the probabilities)."""
+    q, k, v, dout = inputs(2, 4, 2, 13, d, d_v)
+    doc_start = torch.tensor([[0] * 6 + [6] * 7] * 2, dtype=torch.int32)
+    documents = Documents(start=doc_start, end=torch.tensor([[6] * 6 + [13] * 7] * 2, dtype=torch.int32))
+    for docs, starts in ((None, None), (documents, doc_start)):
+        check_against_oracle(lambda q_, k_, v_: attention(q_, k_, v_, backend="torch", documents=docs),
+                             q, k, v, dout, 1e-5, doc_start=starts)
+    ops = _aten_ops_run(lambda: grads(lambda q_, k_, v_: attention(q_, k_, v_, backend="torch"), q, k, v, dout))
+    assert "aten._scaled_dot_product_flash_attention_for_cpu" in ops, sorted(ops)
+
+
 # -- context parallelism, every comm type ----------------------------------------------------------
 
 def _cp_worker(rank, world, cases):

@@ -197,10 +197,31 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool
         out = flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                               dropout_p=dropout_p, causal=causal)
         return out.transpose(1, 2)
+    d_v = v.shape[-1]
+    q, k, v, scale = _one_head_size_on_cpu(q, k, v)
     groups, heads = k.shape[1], q.shape[1]
     if documents is not None:  # the causal and document mask in one (SDPA takes one or the other)
         mask = visible_mask(documents, q.shape[2], k.shape[2])
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
-                                              enable_gqa=groups != heads)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=dropout_p,
-                                          enable_gqa=groups != heads)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout_p,
+                                             enable_gqa=groups != heads, scale=scale)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, dropout_p=dropout_p,
+                                             enable_gqa=groups != heads, scale=scale)
+    return out[..., :d_v] if out.shape[-1] != d_v else out
+
+
+def _one_head_size_on_cpu(q, k, v):
+    """q, k, v zero-padded to one head size D = max(d, d_v) on a CPU, and the softmax scale
+    1/sqrt(d) of the unpadded q (None: SDPA's default, nothing padded).
+
+    The CPU's fused SDPA kernel takes only one head size for q, k and v; with d_v != d (MLA)
+    SDPA falls back to its math path, which materialises the (s_q x s_k) probabilities and ran
+    1.4x slower (tools/bench_models.py, docs/BENCHMARKS.md). Zero columns change nothing:
+    q k^T gains only 0 * 0 terms, and zero value columns give zero output columns, which the
+    caller slices off (their gradients are dropped by the pad's backward). On a GPU SDPA's
+    memory-efficient and cuDNN kernels take d_v != d as they are, so nothing is padded there."""
+    d, d_v = q.shape[-1], v.shape[-1]
+    if d == d_v or q.device.type != "cpu":
+        return q, k, v, None
+    size = max(d, d_v)
+    return F.pad(q, (0, size - d)), F.pad(k, (0, size - d)), F.pad(v, (0, size - d_v)), d ** -0.5

@@ -128,15 +128,62 @@ def test_what_megalite_cannot_express_is_refused(tmp_path):
                             ({"scoring_func": "softmax"}, "scoring_func 'softmax'"),
                             ({"rope_parameters": {**yarn, "rope_type": "dynamic", "type": "dynamic"}},
                              "rope scaling type 'dynamic'"),
-                            ({"rope_parameters": {**yarn, "mscale": 0.0}}, "rope_scaling mscale 0.0"),
-                            ({"rope_parameters": {**yarn, "attention_factor": 1.3}}, "attention_factor 1.3")]:
+                            ({"rope_parameters": {**yarn, "partial_rotary_factor": 0.5}},
+                             "partial_rotary_factor 0.5"),
+                            ({"rope_parameters": {**yarn, "attention_factor": 0.5}}, "attention_factor 0.5")]:
         json.dump({**config, **change}, open(tmp_path / "hf" / "config.json", "w"))
         with pytest.raises(UnsupportedModel, match=message):
             import_hf(str(tmp_path / "hf"), str(tmp_path / "x"))
         assert not (tmp_path / "x").exists()
-    # mscale_all_dim 0: HF turns cos/sin by mscale(s, 1) and keeps the softmax scale, as mscale 1 does here
-    plain = model_config_from_hf({**config, "rope_parameters": {**yarn, "mscale": 0.707, "mscale_all_dim": 0}})
-    assert (plain.rope_scaling["mscale"], plain.rope_scaling["mscale_all_dim"]) == (1.0, 0.0)
+
+
+@pytest.mark.parametrize("given,megalite", [({"mscale": 0.707, "mscale_all_dim": 0}, (1.0, 0.0)),
+                                            ({"mscale": 0, "mscale_all_dim": 0.8}, None),
+                                            ({"attention_factor": 1.25}, None)])
+def test_yarn_temperatures_hf_infers_otherwise_are_expressed(given, megalite):
+    """HF's cos/sin factor is mscale(s, mscale) / mscale(s, mscale_all_dim) only when both are
+    non-zero (else mscale(s, 1), or attention_factor when given); the import picks megalite's
+    --mscale to give the same factor, and the export writes it back as HF reads it."""
+    import math
+
+    import transformers.modeling_rope_utils as rope_utils
+    from megalite.checkpoint.hf_deepseek import hf_config_from
+    from megalite.layers.rotary import rotary_amplitude, softmax_scale
+
+    hf = {**SHAPE, "model_type": "deepseek_v3", "rope_scaling": None,
+          "rope_parameters": {**YARN, "rope_type": "yarn", "rope_theta": 10000.0, **given}}
+    cfg = model_config_from_hf(hf)
+    if megalite:
+        assert (cfg.rope_scaling["mscale"], cfg.rope_scaling["mscale_all_dim"]) == megalite
+    hf_config = transformers.DeepseekV3Config(**{k: v for k, v in hf.items() if k != "model_type"})
+    _, want = rope_utils._compute_yarn_parameters(hf_config)
+    assert math.isclose(rotary_amplitude(cfg.rope_scaling), want, rel_tol=1e-12)
+    d_qk = SHAPE["qk_nope_head_dim"] + SHAPE["qk_rope_head_dim"]
+    assert math.isclose(softmax_scale(cfg, d_qk), rope_utils.yarn_apply_mscale(hf_config.rope_parameters,
+                                                                               d_qk ** -0.5), rel_tol=1e-12)
+    out = hf_config_from(cfg, torch.float32, {})  # and back: HF's factor from what the export writes
+    again = transformers.DeepseekV3Config(**{k: v for k, v in out.items() if k not in ("model_type", "architectures")})
+    assert math.isclose(rope_utils._compute_yarn_parameters(again)[1], want, rel_tol=1e-12)
+
+
+def test_a_temperature_hf_would_not_infer_is_exported_as_attention_factor():
+    """megalite's --mscale 0.707 --mscale-all-dim 0 (Megatron's form): HF alone would turn cos/sin
+    by mscale(s, 1), so the export states mscale(s, 0.707) as attention_factor."""
+    import math
+
+    import transformers.modeling_rope_utils as rope_utils
+    from megalite.checkpoint.hf_deepseek import hf_config_from
+    from megalite.layers.rotary import rotary_amplitude
+
+    cfg = model_config_from_hf({**SHAPE, "model_type": "deepseek_v3"})
+    cfg.rope_scaling.update(mscale=0.707, mscale_all_dim=0.0)
+    out = hf_config_from(cfg, torch.float32, {})
+    assert out["rope_scaling"]["attention_factor"] == rotary_amplitude(cfg.rope_scaling) != 1.0
+    again = transformers.DeepseekV3Config(**{k: v for k, v in out.items() if k not in ("model_type", "architectures")})
+    assert math.isclose(rope_utils._compute_yarn_parameters(again)[1], rotary_amplitude(cfg.rope_scaling),
+                        rel_tol=1e-12)
+    back = model_config_from_hf(out)  # and megalite reads it back to the same factor
+    assert math.isclose(rotary_amplitude(back.rope_scaling), rotary_amplitude(cfg.rope_scaling), rel_tol=1e-12)
 
 
 @pytest.mark.skip(reason="needs MLA generation")

@@ -17,8 +17,10 @@ YaRN's temperature. HF multiplies cos/sin by ``attention_factor`` when given, el
 mscale(s, mscale) / mscale(s, mscale_all_dim) when both are non-zero, else by mscale(s, 1); the
 softmax scale is d_qk^-1/2 times mscale(s, mscale_all_dim)^2 when mscale_all_dim is non-zero.
 megalite's cos/sin factor is always mscale(s, mscale) / mscale(s, mscale_all_dim) and its
-softmax scale the same as HF's, so an HF config with mscale_all_dim 0 imports with mscale 1, and
-on the way out an amplitude HF would infer differently is written as ``attention_factor``.
+softmax scale the same as HF's, so the import keeps mscale_all_dim and sets mscale to give HF's
+cos/sin factor (mscale 1 when mscale_all_dim is 0; else solved from mscale(s, mscale) = factor x
+mscale(s, mscale_all_dim), exact to rounding), and on the way out a factor HF would infer
+differently is written as ``attention_factor``.
 
 Weights. megalite's MLA rows are HF's: ``q_b_proj`` (or ``q_proj``) per head [nope; rope],
 ``kv_a_proj_with_mqa`` [latent; rope key], ``kv_b_proj`` per head [k_nope; v]. One difference:
@@ -78,20 +80,23 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
                       "megalite's RoPE turns the whole qk_rope_head_dim part.")
     original = scaling["original_max_position_embeddings"]
     factor = scaling.get("factor") or hf["max_position_embeddings"] / original
-    mscale, all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
-    if not all_dim:
-        mscale, all_dim = 1.0, 0.0  # HF: cos/sin times mscale(s, 1), plain softmax scale
-    elif not mscale:
-        raise _refuse("rope_scaling mscale", mscale, f"with mscale_all_dim {all_dim} HF turns cos/sin by "
-                      f"mscale(s, 1) and scales the softmax by mscale(s, {all_dim})^2, which megalite's "
-                      f"--mscale / --mscale-all-dim do not express. Fix: a non-zero mscale.")
+    mscale, all_dim = scaling.get("mscale"), float(scaling.get("mscale_all_dim") or 0.0)
+    given = scaling.get("attention_factor")
+    if given is not None or not (mscale and all_dim):  # HF's cos/sin factor is not the mscale ratio
+        amplitude = given if given is not None else yarn_mscale(factor)
+        if factor <= 1 and amplitude != 1:
+            raise _refuse("rope_scaling attention_factor", given, f"with factor {factor} megalite's cos/sin factor "
+                          f"is 1 (YaRN's temperature needs factor > 1).")
+        if given is None and not all_dim or factor <= 1:
+            mscale = 1.0  # mscale(s, 1) / mscale(s, 0): the same factor, exactly
+        else:  # mscale(s, m) = amplitude * mscale(s, mscale_all_dim), solved for m
+            mscale = (amplitude * yarn_mscale(factor, all_dim) - 1) / (0.1 * math.log(factor))
+        if mscale < 0:
+            raise _refuse("rope_scaling attention_factor", amplitude, f"below 1 / mscale(s, mscale_all_dim "
+                          f"{all_dim}): megalite's --mscale would have to be negative ({mscale:.3g}).")
     out = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": original,
            "beta_fast": float(scaling.get("beta_fast") or 32), "beta_slow": float(scaling.get("beta_slow") or 1),
-           "mscale": float(mscale), "mscale_all_dim": float(all_dim), "truncate": bool(scaling.get("truncate", True))}
-    given = scaling.get("attention_factor")
-    if given is not None and not math.isclose(given, rotary_amplitude(out), rel_tol=1e-9):
-        raise _refuse("rope_scaling attention_factor", given, f"megalite's cos/sin factor is mscale(s, mscale) / "
-                      f"mscale(s, mscale_all_dim) = {rotary_amplitude(out)!r} here; another one is not expressed.")
+           "mscale": float(mscale), "mscale_all_dim": all_dim, "truncate": bool(scaling.get("truncate", True))}
     return base, out
 
 

@@ -137,6 +137,32 @@ def test_what_megalite_cannot_express_is_refused(tmp_path):
         assert not (tmp_path / "x").exists()
 
 
+def test_bf16_export_keeps_the_expert_bias_fp32_and_what_v3_cannot_hold_is_refused(tmp_path):
+    """transformers keeps e_score_correction_bias in fp32 (its small steps would round away in
+    bf16): the export writes it so, beside bf16 weights. A model DeepseekV3ForCausalLM cannot
+    hold is refused before anything is written."""
+    from safetensors import safe_open
+    model = deepseek(tmp_path)
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
+    export_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"), dtype="bfloat16")
+    with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
+        bias = f.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias")
+        assert f.get_tensor("model.layers.1.mlp.gate.weight").dtype == torch.bfloat16
+    assert torch.equal(bias, model.model.layers[1].mlp.gate.e_score_correction_bias)
+    meta_path = next((tmp_path / "ckpt").glob("iter_*/metadata.json"))
+    saved = json.load(open(meta_path))
+    for change, message in [({"moe_router_score_function": "softmax"}, "sigmoid router scores"),
+                            ({"moe_shared_expert_intermediate_size": None}, "a shared expert"),
+                            ({"moe_layer_freq": [1, 0, 1]}, "dense layers first"),
+                            ({"qk_layernorm": True}, "no QK-norm")]:
+        meta = json.loads(json.dumps(saved))
+        meta["config"]["model"].update(change)
+        json.dump(meta, open(meta_path, "w"))
+        with pytest.raises(UnsupportedModel, match=message):
+            export_hf(str(tmp_path / "ckpt"), str(tmp_path / "refused"))
+        assert not (tmp_path / "refused").exists()
+
+
 @pytest.mark.parametrize("given,megalite", [({"mscale": 0.707, "mscale_all_dim": 0}, (1.0, 0.0)),
                                             ({"mscale": 0, "mscale_all_dim": 0.8}, None),
                                             ({"attention_factor": 1.25}, None)])

@@ -123,6 +123,8 @@ def test_what_megalite_cannot_express_is_refused(tmp_path):
                             ({"num_key_value_heads": 2}, "num_key_value_heads 2"),
                             ({"attention_bias": True}, "attention_bias True"),
                             ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+                            ({"rms_norm_eps": 1e-5}, "rms_norm_eps 1e-05"),
+                            ({"quantization_config": {"quant_method": "fp8"}}, "quant_method 'fp8'"),
                             ({"first_k_dense_replace": 3}, "no MoE layer"),
                             ({"n_group": 3}, "n_group / topk_group"),
                             ({"scoring_func": "softmax"}, "scoring_func 'softmax'"),
@@ -154,7 +156,8 @@ def test_bf16_export_keeps_the_expert_bias_fp32_and_what_v3_cannot_hold_is_refus
     for change, message in [({"moe_router_score_function": "softmax"}, "sigmoid router scores"),
                             ({"moe_shared_expert_intermediate_size": None}, "a shared expert"),
                             ({"moe_layer_freq": [1, 0, 1]}, "dense layers first"),
-                            ({"qk_layernorm": True}, "no QK-norm")]:
+                            ({"qk_layernorm": True}, "no QK-norm"),
+                            ({"norm_epsilon": 1e-5}, "--norm-epsilon 1e-06")]:
         meta = json.loads(json.dumps(saved))
         meta["config"]["model"].update(change)
         json.dump(meta, open(meta_path, "w"))

@@ -55,6 +55,7 @@ from megalite.moe.settings import check_routing, moe_layers
 
 MODEL_TYPE = "deepseek_v3"
 ARCHITECTURE = "DeepseekV3ForCausalLM"
+LATENT_NORM_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm (not rms_norm_eps)
 KEEP_FP32 = ("e_score_correction_bias",)  # the selection bias's small steps would round away in bf16
 
 
@@ -140,6 +141,15 @@ def model_config_from_hf(hf: dict, seq_length: int | None = None) -> ModelConfig
         raise _refuse("attention_bias", True, "megalite's Multi-head Latent Attention has no biases.")
     if hf.get("hidden_act", "silu") != "silu":
         raise _refuse("hidden_act", hf["hidden_act"], "megalite's SwiGLU uses silu.")
+    if hf.get("rms_norm_eps", LATENT_NORM_EPS) != LATENT_NORM_EPS:
+        raise _refuse("rms_norm_eps", hf["rms_norm_eps"], f"transformers' DeepseekV3 normalizes the q and kv "
+                      f"latents with eps {LATENT_NORM_EPS} whatever rms_norm_eps says, megalite every norm with "
+                      f"--norm-epsilon: they agree only at {LATENT_NORM_EPS}.")
+    if hf.get("quantization_config"):
+        method = hf["quantization_config"].get("quant_method", "?")
+        raise _refuse("quantization_config quant_method", method, "the weights are stored quantized (DeepSeek-V3's "
+                      "hub files: fp8 blocks with weight_scale_inv); megalite imports unquantized weights. Fix: "
+                      "convert the checkpoint to bf16 first (DeepSeek's fp8_cast_bf16.py) and import that copy.")
     base, scaling = _rope(hf)
     max_positions = hf.get("max_position_embeddings", 4096)
     return ModelConfig(
@@ -164,6 +174,7 @@ def _export_checks(cfg: ModelConfig) -> list[str]:
         ((cfg.position_embedding_type, cfg.normalization, cfg.swiglu, cfg.add_bias_linear, cfg.add_qkv_bias)
          == ("rope", "RMSNorm", True, False, False), "rope, RMSNorm, SwiGLU and no biases"),
         (not cfg.qk_layernorm, "no QK-norm"),
+        (cfg.norm_epsilon == LATENT_NORM_EPS, f"--norm-epsilon {LATENT_NORM_EPS} (transformers' latent norms' eps)"),
         (scaling_kind(cfg.rope_scaling) in (None, "yarn"), "no RoPE scaling or yarn"),
         (bool(cfg.num_experts), "mixture-of-experts layers (--num-experts)"),
         (any(pattern) and all(pattern[dense:]), "dense layers first, then only MoE layers (first_k_dense_replace)"),

@@ -100,7 +100,7 @@ def test_stacked_names_plain_rope_and_left_out_mtp_weights(tmp_path, capsys):
     json.dump({**config, "num_nextn_predict_layers": 1}, open(tmp_path / "stacked" / "config.json", "w"))
     capsys.readouterr()
     import_hf(str(tmp_path / "stacked"), str(tmp_path / "ckpt"), progress=False)
-    err = capsys.readouterr().err.strip().splitlines()
+    err = [line for line in capsys.readouterr().err.strip().splitlines() if "router" not in line]
     assert len(err) == 1 and "model.layers.3..3.*" in err[0] and "left out" in err[0], err
     assert _model_settings(tmp_path / "ckpt")["rope_scaling"] is None
     assert_same_logits(model, tmp_path / "ckpt")
@@ -215,6 +215,34 @@ def test_a_temperature_hf_would_not_infer_is_exported_as_attention_factor():
     assert math.isclose(rotary_amplitude(back.rope_scaling), rotary_amplitude(cfg.rope_scaling), rel_tol=1e-12)
 
 
+# what the import prints for SHAPE: --load does not carry the router's settings (not fixed by checkpoints)
+ROUTER = ("--moe-router-topk 2 --moe-router-score-function sigmoid --moe-router-num-groups 4 "
+          "--moe-router-group-topk 2 --moe-router-topk-scaling-factor 2.5 --moe-router-enable-expert-bias")
+
+
+def test_the_import_prints_the_router_flags_to_train_with(tmp_path, capsys):
+    deepseek(tmp_path)
+    capsys.readouterr()
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), progress=False)
+    assert capsys.readouterr().err.strip().endswith(ROUTER)
+
+
+@pytest.mark.xfail(strict=True, reason="the router's settings are not marked fixed in config_types.py: --load "
+                                       "takes them from the command line (defaults: softmax, no groups, no bias)")
+def test_load_takes_the_router_settings_from_the_checkpoint(tmp_path):
+    """What a fine-tune of the imported model needs: --load adopting the router's settings as it
+    adopts the experts' (settings.adopt_checkpoint_model). Fails today: see the xfail reason."""
+    from megalite.checkpoint.settings import adopt_checkpoint_model
+    from megalite.config import ModelConfig
+
+    deepseek(tmp_path)
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), progress=False)
+    run = ModelConfig(vocab_size=1000)
+    adopt_checkpoint_model(run, _model_settings(tmp_path / "ckpt"), set(), 1000, str(tmp_path / "ckpt"))
+    assert (run.num_experts, run.moe_router_score_function, run.moe_router_num_groups,
+            run.moe_router_topk_scaling_factor, run.moe_router_enable_expert_bias) == (8, "sigmoid", 4, 2.5, True)
+
+
 @pytest.mark.skip(reason="needs MLA generation")
 def test_greedy_generation_equals_transformers(tmp_path, capsys):
     import generate as generate_tool
@@ -233,18 +261,26 @@ def _finetune_worker(rank, world, ckpt, layouts):
     from megalite.train.pretrain import pretrain
     base = ["--load", ckpt, "--finetune", "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4",
             "--seq-length", "32", "--train-iters", "2", "--lr", "1e-3", "--log-interval", "100",
-            "--hidden-dropout", "0", "--attention-dropout", "0"]
+            "--hidden-dropout", "0", "--attention-dropout", "0"] + ROUTER.split()
     return [[(r["loss"], r["grad_norm"]) for r in pretrain(base + extra)] for extra in layouts]
 
 
 @pytest.mark.slow
-def test_imported_deepseek_v3_trains_at_ep2_tp2_as_serially(tmp_path):
-    deepseek(tmp_path)
+def test_imported_deepseek_v3_trains_at_ep2_tp2_as_serially_and_exports(tmp_path):
+    """The imported model fine-tunes at TP2+SP x EP2 as serially; the checkpoint that run saves
+    (TP and EP pieces, expert biases moved by the training) exports to a model whose logits
+    transformers computes as megalite does."""
+    model = deepseek(tmp_path)
     import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), seq_length=32)
     serial = run_world(_finetune_worker, 1, str(tmp_path / "ckpt"), [[]])[0][0]
     ep2_tp2 = run_world(_finetune_worker, 4, str(tmp_path / "ckpt"),
                         [["--expert-model-parallel-size", "2", "--tensor-model-parallel-size", "2",
-                          "--sequence-parallel"]])[0][0]
+                          "--sequence-parallel", "--save", str(tmp_path / "tuned")]])[0][0]
     worst = max(abs(a - b) / b for pair, ref in zip(ep2_tp2, serial) for a, b in zip(pair, ref))
     print(f"imported DeepSeek-V3 at TP2+SP x EP2 vs serial: worst {worst:.1e}")
     assert worst < 1e-5, (ep2_tp2, serial)
+    export_hf(str(tmp_path / "tuned"), str(tmp_path / "out"), progress=False)
+    tuned = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "out").eval()
+    before = model.model.layers[1].mlp.gate.e_score_correction_bias
+    assert not torch.equal(tuned.model.layers[1].mlp.gate.e_score_correction_bias, before)  # the bias moved
+    assert_same_logits(tuned, tmp_path / "tuned")

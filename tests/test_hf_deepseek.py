@@ -1,8 +1,9 @@
 """Hugging Face DeepSeek-V3 in and out: logits equal to transformers' (fp32, 1e-5 relative) with
 and without a query latent, the export round trip bit-equal (safetensors and config.json), the
-multi-token-prediction weights left out with one line, what megalite cannot express refused, and
-the imported model at EP2 x TP2 equal to serial. Tiny random models built by transformers; no
-download."""
+multi-token-prediction weights left out with one line, what megalite cannot express refused (both
+ways), YaRN's temperature as transformers computes it, and the imported model at TP2+SP x EP2 equal
+to serial, its saved checkpoint exporting to transformers' logits. Greedy generation waits for MLA's
+generation cache (skipped). Tiny random models built by transformers; no download."""
 import json
 import os
 import sys
@@ -38,7 +39,7 @@ def deepseek(tmp_path, **kw):
     model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**{**SHAPE, **kw})).eval()
     with torch.no_grad():
         for name, t in model.named_parameters():
-            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+            if name.endswith("norm.weight"):  # the layer norms, the latent norms, the final norm
                 t.normal_(1, 0.3)
             elif name.endswith("gate.weight"):
                 t.normal_(0, 0.5)  # a router that prefers some experts

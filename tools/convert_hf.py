@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Exchange weights with Hugging Face: GPT-2, Llama (2, 3, 3.1/3.2), Qwen2 and Mixtral.
+"""Exchange weights with Hugging Face: GPT-2, Llama (2, 3, 3.1/3.2), Qwen2, Qwen3, Mixtral, Qwen3-MoE and
+DeepSeek-V3.
 
     python tools/convert_hf.py --direction import --hf-dir HF --save CKPT
     python tools/convert_hf.py --direction export --load CKPT --hf-dir HF
@@ -17,6 +18,8 @@ of HF into the checkpoint and records the bos/eos/pad ids; every later save (--f
 resume) carries them, and the export writes them back, so the exported model loads with
 AutoTokenizer and generate() stops at EOS. Export refuses a folder that is not empty (exit 2,
 nothing written) unless --force, and the folder the checkpoint was imported from always.
+DeepSeek-V3's multi-token-prediction layers (model.layers.{num_hidden_layers + i}) are left out
+of the import, with one line saying so (megalite does not map MTP weights yet).
 """
 import argparse
 import os
@@ -39,7 +42,7 @@ def main(argv=None) -> int:
     p.add_argument("--load", help="export: megalite checkpoint directory to read")
     p.add_argument("--seq-length", type=int, default=None,
                    help="import: the training sequence length to record (default: min(max positions, 4096))")
-    p.add_argument("--model-type", choices=["gpt2", "llama", "qwen2", "mixtral"], default=None,
+    p.add_argument("--model-type", choices=["gpt2", "llama", "qwen2", "mixtral", "deepseek_v3"], default=None,
                    help="export: the Hugging Face architecture (default: the one imported, else from the model)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                    help="export: tensor dtype (default: the imported model's, else the training dtype)")

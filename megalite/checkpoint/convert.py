@@ -1,10 +1,11 @@
 """Hugging Face <-> megalite checkpoints, streamed one unit (embeddings, a layer) at a time.
 
-Import reads ``config.json`` for the architecture (GPT-2, Llama, Qwen2, Mixtral), then the tensors
-of one unit at a time from the (sharded) safetensors, maps them to megalite's names and
-layout (:mod:`megalite.checkpoint.hf` for GPT-2, :mod:`megalite.checkpoint.hf_llama` for
-Llama, Qwen2 and Mixtral) and writes that unit as one file of a weights-only megalite checkpoint,
-which loads under any layout. Export assembles each unit's full tensors from any megalite
+Import reads ``config.json`` for the architecture (GPT-2, Llama, Qwen2/3, Mixtral, Qwen3-MoE,
+DeepSeek-V3), then the tensors of one unit at a time from the (sharded) safetensors, maps them to
+megalite's names and layout (:mod:`megalite.checkpoint.hf` for GPT-2,
+:mod:`megalite.checkpoint.hf_llama` for Llama, Qwen2/3, Mixtral and Qwen3-MoE,
+:mod:`megalite.checkpoint.hf_deepseek` for DeepSeek-V3) and writes that unit as one file of a
+weights-only megalite checkpoint, which loads under any layout. Export assembles each unit's full tensors from any megalite
 checkpoint (whatever layout wrote it), maps them back and writes safetensors shards with
 their index, ``config.json`` and ``generation_config.json``, in the dtype of the original
 (or the training dtype). Memory: one unit, never the whole model.
@@ -28,8 +29,13 @@ from types import SimpleNamespace
 
 import torch
 
+from functools import partial
+
 from megalite.checkpoint import hf as gpt2
+from megalite.checkpoint import hf_deepseek as deepseek
 from megalite.checkpoint import hf_llama as llama
+from megalite.checkpoint.expert_bias import KIND as BIAS_KIND
+from megalite.checkpoint.expert_bias import SUFFIX as BIAS_SUFFIX
 from megalite.checkpoint.dcp_offline import DcpReader, is_dcp_checkpoint
 from megalite.checkpoint.format import CheckpointError, PieceReader
 from megalite.checkpoint.hf_io import HFReader, HFShardWriter, check_export_target
@@ -45,13 +51,22 @@ LLAMA = SimpleNamespace(import_globals=llama.import_globals, import_layer=llama.
 SPECIAL = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
-def _family(model_type: str | None):
+def _deepseek(interleaved: bool) -> SimpleNamespace:
+    """DeepSeek-V3's unit functions for a checkpoint whose RoPE rows are (or are to be) interleaved."""
+    return SimpleNamespace(import_globals=deepseek.import_globals, export_globals=deepseek.export_globals,
+                           import_layer=partial(deepseek.import_layer, interleaved=interleaved),
+                           export_layer=partial(deepseek.export_layer, interleaved=interleaved))
+
+
+def _family(model_type: str | None, interleaved: bool = True):
     if model_type in (None, "gpt2"):
         return GPT2
     if model_type in llama.ARCHITECTURES:
         return LLAMA
+    if model_type == deepseek.MODEL_TYPE:
+        return _deepseek(interleaved)
     raise llama.UnsupportedModel(f"config.json model_type {model_type!r} is not supported: megalite converts "
-                                 f"gpt2, {', '.join(llama.ARCHITECTURES)}.")
+                                 f"gpt2, {', '.join(llama.ARCHITECTURES)}, {deepseek.MODEL_TYPE}.")
 
 
 def import_hf(hf_dir: str, save: str, seq_length: int | None = None, progress: bool = True) -> str:
@@ -60,8 +75,19 @@ def import_hf(hf_dir: str, save: str, seq_length: int | None = None, progress: b
     reader = HFReader(hf_dir)
     hf = reader.config
     model_type = hf.get("model_type", "gpt2")
-    family = _family(model_type)
-    cfg = gpt2.model_config_from_hf(hf) if family is GPT2 else llama.model_config_from_hf_llama(hf, seq_length)
+    interleaved = bool(hf.get("rope_interleave", True))
+    family = _family(model_type, interleaved)
+    if family is GPT2:
+        cfg = gpt2.model_config_from_hf(hf)
+    elif family is LLAMA:
+        cfg = llama.model_config_from_hf_llama(hf, seq_length)
+    else:
+        cfg = deepseek.model_config_from_hf(hf, seq_length)
+        note = deepseek.left_out_note(hf, reader.weight_map)
+        if note:
+            print(note, file=sys.stderr)
+        print(f"note: --load does not take the router's settings from a checkpoint yet: train this model with "
+              f"{deepseek.router_flags(cfg)}", file=sys.stderr)
 
     def get(name: str) -> torch.Tensor:  # GPT2Model (no LM head) saves names without "transformer."
         return reader.get(name if reader.has(name) else name.removeprefix("transformer."))
@@ -76,7 +102,8 @@ def import_hf(hf_dir: str, save: str, seq_length: int | None = None, progress: b
     source = {"format": "huggingface", "model_type": model_type, "hf_dir": os.path.abspath(hf_dir),
               "torch_dtype": str(reader.dtype()).removeprefix("torch."),
               **{k: generation[k] for k in SPECIAL if generation.get(k) is not None},
-              **{k: hf[k] for k in SPECIAL if hf.get(k) is not None}}
+              **{k: hf[k] for k in SPECIAL if hf.get(k) is not None},
+              **({"rope_interleave": interleaved} if model_type == deepseek.MODEL_TYPE else {})}
     bar = track(units(), total=cfg.num_layers + 1, enabled=progress, unit=" unit",
                 desc=f"import {model_type}: embeddings + {cfg.num_layers} layers")
     final = write_weights_checkpoint(save, cfg, bar, source=source)
@@ -86,7 +113,7 @@ def import_hf(hf_dir: str, save: str, seq_length: int | None = None, progress: b
 
 def export_hf(load: str, hf_dir: str, model_type: str | None = None, dtype: str | None = None,
               max_shard_bytes: int = 5 * 2**30, progress: bool = True, force: bool = False) -> str:
-    """Write any megalite checkpoint of a GPT-2 or Llama-family model as a Hugging Face model,
+    """Write any megalite checkpoint of a GPT-2, Llama-family or DeepSeek-V3 model as a Hugging Face model,
     with the special tokens, generation config and tokenizer files it carries. ``progress``: a
     bar of the units converted on stderr, when stderr is a terminal. ``force``: write into a
     non-empty folder (never the one the checkpoint was imported from)."""
@@ -99,9 +126,11 @@ def export_hf(load: str, hf_dir: str, model_type: str | None = None, dtype: str 
     if cfg.position_embedding_type == "learned_absolute":
         model_type = model_type or "gpt2"
     else:
-        model_type = model_type or source.get("model_type") or ("mixtral" if cfg.num_experts else
-                                                                "qwen2" if cfg.add_qkv_bias else "llama")
-    family = _family(model_type)
+        model_type = model_type or source.get("model_type") or (
+            deepseek.MODEL_TYPE if cfg.multi_latent_attention else "mixtral" if cfg.num_experts else
+            "qwen2" if cfg.add_qkv_bias else "llama")
+    interleaved = bool(source.get("rope_interleave", True))
+    family = _family(model_type, interleaved)
     dtype_name = dtype or source.get("torch_dtype") or ("bfloat16" if train.get("bf16") else
                                                         "float16" if train.get("fp16") else "float32")
     torch_dtype = getattr(torch, dtype_name)
@@ -116,10 +145,15 @@ def export_hf(load: str, hf_dir: str, model_type: str | None = None, dtype: str 
         config = gpt2.hf_config_from(cfg)
         config["torch_dtype"] = dtype_name
         config.update(special)
-    else:  # before any weight is written: a model HF cannot express is refused first
+    elif family is LLAMA:  # before any weight is written: a model HF cannot express is refused first
         config = llama.hf_config_from_llama(cfg, model_type, torch_dtype, special)
+    else:
+        config = deepseek.hf_config_from(cfg, torch_dtype, special, interleaved)
+    biases = set(reader.names(BIAS_KIND))
 
     def get(name: str) -> torch.Tensor:
+        if name.endswith(BIAS_SUFFIX):  # a router's expert bias: its own kind; zeros if trained without
+            return reader.full_tensor(name, BIAS_KIND) if name in biases else torch.zeros(cfg.num_experts)
         return reader.full_tensor(name, "weight", cfg.vocab_size)
 
     check_export_target(hf_dir, force, source.get("hf_dir"))
@@ -128,7 +162,8 @@ def export_hf(load: str, hf_dir: str, model_type: str | None = None, dtype: str 
                    desc=f"export {model_type}: embeddings + {cfg.num_layers} layers"):
         unit = family.export_globals(get, cfg) if i < 0 else family.export_layer(get, i, cfg)
         for name, tensor in unit.items():
-            writer.add(name, tensor.to(torch_dtype))
+            keep = name.endswith(deepseek.KEEP_FP32)  # fp32 in HF's model too
+            writer.add(name, tensor.float() if keep else tensor.to(torch_dtype))
     writer.close()
     with open(os.path.join(hf_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)

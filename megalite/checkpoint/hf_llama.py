@@ -148,8 +148,8 @@ def hf_config_from_llama(cfg: ModelConfig, model_type: str, dtype: torch.dtype, 
                                "Hugging Face Llama/Qwen2")
     if cfg.multi_latent_attention or cfg.rope_scaling and cfg.rope_scaling.get("rope_type") == "yarn":
         raise UnsupportedModel("a model with Multi-head Latent Attention or YaRN RoPE is DeepSeek-V3-shaped: "
-                               "its Hugging Face export (DeepseekV3ForCausalLM) is not built yet (issue 38); "
-                               "Llama, Qwen2/3 and Mixtral cannot hold it")
+                               "Llama, Qwen2/3 and Mixtral cannot hold it. Fix: export it as "
+                               "DeepseekV3ForCausalLM (--model-type deepseek_v3, the default for an MLA model)")
     if cfg.qk_layernorm:
         _check_qwen3(cfg)
         model_type = "qwen3_moe" if cfg.num_experts else "qwen3"

@@ -6,6 +6,7 @@ import os
 import torch
 
 from megalite.checkpoint.expert_bias import KIND as BIAS_KIND
+from megalite.checkpoint.expert_bias import SUFFIX as BIAS_SUFFIX
 from megalite.checkpoint.expert_bias import load_expert_biases
 from megalite.checkpoint.names import global_pieces
 from megalite.checkpoint.format import (FORMAT_VERSION, VOCAB_PARAMS, PieceReader, iteration_dir,
@@ -59,7 +60,8 @@ def write_weights_checkpoint(root: str, cfg: ModelConfig, units, iteration: int 
                              source: dict | None = None) -> str:
     """A weights-only checkpoint from full tensors given in units (an iterable of
     ``{global name: tensor}``), one file per unit, so a converter holds one unit (a layer, the
-    embeddings) at a time. ``source``: provenance kept in metadata.json (e.g. the Hugging Face
+    embeddings) at a time; a router's expert bias (``...router.expert_bias``) is written as its own
+    kind, :mod:`megalite.checkpoint.expert_bias`. ``source``: provenance kept in metadata.json (e.g. the Hugging Face
     model type and dtype, for the way back)."""
     final = iteration_dir(root, iteration)
     os.makedirs(final, exist_ok=True)
@@ -70,9 +72,10 @@ def write_weights_checkpoint(root: str, cfg: ModelConfig, units, iteration: int 
             value = tensor.detach().float()
             if name in VOCAB_PARAMS:
                 value = value[: cfg.vocab_size]
-            key = f"weight/{name}/tp0/0"
+            kind = BIAS_KIND if name.endswith(BIAS_SUFFIX) else "weight"
+            key = f"{kind}/{name}/tp0/0"
             tensors[key] = value.reshape(-1)
-            pieces.append({"key": key, "name": name, "kind": "weight", "tp_rank": 0, "tp_size": 1, "split": None,
+            pieces.append({"key": key, "name": name, "kind": kind, "tp_rank": 0, "tp_size": 1, "split": None,
                            "local_shape": list(value.shape), "range": [0, value.numel()]})
         write_rank_files(final, k, tensors, pieces)
         files.append(f"rank{k:05d}.safetensors")

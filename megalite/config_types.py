@@ -141,7 +141,7 @@ class ModelConfig:
     # Mixture of experts (megalite.moe; Megatron's --num-experts, --moe-* flags). None = dense.
     num_experts: int | None = setting(None, "experts per MoE layer (default: a dense model)", fixed=True,
                                       group=MOE, type=int)
-    moe_router_topk: int = setting(2, "experts each token is routed to", group=MOE)
+    moe_router_topk: int = setting(2, "experts each token is routed to", fixed=True, group=MOE)
     moe_ffn_hidden_size: int | None = setting(None, "each expert's FFN size (default --ffn-hidden-size)",
                                               fixed=True, group=MOE, type=int)
     # every N-th layer is MoE (0, N, 2N, ...), or a 0/1 list per layer (the flag's text as given)
@@ -160,16 +160,20 @@ class ModelConfig:
     moe_grouped_gemm: bool = setting(False, "the experts' matmuls as one Triton grouped GEMM", group=MOE)
     # DeepSeek-V3 routing (megalite.moe.router, megalite.moe.balancing); Megatron's names and defaults
     moe_router_score_function: str = setting("softmax", "router scores: softmax over the experts, or each "
-                                             "expert's sigmoid (DeepSeek-V3)", group=MOE,
+                                             "expert's sigmoid (DeepSeek-V3)", fixed=True, group=MOE,
                                              choices=["softmax", "sigmoid"])
     moe_router_num_groups: int | None = setting(None, "group-limited routing: the experts split into this many "
-                                                "groups (DeepSeek-V3's node-limited routing)", group=MOE, type=int)
+                                                "groups (DeepSeek-V3's node-limited routing)", fixed=True, group=MOE,
+                                                type=int)
     moe_router_group_topk: int | None = setting(None, "group-limited routing: the groups each token may use, "
-                                                "those with the best sum of their top-2 scores", group=MOE, type=int)
+                                                "those with the best sum of their top-2 scores", fixed=True, group=MOE,
+                                                type=int)
     moe_router_topk_scaling_factor: float | None = setting(None, "the top-k weights times this factor (DeepSeek-V3's "
-                                                           "routed scaling factor; default 1)", group=MOE, type=float)
+                                                           "routed scaling factor; default 1)", fixed=True,
+                                                           group=MOE, type=float)
     moe_router_enable_expert_bias: bool = setting(False, "aux-loss-free balancing: a per-expert bias added to the "
-                                                  "scores for the selection only, nudged after each step", group=MOE)
+                                                  "scores for the selection only, nudged after each step",
+                                                  fixed=True, group=MOE)
     moe_router_bias_update_rate: float = setting(1e-3, "the expert bias's step: bias += rate * sign(mean load - "
                                                  "load)", group=MOE)
     # megalite has one dispatcher; the flag is Megatron's and accepted for its command lines

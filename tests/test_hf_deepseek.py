@@ -216,23 +216,9 @@ def test_a_temperature_hf_would_not_infer_is_exported_as_attention_factor():
     assert math.isclose(rotary_amplitude(back.rope_scaling), rotary_amplitude(cfg.rope_scaling), rel_tol=1e-12)
 
 
-# what the import prints for SHAPE: --load does not carry the router's settings (not fixed by checkpoints)
-ROUTER = ("--moe-router-topk 2 --moe-router-score-function sigmoid --moe-router-num-groups 4 "
-          "--moe-router-group-topk 2 --moe-router-topk-scaling-factor 2.5 --moe-router-enable-expert-bias")
-
-
-def test_the_import_prints_the_router_flags_to_train_with(tmp_path, capsys):
-    deepseek(tmp_path)
-    capsys.readouterr()
-    import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), progress=False)
-    assert capsys.readouterr().err.strip().endswith(ROUTER)
-
-
-@pytest.mark.xfail(strict=True, reason="the router's settings are not marked fixed in config_types.py: --load "
-                                       "takes them from the command line (defaults: softmax, no groups, no bias)")
 def test_load_takes_the_router_settings_from_the_checkpoint(tmp_path):
     """What a fine-tune of the imported model needs: --load adopting the router's settings as it
-    adopts the experts' (settings.adopt_checkpoint_model). Fails today: see the xfail reason."""
+    adopts the experts' (settings.adopt_checkpoint_model): the router's settings are fixed by checkpoints."""
     from megalite.checkpoint.settings import adopt_checkpoint_model
     from megalite.config import ModelConfig
 
@@ -244,7 +230,6 @@ def test_load_takes_the_router_settings_from_the_checkpoint(tmp_path):
             run.moe_router_topk_scaling_factor, run.moe_router_enable_expert_bias) == (8, "sigmoid", 4, 2.5, True)
 
 
-@pytest.mark.skip(reason="needs MLA generation")
 def test_greedy_generation_equals_transformers(tmp_path, capsys):
     import generate as generate_tool
 
@@ -262,7 +247,7 @@ def _finetune_worker(rank, world, ckpt, layouts):
     from megalite.train.pretrain import pretrain
     base = ["--load", ckpt, "--finetune", "--mock-data", "--micro-batch-size", "2", "--global-batch-size", "4",
             "--seq-length", "32", "--train-iters", "2", "--lr", "1e-3", "--log-interval", "100",
-            "--hidden-dropout", "0", "--attention-dropout", "0"] + ROUTER.split()
+            "--hidden-dropout", "0", "--attention-dropout", "0"]  # the router's settings: from the checkpoint
     return [[(r["loss"], r["grad_norm"]) for r in pretrain(base + extra)] for extra in layouts]
 
 

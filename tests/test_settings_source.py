@@ -74,8 +74,8 @@ def test_special_flags_reach_their_fields():
 
 def test_fixed_settings_are_the_marked_fields():
     marked = {f.name for f, marks in settings_of(ModelConfig) if marks.fixed}
-    # 28 flags (issue 38: --qk-layernorm, --kv-channels; MLA's six) + attention_kind
-    assert set(FIXED) == marked and len(FIXED) == 29
+    # 34 flags (issue 38: --qk-layernorm, --kv-channels; MLA's six; the router's six) + attention_kind
+    assert set(FIXED) == marked and len(FIXED) == 35
 
     @dataclasses.dataclass
     class Toy:  # a new model setting marked fixed is fixed, named by its flag

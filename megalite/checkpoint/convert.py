@@ -86,8 +86,6 @@ def import_hf(hf_dir: str, save: str, seq_length: int | None = None, progress: b
         note = deepseek.left_out_note(hf, reader.weight_map)
         if note:
             print(note, file=sys.stderr)
-        print(f"note: --load does not take the router's settings from a checkpoint yet: train this model with "
-              f"{deepseek.router_flags(cfg)}", file=sys.stderr)
 
     def get(name: str) -> torch.Tensor:  # GPT2Model (no LM head) saves names without "transformer."
         return reader.get(name if reader.has(name) else name.removeprefix("transformer."))

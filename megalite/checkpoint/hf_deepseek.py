@@ -240,19 +240,6 @@ def left_out_note(hf: dict, tensor_names) -> str | None:
             f"does not import MTP weights yet; the {n} layers of the model itself are all imported")
 
 
-def router_flags(cfg: ModelConfig) -> str:
-    """The router's command-line flags for ``cfg``: ``--load`` does not take these settings from a
-    checkpoint (they are not marked ``fixed`` in megalite.config_types), so a run that trains the
-    imported model must give them (the import prints them)."""
-    flags = [f"--moe-router-topk {cfg.moe_router_topk}", "--moe-router-score-function sigmoid"]
-    if cfg.moe_router_num_groups:
-        flags.append(f"--moe-router-num-groups {cfg.moe_router_num_groups} "
-                     f"--moe-router-group-topk {cfg.moe_router_group_topk}")
-    if cfg.moe_router_topk_scaling_factor:
-        flags.append(f"--moe-router-topk-scaling-factor {cfg.moe_router_topk_scaling_factor:g}")
-    return " ".join(flags + ["--moe-router-enable-expert-bias"])
-
-
 # -- weights ----------------------------------------------------------------------------------------
 
 def halves_from_pairs(rows: torch.Tensor, d: int) -> torch.Tensor:

@@ -156,3 +156,18 @@ def test_bad_settings_get_one_message(kw, match):
     config = Config(mtp_config(**kw), ParallelConfig(), TrainConfig(), DataConfig(mock_data=True))
     with pytest.raises(ConfigError, match=match):
         validate(config, 1)
+
+
+@pytest.mark.slow  # 2.6 s: the fast tier keeps under 2 s of this file
+def test_planner_weights_match_the_meta_dry_run():
+    """TP 2 + SP x PP 2 x DP 2 (ZeRO-1) on meta, untied, two MTP depths: the weights the planner
+    counts on each stage (the last one: the depths and the copy of the word embedding they read)
+    are the model's to the byte; the activations it plans are within 10% of the dry run's."""
+    from tests.test_seam_attention import DRY, _planned_and_measured
+
+    flags = DRY + ["--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
+                   "--untie-embeddings-and-output-weights", "--mtp-num-layers", "2"]
+    for role in _planned_and_measured(flags, "self")[1]:
+        assert role["categories"]["parameters"] == role["planned_categories"]["weights"], role["role"]
+        measured, planned = role["categories"]["activations"], role["planned_categories"]["activations"]
+        assert abs(measured - planned) / planned < 0.1, (role["role"], measured, planned)

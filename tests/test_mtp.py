@@ -171,3 +171,18 @@ def test_planner_weights_match_the_meta_dry_run():
         assert role["categories"]["parameters"] == role["planned_categories"]["weights"], role["role"]
         measured, planned = role["categories"]["activations"], role["planned_categories"]["activations"]
         assert abs(measured - planned) / planned < 0.1, (role["role"], measured, planned)
+
+
+def test_an_moe_depth_joins_the_moe_step():
+    """A depth of an MoE model is an MoE layer (the last layer's spec) with its own expert bias; the
+    step gives its aux losses the main loss's backward scale and counts its loads in the statistics."""
+    from megalite.moe.balancing import biased_layers
+    from megalite.moe.stats import moe_modules, start_step
+
+    cfg = mtp_config(num_experts=4, moe_layer_freq=[0, 1], moe_router_enable_expert_bias=True,
+                     moe_aux_loss_coeff=0.01)
+    model = GPTModel(cfg)
+    depth = model.mtp.layers["0"].block.mlp
+    assert [i for i, _ in moe_modules([model])] == [1, 2, 3] and len(biased_layers([model])) == 3
+    start_step([model], 0.25)
+    assert depth.backward_scale == 0.25

@@ -17,10 +17,22 @@ MODEL = ["--mock-data", "--vocab-size", "300", "--num-layers", "2", "--hidden-si
          "--num-attention-heads", "4", "--num-query-groups", "2", "--position-embedding-type", "rope",
          "--normalization", "RMSNorm", "--swiglu", "--disable-bias-linear", "--seq-length", "32",
          "--micro-batch-size", "2", "--global-batch-size", "8", "--lr", "3e-3", "--lr-warmup-iters", "1",
-         "--train-iters", "3", "--log-interval", "100", "--adam-eps", "1e-5", "--hidden-dropout", "0",
-         "--attention-dropout", "0", "--mtp-num-layers", "2", "--mtp-loss-scaling-factor", "0.3"]
+         "--lr-decay-style", "constant", "--train-iters", "3", "--log-interval", "100", "--adam-eps", "1e-5",
+         "--hidden-dropout", "0", "--attention-dropout", "0", "--mtp-num-layers", "2",
+         "--mtp-loss-scaling-factor", "0.3"]
 UNTIED = MODEL + ["--untie-embeddings-and-output-weights"]
 TIED = MODEL
+# DeepSeek-V3-tiny: MLA, a dense first layer then sigmoid group-limited routing with expert bias and a
+# shared expert; its one MTP depth takes the last layer's spec (MoE, with its own expert bias)
+DSV3 = UNTIED[:UNTIED.index("--mtp-num-layers")] + [
+    "--untie-embeddings-and-output-weights", "--mtp-num-layers", "1",
+    "--multi-latent-attention", "--q-lora-rank", "12", "--kv-lora-rank", "10", "--qk-head-dim", "8",
+    "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6", "--num-query-groups", "4",
+    "--num-experts", "8", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "16", "--moe-layer-freq", "[0,1]",
+    "--moe-shared-expert-intermediate-size", "16", "--moe-router-score-function", "sigmoid",
+    "--moe-router-num-groups", "4", "--moe-router-group-topk", "2", "--moe-router-topk-scaling-factor", "2.5",
+    "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-2",
+    "--moe-router-load-balancing-type", "none"]
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 LAYOUTS = {"untied pp2 1f1b": (UNTIED, PP2),
@@ -29,23 +41,41 @@ LAYOUTS = {"untied pp2 1f1b": (UNTIED, PP2),
            "tied cp2 p2p x dp2 zero-1": (TIED, ["--context-parallel-size", "2", "--cp-comm-type", "p2p",
                                                 "--use-distributed-optimizer"]),
            "untied tp2+sp x pp2 zb-h1, full recompute": (UNTIED, TP2 + PP2 + [
-               "--pipeline-schedule", "zb-h1", "--recompute-granularity", "full"])}
+               "--pipeline-schedule", "zb-h1", "--recompute-granularity", "full"]),
+           "deepseek-v3-tiny pp2 x ep2": (DSV3, PP2 + ["--expert-model-parallel-size", "2"])}
 
 
 def _runs(rank, world, runs):
     from megalite.train.pretrain import pretrain
-    return [[(r["loss"], r["mtp_loss"], r["grad_norm"]) for r in pretrain(argv)] for argv in runs]
+    return [[(r["iteration"], r["loss"], r["mtp_loss"], r["grad_norm"]) for r in pretrain(argv)] for argv in runs]
+
+
+def _worst(got, want) -> float:
+    assert [g[0] for g in got] == [w[0] for w in want]
+    return max(abs(a - b) / abs(b) for g, w in zip(got, want) for a, b in zip(g[1:], w[1:]))
 
 
 @pytest.mark.slow  # a 4-rank world: the full suite runs it, the fast tier leaves it out
-def test_every_layout_equals_serial():
-    untied, tied = run_world(_runs, 1, [UNTIED, TIED])[0]
-    serial = {id(UNTIED): untied, id(TIED): tied}
-    assert untied[0][1] > 0 and untied != tied
-    results = run_world(_runs, 4, [model + flags for model, flags in LAYOUTS.values()])[0]
+def test_every_layout_equals_serial(tmp_path):
+    """Each layout's 3 steps against serial's; the untied PP 2 run saves its checkpoint, which a
+    PP 1 (DP 4) run in the same world resumes to step 6 as the serial run continues."""
+    saved = str(tmp_path / "pp2")
+    untied, tied, dsv3 = run_world(_runs, 1, [_iters(UNTIED, 6), TIED, DSV3])[0]
+    serial = {id(UNTIED): untied[:3], id(TIED): tied, id(DSV3): dsv3}
+    assert untied[0][2] > 0 and untied[:3] != tied and len(untied) == 6
+    runs = [model + flags + (["--save", saved] if name == "untied pp2 1f1b" else [])
+            for name, (model, flags) in LAYOUTS.items()]
+    results = run_world(_runs, 4, runs + [_iters(UNTIED, 6) + ["--load", saved]])[0]
     for (name, (model, _)), got in zip(LAYOUTS.items(), results):
-        ref = serial[id(model)]
-        assert len(got) == len(ref) == 3
-        worst = max(abs(a - b) / abs(b) for step, want in zip(got, ref) for a, b in zip(step, want))
+        worst = _worst(got, serial[id(model)])
         print(f"{name}: worst relative difference {worst:.1e}")
-        assert worst < 1e-5, (name, got, ref)
+        assert worst < 1e-5, (name, got, serial[id(model)])
+    worst = _worst(results[-1], untied[3:])
+    print(f"saved at pp2, resumed at pp1 x dp4: worst relative difference {worst:.1e}")
+    assert worst < 1e-5, (results[-1], untied[3:])
+
+
+def _iters(argv, n):
+    """``argv`` with --train-iters n."""
+    i = argv.index("--train-iters")
+    return argv[:i + 1] + [str(n)] + argv[i + 2:]

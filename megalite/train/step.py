@@ -172,15 +172,14 @@ def prepared_batches(chunks, micro_batches, grid):
     return context_parallel_batches([with_mtp_targets(b, depths) for b in micro_batches], grid)
 
 
-def reported_losses(record: list, num_micro: int, device, pp_group=None,
+def reported_losses(main: torch.Tensor, record: list, num_micro: int, pp_group=None,
                     mtp: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(main loss, MTP loss or None) of the step from the micro-batches' records: their means,
-    summed over the pipeline group (only the last stage holds records); one collective, of the
-    same size on every stage (``mtp``: the model has MTP depths, from its settings)."""
-    main = torch.stack([r[0] for r in record]).sum() / num_micro if record else torch.zeros((), device=device)
+    """(main loss, MTP loss or None) of the step: ``main`` (the micro-batches' mean) and the
+    records' MTP mean, summed over the pipeline group (only the last stage holds records); one
+    collective, of the same size on every stage (``mtp``: the model has MTP depths, from its settings)."""
     if not mtp:
         return (main if pp_group is None else comm.all_reduce(main, pp_group)), None
-    depths = torch.stack([r[1] for r in record]).sum() / num_micro if record else torch.zeros((), device=device)
+    depths = torch.stack([r[1] for r in record]).sum() / num_micro if record else torch.zeros_like(main)
     both = torch.stack([main, depths])
     if pp_group is not None:
         comm.all_reduce(both, pp_group)
@@ -205,6 +204,7 @@ def forward_backward(model, micro_batches, t: TrainConfig, loss_scale: float = 1
     record: list = []
     loss_fn = functools.partial(stage_loss, record=record)
     if grid is None or (grid.layout.pp == 1 and len(chunks) == 1):
+        total = torch.zeros((), device=device)
         for batch in micro_batches:
             start = timers.mark()
             loss = loss_fn(stage_forward(chunks[0], None, batch, t), batch)
@@ -212,7 +212,8 @@ def forward_backward(model, micro_batches, t: TrainConfig, loss_scale: float = 1
             (loss * (loss_scale / num_micro)).backward()
             timers.add("forward", start, middle)
             timers.add("backward", middle, timers.mark())
-        total, mtp = reported_losses(record, num_micro, device, mtp=has_mtp)
+            total += record[-1][0]  # the main loss (the whole loss without MTP)
+        total, mtp = reported_losses(total / num_micro, record, num_micro, mtp=has_mtp)
         if extra is not None and mtp is not None:
             extra["mtp_loss"] = mtp
         return total
@@ -224,7 +225,8 @@ def forward_backward(model, micro_batches, t: TrainConfig, loss_scale: float = 1
                               loss_scale=loss_scale, dtype=next(chunks[0].parameters()).dtype, device=device)
     runner.run()
     timers.add_trace(trace)  # read with the step's other times, at the log line
-    total, mtp = reported_losses(record, num_micro, device, grid.pp_group, mtp=has_mtp)
+    main = torch.stack([r[0] for r in record]).sum() / num_micro if record else torch.zeros((), device=device)
+    total, mtp = reported_losses(main, record, num_micro, grid.pp_group, mtp=has_mtp)
     if extra is not None and mtp is not None:
         extra["mtp_loss"] = mtp
     return total

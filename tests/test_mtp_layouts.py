@@ -8,7 +8,8 @@ stage's), PP 2 under zb-h1 (the MTP blocks' weight gradients deferred like the l
 sequence before the load-balanced split), TP 2 + SP x PP 2 zb-h1 with full recomputation, ZBV (rank
 0 holds the embedding chunk and the loss chunk: both copies of the word embedding), and a
 DeepSeek-V3-tiny (MLA, dense first layer, sigmoid group-limited routing with expert bias, a shared
-expert; its depth an MoE layer) at PP 2 x EP 2. A checkpoint saved by the PP 2 run resumes at
+expert; its depth an MoE layer) at PP 2 x EP 2, and packed documents with EOD masking (no depth
+reads or predicts across a document) at CP 2 all-to-all x PP 2. A checkpoint saved by the PP 2 run resumes at
 PP 1 (DP 4) as the serial run continues. Also checked by hand, not here (test time): interleaved
 1F1B and ZeRO-3 (1e-7).
 """
@@ -39,6 +40,7 @@ DSV3 = UNTIED[:UNTIED.index("--mtp-num-layers")] + [
     "--moe-router-enable-expert-bias", "--moe-router-bias-update-rate", "1e-2",
     "--moe-router-load-balancing-type", "none"]
 UNTIED4 = UNTIED[:UNTIED.index("--num-layers") + 1] + ["4"] + UNTIED[UNTIED.index("--num-layers") + 2:]
+PACKED = UNTIED + ["--reset-position-ids", "--reset-attention-mask", "--eod-mask-loss"]  # mock data's documents
 TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
 PP2 = ["--pipeline-model-parallel-size", "2"]
 LAYOUTS = {"untied pp2 1f1b": (UNTIED, PP2),
@@ -49,7 +51,8 @@ LAYOUTS = {"untied pp2 1f1b": (UNTIED, PP2),
            "untied tp2+sp x pp2 zb-h1, full recompute": (UNTIED, TP2 + PP2 + [
                "--pipeline-schedule", "zb-h1", "--recompute-granularity", "full"]),
            "deepseek-v3-tiny pp2 x ep2": (DSV3, PP2 + ["--expert-model-parallel-size", "2"]),
-           "untied 4 layers pp2 zbv": (UNTIED4, PP2 + ["--pipeline-schedule", "zbv"])}
+           "untied 4 layers pp2 zbv": (UNTIED4, PP2 + ["--pipeline-schedule", "zbv"]),
+           "packed documents cp2 a2a x pp2": (PACKED, PP2 + ["--context-parallel-size", "2", "--cp-comm-type", "a2a"])}
 
 
 def _runs(rank, world, runs):
@@ -67,8 +70,9 @@ def test_every_layout_equals_serial(tmp_path):
     """Each layout's 3 steps against serial's; the untied PP 2 run saves its checkpoint, which a
     PP 1 (DP 4) run in the same world resumes to step 6 as the serial run continues."""
     saved = str(tmp_path / "pp2")
-    untied, tied, dsv3, untied4 = run_world(_runs, 1, [_iters(UNTIED, 6), TIED, DSV3, UNTIED4])[0]
-    serial = {id(UNTIED): untied[:3], id(TIED): tied, id(DSV3): dsv3, id(UNTIED4): untied4}
+    untied, tied, dsv3, untied4, packed = run_world(_runs, 1, [_iters(UNTIED, 6), TIED, DSV3, UNTIED4, PACKED])[0]
+    serial = {id(UNTIED): untied[:3], id(TIED): tied, id(DSV3): dsv3, id(UNTIED4): untied4, id(PACKED): packed}
+    assert packed != untied[:3]  # the documents change the losses
     assert untied[0][2] > 0 and untied[:3] != tied and len(untied) == 6
     runs = [model + flags + (["--save", saved] if name == "untied pp2 1f1b" else [])
             for name, (model, flags) in LAYOUTS.items()]

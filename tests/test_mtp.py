@@ -151,6 +151,7 @@ def test_names_and_counts():
     ({"mtp_num_layers": S}, "--mtp-num-layers must be in"),
     ({"mtp_loss_scaling_factor": -0.1}, "--mtp-loss-scaling-factor must be >= 0"),
     ({"position_embedding_type": "learned_absolute"}, "needs --position-embedding-type rope"),
+    ({"transformer_impl": "transformer_engine"}, "--mtp-num-layers is built from megalite's own layers"),
 ])
 def test_bad_settings_get_one_message(kw, match):
     config = Config(mtp_config(**kw), ParallelConfig(), TrainConfig(), DataConfig(mock_data=True))
@@ -186,3 +187,13 @@ def test_an_moe_depth_joins_the_moe_step():
     assert [i for i, _ in moe_modules([model])] == [1, 2, 3] and len(biased_layers([model])) == 3
     start_step([model], 0.25)
     assert depth.backward_scale == 0.25
+
+
+def test_zero_depths_is_off():
+    """Megatron's off values: None (the default) and 0 build no depths and return plain losses."""
+    for off in (None, 0):
+        cfg = mtp_config(mtp_num_layers=off)
+        assert validate(Config(cfg, ParallelConfig(), TrainConfig(), DataConfig(mock_data=True)), 1) == []
+        model = GPTModel(cfg)
+        tokens = torch.randint(0, V, (1, S))
+        assert model.mtp is None and model(tokens, labels=tokens).shape == (1, S)

@@ -67,6 +67,30 @@ def check_multi_latent_attention(m) -> None:
             raise ConfigError(f"--multi-latent-attention: {why}") from None
 
 
+def check_multi_token_prediction(m) -> None:
+    """The rules of ``--mtp-num-layers`` (megalite.model.mtp): a positive depth count below the
+    sequence length (depth k needs token t+k+1), a non-negative loss factor, RoPE positions (the
+    MTP block embeds token t+k with the word embedding alone: learned absolute positions live on
+    the first stage only) and megalite's own layers."""
+    if m.mtp_num_layers is None or m.mtp_num_layers == 0:  # Megatron: None or 0 is off
+        return
+    if m.mtp_num_layers < 0 or m.mtp_num_layers >= m.seq_length:
+        raise ConfigError(f"--mtp-num-layers must be in [1, --seq-length) (depth k predicts token t+k+1 of the "
+                          f"sequence), got {m.mtp_num_layers} with --seq-length {m.seq_length}. Fix: 1 as in "
+                          f"DeepSeek-V3, or drop the flag.")
+    if m.mtp_loss_scaling_factor < 0:
+        raise ConfigError(f"--mtp-loss-scaling-factor must be >= 0, got {m.mtp_loss_scaling_factor}. "
+                          f"Fix: 0.1 (Megatron's default; DeepSeek-V3 used 0.3, then 0.1).")
+    if m.position_embedding_type != "rope":
+        raise ConfigError(f"--mtp-num-layers needs --position-embedding-type rope, got {m.position_embedding_type}: "
+                          f"the MTP blocks on the last pipeline stage embed token t+k with the word embedding "
+                          f"only, and learned absolute positions live on the first stage. Fix: pass "
+                          f"--position-embedding-type rope.")
+    if m.transformer_impl != "local":
+        raise ConfigError("--mtp-num-layers is built from megalite's own layers; with transformer-engine it is not "
+                          "wired in. Fix: --transformer-impl local.")
+
+
 def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = None) -> list[str]:
     """Check every rule; raise ConfigError on the first violation, return warnings."""
     m, p, t, d = config.model, config.parallel, config.train, config.data
@@ -116,6 +140,7 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
                           f"--seq-length.")
     check_attention_kind(m)  # a registered attention part
     check_multi_latent_attention(m)  # before the backend's check: flash's refusal names the head sizes
+    check_multi_token_prediction(m)
     check_documents_attention(m, d.reset_attention_mask)  # before "not installed": the fix differs
     check_attention_backend(m)  # raises ConfigError naming what is missing and how to install it
     check_transformer_impl(m, tp)

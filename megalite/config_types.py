@@ -119,6 +119,11 @@ class ModelConfig:
     qk_pos_emb_head_dim: int = setting(64, "MLA: each query/key head's RoPE part (the shared RoPE key's size)",
                                        fixed=True)
     v_head_dim: int = setting(128, "MLA: each value head's size", fixed=True)
+    # DeepSeek-V3's multi-token prediction (megalite.model.mtp; Megatron's flags and defaults)
+    mtp_num_layers: int | None = setting(None, "multi-token prediction: D extra blocks on the last stage, depth k "
+                                         "predicting token t+k+1 (default: none)", fixed=True, type=int)
+    mtp_loss_scaling_factor: float = setting(0.1, "multi-token prediction: the loss is L_main + factor / D * "
+                                             "sum of the D depths' losses")
     # the attention part of every layer, by its registered name (megalite.layers.attention_kinds;
     # "self": softmax self-attention); its weights differ, so a checkpoint fixes it. No flag yet (issue 38).
     attention_kind: str = setting("self", "the attention part's registered name", fixed=True, flags=NO_FLAG)

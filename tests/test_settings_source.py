@@ -34,6 +34,7 @@ ADDED |= {("model", f"moe_router_{name}") for name in  # issue 38: DeepSeek-V3 r
            "bias_update_rate")}
 ADDED |= {("model", k) for k in ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
                                "qk_pos_emb_head_dim", "v_head_dim")}  # issue 38's MLA, off by default
+ADDED |= {("model", "mtp_num_layers"), ("model", "mtp_loss_scaling_factor")}  # issue 38's MTP, off by default
 
 
 @pytest.mark.parametrize("case", RECORDED, ids=[" ".join(c["argv"][:2]) or "defaults" for c in RECORDED])
@@ -74,8 +75,9 @@ def test_special_flags_reach_their_fields():
 
 def test_fixed_settings_are_the_marked_fields():
     marked = {f.name for f, marks in settings_of(ModelConfig) if marks.fixed}
-    # 34 flags (issue 38: --qk-layernorm, --kv-channels; MLA's six; the router's six) + attention_kind
-    assert set(FIXED) == marked and len(FIXED) == 35
+    # 35 flags (issue 38: --qk-layernorm, --kv-channels; MLA's six; the router's six; --mtp-num-layers)
+    # + attention_kind
+    assert set(FIXED) == marked and len(FIXED) == 36
 
     @dataclasses.dataclass
     class Toy:  # a new model setting marked fixed is fixed, named by its flag

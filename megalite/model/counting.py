@@ -12,6 +12,12 @@ forward one). For GPT's softmax attention ``attended_flops`` = 4 h (Q K^T and P 
 the usual ``6 N + 12 L h s``. ``length``: the positions a token attends to, s, or with packed
 documents the mean over tokens of their document's length (:func:`megalite.observe.monitor.attended_length`).
 Full recomputation runs the forward again: 4/3 of this (:func:`megalite.planner_pipeline.compute_seconds`).
+
+**Multi-token prediction** (``--mtp-num-layers`` D, :mod:`megalite.model.mtp`): each depth adds
+its parameters (three norms, ``eh_proj`` 2h x h split over TP, a transformer layer of the last
+layer's spec) to N, its layer's attention to the attended FLOPs, and one more pass through the
+shared output layer per token: ``2 V h`` forward FLOPs that no parameter of its own counts, so
+``flops_per_token`` adds ``6 D V h``.
 """
 from __future__ import annotations
 
@@ -33,22 +39,45 @@ def layer_parameters(m, tp: int = 1) -> tuple[int, int]:
     return (attn_split + mlp_split) // tp, 2 * norm_parameters(m) + attn_replicated + mlp_replicated
 
 
+def mtp_depths(m) -> int:
+    """D, the multi-token prediction depths (0 without them)."""
+    return getattr(m, "mtp_num_layers", None) or 0
+
+
+def mtp_is_moe(m) -> bool:
+    """Whether the MTP depths' layer is MoE: it takes the spec of the model's last layer."""
+    return bool(m.num_experts) and moe_layers(m)[m.num_layers - 1]
+
+
+def mtp_parameters(m, tp: int = 1, ep: int = 1) -> tuple[int, int]:
+    """(dense, expert) parameters of all D MTP depths on one rank: per depth three norms (enorm,
+    hnorm, final_norm; replicated), ``eh_proj`` (2h x h, column-parallel, no bias) and one
+    transformer layer of the last layer's spec (its E/EP experts when MoE)."""
+    d = mtp_depths(m)
+    if not d:
+        return 0, 0
+    last = range(m.num_layers - 1, m.num_layers)
+    dense, expert = moe_planning.layers_parameters(m, layer_parameters(m, tp), tp, ep, last)
+    return d * (dense + 3 * norm_parameters(m) + 2 * m.hidden_size * m.hidden_size // tp), d * expert
+
+
 def total_parameters(m) -> int:
-    """Parameters of the whole model, real (unpadded) vocabulary, tied embedding once."""
+    """Parameters of the whole model, real (unpadded) vocabulary, tied embedding once, MTP depths included."""
     split, replicated = layer_parameters(m)
     vocab = m.vocab_size * m.hidden_size * (1 if not m.untie_embeddings_and_output_weights else 2)
     positions = m.max_position_embeddings * m.hidden_size if m.position_embedding_type == "learned_absolute" else 0
     layers = m.num_layers * (split + replicated)
     if m.num_experts:
         layers = sum(moe_planning.layers_parameters(m, (split, replicated)))
-    return layers + vocab + positions + norm_parameters(m)
+    return layers + vocab + positions + norm_parameters(m) + sum(mtp_parameters(m))
 
 
 def skipped_expert_parameters(m) -> int:
     """Parameters a token does not meet: E - k experts of each MoE layer (0 for a dense model)."""
     if not m.num_experts:
         return 0
-    return sum(moe_layers(m)) * (m.num_experts - m.moe_router_topk) * moe_planning.expert_parameters(m)
+    layers = sum(moe_layers(m)) + (mtp_depths(m) if mtp_is_moe(m) else 0)
+    return layers * (m.num_experts - m.moe_router_topk) * moe_planning.expert_parameters(m)
 
 
 def active_parameters(m) -> int:
@@ -57,8 +86,9 @@ def active_parameters(m) -> int:
 
 
 def attended_flops(m) -> float:
-    """Forward FLOPs per token per attended position, all layers (4 L h for softmax attention)."""
-    return float(sum(layer_spec(m, i).attention.attended_flops(m) for i in range(m.num_layers)))
+    """Forward FLOPs per token per attended position, all layers and MTP depths (4 L h for softmax attention)."""
+    layers = list(range(m.num_layers)) + [m.num_layers - 1] * mtp_depths(m)
+    return float(sum(layer_spec(m, i).attention.attended_flops(m) for i in layers))
 
 
 def cache_bytes_per_token(m, element_bytes: int = 2, tp: int = 1) -> int:
@@ -71,9 +101,11 @@ def cache_bytes_per_token(m, element_bytes: int = 2, tp: int = 1) -> int:
 
 def flops_per_token(m, attended: float | None = None) -> float:
     """Model FLOPs per token for training (module docstring): 6 x the parameters a token meets +
-    3 x the attention's FLOPs over ``attended`` positions (default s): ``6 N + 12 L h s`` for GPT."""
+    3 x the attention's FLOPs over ``attended`` positions (default s): ``6 N + 12 L h s`` for GPT;
+    with D MTP depths their parameters and attention, and ``6 D V h`` for their output logits."""
     length = m.seq_length if attended is None else attended
-    return 6.0 * active_parameters(m) + 3.0 * attended_flops(m) * length
+    extra_logits = mtp_depths(m) * m.vocab_size * m.hidden_size
+    return 6.0 * (active_parameters(m) + extra_logits) + 3.0 * attended_flops(m) * length
 
 
 def layer_activation_bytes(m, micro: int, tp: int = 1, sp: bool = False, cp: int = 1,
@@ -92,3 +124,21 @@ def layer_activation_bytes(m, micro: int, tp: int = 1, sp: bool = False, cp: int
     mlp = spec.mlp.activation_bytes(m, s, b, B, recompute, flash_attention)
     replicated = (2 * B + masks) * sbh + attn[0] + mlp[0]
     return replicated / (tp if sp else 1) + (attn[1] + mlp[1] + (attn[2] + mlp[2])) / tp
+
+
+def mtp_activation_bytes(m, micro: int, tp: int = 1, sp: bool = False, cp: int = 1, recompute: str = "none",
+                         act_bytes: int = 2, flash_attention: bool = False) -> float:
+    """Bytes the D MTP depths keep for backward per micro-batch on the last stage (0 without MTP):
+    per depth its layer's (:func:`layer_activation_bytes`), the inputs of enorm, hnorm and
+    final_norm and of ``eh_proj`` (2h, gathered over the sequence under SP), and the output layer's
+    input and fp32 logits of V/t per token (kept for the cross-entropy's backward)."""
+    d = mtp_depths(m)
+    if not d:
+        return 0.0
+    s, b, B = m.seq_length / cp, micro, act_bytes
+    sbh = s * b * m.hidden_size
+    layer = layer_activation_bytes(m, micro, tp, sp, cp, recompute, act_bytes, flash_attention)
+    norms = 4 * B * sbh / (tp if sp else 1)  # enorm, hnorm, final_norm inputs; the output layer's input
+    proj = 2 * B * sbh  # eh_proj's input [e; h] (whole sequence under SP, as the column linear keeps it)
+    logits = 4 * s * b * m.padded_vocab_size(tp) / tp
+    return d * (layer + norms + proj + logits)

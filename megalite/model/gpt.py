@@ -22,6 +22,13 @@ Mixture of experts (``--num-experts``): the MLP of the layers ``moe_layers(cfg)`
 :class:`megalite.moe.block.MoEMLP` (router, experts spread over the expert-parallel group,
 the aux losses entering backward on their own); the block reads the same.
 
+Multi-token prediction (``--mtp-num-layers``, :mod:`megalite.model.mtp`): the last stage holds
+``mtp``, the D extra depths, and given labels returns :class:`~megalite.model.mtp.MTPLosses` (the
+main and each depth's per-token losses) instead of the main losses alone. The depths embed with
+the word embedding, so the last stage holds it: tied models hold that copy already, an untied
+one gets the same kind of copy (``embedding_copy``, summed with the first stage's by the
+embedding-group all-reduce), marked ``tied_embedding`` like the tied one.
+
 Parallelism enters only through the layers (``megalite.layers.tensor_parallel``): with
 a TP group of one rank they are plain linears and embeddings. Activations inside the
 model are sequence-first, (s, b, h); under sequence parallelism the residual stream holds
@@ -48,6 +55,7 @@ from megalite.model.attention import SelfAttention  # noqa: F401  (the default a
 from megalite.model.counting import skipped_expert_parameters
 from megalite.model.linears import linears_for
 from megalite.model.mlp import MLP  # noqa: F401  (the dense MLP part)
+from megalite.model.mtp import MTPLosses, MultiTokenPrediction, mtp_depths, shifted_targets
 from megalite.model.parts import LayerSpec, attention_part, layer_spec
 from megalite.moe.block import MoEMLP
 from megalite.layers.tensor_parallel import (ColumnParallelLinear, VocabParallelEmbedding,
@@ -144,11 +152,13 @@ class GPTModel(nn.Module):
         self.layer_range = layer_range if layer_range is not None else range(cfg.num_layers)
         par = dict(tp_group=tp_group, sequence_parallel=sequence_parallel)
         tied = not cfg.untie_embeddings_and_output_weights
-        if pre_process or (post_process and tied):
-            # A tied last stage that does not embed holds its own copy, kept equal to the
-            # first stage's by the embedding-group all-reduce.
+        depths = mtp_depths(cfg)
+        shared = tied or depths > 0  # the last stage uses the word embedding (output layer or MTP's input)
+        if pre_process or (post_process and shared):
+            # A last stage that uses the embedding but does not embed holds its own copy, kept
+            # equal to the first stage's by the embedding-group all-reduce.
             self.word_embeddings = VocabParallelEmbedding(self.padded_vocab_size, cfg.hidden_size, **par)
-            if tied:
+            if shared:
                 self.word_embeddings.weight.tied_embedding = True
                 if not pre_process:
                     self.word_embeddings.weight.embedding_copy = True
@@ -172,6 +182,12 @@ class GPTModel(nn.Module):
             if not tied:
                 self.output_layer = ColumnParallelLinear(cfg.hidden_size, self.padded_vocab_size,
                                                          bias=False, **par)
+        self.mtp = None
+        if post_process and depths:
+            spec = layer_spec(cfg, cfg.num_layers - 1)  # Megatron: the last layer's spec (MoE if it is)
+            blocks = [TransformerBlock(cfg, **par, cp_group=cp_group, ep_group=ep_group, token_group=token_group,
+                                       cp_hierarchy=cp_hierarchy, spec=spec) for _ in range(depths)]
+            self.mtp = MultiTokenPrediction(cfg, blocks, **par)
 
     # -- forward ---------------------------------------------------------------------------------
     def embed(self, tokens: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
@@ -193,9 +209,12 @@ class GPTModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, hidden: torch.Tensor | None = None, kv_cache=None,
-                documents: Documents | None = None):
+                documents: Documents | None = None, mtp_labels: torch.Tensor | None = None):
         """``kv_cache`` (generation, :class:`megalite.layers.kv_cache.KVCache`): ``tokens`` are the
-        next positions after the cached ones; their keys and values join the cache."""
+        next positions after the cached ones; their keys and values join the cache.
+        ``mtp_labels``: the MTP depths' targets (b, s, D) of this rank's positions
+        (:func:`megalite.model.mtp.shifted_targets`, built before a CP split); default: shifted
+        here from ``labels``, which must then be the whole sequence."""
         ref = tokens if tokens is not None else labels
         if position_ids is None and ref is not None:
             start = kv_cache.length if kv_cache is not None else 0
@@ -217,13 +236,25 @@ class GPTModel(nn.Module):
                                self.cfg.recompute_method, self.cfg.recompute_num_layers, self.training)
         if not self.post_process:
             return x
-        logits = self.output_logits(self.final_norm(x))
+        x = self.final_norm(x)
+        logits = self.output_logits(x)
         if labels is None:  # full logits, for inspection and generation (not the loss path)
             full = comm.gather_from_tp(logits, self.tp_group)[..., : self.vocab_size]
             return full.transpose(0, 1)
         losses = vocab_parallel_cross_entropy(logits, labels.t(), self.vocab_size, self.tp_group,
-                                              fused=self.cfg.fused_kernels)
-        return losses.t()  # (b, s)
+                                              fused=self.cfg.fused_kernels).t()  # (b, s)
+        if self.mtp is None:
+            return losses
+        if mtp_labels is None:
+            mtp_labels = shifted_targets(labels, None, len(self.mtp.layers), documents)[0]
+        mtp = self.mtp(x, labels, mtp_labels, lambda ids: self.word_embeddings(ids.t()), self.token_losses,
+                       rope, documents)
+        return MTPLosses(losses, mtp, self.cfg.mtp_loss_scaling_factor / len(self.mtp.layers))
+
+    def token_losses(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Per-token cross-entropy (b, s) of the output layer on normalised hidden states x (s, b, h)."""
+        return vocab_parallel_cross_entropy(self.output_logits(x), targets.t(), self.vocab_size, self.tp_group,
+                                            fused=self.cfg.fused_kernels).t()
 
     # -- initialization --------------------------------------------------------------------------
     @torch.no_grad()

@@ -23,13 +23,25 @@ from megalite.parallel import comm
 
 
 def moe_modules(chunks) -> list[tuple[int, MoELayer]]:
-    """(global layer index, MoE layer) of every MoE layer of this rank's chunks."""
+    """(global layer index, MoE layer) of every MoE layer of this rank's chunks; the multi-token
+    prediction depths' layers (``chunk.mtp``, megalite.model.mtp) count after the model's, as
+    num_layers + depth."""
     out = []
     for chunk in chunks:
-        for name, block in getattr(chunk, "layers", {}).items():
+        blocks = list(getattr(chunk, "layers", {}).items())
+        mtp = getattr(chunk, "mtp", None)
+        if mtp is not None:
+            blocks += [(chunk.cfg.num_layers + int(k), depth.block) for k, depth in mtp.layers.items()]
+        for name, block in blocks:
             if isinstance(getattr(block, "mlp", None), MoELayer):
                 out.append((int(name), block.mlp))
     return out
+
+
+def moe_pattern(cfg) -> list[bool]:
+    """Whether each layer is MoE, then each MTP depth (which takes the last layer's spec)."""
+    pattern = moe_layers(cfg)
+    return pattern + pattern[-1:] * (getattr(cfg, "mtp_num_layers", None) or 0)
 
 
 def start_step(chunks, scale: float) -> None:
@@ -48,7 +60,7 @@ def step_stats(chunks, grid, num_micro_global: int) -> torch.Tensor | None:
     cfg = chunks[0].cfg
     if not cfg.num_experts:
         return None
-    pattern = moe_layers(cfg)
+    pattern = moe_pattern(cfg)
     index = {layer: i for i, layer in enumerate(i for i, moe in enumerate(pattern) if moe)}
     device = next(chunks[0].parameters()).device
     losses = torch.zeros(2, dtype=torch.float32, device=device)

@@ -129,11 +129,13 @@ class StepLog:
                       **self.monitor.metrics(elapsed, s.attended), "times_ms": r.times_ms,
                       "comm_bytes": {k: v["bytes"] for k, v in s.traffic.items()}, "memory_bytes": s.memory_stats,
                       "comm_bytes_by_group": bytes_by_group(self.grid, s.traffic), **(r.moe or {})}
+            if r.mtp_loss is not None:
+                record["mtp_loss"] = r.mtp_loss
             if s.tracked is not None:
                 record["memory_tracked"] = s.tracked
             record.update(s.extra or {})
             if self.meta:  # nothing was computed: no values to report (n/a), unlike a NaN
-                record.update({k: None for k in ("loss", "grad_norm", "tokens_per_sec", "tflops_per_gpu", "mfu")
+                record.update({k: None for k in ("loss", "grad_norm", "tokens_per_sec", "tflops_per_gpu", "mfu", "mtp_loss")
                                if k in record})
             records.append(record)
         return records

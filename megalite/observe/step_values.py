@@ -66,11 +66,13 @@ def _scalar(value, device) -> torch.Tensor:
 
 class StepResult:
     """One step's figures: ``loss``, ``grad_norm``, ``lr``, ``loss_scale``, ``skipped``,
-    ``times_ms`` (forward, backward, grad_sync, optimizer) and ``moe`` (None for a dense
-    model). Given as device scalars (or host numbers); read as host numbers."""
+    ``times_ms`` (forward, backward, grad_sync, optimizer), ``moe`` (None for a dense
+    model) and ``mtp_loss`` (None without multi-token prediction). Given as device scalars (or host numbers); read as host numbers."""
 
-    def __init__(self, loss, grad_norm, lr: float, loss_scale, skipped, timers=None, moe=None):
+    def __init__(self, loss, grad_norm, lr: float, loss_scale, skipped, timers=None, moe=None, mtp_loss=None):
         self._device = {"loss": loss, "grad_norm": grad_norm, "loss_scale": loss_scale, "skipped": skipped}
+        if mtp_loss is not None:  # multi-token prediction: the depths' mean loss (megalite.model.mtp)
+            self._device["mtp_loss"] = mtp_loss
         self._moe = moe  # a device vector of the MOE_KEYS, or None
         self.lr, self._timers = lr, timers
         self._host: dict | None = None
@@ -104,6 +106,11 @@ class StepResult:
     grad_norm = property(lambda self: self._get("grad_norm"))
     loss_scale = property(lambda self: self._get("loss_scale"))
     skipped = property(lambda self: self._get("skipped"))
+
+    @property
+    def mtp_loss(self) -> float | None:
+        """The MTP depths' mean loss (None without multi-token prediction)."""
+        return self._get("mtp_loss") if "mtp_loss" in self._device else None
 
     @property
     def moe(self) -> dict | None:

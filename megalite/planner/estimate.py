@@ -98,6 +98,7 @@ from megalite.config import ModelConfig
 from megalite.data_parallel.accounting import zero_theory_bytes
 from megalite.layers.part_shape import norm_parameters
 from megalite.model.counting import layer_activation_bytes, layer_parameters, total_parameters  # noqa: F401  (the parts' shapes)
+from megalite.model.counting import mtp_depths, mtp_parameters
 from megalite.model.parts import attention_part
 from megalite.moe import planning as moe_planning
 from megalite.parallel.grid import EXPERT_KINDS, GridLayout
@@ -136,6 +137,8 @@ def stage_parameters(m: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0, e
         psi += norm_parameters(m)
         if not tied or not first:  # the output layer, or the last stage's copy of the embedding
             psi += embedding
+        if mtp_depths(m):  # the MTP depths, and an untied model's copy of the embedding they read
+            psi += sum(mtp_parameters(m, tp, ep)) + (embedding if not tied and not first else 0)
     return psi
 
 
@@ -149,7 +152,8 @@ def stage_expert_parameters(m: ModelConfig, tp: int = 1, pp: int = 1, stage: int
         return sum(stage_expert_parameters(m, tp, kind.pipeline_chunks(pp), g, ep)
                    for g in kind.local_chunks(pp, stage))
     layers = moe_planning.stage_layers(m, pp, stage)
-    return moe_planning.layers_parameters(m, layer_parameters(m, tp), tp, ep, layers)[1]
+    mtp = mtp_parameters(m, tp, ep)[1] if stage == pp - 1 else 0
+    return moe_planning.layers_parameters(m, layer_parameters(m, tp), tp, ep, layers)[1] + mtp
 
 
 def model_state_bytes(psi: int, n: int, zero: int, prec: Precision) -> dict[str, float]:

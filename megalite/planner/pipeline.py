@@ -67,6 +67,7 @@ from functools import lru_cache
 
 from megalite.config import ModelConfig, ParallelConfig, TrainConfig
 from megalite.errors import ConfigError
+from megalite.model.counting import mtp_activation_bytes
 from megalite.moe import planning as moe_planning
 from megalite.pipeline.checks import check_pipeline_schedule
 from megalite.pipeline.op_lists import Simulation, simulate, theory_bubble
@@ -248,6 +249,7 @@ def _stage_activations(m: ModelConfig, layout: Layout, stage: int, micro: int, n
     sbh = m.seq_length / cp * micro * m.hidden_size / (t if sp else 1)
     first = sbh if 0 in mine and m.hidden_dropout > 0 else 0.0  # embedding dropout mask
     last = prec.act_bytes * sbh + 4 * m.seq_length / cp * micro * m.padded_vocab_size(t) / t  # norm, fp32 logits
+    last += mtp_activation_bytes(m, recompute=layout.recompute, **args)  # the MTP depths (0 without)
     acts = [len(f) * per_layer + sum(f) * delta + first * (g == 0) + last * (g == chunks - 1)  # routed tokens
             for g, f in zip(mine, flags)]                                                  # for the dense MLP
     wis, dws = [0.0] * len(mine), [0.0] * len(mine)

@@ -23,7 +23,7 @@ from megalite.moe.balancing import balance_after_step
 from megalite.parallel import comm
 from megalite.parallel.sharding import is_expert, is_tensor_parallel, sum_local_tied_copies
 from megalite.observe.step_values import LossScaler, StepResult
-from megalite.train.step import as_chunks, forward_backward, lr_at, moe_stats
+from megalite.train.step import as_chunks, data_parallel_mean, forward_backward, lr_at, moe_stats
 from megalite.train.step import train_step as distributed_train_step
 
 
@@ -153,7 +153,8 @@ def train_step(model, optimizer, micro_batches, t: TrainConfig, iteration: int,
         return distributed_train_step(model, optimizer, micro_batches, t, iteration, scaler, grid, trace)
     params = [p for chunk in as_chunks(model) for p in chunk.parameters() if p.requires_grad]
     optimizer.zero_grad(set_to_none=True)
-    loss = forward_backward(model, micro_batches, t, scaler.scale, grid, trace)
+    extra: dict = {}
+    loss = forward_backward(model, micro_batches, t, scaler.scale, grid, trace, extra=extra)
     reduce_gradients(params, grid)
     if scaler.enabled:
         for p in params:
@@ -170,7 +171,5 @@ def train_step(model, optimizer, micro_batches, t: TrainConfig, iteration: int,
             group["lr"] = lr
         optimizer.step()
     balance_after_step(as_chunks(model), grid)  # the expert biases move even on a skipped step, as megalite's
-    if grid is not None:
-        comm.all_reduce(loss, grid.dp_cp_group)
-        loss /= comm.group_size(grid.dp_cp_group)
-    return StepResult(loss, norm, lr, scaler.scale, found_inf, moe=moe_stats(model, micro_batches, grid))
+    loss, mtp = data_parallel_mean(loss, extra.get("mtp_loss"), grid)
+    return StepResult(loss, norm, lr, scaler.scale, found_inf, moe=moe_stats(model, micro_batches, grid), mtp_loss=mtp)

@@ -40,6 +40,10 @@ MODELS = {
                                                  normalization="LayerNorm", untie_embeddings_and_output_weights=True),
     "every-other-layer-shared": moe_model(moe_layer_freq=2, moe_shared_expert_intermediate_size=64, num_experts=16,
                                           moe_router_topk=1),
+    # multi-token prediction: the depths (and an untied model's embedding copy) on the last stage
+    "mtp-untied-moe-depths": moe_model(untie_embeddings_and_output_weights=True, mtp_num_layers=2,
+                                       moe_shared_expert_intermediate_size=32),
+    "mtp-tied-dense-depth": moe_model(moe_layer_freq=[1, 1, 1, 0], mtp_num_layers=1),
 }
 
 

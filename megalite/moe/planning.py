@@ -133,14 +133,17 @@ def model_state_bytes(dense: int, expert: int, n: int, edp: int, zero: int, weig
 
 def stage_ends(m, tp: int, pp: int, stage: int) -> tuple[list, list]:
     """(elements, isolated) of a stage's parameters before its layers (word and position
-    embeddings; a tied last stage's copy of the embedding) and after them (final norm, untied
-    output layer), as ``megalite.planner.stage_parameters`` counts them; a tied embedding has
-    a gradient bucket of its own."""
+    embeddings; the last stage's copy of the embedding when it is tied or read by the MTP depths)
+    and after them (final norm, untied output layer), as ``megalite.planner.stage_parameters``
+    counts them; a shared embedding has a gradient bucket of its own (the embedding group's
+    all-reduce). The MTP depths, registered after these: :func:`_mtp_parameter_list`."""
     embedding = m.padded_vocab_size(tp) * m.hidden_size // tp
     tied = not m.untie_embeddings_and_output_weights
+    depths = getattr(m, "mtp_num_layers", None) or 0  # megalite.model.mtp (the model floor is above)
+    shared = tied or depths > 0
     head, tail = [], []
-    if stage == 0 or (stage == pp - 1 and tied):
-        head.append((embedding, tied))
+    if stage == 0 or (stage == pp - 1 and shared):
+        head.append((embedding, shared))
     if stage == 0 and m.position_embedding_type == "learned_absolute":
         head.append((m.max_position_embeddings * m.hidden_size, False))
     if stage == pp - 1:
@@ -148,6 +151,16 @@ def stage_ends(m, tp: int, pp: int, stage: int) -> tuple[list, list]:
         if not tied:
             tail.append((embedding, False))
     return head, tail
+
+
+def _mtp_parameter_list(m, tp: int, ep: int, attention: type[PartShape]) -> list[tuple[int, bool]]:
+    """(elements, expert) of the MTP depths' parameters (``--mtp-num-layers``, megalite.model.mtp) in
+    registration order: per depth enorm, hnorm, eh_proj (2h x h, column-parallel), one layer of
+    the last layer's kind, its final norm."""
+    depths = getattr(m, "mtp_num_layers", None) or 0
+    norm = [(m.hidden_size, False)] * (norm_parameters(m) // m.hidden_size)
+    layer = _layer_parameter_list(m, tp, ep, moe_layers(m)[m.num_layers - 1], attention)
+    return (2 * norm + [(2 * m.hidden_size * m.hidden_size // tp, False)] + layer + norm) * depths
 
 
 def _layer_parameter_list(m, tp: int, ep: int, moe: bool,
@@ -178,6 +191,8 @@ def largest_gradient_bucket(m, tp: int, ep: int, pp: int, stage: int, bucket_siz
     for i in stage_layers(m, pp, stage):
         items += [(n, e, False) for n, e in _layer_parameter_list(m, tp, ep, flags[i], attention)]
     items += [(n, False, iso) for n, iso in tail]
+    if stage == pp - 1:
+        items += [(n, e, False) for n, e in _mtp_parameter_list(m, tp, ep, attention)]
     largest, size, expert, filled = 0, 0, None, 0  # the current bucket: elements, kind; the group's fill
     for n, is_expert, isolated in reversed(items):
         if isolated:

@@ -321,6 +321,7 @@ def _bad_inputs(tmp_path):
         ("bench_optimizer.py", ["--rounds", "0"], "positive integers, got 0"),
         ("bench_packed.py", ["--doc", "0"], "positive integers, got 0"),
         ("bench_host_syncs.py", ["--steps", "0"], "positive integers, got 0"),
+        ("bench_generation_cache.py", ["--context", "0"], "positive integers, got 0"),
     ]
 
 

@@ -23,10 +23,10 @@ and it is not the parser's default.
 from __future__ import annotations
 
 import functools
-import json
 
 from megalite.arguments import build_parser, flag_for
 from megalite.config import ModelConfig
+from megalite.planner.model_flags import model_flags
 
 
 @functools.lru_cache(maxsize=1)
@@ -55,36 +55,9 @@ def _flag(name: str) -> str:
 
 
 def _model_flags(m: ModelConfig) -> list[str]:
-    d = training_defaults()
-    flags = [f"{_flag(k)}={getattr(m, k)}" for k in ("num_layers", "hidden_size", "num_attention_heads",
-                                                     "seq_length", "vocab_size")]
-    derived = ModelConfig(num_layers=m.num_layers, hidden_size=m.hidden_size,
-                          num_attention_heads=m.num_attention_heads, seq_length=m.seq_length, swiglu=m.swiglu)
-    for k in ("ffn_hidden_size", "num_query_groups", "max_position_embeddings"):  # defaults derived from others
-        if getattr(m, k) != getattr(derived, k):
-            flags.append(f"{_flag(k)}={getattr(m, k)}")
-    for k in ("make_vocab_size_divisible_by", "normalization", "position_embedding_type", "hidden_dropout",
-              "attention_dropout"):
-        if getattr(m, k) != d[k]:
-            flags.append(f"{_flag(k)}={getattr(m, k)}")
-    flags += [_flag(k) for k, on in (("swiglu", m.swiglu), ("add_bias_linear", not m.add_bias_linear),
-                                     ("untie_embeddings_and_output_weights", m.untie_embeddings_and_output_weights),
-                                     ("qk_layernorm", m.qk_layernorm))
-              if on]
-    if m.kv_channels is not None:  # a head size apart from hidden / heads (Qwen3)
-        flags.append(f"{_flag('kv_channels')}={m.kv_channels}")
-    if m.multi_latent_attention:  # MLA's latent ranks and head parts (megalite.model.mla)
-        flags.append(_flag("multi_latent_attention"))
-        flags += [f"{_flag(k)}={getattr(m, k)}" for k in ("q_lora_rank", "kv_lora_rank", "qk_head_dim",
-                                                          "qk_pos_emb_head_dim", "v_head_dim")
-                  if getattr(m, k) is not None]
-    if m.num_experts:
-        flags += [f"{_flag(k)}={v}" for k, v in (
-            ("num_experts", m.num_experts), ("moe_router_topk", m.moe_router_topk),
-            ("moe_ffn_hidden_size", m.moe_ffn_hidden_size),
-            ("moe_layer_freq", json.dumps(m.moe_layer_freq).replace(" ", "")),
-            ("moe_shared_expert_intermediate_size", m.moe_shared_expert_intermediate_size)) if v is not None]
-    return flags
+    """The model's flags: every ModelConfig setting that differs from what ``pretrain_gpt.py``
+    would make of its absence (:func:`megalite.planner.model_flags.model_flags`)."""
+    return model_flags(m)
 
 
 def pretrain_flags(m: ModelConfig, layout, global_batch: int, micro: int, precision: str = "bf16",

@@ -1,4 +1,4 @@
-"""The planner prints a model as the pretrain_gpt.py flags that rebuild it (megalite.planner.model_flags):
+"""The planner prints a model as the pretrain_gpt.py flags that rebuild it (megalite.planner.flags):
 every ModelConfig setting that differs from what the parser makes of its absence, derived from the
 settings' marks, so a new model flag is printed with no edit in the planner.
 
@@ -23,7 +23,7 @@ from megalite.flag_spec import flags_of_field, settings_of
 from megalite.moe.settings import parse_layer_freq
 from megalite.planner import Layout
 from megalite.planner.flags import pretrain_flags
-from megalite.planner.model_flags import (ALWAYS, LAYOUT_SETTINGS, model_flags, pattern_text, unwritable_settings)
+from megalite.planner.flags import ALWAYS, LAYOUT_SETTINGS, model_flags, pattern_text, unwritable_settings
 
 GPT2 = ModelConfig(num_layers=12, hidden_size=768, num_attention_heads=12, seq_length=1024, vocab_size=50257,
                    max_position_embeddings=1024)
@@ -110,7 +110,7 @@ def _off_default(f: dataclasses.Field, base: ModelConfig) -> list:
 def test_every_setting_off_its_default_comes_back():
     """Each ModelConfig setting with a flag, alone off its default, is printed and parsed back: a
     new flag of the ordinary shape needs no edit in the planner. Settings of another shape have a
-    writer (megalite.planner.model_flags.WRITERS)."""
+    writer (megalite.planner.flags.WRITERS)."""
     assert unwritable_settings() == []
     base = ModelConfig(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=1000)
     checked = 0

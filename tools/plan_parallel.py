@@ -30,7 +30,7 @@ from megalite.planner import DEFAULT_HEADROOM, WIRE_MEASURE, GiB, Hardware, prec
 from megalite.planner.cp import CP_COMM_TYPES, cp_type_name  # noqa: E402
 from megalite.planner.documents import plan_lines as document_lines  # noqa: E402
 from megalite.planner.flags import grads_in_fp32, pretrain_flags, training_defaults  # noqa: E402
-from megalite.planner.model_flags import add_model_flags, model_from_args as planned_model  # noqa: E402
+from megalite.planner.flags import add_model_flags, model_from_args as planned_model  # noqa: E402
 from tools.tool_errors import one_line_errors, writable  # noqa: E402
 
 
@@ -38,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = training_defaults()  # pretrain_gpt.py's defaults: the one source
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("model: pretrain_gpt.py's model flags, names, defaults and help (megalite.planner."
-                             "model_flags; with --num-experts, every expert-parallel size EP dividing E and TP*CP*DP "
+                             "flags; with --num-experts, every expert-parallel size EP dividing E and TP*CP*DP "
                              "is planned)")
     add_model_flags(g)
     g = p.add_argument_group("batch")
@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def model_from_args(a) -> ModelConfig:
-    """The model of the parsed flags, read as pretrain_gpt.py reads them (megalite.planner.model_flags)."""
+    """The model of the parsed flags, read as pretrain_gpt.py reads them (megalite.planner.flags)."""
     return planned_model(a)
 
 

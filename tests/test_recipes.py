@@ -48,6 +48,7 @@ RECIPES = {
     "llama3-70b": ([64, 512], 512, [8], []),
     "mixtral-8x7b": ([64, 512], 512, [8], []),
     "llama3-8b-sft": ([8, 64], 64, [], [512]),
+    "qwen3-30b-a3b": ([64, 256, 1024], 1024, [], []),
 }
 SIZES = [(r, g) for r, (sizes, _, _, _) in RECIPES.items() for g in sizes]
 LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",

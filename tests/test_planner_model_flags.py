@@ -131,3 +131,14 @@ def test_layer_patterns_and_unprintable_models():
         model_flags(dataclasses.replace(GPT2, attention_kind="other"))
     with pytest.raises(ValueError, match="has no pretrain_gpt.py flags"):
         model_flags(dataclasses.replace(LLAMA, rope_scaling={**llama3_rope_scaling(), "low_freq_factor": 2.0}))
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_planner_command_line_takes_the_same_model(name):
+    """tools/plan_parallel.py takes pretrain_gpt.py's model flags from the same marks: the printed
+    flags given to it plan the same model."""
+    from tools import plan_parallel
+
+    m = MODELS[name]
+    argv = model_flags(m) + ["--global-batch-size", "8", "--gpu-memory-gb", "80"]
+    assert plan_parallel.model_from_args(plan_parallel.build_parser().parse_args(argv)) == m

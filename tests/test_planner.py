@@ -282,3 +282,22 @@ def test_cli_verify_dry_runs_the_top_candidates(capsys, monkeypatch):
     # the first two fitting layouts, as the table lists them: ZeRO-0 then ZeRO-1 on DP 4
     assert [v["layout"].describe() for v in verified] == ["DP 4, ZeRO-0, recompute none",
                                                          "DP 4, ZeRO-1, recompute none"], text
+
+
+def test_remembered_parameter_counts_are_the_counts():
+    """The search asks each stage's parameter counts for every ZeRO stage and recomputation of a grid;
+    megalite.planner.estimate remembers them per model object: the same numbers as counting afresh,
+    and a changed model (a new object) is counted anew."""
+    import dataclasses
+    import importlib
+
+    planner_estimate = importlib.import_module("megalite.planner.estimate")  # the package re-exports estimate()
+
+    m = ModelConfig(num_layers=8, hidden_size=256, num_attention_heads=8, seq_length=128, vocab_size=1000,
+                    num_experts=8, moe_layer_freq=[0, 1] * 4, moe_shared_expert_intermediate_size=128)
+    for args in ((1, 1, 0, 1, "1f1b"), (2, 2, 1, 4, "1f1b"), (1, 2, 0, 2, "zbv"), (2, 4, 3, 8, "zb-h1")):
+        for public, counted in ((planner_estimate.stage_parameters, planner_estimate._stage_parameters),
+                                (planner_estimate.stage_expert_parameters, planner_estimate._stage_expert_parameters)):
+            assert public(m, *args) == public(m, *args) == counted.__wrapped__(m, *args), (public.__name__, args)
+    deeper = dataclasses.replace(m, num_layers=16, moe_layer_freq=[0, 1] * 8)
+    assert planner_estimate.stage_parameters(deeper) > planner_estimate.stage_parameters(m)

@@ -48,6 +48,8 @@ RECIPES = {
     "llama3-70b": ([64, 512], 512, [8], []),
     "mixtral-8x7b": ([64, 512], 512, [8], []),
     "llama3-8b-sft": ([8, 64], 64, [], [512]),
+    "qwen3-30b-a3b": ([64, 256, 1024], 1024, [], []),
+    "deepseek-v3": ([256, 1024], 1024, [64], []),
 }
 SIZES = [(r, g) for r, (sizes, _, _, _) in RECIPES.items() for g in sizes]
 LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
@@ -208,11 +210,11 @@ def test_layout_is_the_planners_recommendation(recipe, gpus, tmp_path, capsys):
     node), recommends the recipe's layout: every flag it prints has the recipe's value, and so
     has every layout flag. Where the recipe says the model does not fit, no layout fits.
 
-    The search is limited to CP 1 (--max-context-parallel 1: the full search over context-parallel
-    sizes and types takes 3-9 s for Mixtral, 0.3-0.6 s so). Its answer is the full search's when
-    it has no full recomputation: the planner's order puts every layout without full
-    recomputation and CP 1 before any layout with CP > 1, so a CP 1 layout that fits is first in
-    both. Where nothing fits, the full search says so."""
+    The search is limited to the recipe's CP size C (--max-context-parallel C, 1 for most: the
+    full search over context-parallel sizes and types takes 3-9 s for Mixtral, 0.3-0.6 s so). Its
+    answer is the full search's when it has no full recomputation: the planner's order puts every
+    layout without full recomputation and CP <= C before any layout with a larger CP, so such a
+    layout that fits is first in both. Where nothing fits, the full search says so."""
     sizes = RECIPES[recipe][0]
     probe = sizes[0]  # the model and batch flags are the same at every count
     _, flags = dry_run_flags(recipe, gpus if gpus in sizes else probe)
@@ -220,7 +222,8 @@ def test_layout_is_the_planners_recommendation(recipe, gpus, tmp_path, capsys):
         rec = recommendation(planner_argv(flags, gpus), tmp_path, capsys)
         assert rec is None, (recipe, gpus, rec and rec["description"])
         return
-    rec = recommendation(planner_argv(flags, gpus) + ["--max-context-parallel", "1"], tmp_path, capsys)
+    max_cp = str(parse(flags).context_parallel_size)
+    rec = recommendation(planner_argv(flags, gpus) + ["--max-context-parallel", max_cp], tmp_path, capsys)
     assert rec is not None and rec["layout"]["recompute"] != "full", (recipe, gpus, rec and rec["description"])
     planned, ours = vars(parse(rec["pretrain_flags"])), vars(parse(flags))
     defaults = vars(parse([]))

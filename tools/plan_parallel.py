@@ -24,44 +24,23 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.config import ModelConfig  # noqa: E402
-from megalite.moe.settings import moe_layers, parse_layer_freq  # noqa: E402
+from megalite.moe.settings import moe_layers  # noqa: E402
 from megalite.planner.search import plan  # noqa: E402
 from megalite.planner import DEFAULT_HEADROOM, WIRE_MEASURE, GiB, Hardware, precision, total_parameters  # noqa: E402
 from megalite.planner.cp import CP_COMM_TYPES, cp_type_name  # noqa: E402
 from megalite.planner.documents import plan_lines as document_lines  # noqa: E402
 from megalite.planner.flags import grads_in_fp32, pretrain_flags, training_defaults  # noqa: E402
+from megalite.planner.flags import add_model_flags, model_from_args as planned_model  # noqa: E402
 from tools.tool_errors import one_line_errors, writable  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
     d = training_defaults()  # pretrain_gpt.py's defaults: the one source
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = p.add_argument_group("model (megalite / Megatron-LM flag names)")
-    g.add_argument("--num-layers", type=int, required=True)
-    g.add_argument("--hidden-size", type=int, required=True)
-    g.add_argument("--num-attention-heads", type=int, required=True)
-    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4*hidden (SwiGLU: ~8/3*hidden)")
-    g.add_argument("--num-query-groups", type=int, default=None, help="grouped-query attention")
-    g.add_argument("--seq-length", type=int, required=True)
-    g.add_argument("--max-position-embeddings", type=int, default=None)
-    g.add_argument("--vocab-size", type=int, required=True)
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=d["make_vocab_size_divisible_by"])
-    g.add_argument("--swiglu", action="store_true")
-    g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
-    g.add_argument("--disable-bias-linear", action="store_true")
-    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
-    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"], default="learned_absolute")
-    g.add_argument("--hidden-dropout", type=float, default=d["hidden_dropout"],
-                   help="pretrain_gpt.py's default; with dropout each layer keeps two 1-byte masks")
-    g.add_argument("--attention-dropout", type=float, default=d["attention_dropout"],
-                   help="pretrain_gpt.py's default (CP layouts are planned and printed with 0: ring attention has none)")
-    g = p.add_argument_group("mixture of experts (planned with every expert-parallel size EP dividing E and TP*CP*DP)")
-    g.add_argument("--num-experts", type=int, default=None, help="experts per MoE layer (default: a dense model)")
-    g.add_argument("--moe-router-topk", type=int, default=2)
-    g.add_argument("--moe-ffn-hidden-size", type=int, default=None,
-                   help="each expert's FFN size (default --ffn-hidden-size)")
-    g.add_argument("--moe-layer-freq", type=str, default="1", help="every N-th layer is MoE, or a 0/1 list [1,0,1,0]")
-    g.add_argument("--moe-shared-expert-intermediate-size", type=int, default=None)
+    g = p.add_argument_group("model: pretrain_gpt.py's model flags, names, defaults and help (megalite.planner."
+                             "flags; with --num-experts, every expert-parallel size EP dividing E and TP*CP*DP "
+                             "is planned)")
+    add_model_flags(g)
     g = p.add_argument_group("batch")
     g.add_argument("--global-batch-size", type=int, required=True)
     g.add_argument("--micro-batch-size", type=int, default=d["micro_batch_size"], help="pretrain_gpt.py's default")
@@ -111,19 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def model_from_args(a) -> ModelConfig:
-    moe = {}
-    if a.num_experts:
-        moe = dict(num_experts=a.num_experts, moe_router_topk=a.moe_router_topk,
-                   moe_ffn_hidden_size=a.moe_ffn_hidden_size, moe_layer_freq=parse_layer_freq(a.moe_layer_freq),
-                   moe_shared_expert_intermediate_size=a.moe_shared_expert_intermediate_size)
-    return ModelConfig(num_layers=a.num_layers, hidden_size=a.hidden_size, num_attention_heads=a.num_attention_heads,
-                       ffn_hidden_size=a.ffn_hidden_size, num_query_groups=a.num_query_groups,
-                       vocab_size=a.vocab_size, make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,
-                       seq_length=a.seq_length, max_position_embeddings=a.max_position_embeddings,
-                       position_embedding_type=a.position_embedding_type, normalization=a.normalization,
-                       swiglu=a.swiglu, add_bias_linear=not a.disable_bias_linear,
-                       untie_embeddings_and_output_weights=a.untie_embeddings_and_output_weights,
-                       hidden_dropout=a.hidden_dropout, attention_dropout=a.attention_dropout, **moe)
+    """The model of the parsed flags, read as pretrain_gpt.py reads them (megalite.planner.flags)."""
+    return planned_model(a)
 
 
 def table(estimates, usable: float) -> list[str]:

@@ -4,7 +4,7 @@ the recommendation (``tools/plan_parallel.py`` is its command line). Pure arithm
 Floors inside the package, each importing only those below it:
 
 1. :mod:`.types`: Hardware, Precision, Layout, Estimate, Plan (dataclasses only);
-2. :mod:`.flags` (pretrain_gpt.py's defaults, a layout as flags), :mod:`.layers` (one layer's
+2. :mod:`.flags` (pretrain_gpt.py's defaults, a model and a layout as flags), :mod:`.layers` (one layer's
    activations), :mod:`.cp` (CP types), :mod:`.documents` (packed documents), :mod:`.checks`
    (megalite's validation of a layout);
 3. :mod:`.pipeline` (schedules: bubble, micro-batches held, step time);

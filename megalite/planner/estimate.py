@@ -113,11 +113,35 @@ DEFAULT_BUCKET = training_defaults()["ddp_bucket_size"]  # elements, pretrain_gp
 
 # -- parameters ------------------------------------------------------------------------------------
 
+_COUNTS: dict[tuple, tuple] = {}  # (id(m), function, its arguments) -> (m, count): a search asks each often
+
+
+def _per_model(count):
+    """``count(m, *args)`` remembered per model object and arguments: a search estimates every ZeRO
+    stage and recomputation of one grid, whose parameters are the same (as ``stage_activation_bytes``
+    does, the entry holds the model itself, so a new model at a reused id misses)."""
+    @functools.wraps(count)
+    def remembered(m: ModelConfig, *args):
+        key = (id(m), count.__name__, *args)
+        hit = _COUNTS.get(key)
+        if hit is None or hit[0] is not m:
+            if len(_COUNTS) > 20000:
+                _COUNTS.clear()
+            hit = _COUNTS[key] = (m, count(m, *args))
+        return hit[1]
+    return remembered
+
+
 def stage_parameters(m: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0, ep: int = 1,
                      schedule: str = "1f1b") -> int:
     """Psi of one rank on pipeline stage ``stage``: what its weights and gradients hold
     (with experts: its dense parameters and its E/EP experts, :mod:`megalite.moe.planning`).
     ZBV: chunks p and 2P-1-p of 2P; rank 0 holds embedding and output layer (tied: both copies)."""
+    return _stage_parameters(m, tp, pp, stage, ep, schedule)
+
+
+@_per_model
+def _stage_parameters(m: ModelConfig, tp: int, pp: int, stage: int, ep: int, schedule: str) -> int:
     kind = describe_schedule(schedule)
     if kind.v_shape:  # each of the rank's chunks as a stage of a pipeline of 2P chunks
         return sum(stage_parameters(m, tp, kind.pipeline_chunks(pp), g, ep) for g in kind.local_chunks(pp, stage))
@@ -145,6 +169,11 @@ def stage_parameters(m: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0, e
 def stage_expert_parameters(m: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0, ep: int = 1,
                             schedule: str = "1f1b") -> int:
     """The part of :func:`stage_parameters` that is experts (reduced over expert-data-parallel ranks)."""
+    return _stage_expert_parameters(m, tp, pp, stage, ep, schedule)
+
+
+@_per_model
+def _stage_expert_parameters(m: ModelConfig, tp: int, pp: int, stage: int, ep: int, schedule: str) -> int:
     if not m.num_experts:
         return 0
     kind = describe_schedule(schedule)
@@ -221,6 +250,12 @@ def communication(m: ModelConfig, layout: Layout, psi: int, micro: int, num_micr
 
 # -- one layout ------------------------------------------------------------------------------------
 
+@_per_model
+def _largest_gradient_bucket(m: ModelConfig, tp: int, ep: int, pp: int, stage: int) -> int:
+    """:func:`megalite.moe.planning.largest_gradient_bucket` at pretrain_gpt.py's bucket size."""
+    return moe_planning.largest_gradient_bucket(m, tp, ep, pp, stage, DEFAULT_BUCKET, attention_part(m))
+
+
 def stage_memory(m: ModelConfig, layout: Layout, stage: int, micro: int, num_micro: int, prec: Precision,
                  flash_attention: bool = False, documents: bool = False, detail: dict | None = None) -> tuple[int, dict]:
     """(parameters, memory by kind in bytes) of one rank of pipeline stage ``stage``; "data" is
@@ -242,8 +277,7 @@ def stage_memory(m: ModelConfig, layout: Layout, stage: int, micro: int, num_mic
         # under ZeRO-3, --ddp-bucket-size elements under ZeRO-2), reduce-scattered when complete
         bucket = split + replicated if layout.zero == 3 else min(psi, DEFAULT_BUCKET)
         if psi_e:  # expert and dense parameters never share a bucket
-            bucket = moe_planning.largest_gradient_bucket(m, layout.tp, layout.ep, layout.pp, stage, DEFAULT_BUCKET,
-                                                          attention_part(m))
+            bucket = _largest_gradient_bucket(m, layout.tp, layout.ep, layout.pp, stage)
         mem["buffers"] += prec.grad_bytes * bucket
     mem["data"] = planner_documents.batch_bytes(m.seq_length, micro, num_micro, layout.cp, documents)
     mem["total"] += mem["activations"] + mem["buffers"] + mem["data"]

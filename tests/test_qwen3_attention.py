@@ -113,8 +113,9 @@ def test_the_shape_is_the_built_model():
     assert {"layers.0.attn.q_norm.weight", "layers.0.attn.k_norm.weight"} <= names
     assert GPTModel(cfg).layers["0"].attn.qkv.weight.shape == ((A + 2 * G) * D, H)
     _, split, _ = SelfAttentionShape.activation_bytes(cfg, 16, 2, 2)
-    # q k v out, the qkv output the norms' inputs keep, their 1/rms per head and token
-    assert split == 2 * 16 * 2 * A * D * (2 + 2 * G / A + 1 + 2 * G / A) + 4 * 16 * 2 * (A + G)
+    # q k v out, the qkv output the norms' inputs keep, the query heads' GQA copy, their 1/rms per
+    # head and token
+    assert split == 2 * 16 * 2 * A * D * (2 + 2 * G / A + 1 + 2 * G / A + (G < A)) + 4 * 16 * 2 * (A + G)
 
 
 def test_the_norm_weights_are_ones_at_init_and_marked_for_the_tp_sum():

@@ -7,9 +7,9 @@
 # routed SwiGLU experts of FFN 2048, top-8, plus 1 shared expert of 2048: sigmoid scores,
 # group-limited routing (8 groups, the best 4 per token), top-8 weights renormalised and scaled by
 # 2.5, aux-loss-free balancing by the expert bias (update rate 1e-3); RMSNorm eps 1e-6, untied
-# output, no biases, vocabulary 129280, sequence 4096. 671B parameters, about 37B active per token.
-# TODO(issue 38, MTP): add --mtp-num-layers 1 (DeepSeek-V3's one multi-token-prediction module) to
-# MODEL_ARGS once it lands, and re-plan the layouts and the dry runs with it.
+# output, no biases, vocabulary 129280, sequence 4096; one multi-token-prediction depth (an MoE
+# layer on the last stage predicting token t+2, loss weight 0.1). 671B parameters (685B with the
+# MTP depth), about 37B active per token.
 # Batch: 4096 sequences of 4096 = 16.8M tokens per step (DeepSeek-V3 ramped to 15360), micro-batch 1.
 # Layouts (tools/plan_parallel.py's recommendation; planned and measured memory in docs/recipes.md):
 #   GPUS=256   TP 8 (sequence parallel) x CP 2 (a2a) x DP 16, the experts over EP 128, ZeRO-2
@@ -48,7 +48,8 @@ MODEL_ARGS=(--num-layers 61 --hidden-size 7168 --num-attention-heads 128 --ffn-h
             --moe-shared-expert-intermediate-size 2048 --moe-layer-freq '([0]*3+[1]*58)'
             --moe-router-score-function sigmoid --moe-router-num-groups 8 --moe-router-group-topk 4
             --moe-router-topk-scaling-factor 2.5
-            --moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-3)
+            --moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-3
+            --mtp-num-layers 1 --mtp-loss-scaling-factor 0.1)
 case "$GPUS" in
     256)  LAYOUT_ARGS=(--tensor-model-parallel-size 8 --sequence-parallel --context-parallel-size 2
                        --cp-comm-type a2a --expert-model-parallel-size 128

@@ -108,6 +108,13 @@ class PartShape:
         return 0.0, 0.0, 0.0
 
     @classmethod
+    def sequence_gathered_bytes(cls, m, s: float, b: int, act_bytes: int) -> float:
+        """Of the replicated bytes (:meth:`activation_bytes`), those a part keeps over the whole
+        sequence even under sequence parallelism (it gathers the sequence and keeps the gathered
+        tensor for backward): counted whole on every rank, not divided by t. None by default."""
+        return 0.0
+
+    @classmethod
     def cache_buffers(cls, m, tp: int = 1) -> list[tuple[int, int]]:
         """What generation caches per token for the part on one TP rank: (n, w) per buffer, each
         held as (batch, n, positions, w) (none: a part with no state across positions)."""
@@ -176,8 +183,9 @@ class SelfAttentionShape(PartShape):
                          flash_attention: bool = False) -> tuple[float, float, float]:
         """QKV's input (replicated, s b h); Q, K, V and the attention output (split: (2 + 2 g/a)
         s b a d); with QK-norm the norms' inputs too, views that keep the whole qkv output alive
-        ((1 + 2 g/a) s b a d more), and their fp32 row statistics (1/rms; LayerNorm: and the
-        mean) per head and token; the scores and their dropout mask, (2 e + 1) a s^2 b, unless
+        ((1 + 2 g/a) s b a d more; under grouped-query attention the query heads of each group are
+        gathered into a copy the query norm keeps, s b a d more), and their fp32 row statistics
+        (1/rms; LayerNorm: and the mean) per head and token; the scores and their dropout mask, (2 e + 1) a s^2 b, unless
         selective recomputation or a flash-style kernel drops them."""
         B, sbh, kv = act_bytes, s * b * m.hidden_size, m.num_query_groups / m.num_attention_heads
         a, g = m.num_attention_heads, m.num_query_groups
@@ -185,7 +193,7 @@ class SelfAttentionShape(PartShape):
         split = B * width * (2 + 2 * kv)
         if getattr(m, "qk_layernorm", False):
             stats = 8 if m.normalization == "LayerNorm" else 4
-            split += B * width * (1 + 2 * kv) + stats * s * b * (a + g)
+            split += B * width * (1 + 2 * kv + (g < a)) + stats * s * b * (a + g)
         scores = 0.0 if recompute == "selective" or flash_attention else (2 * B + 1) * a * s * s * b
         return B * sbh, split, scores
 
@@ -275,15 +283,23 @@ class MLAShape(PartShape):
                          flash_attention: bool = False) -> tuple[float, float, float]:
         """Replicated: the input (s b h) and the latents the up-projections and norms keep (the
         query latent before and after its norm, 2 r_q; the key/value latent and RoPE key,
-        r_kv + d_r, and the normed latent r_kv), per token. (Under SP the down-projections keep
-        the gathered sequence: this counts a shard, an underestimate by (t - 1) s b h e.)
-        Split: q and k (a d_qk each), v (a d_v), the key/value up-projection's output
-        (a (d_n + d_v)) and the attention output (a d_v). Recomputable: the scores and their
-        dropout mask, (2 e + 1) a s^2 b, unless selective recomputation or a flash kernel."""
+        r_kv + d_r, and the normed latent r_kv), per token: all computed from the gathered input
+        under SP, so kept whole (:meth:`sequence_gathered_bytes`).
+        Split: what the core attention keeps, q and k (a d_qk each), v (a d_v, a copy out of the
+        key/value up-projection's output, which nothing keeps) and the attention output (a d_v,
+        the output projection's input too). Recomputable: the scores and their dropout mask,
+        (2 e + 1) a s^2 b, unless selective recomputation or a flash kernel."""
         B, a = act_bytes, m.num_attention_heads
         dn, dr, dv = m.qk_head_dim, m.qk_pos_emb_head_dim, m.v_head_dim
-        latents = 2 * (m.q_lora_rank or 0) + 2 * m.kv_lora_rank + dr
-        replicated = B * s * b * (m.hidden_size + latents)
-        split = B * s * b * a * (2 * (dn + dr) + dv + (dn + dv) + dv)
+        replicated = cls.sequence_gathered_bytes(m, s, b, act_bytes)
+        split = B * s * b * a * (2 * (dn + dr) + 2 * dv)
         scores = 0.0 if recompute == "selective" or flash_attention else (2 * B + 1) * a * s * s * b
         return replicated, split, scores
+
+    @classmethod
+    def sequence_gathered_bytes(cls, m, s: float, b: int, act_bytes: int) -> float:
+        """All of its replicated bytes: under SP the down-projections see the gathered sequence
+        (``MultiLatentAttention.entered``), so their input (h) and the latents computed from it
+        (2 r_q + 2 r_kv + d_r per token) are kept whole on every TP rank."""
+        latents = 2 * (m.q_lora_rank or 0) + 2 * m.kv_lora_rank + m.qk_pos_emb_head_dim
+        return act_bytes * s * b * (m.hidden_size + latents)

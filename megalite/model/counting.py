@@ -112,8 +112,8 @@ def layer_activation_bytes(m, micro: int, tp: int = 1, sp: bool = False, cp: int
                            recompute: str = "none", act_bytes: int = 2, flash_attention: bool = False) -> float:
     """Bytes one dense layer keeps for backward per micro-batch, s = seq/CP tokens of b = ``micro``:
     the two norms' inputs and the two 1-byte dropout masks (with hidden dropout), replicated, plus
-    each part's (:meth:`PartShape.activation_bytes`): replicated ones divided by t under SP, split
-    ones by t. Full recomputation keeps the layer input only, e s b h (/t under SP)."""
+    each part's (:meth:`PartShape.activation_bytes`): replicated ones divided by t under SP (except
+    what a part keeps gathered, :meth:`PartShape.sequence_gathered_bytes`), split ones by t. Full recomputation keeps the layer input only, e s b h (/t under SP)."""
     s, b, B = m.seq_length / cp, micro, act_bytes
     sbh = s * b * m.hidden_size
     if recompute == "full":
@@ -123,7 +123,9 @@ def layer_activation_bytes(m, micro: int, tp: int = 1, sp: bool = False, cp: int
     attn = spec.attention.activation_bytes(m, s, b, B, recompute, flash_attention)
     mlp = spec.mlp.activation_bytes(m, s, b, B, recompute, flash_attention)
     replicated = (2 * B + masks) * sbh + attn[0] + mlp[0]
-    return replicated / (tp if sp else 1) + (attn[1] + mlp[1] + (attn[2] + mlp[2])) / tp
+    gathered = sum(part.sequence_gathered_bytes(m, s, b, B) for part in (spec.attention, spec.mlp))
+    kept_whole = gathered * (1 - 1 / tp) if sp else 0.0  # of the replicated bytes, whole under SP too
+    return replicated / (tp if sp else 1) + kept_whole + (attn[1] + mlp[1] + (attn[2] + mlp[2])) / tp
 
 
 def mtp_activation_bytes(m, micro: int, tp: int = 1, sp: bool = False, cp: int = 1, recompute: str = "none",

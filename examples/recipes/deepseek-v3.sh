@@ -8,8 +8,9 @@
 # group-limited routing (8 groups, the best 4 per token), top-8 weights renormalised and scaled by
 # 2.5, aux-loss-free balancing by the expert bias (update rate 1e-3); RMSNorm eps 1e-6, untied
 # output, no biases, vocabulary 129280, sequence 4096; one multi-token-prediction depth (an MoE
-# layer on the last stage predicting token t+2, loss weight 0.1). 671B parameters (685B with the
-# MTP depth), about 37B active per token.
+# layer on the last stage predicting token t+2, loss weight 0.1). 671B parameters without the MTP
+# depth, 682.6B with it (DeepSeek's 685B also counts the depth's copies of the embedding and output
+# head, which megalite shares), about 37B active per token.
 # Batch: 4096 sequences of 4096 = 16.8M tokens per step (DeepSeek-V3 ramped to 15360), micro-batch 1.
 # Layouts (tools/plan_parallel.py's recommendation; planned and measured memory in docs/recipes.md):
 #   GPUS=256   TP 8 (sequence parallel) x CP 2 (a2a) x DP 16, the experts over EP 128, ZeRO-2

@@ -35,10 +35,9 @@ Experts come under the hub's names (``mlp.experts.E.gate_proj/up_proj/down_proj`
 ``save_pretrained`` writes) or transformers 5's stacked ones (``mlp.experts.gate_up_proj``,
 ``down_proj``); the export writes the hub's.
 
-Multi-token prediction: the hub's files hold ``num_nextn_predict_layers`` extra layers
-(``model.layers.{num_hidden_layers + i}.*``), which transformers does not load. They are left out
-on import, with one printed line (:func:`left_out_note`), until megalite's MTP maps them; the
-export writes ``num_nextn_predict_layers`` 0.
+Multi-token prediction: the files' ``num_nextn_predict_layers`` extra layers are megalite's
+``--mtp-num-layers`` depths; their number is settled here (:func:`mtp_layers_in`), their weights in
+:mod:`megalite.checkpoint.hf_deepseek_mtp`.
 """
 from __future__ import annotations
 
@@ -61,7 +60,7 @@ KEEP_FP32 = ("e_score_correction_bias",)  # the selection bias's small steps wou
 
 # -- settings ---------------------------------------------------------------------------------------
 
-def _refuse(key: str, value, why: str) -> UnsupportedModel:
+def refuse(key: str, value, why: str) -> UnsupportedModel:
     return UnsupportedModel(f"config.json {key} {value!r}: {why}")
 
 
@@ -75,9 +74,9 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
     if kind == "default":
         return base, None
     if kind != "yarn":
-        raise _refuse("rope scaling type", kind, "megalite converts DeepSeek-V3 with no scaling or 'yarn'.")
+        raise refuse("rope scaling type", kind, "megalite converts DeepSeek-V3 with no scaling or 'yarn'.")
     if scaling.get("partial_rotary_factor", 1.0) != 1.0:
-        raise _refuse("partial_rotary_factor", scaling["partial_rotary_factor"],
+        raise refuse("partial_rotary_factor", scaling["partial_rotary_factor"],
                       "megalite's RoPE turns the whole qk_rope_head_dim part.")
     original = scaling["original_max_position_embeddings"]
     factor = scaling.get("factor") or hf["max_position_embeddings"] / original
@@ -86,14 +85,14 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
     if given is not None or not (mscale and all_dim):  # HF's cos/sin factor is not the mscale ratio
         amplitude = given if given is not None else yarn_mscale(factor)
         if factor <= 1 and amplitude != 1:
-            raise _refuse("rope_scaling attention_factor", given, f"with factor {factor} megalite's cos/sin factor "
+            raise refuse("rope_scaling attention_factor", given, f"with factor {factor} megalite's cos/sin factor "
                           f"is 1 (YaRN's temperature needs factor > 1).")
         if given is None and not all_dim or factor <= 1:
             mscale = 1.0  # mscale(s, 1) / mscale(s, 0): the same factor, exactly
         else:  # mscale(s, m) = amplitude * mscale(s, mscale_all_dim), solved for m
             mscale = (amplitude * yarn_mscale(factor, all_dim) - 1) / (0.1 * math.log(factor))
         if mscale < 0:
-            raise _refuse("rope_scaling attention_factor", amplitude, f"below 1 / mscale(s, mscale_all_dim "
+            raise refuse("rope_scaling attention_factor", amplitude, f"below 1 / mscale(s, mscale_all_dim "
                           f"{all_dim}): megalite's --mscale would have to be negative ({mscale:.3g}).")
     out = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": original,
            "beta_fast": float(scaling.get("beta_fast") or 32), "beta_slow": float(scaling.get("beta_slow") or 1),
@@ -106,21 +105,21 @@ def _routing(hf: dict) -> dict:
     n, E, k = hf["num_hidden_layers"], hf.get("n_routed_experts") or 0, hf.get("num_experts_per_tok") or 0
     dense = hf.get("first_k_dense_replace") or 0
     if E < 1 or k < 1 or dense >= n:
-        raise _refuse("first_k_dense_replace / n_routed_experts", (dense, E), f"no MoE layer among the {n}; "
+        raise refuse("first_k_dense_replace / n_routed_experts", (dense, E), f"no MoE layer among the {n}; "
                       f"megalite converts DeepSeek-V3 with its mixture-of-experts layers.")
     for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
         if hf.get(key, want) != want:
-            raise _refuse(key, hf[key], f"megalite converts DeepSeek-V3's {key} {want!r} (transformers' "
+            raise refuse(key, hf[key], f"megalite converts DeepSeek-V3's {key} {want!r} (transformers' "
                           f"DeepseekV3 assumes it too).")
     norm = hf.get("norm_topk_prob", True)
     if bool(norm) != (k > 1):
-        raise _refuse("norm_topk_prob", norm, f"with num_experts_per_tok {k}: megalite's router renormalizes the "
+        raise refuse("norm_topk_prob", norm, f"with num_experts_per_tok {k}: megalite's router renormalizes the "
                       f"top-k weights exactly when k > 1, so it expresses norm_topk_prob {str(k > 1).lower()}.")
     groups, group_topk = hf.get("n_group") or 1, hf.get("topk_group") or 1
     grouped = dict(moe_router_num_groups=groups, moe_router_group_topk=group_topk) if groups > 1 else {}
     problem = check_routing(E, k, groups if grouped else None, group_topk if grouped else None, "sigmoid")
     if problem:
-        raise _refuse("n_group / topk_group", (groups, group_topk), problem)
+        raise refuse("n_group / topk_group", (groups, group_topk), problem)
     shared = hf.get("n_shared_experts") or 0
     scale = float(hf.get("routed_scaling_factor", 1.0))
     pattern = [int(i >= dense) for i in range(n)]
@@ -131,23 +130,25 @@ def _routing(hf: dict) -> dict:
                 moe_router_enable_expert_bias=True, **grouped)
 
 
-def model_config_from_hf(hf: dict, seq_length: int | None = None) -> ModelConfig:
-    """megalite's model settings of a ``deepseek_v3`` config.json (module docstring)."""
+def model_config_from_hf(hf: dict, seq_length: int | None = None, tensor_names=None) -> ModelConfig:
+    """megalite's model settings of a ``deepseek_v3`` config.json (module docstring).
+    ``tensor_names``: the files' tensor names, which say how many MTP layers there are (None:
+    config.json's ``num_nextn_predict_layers``)."""
     h, heads = hf["hidden_size"], hf["num_attention_heads"]
     if hf.get("num_key_value_heads") not in (None, heads):
-        raise _refuse("num_key_value_heads", hf["num_key_value_heads"], f"MLA gives every one of the {heads} "
+        raise refuse("num_key_value_heads", hf["num_key_value_heads"], f"MLA gives every one of the {heads} "
                       f"heads its own key and value (num_key_value_heads = num_attention_heads).")
     if hf.get("attention_bias"):
-        raise _refuse("attention_bias", True, "megalite's Multi-head Latent Attention has no biases.")
+        raise refuse("attention_bias", True, "megalite's Multi-head Latent Attention has no biases.")
     if hf.get("hidden_act", "silu") != "silu":
-        raise _refuse("hidden_act", hf["hidden_act"], "megalite's SwiGLU uses silu.")
+        raise refuse("hidden_act", hf["hidden_act"], "megalite's SwiGLU uses silu.")
     if hf.get("rms_norm_eps", LATENT_NORM_EPS) != LATENT_NORM_EPS:
-        raise _refuse("rms_norm_eps", hf["rms_norm_eps"], f"transformers' DeepseekV3 normalizes the q and kv "
+        raise refuse("rms_norm_eps", hf["rms_norm_eps"], f"transformers' DeepseekV3 normalizes the q and kv "
                       f"latents with eps {LATENT_NORM_EPS} whatever rms_norm_eps says, megalite every norm with "
                       f"--norm-epsilon: they agree only at {LATENT_NORM_EPS}.")
     if hf.get("quantization_config"):
         method = hf["quantization_config"].get("quant_method", "?")
-        raise _refuse("quantization_config quant_method", method, "the weights are stored quantized (DeepSeek-V3's "
+        raise refuse("quantization_config quant_method", method, "the weights are stored quantized (DeepSeek-V3's "
                       "hub files: fp8 blocks with weight_scale_inv); megalite imports unquantized weights. Fix: "
                       "convert the checkpoint to bf16 first (DeepSeek's fp8_cast_bf16.py) and import that copy.")
     base, scaling = _rope(hf)
@@ -161,7 +162,8 @@ def model_config_from_hf(hf: dict, seq_length: int | None = None) -> ModelConfig
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         hidden_dropout=0.0, attention_dropout=0.0, multi_latent_attention=True, q_lora_rank=hf.get("q_lora_rank"),
         kv_lora_rank=hf["kv_lora_rank"], qk_head_dim=hf["qk_nope_head_dim"],
-        qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"], **_routing(hf))
+        qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
+        mtp_num_layers=mtp_layers_in(hf, tensor_names) or None, **_routing(hf))
 
 
 def _export_checks(cfg: ModelConfig) -> list[str]:
@@ -224,20 +226,28 @@ def hf_config_from(cfg: ModelConfig, dtype: torch.dtype, special: dict, interlea
             "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.norm_epsilon,
             "rope_theta": cfg.rotary_base, "rope_scaling": scaling, "rope_interleave": interleaved,
             "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights, "attention_bias": False,
-            "attention_dropout": 0.0, "num_nextn_predict_layers": 0,
+            "attention_dropout": 0.0, "num_nextn_predict_layers": cfg.mtp_num_layers or 0,
             "torch_dtype": str(dtype).removeprefix("torch."), **special}
 
 
-def left_out_note(hf: dict, tensor_names) -> str | None:
-    """One line naming the multi-token-prediction tensors the import leaves out, or None."""
+# -- multi-token prediction: how many layers -------------------------------------------------------
+
+def mtp_layers_in(hf: dict, tensor_names=None) -> int:
+    """D, the MTP layers the files hold (``model.layers.{n..n+D-1}.*``), or a refusal when
+    config.json's ``num_nextn_predict_layers`` names another number of them (0 layers with the key
+    set is allowed: :func:`megalite.checkpoint.hf_deepseek_mtp.absent_mtp_note`). ``tensor_names`` None: the key's value."""
+    said = hf.get("num_nextn_predict_layers")
+    if tensor_names is None:
+        return said or 0
     n = hf["num_hidden_layers"]
-    extra = sorted({int(name.split(".")[2]) for name in tensor_names
+    found = sorted({int(name.split(".")[2]) for name in tensor_names
                     if name.startswith("model.layers.") and int(name.split(".")[2]) >= n})
-    if not extra:
-        return None
-    return (f"note: the multi-token-prediction layer(s) model.layers.{extra[0]}..{extra[-1]}.* "
-            f"(num_nextn_predict_layers {hf.get('num_nextn_predict_layers', len(extra))}) were left out: megalite "
-            f"does not import MTP weights yet; the {n} layers of the model itself are all imported")
+    if found and (found != list(range(n, n + len(found))) or said not in (None, len(found))):
+        raise refuse("num_nextn_predict_layers", said, f"the files hold the multi-token-prediction layers "
+                     f"model.layers.{{{','.join(map(str, found))}}}.* (past num_hidden_layers {n}): they must be "
+                     f"num_nextn_predict_layers consecutive layers from model.layers.{n} on. Fix: set "
+                     f"num_nextn_predict_layers to the number of MTP layers the files hold.")
+    return len(found)
 
 
 # -- weights ----------------------------------------------------------------------------------------
@@ -272,9 +282,9 @@ NAMES = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_
 Q_LATENT = {"attn.q_down.weight": "self_attn.q_a_proj.weight", "attn.q_norm.weight": "self_attn.q_a_layernorm.weight"}
 
 
-def _plain_names(cfg: ModelConfig, i: int) -> dict[str, str]:
+def _plain_names(cfg: ModelConfig, moe: bool) -> dict[str, str]:
     names = {**NAMES, **(Q_LATENT if cfg.q_lora_rank else {})}
-    if moe_layers(cfg)[i]:
+    if moe:
         names.update({"mlp.router.weight": "mlp.gate.weight",
                       "mlp.shared_expert.fc2.weight": "mlp.shared_experts.down_proj.weight"})
     else:
@@ -296,14 +306,22 @@ def export_globals(get, cfg: ModelConfig) -> dict:
 
 
 def import_layer(get, i: int, cfg: ModelConfig, interleaved: bool = True) -> dict:
-    p, q = f"model.layers.{i}.", f"layers.{i}."
-    out = {q + ours: get(p + theirs) for ours, theirs in _plain_names(cfg, i).items()}
+    return import_block(get, f"model.layers.{i}.", f"layers.{i}.", moe_layers(cfg)[i], cfg, interleaved)
+
+
+def export_layer(get, i: int, cfg: ModelConfig, interleaved: bool = True) -> dict:
+    return export_block(get, f"model.layers.{i}.", f"layers.{i}.", moe_layers(cfg)[i], cfg, interleaved)
+
+
+def import_block(get, p: str, q: str, moe: bool, cfg: ModelConfig, interleaved: bool) -> dict:
+    """The decoder layer under HF prefix ``p`` as megalite's block under prefix ``q``."""
+    out = {q + ours: get(p + theirs) for ours, theirs in _plain_names(cfg, moe).items()}
     (q_ours, q_theirs), kv_down = _query(cfg), get(p + "self_attn.kv_a_proj_with_mqa.weight")
     query = get(p + q_theirs)
     if interleaved:
         query, kv_down = _rope_rows(query, cfg, True, True), _rope_rows(kv_down, cfg, False, True)
     out[q + q_ours], out[q + "attn.kv_down.weight"] = query, kv_down
-    if not moe_layers(cfg)[i]:
+    if not moe:
         out[q + "mlp.fc1.weight"] = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
         return out
     m = p + "mlp."
@@ -322,15 +340,15 @@ def import_layer(get, i: int, cfg: ModelConfig, interleaved: bool = True) -> dic
     return out
 
 
-def export_layer(get, i: int, cfg: ModelConfig, interleaved: bool = True) -> dict:
-    p, q = f"model.layers.{i}.", f"layers.{i}."
-    out = {p + theirs: get(q + ours) for ours, theirs in _plain_names(cfg, i).items()}
+def export_block(get, p: str, q: str, moe: bool, cfg: ModelConfig, interleaved: bool) -> dict:
+    """megalite's block under prefix ``q`` as the HF decoder layer under prefix ``p`` (the hub's names)."""
+    out = {p + theirs: get(q + ours) for ours, theirs in _plain_names(cfg, moe).items()}
     (q_ours, q_theirs), kv_down = _query(cfg), get(q + "attn.kv_down.weight")
     query = get(q + q_ours)
     if interleaved:
         query, kv_down = _rope_rows(query, cfg, True, False), _rope_rows(kv_down, cfg, False, False)
     out[p + q_theirs], out[p + "self_attn.kv_a_proj_with_mqa.weight"] = query, kv_down
-    if not moe_layers(cfg)[i]:
+    if not moe:
         out.update(zip((p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), get(q + "mlp.fc1.weight").chunk(2)))
         return out
     m = p + "mlp."

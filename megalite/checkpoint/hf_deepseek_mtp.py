@@ -17,10 +17,10 @@ applied to the embedding), and the depth's logits are ``shared_head.head(shared_
 layer (shared, per the README): megalite shares them, so the import checks each copy equals the
 main tensor bit for bit and refuses a checkpoint whose copy differs (:func:`check_mtp`, before
 anything is written); the export writes the main tensors again as the copies. D comes from the
-files: config.json's ``num_nextn_predict_layers`` must agree with the layers found
-(:func:`megalite.checkpoint.hf_deepseek.mtp_layers_in`) (a file saved
-by transformers, which drops them, keeps the key but holds none: the import then says so in one
-line, :func:`absent_mtp_note`, and leaves MTP off); the export writes D. Not in config.json, so
+files, and config.json's ``num_nextn_predict_layers`` must agree
+(:func:`megalite.checkpoint.hf_deepseek.mtp_layers_in`), except that a file saved by transformers,
+which drops the MTP layers but keeps the key, imports without MTP and one line saying so
+(:func:`absent_mtp_note`); the export writes D. Not in config.json, so
 not carried: ``--mtp-loss-scaling-factor`` (megalite's default 0.1, DeepSeek-V3's value after
 its first 10T tokens).
 
@@ -29,8 +29,8 @@ With megalite's depth k = 1..D (:mod:`megalite.model.mtp`; HF layer n + k - 1) t
     h_k[t] = shared_head.norm(Block(eh_proj [enorm(Emb x_{t+k}); hnorm(h_{k-1}[t])]))
     logits_k[t] = shared_head.head h_k[t]  (= lm_head)      predicting x_{t+k+1}
 
-with h_0 the main model's normalised last hidden state (as the engines feed the main model's
-output to the first MTP layer). For D >= 2 the hidden state handed to the next depth is h_k, the
+with h_0 the main model's normalised last hidden state (Megatron's and megalite's reading of the
+report's "representation given by the main model"). For D >= 2 the hidden state handed to the next depth is h_k, the
 normalised one (Megatron's and megalite's choice; DeepSeek-V3's released checkpoints have D = 1,
 where the question does not arise).
 """

@@ -20,11 +20,14 @@ anything is written.
 import copy
 import json
 import os
+import sys
 
 import pytest
 import torch
 
 transformers = pytest.importorskip("transformers")
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 
 from safetensors.torch import load_file, save_file  # noqa: E402
 
@@ -34,6 +37,7 @@ from megalite.checkpoint.serial import load_serial_model, save_weights_checkpoin
 from megalite.model.mtp import with_mtp_targets  # noqa: E402
 from megalite.train.step import stage_loss  # noqa: E402
 from tests.test_hf_deepseek import _model_settings, _round_trip, deepseek  # noqa: E402
+from tests.test_hf_llama import _hf_greedy  # noqa: E402
 
 D, N, S, EPS = 2, 3, 16, 1e-6  # depths, main layers (SHAPE's), sequence, rms_norm_eps
 
@@ -120,7 +124,7 @@ def reference_losses(model, folder, stream, lam):
 def test_mtp_layers_come_in_with_the_reference_loss_and_go_out_bit_equal(tmp_path, capsys):
     """Two MTP depths: imported as --mtp-num-layers 2, megalite's fp32 loss (the model, then the
     train step's loss rule) within 1e-6 of the float64 reference, each depth's per-token losses
-    within 1e-5; the export
+    within 1e-5; greedy generation (the main model) still transformers'; the export
     writes every tensor back bit for bit (the MTP layers and their embedding / head copies too) and
     num_nextn_predict_layers 2."""
     model = deepseek(tmp_path, num_mtp_layers=D)
@@ -144,6 +148,12 @@ def test_mtp_layers_come_in_with_the_reference_loss_and_go_out_bit_equal(tmp_pat
     loss_error = abs(loss.item() - want.item()) / want.item()
     print(f"MTP import vs float64 reference: loss {loss_error:.1e} relative, per-token depth losses {token_error:.1e}")
     assert loss_error < 1e-6 and token_error < 1e-5, (loss.item(), want.item(), token_error)
+
+    import generate as generate_tool  # generation reads the main model only: transformers' tokens
+    capsys.readouterr()
+    assert generate_tool.main(["--load", str(tmp_path / "ckpt"), "--prompt-ids", "5,17,42", "--max-new-tokens", "6",
+                               "--greedy", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ids"] == _hf_greedy(model, [5, 17, 42], 6)
 
     config = _round_trip(model, tmp_path)  # the main model's tensors and config, through transformers
     assert config["num_nextn_predict_layers"] == D

@@ -170,9 +170,7 @@ def export_hf(load: str, hf_dir: str, model_type: str | None = None, dtype: str 
     depths = cfg.mtp_num_layers or 0
     for i in track(range(-1, cfg.num_layers + depths), enabled=progress, unit=" unit",
                    desc=f"export {model_type}: embeddings + {cfg.num_layers} layers" + _mtp_desc(depths)):
-        unit = family.export_globals(get, cfg) if i < 0 else family.export_layer(get, i, cfg) \
-            if i < cfg.num_layers else family.export_mtp_layer(get, i - cfg.num_layers, cfg)
-        for name, tensor in unit.items():
+        for name, tensor in _export_unit(family, get, cfg, i).items():
             keep = name.endswith(deepseek.KEEP_FP32)  # fp32 in HF's model too
             writer.add(name, tensor.float() if keep else tensor.to(torch_dtype))
     writer.close()
@@ -189,6 +187,15 @@ def export_hf(load: str, hf_dir: str, model_type: str | None = None, dtype: str 
         print(f"note: {load} carries no tokenizer: copy tokenizer.json, tokenizer_config.json and "
               f"special_tokens_map.json (or tokenizer.model) of the model's tokenizer into {hf_dir}", file=sys.stderr)
     return hf_dir
+
+
+def _export_unit(family, get, cfg, i: int) -> dict:
+    """Unit i of the export: -1 the embeddings and head, then the layers, then the MTP depths."""
+    if i < 0:
+        return family.export_globals(get, cfg)
+    if i < cfg.num_layers:
+        return family.export_layer(get, i, cfg)
+    return family.export_mtp_layer(get, i - cfg.num_layers, cfg)
 
 
 def _mtp_desc(depths: int) -> str:

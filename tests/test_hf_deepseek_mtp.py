@@ -34,9 +34,12 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 from megalite.checkpoint.convert import export_hf, import_hf  # noqa: E402
 from megalite.checkpoint.hf_llama import UnsupportedModel  # noqa: E402
 from megalite.checkpoint.serial import load_serial_model, save_weights_checkpoint  # noqa: E402
+from megalite.checkpoint.format import PieceReader  # noqa: E402
+from megalite.checkpoint.serial import _checkpoint_dir  # noqa: E402
 from megalite.model.mtp import with_mtp_targets  # noqa: E402
+from megalite.testing import run_world  # noqa: E402
 from megalite.train.step import stage_loss  # noqa: E402
-from tests.test_hf_deepseek import _model_settings, _round_trip, deepseek  # noqa: E402
+from tests.test_hf_deepseek import _finetune_worker, _model_settings, _round_trip, deepseek  # noqa: E402
 from tests.test_hf_llama import _hf_greedy  # noqa: E402
 
 D, N, S, EPS = 2, 3, 16, 1e-6  # depths, main layers (SHAPE's), sequence, rms_norm_eps
@@ -47,11 +50,11 @@ def add_mtp_layers(model, folder, depths=D, seed=5):
     model's tensors, named as DeepSeek-V3's files name them; returns the MTP tensors."""
     tensors = load_file(str(folder / "model.safetensors"))
     g = torch.Generator().manual_seed(seed)
-    last = f"model.layers.{N - 1}."  # an MoE layer: its names and shapes are the decoder layer's
-    h = model.config.hidden_size
+    n, h = model.config.num_hidden_layers, model.config.hidden_size
+    last = f"model.layers.{n - 1}."  # an MoE layer: its names and shapes are the decoder layer's
     extra = {}
     for k in range(depths):
-        p = f"model.layers.{N + k}."
+        p = f"model.layers.{n + k}."
         for name, t in tensors.items():
             if not name.startswith(last):
                 continue
@@ -209,3 +212,38 @@ def test_what_megalite_cannot_hold_is_refused_before_anything_is_written(tmp_pat
     with pytest.raises(ValueError, match="GPT2LMHeadModel has no place for its MTP depths"):
         gpt2.hf_config_from(ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, vocab_size=64,
                                         mtp_num_layers=1))
+
+
+def _all_tensors(ckpt, vocab=1000):
+    """{(kind, name): full tensor} of a megalite checkpoint, whatever layout wrote it (the
+    vocabulary's rows without TP padding)."""
+    reader = PieceReader(_checkpoint_dir(str(ckpt)))
+    return {(kind, name): reader.full_tensor(name, kind, vocab) for kind in ("weight", "expert_bias")
+            for name in reader.names(kind)}
+
+
+@pytest.mark.slow  # one 4-rank world
+def test_an_imported_mtp_model_trains_at_pp2_ep2_as_serially_and_exports_what_it_trained(tmp_path):
+    """4 layers and one MTP depth: the imported model fine-tunes at PP2 x EP2 (the depth and its
+    copy of the embedding on the last stage) as serially; the checkpoint that run saves exports,
+    and importing the export gives back every tensor it trained bit for bit, the depth's moved
+    expert bias and its weights included."""
+    model = deepseek(tmp_path, num_hidden_layers=4, num_mtp_layers=1)
+    add_mtp_layers(model, tmp_path / "hf", depths=1)
+    import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), seq_length=32, progress=False)
+    serial = run_world(_finetune_worker, 1, str(tmp_path / "ckpt"), [[]])[0][0]
+    pp2_ep2 = run_world(_finetune_worker, 4, str(tmp_path / "ckpt"),
+                        [["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2",
+                          "--save", str(tmp_path / "tuned")]])[0][0]
+    worst = max(abs(a - b) / b for pair, ref in zip(pp2_ep2, serial) for a, b in zip(pair, ref))
+    print(f"imported DeepSeek-V3 with MTP at PP2 x EP2 vs serial: worst {worst:.1e}")
+    assert worst < 1e-5, (pp2_ep2, serial)
+    export_hf(str(tmp_path / "tuned"), str(tmp_path / "out"), progress=False)
+    assert json.load(open(tmp_path / "out" / "config.json"))["num_nextn_predict_layers"] == 1
+    import_hf(str(tmp_path / "out"), str(tmp_path / "again"), seq_length=32, progress=False)
+    tuned, again, before = (_all_tensors(tmp_path / c) for c in ("tuned", "again", "ckpt"))
+    assert set(again) == set(tuned) == set(before)
+    for key, tensor in tuned.items():
+        assert torch.equal(again[key], tensor), key
+    bias = ("expert_bias", "mtp.layers.0.block.mlp.router.expert_bias")
+    assert not torch.equal(tuned[bias], before[bias])  # the depth's routing was trained too

@@ -15,7 +15,8 @@ where Block_{n+k-1} is transformers' own DeepseekV3DecoderLayer (MLA, MoE with i
 transformers from the files' layer n + k - 1, and the rest is written here from the equations.
 The export gives back every tensor bit for bit (MTP ones included) and config.json's
 ``num_nextn_predict_layers``. What megalite cannot hold is refused in one message, before
-anything is written.
+anything is written. Slow: an imported MTP model trained at PP2 x EP2 equals serial and exports
+what it trained.
 """
 import copy
 import json

@@ -4,7 +4,8 @@ Import reads ``config.json`` for the architecture (GPT-2, Llama, Qwen2/3, Mixtra
 DeepSeek-V3), then the tensors of one unit at a time from the (sharded) safetensors, maps them to
 megalite's names and layout (:mod:`megalite.checkpoint.hf` for GPT-2,
 :mod:`megalite.checkpoint.hf_llama` for Llama, Qwen2/3, Mixtral and Qwen3-MoE,
-:mod:`megalite.checkpoint.hf_deepseek` for DeepSeek-V3) and writes that unit as one file of a
+:mod:`megalite.checkpoint.hf_deepseek` for DeepSeek-V3, :mod:`megalite.checkpoint.hf_deepseek_mtp` for its
+multi-token-prediction layers, which follow the model's) and writes that unit as one file of a
 weights-only megalite checkpoint, which loads under any layout. Export assembles each unit's full tensors from any megalite
 checkpoint (whatever layout wrote it), maps them back and writes safetensors shards with
 their index, ``config.json`` and ``generation_config.json``, in the dtype of the original

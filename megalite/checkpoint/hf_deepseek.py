@@ -60,7 +60,7 @@ KEEP_FP32 = ("e_score_correction_bias",)  # the selection bias's small steps wou
 
 # -- settings ---------------------------------------------------------------------------------------
 
-def refuse(key: str, value, why: str) -> UnsupportedModel:
+def _refuse(key: str, value, why: str) -> UnsupportedModel:
     return UnsupportedModel(f"config.json {key} {value!r}: {why}")
 
 
@@ -74,9 +74,9 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
     if kind == "default":
         return base, None
     if kind != "yarn":
-        raise refuse("rope scaling type", kind, "megalite converts DeepSeek-V3 with no scaling or 'yarn'.")
+        raise _refuse("rope scaling type", kind, "megalite converts DeepSeek-V3 with no scaling or 'yarn'.")
     if scaling.get("partial_rotary_factor", 1.0) != 1.0:
-        raise refuse("partial_rotary_factor", scaling["partial_rotary_factor"],
+        raise _refuse("partial_rotary_factor", scaling["partial_rotary_factor"],
                       "megalite's RoPE turns the whole qk_rope_head_dim part.")
     original = scaling["original_max_position_embeddings"]
     factor = scaling.get("factor") or hf["max_position_embeddings"] / original
@@ -85,14 +85,14 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
     if given is not None or not (mscale and all_dim):  # HF's cos/sin factor is not the mscale ratio
         amplitude = given if given is not None else yarn_mscale(factor)
         if factor <= 1 and amplitude != 1:
-            raise refuse("rope_scaling attention_factor", given, f"with factor {factor} megalite's cos/sin factor "
+            raise _refuse("rope_scaling attention_factor", given, f"with factor {factor} megalite's cos/sin factor "
                           f"is 1 (YaRN's temperature needs factor > 1).")
         if given is None and not all_dim or factor <= 1:
             mscale = 1.0  # mscale(s, 1) / mscale(s, 0): the same factor, exactly
         else:  # mscale(s, m) = amplitude * mscale(s, mscale_all_dim), solved for m
             mscale = (amplitude * yarn_mscale(factor, all_dim) - 1) / (0.1 * math.log(factor))
         if mscale < 0:
-            raise refuse("rope_scaling attention_factor", amplitude, f"below 1 / mscale(s, mscale_all_dim "
+            raise _refuse("rope_scaling attention_factor", amplitude, f"below 1 / mscale(s, mscale_all_dim "
                           f"{all_dim}): megalite's --mscale would have to be negative ({mscale:.3g}).")
     out = {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": original,
            "beta_fast": float(scaling.get("beta_fast") or 32), "beta_slow": float(scaling.get("beta_slow") or 1),
@@ -105,21 +105,21 @@ def _routing(hf: dict) -> dict:
     n, E, k = hf["num_hidden_layers"], hf.get("n_routed_experts") or 0, hf.get("num_experts_per_tok") or 0
     dense = hf.get("first_k_dense_replace") or 0
     if E < 1 or k < 1 or dense >= n:
-        raise refuse("first_k_dense_replace / n_routed_experts", (dense, E), f"no MoE layer among the {n}; "
+        raise _refuse("first_k_dense_replace / n_routed_experts", (dense, E), f"no MoE layer among the {n}; "
                       f"megalite converts DeepSeek-V3 with its mixture-of-experts layers.")
     for key, want in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc"), ("moe_layer_freq", 1)):
         if hf.get(key, want) != want:
-            raise refuse(key, hf[key], f"megalite converts DeepSeek-V3's {key} {want!r} (transformers' "
+            raise _refuse(key, hf[key], f"megalite converts DeepSeek-V3's {key} {want!r} (transformers' "
                           f"DeepseekV3 assumes it too).")
     norm = hf.get("norm_topk_prob", True)
     if bool(norm) != (k > 1):
-        raise refuse("norm_topk_prob", norm, f"with num_experts_per_tok {k}: megalite's router renormalizes the "
+        raise _refuse("norm_topk_prob", norm, f"with num_experts_per_tok {k}: megalite's router renormalizes the "
                       f"top-k weights exactly when k > 1, so it expresses norm_topk_prob {str(k > 1).lower()}.")
     groups, group_topk = hf.get("n_group") or 1, hf.get("topk_group") or 1
     grouped = dict(moe_router_num_groups=groups, moe_router_group_topk=group_topk) if groups > 1 else {}
     problem = check_routing(E, k, groups if grouped else None, group_topk if grouped else None, "sigmoid")
     if problem:
-        raise refuse("n_group / topk_group", (groups, group_topk), problem)
+        raise _refuse("n_group / topk_group", (groups, group_topk), problem)
     shared = hf.get("n_shared_experts") or 0
     scale = float(hf.get("routed_scaling_factor", 1.0))
     pattern = [int(i >= dense) for i in range(n)]
@@ -136,19 +136,19 @@ def model_config_from_hf(hf: dict, seq_length: int | None = None, tensor_names=N
     config.json's ``num_nextn_predict_layers``)."""
     h, heads = hf["hidden_size"], hf["num_attention_heads"]
     if hf.get("num_key_value_heads") not in (None, heads):
-        raise refuse("num_key_value_heads", hf["num_key_value_heads"], f"MLA gives every one of the {heads} "
+        raise _refuse("num_key_value_heads", hf["num_key_value_heads"], f"MLA gives every one of the {heads} "
                       f"heads its own key and value (num_key_value_heads = num_attention_heads).")
     if hf.get("attention_bias"):
-        raise refuse("attention_bias", True, "megalite's Multi-head Latent Attention has no biases.")
+        raise _refuse("attention_bias", True, "megalite's Multi-head Latent Attention has no biases.")
     if hf.get("hidden_act", "silu") != "silu":
-        raise refuse("hidden_act", hf["hidden_act"], "megalite's SwiGLU uses silu.")
+        raise _refuse("hidden_act", hf["hidden_act"], "megalite's SwiGLU uses silu.")
     if hf.get("rms_norm_eps", LATENT_NORM_EPS) != LATENT_NORM_EPS:
-        raise refuse("rms_norm_eps", hf["rms_norm_eps"], f"transformers' DeepseekV3 normalizes the q and kv "
+        raise _refuse("rms_norm_eps", hf["rms_norm_eps"], f"transformers' DeepseekV3 normalizes the q and kv "
                       f"latents with eps {LATENT_NORM_EPS} whatever rms_norm_eps says, megalite every norm with "
                       f"--norm-epsilon: they agree only at {LATENT_NORM_EPS}.")
     if hf.get("quantization_config"):
         method = hf["quantization_config"].get("quant_method", "?")
-        raise refuse("quantization_config quant_method", method, "the weights are stored quantized (DeepSeek-V3's "
+        raise _refuse("quantization_config quant_method", method, "the weights are stored quantized (DeepSeek-V3's "
                       "hub files: fp8 blocks with weight_scale_inv); megalite imports unquantized weights. Fix: "
                       "convert the checkpoint to bf16 first (DeepSeek's fp8_cast_bf16.py) and import that copy.")
     base, scaling = _rope(hf)
@@ -234,8 +234,9 @@ def hf_config_from(cfg: ModelConfig, dtype: torch.dtype, special: dict, interlea
 
 def mtp_layers_in(hf: dict, tensor_names=None) -> int:
     """D, the MTP layers the files hold (``model.layers.{n..n+D-1}.*``), or a refusal when
-    config.json's ``num_nextn_predict_layers`` names another number of them (0 layers with the key
-    set is allowed: :func:`megalite.checkpoint.hf_deepseek_mtp.absent_mtp_note`). ``tensor_names`` None: the key's value."""
+    config.json's ``num_nextn_predict_layers`` names another number of them (none found with the
+    key set is allowed: :func:`megalite.checkpoint.hf_deepseek_mtp.absent_mtp_note`).
+    ``tensor_names`` None: the key's value."""
     said = hf.get("num_nextn_predict_layers")
     if tensor_names is None:
         return said or 0
@@ -243,10 +244,10 @@ def mtp_layers_in(hf: dict, tensor_names=None) -> int:
     found = sorted({int(name.split(".")[2]) for name in tensor_names
                     if name.startswith("model.layers.") and int(name.split(".")[2]) >= n})
     if found and (found != list(range(n, n + len(found))) or said not in (None, len(found))):
-        raise refuse("num_nextn_predict_layers", said, f"the files hold the multi-token-prediction layers "
-                     f"model.layers.{{{','.join(map(str, found))}}}.* (past num_hidden_layers {n}): they must be "
-                     f"num_nextn_predict_layers consecutive layers from model.layers.{n} on. Fix: set "
-                     f"num_nextn_predict_layers to the number of MTP layers the files hold.")
+        raise _refuse("num_nextn_predict_layers", said, f"the files hold the multi-token-prediction layers "
+                      f"model.layers.{{{','.join(map(str, found))}}}.* (past num_hidden_layers {n}): they must be "
+                      f"num_nextn_predict_layers consecutive layers from model.layers.{n} on. Fix: set "
+                      f"num_nextn_predict_layers to the number of MTP layers the files hold.")
     return len(found)
 
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import torch
 
-from megalite.checkpoint.hf_deepseek import export_block, import_block, refuse
+from megalite.checkpoint.hf_deepseek import export_block, import_block
 from megalite.checkpoint.hf_llama import UnsupportedModel, global_names
 from megalite.config import ModelConfig
 from megalite.moe.settings import moe_layers
@@ -76,8 +76,10 @@ def check_mtp(get, has, cfg: ModelConfig) -> None:
         p = f"model.layers.{cfg.num_layers + k}."
         missing = [p + theirs for theirs in MTP_NAMES.values() if not has(p + theirs)]
         if missing:
-            raise refuse("num_nextn_predict_layers", cfg.mtp_num_layers, f"MTP layer {p}* lacks {missing}: "
-                         f"every MTP layer has enorm, hnorm, eh_proj and shared_head.norm.")
+            raise UnsupportedModel(f"config.json num_nextn_predict_layers {cfg.mtp_num_layers}: MTP layer {p}* "
+                                   f"lacks {missing}; every MTP layer has enorm, hnorm, eh_proj and shared_head.norm "
+                                   f"(DeepSeek-V3's files). Fix: complete the files, or drop that layer's tensors and "
+                                   f"lower num_nextn_predict_layers.")
         for theirs, ours in _shared_copies(cfg).items():
             if not has(p + theirs):
                 continue

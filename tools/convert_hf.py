@@ -18,8 +18,8 @@ of HF into the checkpoint and records the bos/eos/pad ids; every later save (--f
 resume) carries them, and the export writes them back, so the exported model loads with
 AutoTokenizer and generate() stops at EOS. Export refuses a folder that is not empty (exit 2,
 nothing written) unless --force, and the folder the checkpoint was imported from always.
-DeepSeek-V3's multi-token-prediction layers (model.layers.{num_hidden_layers + i}) are left out
-of the import, with one line saying so (megalite does not map MTP weights yet).
+DeepSeek-V3's multi-token-prediction layers (model.layers.{num_hidden_layers + i}) come in as
+megalite's --mtp-num-layers depths and go out again (docs/checkpoints.md).
 """
 import argparse
 import os

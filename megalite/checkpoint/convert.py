@@ -4,7 +4,8 @@ Import reads ``config.json`` for the architecture (GPT-2, Llama, Qwen2/3, Mixtra
 DeepSeek-V3), then the tensors of one unit at a time from the (sharded) safetensors, maps them to
 megalite's names and layout (:mod:`megalite.checkpoint.hf` for GPT-2,
 :mod:`megalite.checkpoint.hf_llama` for Llama, Qwen2/3, Mixtral and Qwen3-MoE,
-:mod:`megalite.checkpoint.hf_deepseek` for DeepSeek-V3) and writes that unit as one file of a
+:mod:`megalite.checkpoint.hf_deepseek` for DeepSeek-V3, :mod:`megalite.checkpoint.hf_deepseek_mtp` for its
+multi-token-prediction layers, which follow the model's) and writes that unit as one file of a
 weights-only megalite checkpoint, which loads under any layout. Export assembles each unit's full tensors from any megalite
 checkpoint (whatever layout wrote it), maps them back and writes safetensors shards with
 their index, ``config.json`` and ``generation_config.json``, in the dtype of the original
@@ -33,6 +34,7 @@ from functools import partial
 
 from megalite.checkpoint import hf as gpt2
 from megalite.checkpoint import hf_deepseek as deepseek
+from megalite.checkpoint import hf_deepseek_mtp as deepseek_mtp
 from megalite.checkpoint import hf_llama as llama
 from megalite.checkpoint.expert_bias import KIND as BIAS_KIND
 from megalite.checkpoint.expert_bias import SUFFIX as BIAS_SUFFIX
@@ -45,9 +47,11 @@ from megalite.data.tokenizer import build_tokenizer
 from megalite.observe.progress import track
 
 GPT2 = SimpleNamespace(import_globals=gpt2.import_globals, import_layer=gpt2.import_layer,
-                       export_globals=gpt2.export_globals, export_layer=gpt2.export_layer)
+                       export_globals=gpt2.export_globals, export_layer=gpt2.export_layer,
+                       import_mtp_layer=None, export_mtp_layer=None)
 LLAMA = SimpleNamespace(import_globals=llama.import_globals, import_layer=llama.import_layer,
-                        export_globals=llama.export_globals, export_layer=llama.export_layer)
+                        export_globals=llama.export_globals, export_layer=llama.export_layer,
+                        import_mtp_layer=None, export_mtp_layer=None)
 SPECIAL = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 
@@ -55,7 +59,9 @@ def _deepseek(interleaved: bool) -> SimpleNamespace:
     """DeepSeek-V3's unit functions for a checkpoint whose RoPE rows are (or are to be) interleaved."""
     return SimpleNamespace(import_globals=deepseek.import_globals, export_globals=deepseek.export_globals,
                            import_layer=partial(deepseek.import_layer, interleaved=interleaved),
-                           export_layer=partial(deepseek.export_layer, interleaved=interleaved))
+                           export_layer=partial(deepseek.export_layer, interleaved=interleaved),
+                           import_mtp_layer=partial(deepseek_mtp.import_mtp_layer, interleaved=interleaved),
+                           export_mtp_layer=partial(deepseek_mtp.export_mtp_layer, interleaved=interleaved))
 
 
 def _family(model_type: str | None, interleaved: bool = True):
@@ -82,18 +88,24 @@ def import_hf(hf_dir: str, save: str, seq_length: int | None = None, progress: b
     elif family is LLAMA:
         cfg = llama.model_config_from_hf_llama(hf, seq_length)
     else:
-        cfg = deepseek.model_config_from_hf(hf, seq_length)
-        note = deepseek.left_out_note(hf, reader.weight_map)
-        if note:
-            print(note, file=sys.stderr)
+        cfg = deepseek.model_config_from_hf(hf, seq_length, reader.weight_map)
 
     def get(name: str) -> torch.Tensor:  # GPT2Model (no LM head) saves names without "transformer."
         return reader.get(name if reader.has(name) else name.removeprefix("transformer."))
 
-    def units():  # one at a time: the embeddings and head, then each layer
+    if model_type == deepseek.MODEL_TYPE:  # multi-token prediction: checked before anything is written
+        deepseek_mtp.check_mtp(get, reader.has, cfg)
+        note = deepseek_mtp.absent_mtp_note(hf, cfg)
+        if note:
+            print(note, file=sys.stderr)
+    depths = cfg.mtp_num_layers or 0
+
+    def units():  # one at a time: the embeddings and head, then each layer, then each MTP depth
         yield family.import_globals(get, cfg)
         for i in range(cfg.num_layers):
             yield family.import_layer(get, i, cfg)
+        for k in range(depths):
+            yield family.import_mtp_layer(get, k, cfg)
 
     files = read_files(hf_dir)  # tokenizer and generation config: copied into the checkpoint
     generation = json.loads(files.get(GENERATION_CONFIG, b"{}"))
@@ -102,8 +114,8 @@ def import_hf(hf_dir: str, save: str, seq_length: int | None = None, progress: b
               **{k: generation[k] for k in SPECIAL if generation.get(k) is not None},
               **{k: hf[k] for k in SPECIAL if hf.get(k) is not None},
               **({"rope_interleave": interleaved} if model_type == deepseek.MODEL_TYPE else {})}
-    bar = track(units(), total=cfg.num_layers + 1, enabled=progress, unit=" unit",
-                desc=f"import {model_type}: embeddings + {cfg.num_layers} layers")
+    bar = track(units(), total=cfg.num_layers + 1 + depths, enabled=progress, unit=" unit",
+                desc=f"import {model_type}: embeddings + {cfg.num_layers} layers" + _mtp_desc(depths))
     final = write_weights_checkpoint(save, cfg, bar, source=source)
     write_files(os.path.join(final, CARRIED), files)  # none found: the export says what to copy
     return final
@@ -156,10 +168,10 @@ def export_hf(load: str, hf_dir: str, model_type: str | None = None, dtype: str 
 
     check_export_target(hf_dir, force, source.get("hf_dir"))
     writer = HFShardWriter(hf_dir, max_shard_bytes)
-    for i in track(range(-1, cfg.num_layers), enabled=progress, unit=" unit",
-                   desc=f"export {model_type}: embeddings + {cfg.num_layers} layers"):
-        unit = family.export_globals(get, cfg) if i < 0 else family.export_layer(get, i, cfg)
-        for name, tensor in unit.items():
+    depths = cfg.mtp_num_layers or 0
+    for i in track(range(-1, cfg.num_layers + depths), enabled=progress, unit=" unit",
+                   desc=f"export {model_type}: embeddings + {cfg.num_layers} layers" + _mtp_desc(depths)):
+        for name, tensor in _export_unit(family, get, cfg, i).items():
             keep = name.endswith(deepseek.KEEP_FP32)  # fp32 in HF's model too
             writer.add(name, tensor.float() if keep else tensor.to(torch_dtype))
     writer.close()
@@ -176,6 +188,19 @@ def export_hf(load: str, hf_dir: str, model_type: str | None = None, dtype: str 
         print(f"note: {load} carries no tokenizer: copy tokenizer.json, tokenizer_config.json and "
               f"special_tokens_map.json (or tokenizer.model) of the model's tokenizer into {hf_dir}", file=sys.stderr)
     return hf_dir
+
+
+def _export_unit(family, get, cfg, i: int) -> dict:
+    """Unit i of the export: -1 the embeddings and head, then the layers, then the MTP depths."""
+    if i < 0:
+        return family.export_globals(get, cfg)
+    if i < cfg.num_layers:
+        return family.export_layer(get, i, cfg)
+    return family.export_mtp_layer(get, i - cfg.num_layers, cfg)
+
+
+def _mtp_desc(depths: int) -> str:
+    return f" + {depths} MTP layer{'s' * (depths > 1)}" if depths else ""
 
 
 def _special_from_tokenizer(files: dict[str, bytes]) -> dict:

@@ -25,6 +25,10 @@ def model_config_from_hf(hf: dict) -> ModelConfig:
 
 
 def hf_config_from(cfg: ModelConfig) -> dict:
+    if cfg.mtp_num_layers:
+        raise ValueError(f"a model with multi-token prediction (--mtp-num-layers {cfg.mtp_num_layers}): "
+                         f"GPT2LMHeadModel has no place for its MTP depths, which the export would drop. Fix: only "
+                         f"DeepseekV3ForCausalLM holds them; else train without --mtp-num-layers")
     if (cfg.position_embedding_type, cfg.normalization, cfg.swiglu, cfg.num_query_groups,
             cfg.untie_embeddings_and_output_weights, cfg.add_bias_linear, cfg.qk_layernorm,
             cfg.head_dim * cfg.num_attention_heads) != \

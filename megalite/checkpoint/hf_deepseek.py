@@ -35,10 +35,9 @@ Experts come under the hub's names (``mlp.experts.E.gate_proj/up_proj/down_proj`
 ``save_pretrained`` writes) or transformers 5's stacked ones (``mlp.experts.gate_up_proj``,
 ``down_proj``); the export writes the hub's.
 
-Multi-token prediction: the hub's files hold ``num_nextn_predict_layers`` extra layers
-(``model.layers.{num_hidden_layers + i}.*``), which transformers does not load. They are left out
-on import, with one printed line (:func:`left_out_note`), until megalite's MTP maps them; the
-export writes ``num_nextn_predict_layers`` 0.
+Multi-token prediction: the files' ``num_nextn_predict_layers`` extra layers are megalite's
+``--mtp-num-layers`` depths; their number is settled here (:func:`mtp_layers_in`), their weights in
+:mod:`megalite.checkpoint.hf_deepseek_mtp`.
 """
 from __future__ import annotations
 
@@ -131,8 +130,10 @@ def _routing(hf: dict) -> dict:
                 moe_router_enable_expert_bias=True, **grouped)
 
 
-def model_config_from_hf(hf: dict, seq_length: int | None = None) -> ModelConfig:
-    """megalite's model settings of a ``deepseek_v3`` config.json (module docstring)."""
+def model_config_from_hf(hf: dict, seq_length: int | None = None, tensor_names=None) -> ModelConfig:
+    """megalite's model settings of a ``deepseek_v3`` config.json (module docstring).
+    ``tensor_names``: the files' tensor names, which say how many MTP layers there are (None:
+    config.json's ``num_nextn_predict_layers``)."""
     h, heads = hf["hidden_size"], hf["num_attention_heads"]
     if hf.get("num_key_value_heads") not in (None, heads):
         raise _refuse("num_key_value_heads", hf["num_key_value_heads"], f"MLA gives every one of the {heads} "
@@ -161,7 +162,8 @@ def model_config_from_hf(hf: dict, seq_length: int | None = None) -> ModelConfig
         untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
         hidden_dropout=0.0, attention_dropout=0.0, multi_latent_attention=True, q_lora_rank=hf.get("q_lora_rank"),
         kv_lora_rank=hf["kv_lora_rank"], qk_head_dim=hf["qk_nope_head_dim"],
-        qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"], **_routing(hf))
+        qk_pos_emb_head_dim=hf["qk_rope_head_dim"], v_head_dim=hf["v_head_dim"],
+        mtp_num_layers=mtp_layers_in(hf, tensor_names) or None, **_routing(hf))
 
 
 def _export_checks(cfg: ModelConfig) -> list[str]:
@@ -224,20 +226,29 @@ def hf_config_from(cfg: ModelConfig, dtype: torch.dtype, special: dict, interlea
             "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.norm_epsilon,
             "rope_theta": cfg.rotary_base, "rope_scaling": scaling, "rope_interleave": interleaved,
             "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights, "attention_bias": False,
-            "attention_dropout": 0.0, "num_nextn_predict_layers": 0,
+            "attention_dropout": 0.0, "num_nextn_predict_layers": cfg.mtp_num_layers or 0,
             "torch_dtype": str(dtype).removeprefix("torch."), **special}
 
 
-def left_out_note(hf: dict, tensor_names) -> str | None:
-    """One line naming the multi-token-prediction tensors the import leaves out, or None."""
+# -- multi-token prediction: how many layers -------------------------------------------------------
+
+def mtp_layers_in(hf: dict, tensor_names=None) -> int:
+    """D, the MTP layers the files hold (``model.layers.{n..n+D-1}.*``), or a refusal when
+    config.json's ``num_nextn_predict_layers`` names another number of them (none found with the
+    key set is allowed: :func:`megalite.checkpoint.hf_deepseek_mtp.absent_mtp_note`).
+    ``tensor_names`` None: the key's value."""
+    said = hf.get("num_nextn_predict_layers")
+    if tensor_names is None:
+        return said or 0
     n = hf["num_hidden_layers"]
-    extra = sorted({int(name.split(".")[2]) for name in tensor_names
+    found = sorted({int(name.split(".")[2]) for name in tensor_names
                     if name.startswith("model.layers.") and int(name.split(".")[2]) >= n})
-    if not extra:
-        return None
-    return (f"note: the multi-token-prediction layer(s) model.layers.{extra[0]}..{extra[-1]}.* "
-            f"(num_nextn_predict_layers {hf.get('num_nextn_predict_layers', len(extra))}) were left out: megalite "
-            f"does not import MTP weights yet; the {n} layers of the model itself are all imported")
+    if found and (found != list(range(n, n + len(found))) or said not in (None, len(found))):
+        raise _refuse("num_nextn_predict_layers", said, f"the files hold the multi-token-prediction layers "
+                      f"model.layers.{{{','.join(map(str, found))}}}.* (past num_hidden_layers {n}): they must be "
+                      f"num_nextn_predict_layers consecutive layers from model.layers.{n} on. Fix: set "
+                      f"num_nextn_predict_layers to the number of MTP layers the files hold.")
+    return len(found)
 
 
 # -- weights ----------------------------------------------------------------------------------------
@@ -272,9 +283,9 @@ NAMES = {"attn_norm.weight": "input_layernorm.weight", "mlp_norm.weight": "post_
 Q_LATENT = {"attn.q_down.weight": "self_attn.q_a_proj.weight", "attn.q_norm.weight": "self_attn.q_a_layernorm.weight"}
 
 
-def _plain_names(cfg: ModelConfig, i: int) -> dict[str, str]:
+def _plain_names(cfg: ModelConfig, moe: bool) -> dict[str, str]:
     names = {**NAMES, **(Q_LATENT if cfg.q_lora_rank else {})}
-    if moe_layers(cfg)[i]:
+    if moe:
         names.update({"mlp.router.weight": "mlp.gate.weight",
                       "mlp.shared_expert.fc2.weight": "mlp.shared_experts.down_proj.weight"})
     else:
@@ -296,14 +307,22 @@ def export_globals(get, cfg: ModelConfig) -> dict:
 
 
 def import_layer(get, i: int, cfg: ModelConfig, interleaved: bool = True) -> dict:
-    p, q = f"model.layers.{i}.", f"layers.{i}."
-    out = {q + ours: get(p + theirs) for ours, theirs in _plain_names(cfg, i).items()}
+    return import_block(get, f"model.layers.{i}.", f"layers.{i}.", moe_layers(cfg)[i], cfg, interleaved)
+
+
+def export_layer(get, i: int, cfg: ModelConfig, interleaved: bool = True) -> dict:
+    return export_block(get, f"model.layers.{i}.", f"layers.{i}.", moe_layers(cfg)[i], cfg, interleaved)
+
+
+def import_block(get, p: str, q: str, moe: bool, cfg: ModelConfig, interleaved: bool) -> dict:
+    """The decoder layer under HF prefix ``p`` as megalite's block under prefix ``q``."""
+    out = {q + ours: get(p + theirs) for ours, theirs in _plain_names(cfg, moe).items()}
     (q_ours, q_theirs), kv_down = _query(cfg), get(p + "self_attn.kv_a_proj_with_mqa.weight")
     query = get(p + q_theirs)
     if interleaved:
         query, kv_down = _rope_rows(query, cfg, True, True), _rope_rows(kv_down, cfg, False, True)
     out[q + q_ours], out[q + "attn.kv_down.weight"] = query, kv_down
-    if not moe_layers(cfg)[i]:
+    if not moe:
         out[q + "mlp.fc1.weight"] = torch.cat([get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")])
         return out
     m = p + "mlp."
@@ -322,15 +341,15 @@ def import_layer(get, i: int, cfg: ModelConfig, interleaved: bool = True) -> dic
     return out
 
 
-def export_layer(get, i: int, cfg: ModelConfig, interleaved: bool = True) -> dict:
-    p, q = f"model.layers.{i}.", f"layers.{i}."
-    out = {p + theirs: get(q + ours) for ours, theirs in _plain_names(cfg, i).items()}
+def export_block(get, p: str, q: str, moe: bool, cfg: ModelConfig, interleaved: bool) -> dict:
+    """megalite's block under prefix ``q`` as the HF decoder layer under prefix ``p`` (the hub's names)."""
+    out = {p + theirs: get(q + ours) for ours, theirs in _plain_names(cfg, moe).items()}
     (q_ours, q_theirs), kv_down = _query(cfg), get(q + "attn.kv_down.weight")
     query = get(q + q_ours)
     if interleaved:
         query, kv_down = _rope_rows(query, cfg, True, False), _rope_rows(kv_down, cfg, False, False)
     out[p + q_theirs], out[p + "self_attn.kv_a_proj_with_mqa.weight"] = query, kv_down
-    if not moe_layers(cfg)[i]:
+    if not moe:
         out.update(zip((p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"), get(q + "mlp.fc1.weight").chunk(2)))
         return out
     m = p + "mlp."

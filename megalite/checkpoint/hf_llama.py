@@ -33,7 +33,9 @@ dense layers (``mlp_only_layers``, ``decoder_sparse_step``: layer i is MoE unles
 ``intermediate_size``, the experts ``moe_intermediate_size``. Its experts are named
 ``mlp.experts.E.gate_proj`` / ``up_proj`` / ``down_proj`` and the router ``mlp.gate`` on the hub
 (transformers 5 in memory: ``mlp.experts.gate_up_proj`` / ``down_proj`` stacked; both are read).
-A megalite model exports as Qwen3 (Qwen3-MoE with experts) when it has QK-norm.
+A megalite model exports as Qwen3 (Qwen3-MoE with experts) when it has QK-norm. A model with
+multi-token prediction (``--mtp-num-layers``) is refused: these architectures have no MTP layers
+(DeepSeek-V3's do, :mod:`megalite.checkpoint.hf_deepseek_mtp`).
 """
 from __future__ import annotations
 
@@ -150,6 +152,12 @@ def hf_config_from_llama(cfg: ModelConfig, model_type: str, dtype: torch.dtype, 
         raise UnsupportedModel("a model with Multi-head Latent Attention or YaRN RoPE is DeepSeek-V3-shaped: "
                                "Llama, Qwen2/3 and Mixtral cannot hold it. Fix: export it as "
                                "DeepseekV3ForCausalLM (--model-type deepseek_v3, the default for an MLA model)")
+    if cfg.mtp_num_layers:
+        raise UnsupportedModel(f"a model with multi-token prediction (--mtp-num-layers {cfg.mtp_num_layers}): "
+                               f"Llama, Qwen2/3 and Mixtral have no place for its MTP depths, which the export "
+                               f"would drop. Fix: only DeepseekV3ForCausalLM holds them (a model with "
+                               f"--multi-latent-attention and DeepSeek-V3's routing); else train without "
+                               f"--mtp-num-layers")
     if cfg.qk_layernorm:
         _check_qwen3(cfg)
         model_type = "qwen3_moe" if cfg.num_experts else "qwen3"

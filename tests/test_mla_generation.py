@@ -133,3 +133,22 @@ def test_the_benchmark_measures_the_allocated_caches(capsys):
     assert rows["DeepSeek-V3 layer (MLA 512 + 64)"] == ["1,152", "1,152", "3.56"]
     assert rows["Llama-3-8B layer (GQA 8 x 128)"] == ["4,096", "4,096", "1.00"]
     assert rows["V3 layer uncompressed (128 x 320)"][:2] == ["81,920", "81,920"]
+
+
+def test_the_planner_states_the_generation_cache_from_the_parts_shapes():
+    """tools/plan_parallel.py's explanation gives the KV cache bytes per token and per sequence
+    from the attention parts' cache shapes: MLA's latent + RoPE key against GQA's keys and values."""
+    from megalite.config import ModelConfig
+    from megalite.model.counting import cache_bytes_per_token
+    from megalite.planner import Hardware
+    from megalite.planner.search import explain, plan
+
+    base = dict(num_layers=4, hidden_size=256, num_attention_heads=8, seq_length=64, vocab_size=512, swiglu=True,
+                normalization="RMSNorm", position_embedding_type="rope", add_bias_linear=False)
+    gqa = ModelConfig(**base, num_query_groups=2)
+    mla = ModelConfig(**base, multi_latent_attention=True, q_lora_rank=48, kv_lora_rank=32, qk_head_dim=32,
+                      qk_pos_emb_head_dim=16, v_head_dim=32)
+    for m, per_layer in ((gqa, 2 * 2 * 32), (mla, 32 + 16)):  # elements per token per layer
+        assert cache_bytes_per_token(m, 2) == 2 * 4 * per_layer
+        text = "\n".join(explain(plan(m, Hardware(24, 8, 1), 8, 1)))
+        assert f"KV cache holds {2 * 4 * per_layer:,} bytes per token over the 4 layers" in text, text

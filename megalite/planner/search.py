@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 
 from megalite.config import ModelConfig
-from megalite.model.counting import flops_per_token
+from megalite.model.counting import cache_bytes_per_token, flops_per_token
 from megalite.planner.checks import check_layout
 from megalite.planner.cp import cp_variants, explain_cp_type
 from megalite.planner.estimate import (estimate, format_communication, model_state_bytes,
@@ -184,6 +184,10 @@ def explain(p: Plan) -> list[str]:
              f"{ddp / 1e9:.1f} GB ({_gib(ddp)}) of weights+grads+optimizer state per model copy, before "
              f"activations; a GPU has {hw.gpu_memory_gb:g} GiB, {_gib(usable)} usable after "
              f"{hw.headroom:.0%} headroom."]
+    cache = cache_bytes_per_token(m, prec.weight_bytes)  # the attention parts' own cache shapes
+    lines.append(f"Generation (not training): the KV cache holds {cache:,} bytes per token over the "
+                 f"{m.num_layers} layers at {prec.weight_bytes}-byte elements, {cache * m.seq_length / GiB:.2f} GiB "
+                 f"per sequence of {m.seq_length}.")
     if ddp > usable:
         lines.append(f"So plain data parallelism (DDP, a full copy per GPU) is impossible: the model state "
                      f"alone is {ddp / usable:.1f}x the usable memory.")

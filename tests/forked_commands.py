@@ -140,14 +140,21 @@ def _run_script_as_main(script: str, argv: list[str], cwd: str, env: dict, log: 
     return code
 
 
-def _fork_one(script, argv, cwd, env, log, timeout_s: float) -> int:
+def start_script(script: str, argv: list[str], cwd, env: dict, log: str) -> int:
+    """Fork a process that runs ``script`` as ``__main__`` (output to ``log``); its pid (reap it
+    with :func:`wait`)."""
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
-            code = _run_script_as_main(script, argv, cwd, env, log)
+            code = _run_script_as_main(script, argv, str(cwd), env, log)
         finally:
             os._exit(code)
+    return pid
+
+
+def wait(pid: int, timeout_s: float) -> int:
+    """The exit status of a :func:`start_script` process (killed past ``timeout_s``: TimeoutExpired)."""
     deadline = time.monotonic() + timeout_s
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)
@@ -156,8 +163,13 @@ def _fork_one(script, argv, cwd, env, log, timeout_s: float) -> int:
         if time.monotonic() > deadline:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
-            raise subprocess.TimeoutExpired(script, timeout_s)
+            raise subprocess.TimeoutExpired(str(pid), timeout_s)
         time.sleep(0.02)
+
+
+def _fork_one(script, argv, cwd, env, log, timeout_s: float) -> int:
+    pid = start_script(script, argv, cwd, env, log)
+    return wait(pid, timeout_s)
 
 
 def _rank(rank, world, script, argv, cwd, env, logs):

@@ -352,13 +352,25 @@ def _assert_one_line(tool, argv, wanted, code, err):
 
 
 def test_tools_bad_input_one_line(tmp_path):
-    """Every case in one interpreter (torch imported once): each tool run as __main__."""
+    """Every case in one fork of this process (torch imported already; a new interpreter per
+    tool: the own-process test below): each tool run as __main__ by the driver's code."""
     cases = _bad_inputs(tmp_path)
-    run = subprocess.run([sys.executable, "-c", _DRIVER,
-                          json.dumps([[os.path.join(ROOT, "tools", t), a] for t, a, _ in cases])],
-                         capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
-    assert run.returncode == 0, run.stderr[-3000:]
-    for (tool, argv, wanted), (code, err) in zip(cases, json.loads(run.stdout.strip().splitlines()[-1])):
+    out = tmp_path / "driver.txt"
+    argv = [json.dumps([[os.path.join(ROOT, "tools", t), a] for t, a, _ in cases])]
+    pid = os.fork()
+    if pid == 0:  # the driver, as `python -c _DRIVER argv` would run it, stdout to a file
+        code = 1
+        try:
+            os.chdir(tmp_path)
+            sys.argv = ["-c", *argv]
+            with open(out, "w") as sys.stdout:
+                exec(compile(_DRIVER, "<driver>", "exec"), {"__name__": "__main__"})
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, out.read_text()[-3000:] if out.exists() else status
+    for (tool, argv, wanted), (code, err) in zip(cases, json.loads(out.read_text().strip().splitlines()[-1])):
         _assert_one_line(tool, argv, wanted, code, err)
 
 

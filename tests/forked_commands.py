@@ -111,14 +111,16 @@ def is_stateful(command: str) -> bool:
     return not words or words[0] in STATEFUL  # a bare assignment sets a shell variable
 
 
-def _run_script_as_main(script: str, argv: list[str], cwd: str, env: dict, log: str) -> int:
-    """In this (forked) process: the script as ``__main__`` with its output going to ``log``."""
+def _run_script_as_main(script: str, argv: list[str], cwd: str, env: dict, log: str, err_log: str | None = None) -> int:
+    """In this (forked) process: the script as ``__main__`` with its output going to ``log``
+    (its standard error to ``err_log`` when given)."""
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
-    fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
+    for fd_number, path in ((1, log), (2, err_log or log)):
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        os.dup2(fd, fd_number)
+        os.close(fd)
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True)
     sys.argv = [script, *argv]
@@ -140,14 +142,14 @@ def _run_script_as_main(script: str, argv: list[str], cwd: str, env: dict, log: 
     return code
 
 
-def start_script(script: str, argv: list[str], cwd, env: dict, log: str) -> int:
-    """Fork a process that runs ``script`` as ``__main__`` (output to ``log``); its pid (reap it
-    with :func:`wait`)."""
+def start_script(script: str, argv: list[str], cwd, env: dict, log: str, err_log: str | None = None) -> int:
+    """Fork a process that runs ``script`` as ``__main__`` (output to ``log``, standard error to
+    ``err_log`` when given); its pid (reap it with :func:`wait`)."""
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
-            code = _run_script_as_main(script, argv, str(cwd), env, log)
+            code = _run_script_as_main(script, argv, str(cwd), env, log, err_log)
         finally:
             os._exit(code)
     return pid

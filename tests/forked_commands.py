@@ -18,6 +18,7 @@ bash as it always did, in order, stopping at the first failure. A block that kee
 """
 from __future__ import annotations
 
+import gc
 import io
 import os
 import re
@@ -135,7 +136,6 @@ def _run_script_as_main(script: str, argv: list[str], cwd: str, env: dict, log: 
     except BaseException:  # noqa: BLE001 - as the interpreter would: the traceback, status 1
         traceback.print_exc()
         code = 1
-    import gc
     gc.collect()  # close what the script left open (files it wrote), as interpreter exit would
     for stream in (sys.stdout, sys.stderr):
         stream.flush()

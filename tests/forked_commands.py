@@ -8,9 +8,9 @@ imported them already, runs the script itself as ``__main__`` (runpy: its own ``
 exit status) with the same arguments, working directory and environment; torchrun's N ranks are a
 forked gloo world (:func:`megalite.testing.run_world`), each rank running the script. The
 launchers themselves run for real elsewhere: torchrun in tests/test_single_message.py,
-test_multinode.py, test_clean_exit.py and test_pretrain.py; ``python pretrain_gpt.py`` in
-test_single_message.py and test_checkpoint.py; each tool in its own interpreter in
-tests/test_tools_reporting.py.
+test_multinode.py, test_clean_exit.py, test_corrupt_checkpoint.py and test_pretrain.py; a new
+interpreter running pretrain_gpt.py in each torchrun rank and under the srun stand-in
+(test_multinode.py); each tool the guides run in an interpreter of its own: see NEW_INTERPRETER.
 
 Every other command of the block (a heredoc, ``python -c``, ``grep``, ``bash script``) runs in
 bash as it always did, in order, stopping at the first failure. A block that keeps shell state
@@ -35,6 +35,11 @@ from megalite.testing import run_world
 ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 HEREDOC = re.compile(r"<<-?\s*'?\"?(\w+)")
 STATEFUL = {"export", "cd", "source", ".", "set", "unset", "pushd", "popd", "alias"}
+# Tools that a guide runs and no other test starts in a new interpreter: bash runs them for real.
+# (pretrain_gpt.py: tests/test_single_message.py under torchrun, test_multinode.py under srun;
+# the other tools' own processes: tests/test_tools_reporting.py::test_tool_bad_input_own_process,
+# plot_log.py and preprocess_data.py in test_tools_reporting.py and test_hf_tokenizer.py.)
+NEW_INTERPRETER = {"generate.py", "build_default_corpus.py"}
 LAUNCH_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -98,6 +103,8 @@ def parse(command: str, repo: str):
         return None
     script = words[1]
     if not os.path.isabs(script) or not script.startswith(repo + os.sep) or not os.path.isfile(script):
+        return None
+    if os.path.basename(script) in NEW_INTERPRETER:
         return None
     return env, nproc, script, words[2:]
 

@@ -378,9 +378,13 @@ def test_tools_bad_input_one_line(tmp_path):
 def test_tool_bad_input_own_process(tmp_path):
     """Some of the same cases as the user meets them, each tool in its own process (a fresh
     interpreter, the tool's own imports); every case runs as __main__ in the test above. The
-    four processes run at once (each is one interpreter starting: on two cores, two at a time)."""
+    processes run at once (each is one interpreter starting: on two cores, two at a time). Every
+    tool a guide runs is here (the guides' commands run in forks: tests/forked_commands.py),
+    but plot_log.py (its own process above) and preprocess_data.py (tests/test_hf_tokenizer.py)."""
     every = _bad_inputs(tmp_path)
-    cases = [every[i] for i in (3, 4, 6, 13)]  # a checkpoint tool, the planner, the dry run, a benchmark
+    # the checkpoint tools, the planner, the dry run, the tokenizer trainer, ZeRO's report, the
+    # pipeline timeline and a benchmark
+    cases = [every[i] for i in (2, 3, 4, 6, 7, 8, 11, 13)]
     procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", tool), *argv], stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True, cwd=str(tmp_path)) for tool, argv, _ in cases]
     errs = [p.communicate(timeout=300)[1] for p in procs]

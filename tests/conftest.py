@@ -56,7 +56,28 @@ def pytest_report_header(config):
     return line()
 
 
+# Every case this session collected, before -m / -k / --deselect take any away: what
+# tests/test_gpu_twins.py checks, without collecting the suite again in a new interpreter, when
+# the session was given the whole tests/ folder (pytest tests/, the fast and the slow tier alike).
+COLLECTED: dict = {"whole": False, "items": []}
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    here = os.path.dirname(os.path.abspath(__file__))
+    given = [os.path.abspath(str(arg).split("::")[0]) for arg in config.args]
+    ignored = any(config.getoption(name, None) for name in ("ignore", "ignore_glob"))
+    COLLECTED["whole"] = given == [here] and not ignored and not config.getoption("collectonly", False)
+    COLLECTED["items"] = [{
+        "file": item.nodeid.split("::")[0],
+        "function": getattr(item, "originalname", None) or item.name,
+        "gpu": item.get_closest_marker("gpu") is not None,
+        "doc": (getattr(item, "function", None).__doc__ or "") if getattr(item, "function", None) else "",
+    } for item in items]
+    _skip_gpu_items_without_a_gpu(items)
+
+
+def _skip_gpu_items_without_a_gpu(items):
     gpu_items = [item for item in items if item.get_closest_marker("gpu") is not None]
     if not gpu_items:
         return

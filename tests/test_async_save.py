@@ -200,25 +200,26 @@ def test_kill_during_background_write_keeps_previous_checkpoint(tmp_path):
 def test_sigterm_during_a_background_write_finishes_it(tmp_path):
     """--save-interval 1: a write is in flight (or just done) at every step, so SIGTERM meets one;
     the run commits it and the stop's own save, exits 0, and leaves no partial directory. The
-    stop's checkpoint resumes exactly."""
+    stop's checkpoint resumes exactly. The run is pretrain_gpt.py as __main__ in a fork of this
+    process (tests/forked_commands.py: no new interpreter importing torch)."""
     import json
     import signal
-    import subprocess
-    import sys
+
+    from tests.forked_commands import start_script, wait
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sched = ["--lr-decay-iters", "200"]
-    log, ckpt = tmp_path / "log.jsonl", tmp_path / "ckpt"
-    proc = subprocess.Popen([sys.executable, os.path.join(root, "pretrain_gpt.py"), *BASE, *sched, "--train-iters",
-                             "100000", "--save", str(ckpt), "--save-interval", "1", "--async-save", "--log-json",
-                             str(log)], env={**os.environ, "OMP_NUM_THREADS": "1"},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    log, ckpt, output = tmp_path / "log.jsonl", tmp_path / "ckpt", tmp_path / "output.txt"
+    pid = start_script(os.path.join(root, "pretrain_gpt.py"),
+                       [*BASE, *sched, "--train-iters", "100000", "--save", str(ckpt), "--save-interval", "1",
+                        "--async-save", "--log-json", str(log)], tmp_path, {**os.environ, "OMP_NUM_THREADS": "1"},
+                       str(output))
     deadline = time.time() + 60
     while time.time() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 3):
-        time.sleep(0.1)
-    proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 0, err.decode()[-2000:]
-    out = out.decode()
+        time.sleep(0.05)
+    os.kill(pid, signal.SIGTERM)
+    code = wait(pid, 60)
+    out = output.read_text()  # stdout and stderr together
+    assert code == 0, out[-2000:]
     saved = int((ckpt / "latest").read_text())
     assert f"SIGTERM: saving iteration {saved} and stopping" in out  # the commit follows, waited for at the end
     started = [line.split("iter_")[1][:7] for line in out.splitlines() if "written in the background" in line]

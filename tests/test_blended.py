@@ -189,9 +189,11 @@ def _build_in_process(paths, queue):
 @pytest.mark.slow
 def test_concurrent_builders_leave_one_whole_file(two):
     """Ranks building the same index at once (as under torchrun) each write a private tmp
-    file and rename it into place: the result is one whole, correct file, no leftovers."""
+    file and rename it into place: the result is one whole, correct file, no leftovers. The
+    builders are forked (the parent's imports shared, as megalite.testing.run_world does): they
+    start at once, a closer race than spawned ones, which spent seconds each importing torch."""
     a, b = two
-    ctx = multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_build_in_process, args=(["0.7", a, "0.3", b], queue))
              for _ in range(3)]

@@ -11,20 +11,24 @@ A command block runs when the line just before its ```bash fence is a marker:
     <!-- cpu-test slow equality-reference -->  losses, and that one process: both run as written,
                                                in pairs, by tests/test_docs_equality.py, not here
 
-Each block runs as one bash script (stopping at the first failing line) in its own temporary
-directory, with the virtual environment's `python` and `torchrun` first on PATH, the repository on
-PYTHONPATH, TRITON_INTERPRET=1 and OMP_NUM_THREADS=1. The repository's scripts and tools are
+Each block runs as a bash script would (stopping at the first failing command) in its own
+temporary directory, with the virtual environment's `python` and `torchrun` first on PATH, the
+repository on PYTHONPATH, TRITON_INTERPRET=1 and OMP_NUM_THREADS=1; its `python pretrain_gpt.py`,
+`python tools/X.py` and `torchrun --standalone --nproc_per_node N pretrain_gpt.py` commands run the
+script as `__main__` in forks of the test process (N forked ranks for torchrun) instead of new
+interpreters, which would each import torch first (tests/forked_commands.py); the rest runs in bash. The repository's scripts and tools are
 named by their absolute paths (`pretrain_gpt.py`, `tools/`, `scripts/`), and every
 `--train-iters N` becomes `--train-iters 2` unless the block says `as-written`. Blocks that need
 a GPU, a download or several machines carry no marker.
 """
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.forked_commands import run_block
 
 REPO = Path(__file__).resolve().parent.parent
 MARKER = re.compile(r"^<!--\s*cpu-test((?:\s+[\w=-]+)*)\s*-->\s*$")
@@ -103,17 +107,16 @@ def test_adapt_rewrites_paths_and_iters():
 
 
 def run_script(script, cwd):
-    """Run one adapted block as bash (stopping at the first failing line) in ``cwd``, with the
-    virtual environment first on PATH and the repository importable: (exit code, output)."""
+    """Run one adapted block (stopping at the first failing command) in ``cwd``, with the virtual
+    environment first on PATH and the repository importable: (exit code, output). Its megalite
+    commands run in forks of this process, the others in bash (tests/forked_commands.py)."""
     venv_bin = REPO / ".venv" / "bin"
     env = dict(os.environ)
     env["PATH"] = os.pathsep.join([str(venv_bin if venv_bin.is_dir() else Path(sys.executable).parent),
                                    env.get("PATH", "")])
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     env.update(TRITON_INTERPRET="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=cwd, env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=TIMEOUT_S)
-    return proc.returncode, proc.stdout
+    return run_block(script, cwd, env, str(REPO), TIMEOUT_S)
 
 
 @pytest.mark.parametrize("path,lineno,as_written,script,batch", BLOCKS)
@@ -121,3 +124,24 @@ def test_doc_command(path, lineno, as_written, script, batch, tmp_path):
     code, output = run_script(adapt(script, as_written, batch), tmp_path)
     assert code == 0, (
         f"{path.name}:{lineno} exited {code}; command:\n{script}\n--- output (tail) ---\n" + output[-6000:])
+
+
+def test_forked_commands_are_only_plain_megalite_launches():
+    """What runs in a fork (python/torchrun of a repository script, env assignments first) and
+    what stays with bash (shell syntax, other programs, a block that keeps shell state)."""
+    from tests.forked_commands import commands, is_stateful, parse
+
+    script = f"{REPO}/pretrain_gpt.py"
+    block = (f"torchrun --standalone --nproc_per_node 2 {script} --a \\\n    '([0]*1+[1]*3)'\n"
+             f"python - <<'EOF'\nprint(1)\nEOF\nX=1 python {script} --b # note\n"
+             f"python -c 'import sys\nprint(sys.argv)' x\npython {script} | tee log\n")
+    steps = commands(block)
+    assert len(steps) == 5, steps
+    assert parse(steps[0], str(REPO)) == ({}, 2, script, ["--a", "([0]*1+[1]*3)"])
+    assert parse(steps[1], str(REPO)) is None and steps[1].endswith("EOF")  # a heredoc: bash
+    assert parse(steps[2], str(REPO)) == ({"X": "1"}, None, script, ["--b"])
+    assert parse(steps[3], str(REPO)) is None and parse(steps[4], str(REPO)) is None
+    assert parse(f"python {script} --save $HOME/x", str(REPO)) is None  # an expansion: bash
+    assert parse(f"torchrun --nnodes 2 {script}", str(REPO)) is None  # another launch: for real
+    assert parse("python /elsewhere/x.py", str(REPO)) is None
+    assert is_stateful("export A=1") and is_stateful("A=1") and not is_stateful(f"A=1 python {script}")

@@ -356,10 +356,16 @@ def test_cuda_resume_after_kill_is_bit_identical(tmp_path, device):
         log = tmp_path / f"{name}.jsonl"
         run_env = dict(os.environ, TRITON_INTERPRET=interpret, **(env or {}),
                        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-        done = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), *flags, *extra, "--log-json", str(log)],
-                              cwd=REPO, env=run_env, capture_output=True, text=True, timeout=300)
+        argv = [*flags, *extra, "--log-json", str(log)]
+        if device == "cuda":  # a new interpreter: CUDA is never initialised in a fork
+            returncode = subprocess.run([sys.executable, str(REPO / "pretrain_gpt.py"), *argv], cwd=REPO, env=run_env,
+                                        capture_output=True, text=True, timeout=300).returncode
+        else:  # the script as __main__ in a fork of this process: no interpreter importing torch again
+            from tests.forked_commands import start_script, wait
+            returncode = wait(start_script(str(REPO / "pretrain_gpt.py"), argv, REPO, run_env,
+                                           str(tmp_path / f"{name}.out")), 300)
         records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
-        return done.returncode, [(r["iteration"], r["loss"], r["grad_norm"]) for r in records]
+        return returncode, [(r["iteration"], r["loss"], r["grad_norm"]) for r in records]
 
     code, full = run("full", ["--save", str(tmp_path / "a")])
     assert code == 0 and len(full) == 8

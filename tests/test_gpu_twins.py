@@ -72,9 +72,20 @@ def gpu_tests_without_a_cpu_twin(items: list[dict]) -> list[str]:
     return missing
 
 
+def this_sessions_collection() -> list[dict] | None:
+    """The suite's cases as this session collected them (tests/conftest.py), before -m or -k
+    took any away, when it was given the whole tests/ folder; else None."""
+    from tests import conftest
+
+    return conftest.COLLECTED["items"] if conftest.COLLECTED["whole"] else None
+
+
 @pytest.mark.slow
 def test_every_gpu_test_runs_its_logic_on_the_cpu_too():
-    missing = gpu_tests_without_a_cpu_twin(collected(TESTS))
+    """Over the whole suite: this session's own collection when it ran tests/ (the suite, either
+    tier), else a collection of tests/ in a new interpreter (a file or -k run)."""
+    items = this_sessions_collection()
+    missing = gpu_tests_without_a_cpu_twin(items if items is not None else collected(TESTS))
     assert not missing, (
         f"gpu tests whose logic never runs on a CPU: {missing}. Give the test a device parameter "
         f"(tests/device_twins.py: DEVICES, device_cases), or name its CPU test in its docstring "

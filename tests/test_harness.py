@@ -41,3 +41,10 @@ def test_hang_is_reported_not_hung():
     with pytest.raises(WorldError, match=r"rank\(s\) \[0\] of 2 did not finish"):
         run_world(_hang_on_rank_0, 2, timeout=3)
     assert time.monotonic() - start < 20
+
+
+def test_an_unawaited_rank_is_killed_once_the_others_have_reported():
+    """``unawaited=(0,)``: the world ends when rank 1 has returned, not after rank 0's sleep."""
+    start = time.monotonic()
+    assert run_world(_hang_on_rank_0, 2, timeout=30, unawaited=(0,)) == [None, 1]
+    assert time.monotonic() - start < 20

@@ -13,6 +13,7 @@ name setup.py installs it as (``package_dir``).
 from __future__ import annotations
 
 import ast
+import functools
 import pathlib
 import textwrap
 
@@ -53,10 +54,21 @@ def type_checking_imports(tree: ast.AST) -> list[ast.AST]:
     return found
 
 
+@functools.lru_cache(maxsize=None)
+def _parsed(path: str, mtime_ns: int, size: int) -> ast.AST:
+    return ast.parse(pathlib.Path(path).read_text(), filename=path)
+
+
+def parse(path: pathlib.Path) -> ast.AST:
+    """The file's syntax tree, parsed once per version of the file (the checks here share it)."""
+    stat = path.stat()
+    return _parsed(str(path), stat.st_mtime_ns, stat.st_size)
+
+
 def imports_of(name: str, path: pathlib.Path, known: dict) -> set[str]:
     """The known modules that module ``name`` (file ``path``) imports."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    tree = ast.parse(path.read_text(), filename=str(path))
+    tree = parse(path)
     targets = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -79,7 +91,16 @@ def imports_of(name: str, path: pathlib.Path, known: dict) -> set[str]:
 
 
 def import_graph(root: pathlib.Path) -> dict[str, set[str]]:
+    """Module -> the known modules it imports; computed once per version of the files (the checks
+    here share it: read it, do not change it)."""
     known = modules(package_dirs(root))
+    return _graph(tuple(sorted((name, str(path), path.stat().st_mtime_ns, path.stat().st_size)
+                               for name, path in known.items())))
+
+
+@functools.lru_cache(maxsize=None)
+def _graph(files: tuple) -> dict[str, set[str]]:
+    known = {name: pathlib.Path(path) for name, path, _, _ in files}
     return {name: imports_of(name, path, known) for name, path in known.items()}
 
 
@@ -249,7 +270,7 @@ def type_checking_count(root: pathlib.Path) -> list[str]:
     """'file:line' of every import under ``if TYPE_CHECKING:`` in megalite/ and kernels/."""
     found = []
     for path in sorted(modules(package_dirs(root)).values()):
-        for node in type_checking_imports(ast.parse(path.read_text(), filename=str(path))):
+        for node in type_checking_imports(parse(path)):
             found.append(f"{path.relative_to(root)}:{node.lineno}")
     return found
 

@@ -195,10 +195,13 @@ def _hang_worker(rank, world):
 
 @pytest.mark.slow
 def test_rank_stuck_before_a_collective_gives_a_clear_error_on_every_other_rank():
-    results = run_world(_hang_worker, 4, pg_timeout_s=6, timeout=90)
-    for rank, (code, err, elapsed) in enumerate(results):
+    # Rank 2 sleeps 12 s; the others fail after 6 s: the world ends with them (rank 2 is killed).
+    results = run_world(_hang_worker, 4, pg_timeout_s=6, timeout=90, unawaited=(2,))
+    assert results[2] is None
+    for rank, result in enumerate(results):
         if rank == 2:
             continue
+        code, err, elapsed = result
         assert code == 4, err
         assert "distributed timeout" in err and "did not complete within 6 s" in err
         assert "rank(s) [2] did not arrive" in err, err

@@ -141,23 +141,28 @@ def _cp_worker(rank, world, inner_size, cases):
     return out
 
 
-def _cp_cases(world, triton: bool):
-    """(type, heads, kv groups, s, d, backend): MHA and GQA on torch blocks, Triton once per type
-    (left out only when ``triton`` is False)."""
+def _cp_cases(world, triton: bool, torch_blocks: bool = True):
+    """(type, heads, kv groups, s, d, backend): MHA and GQA on torch blocks (unless
+    ``torch_blocks`` is False), Triton once per type (left out when ``triton`` is False)."""
     cases = []
     for t in CP_COMM_TYPES:
-        cases += [(t, 4, 4, 8 * world, 16, "torch"), (t, 4, 2, 4 * world, 8, "torch")]
+        cases += [(t, 4, 4, 8 * world, 16, "torch"), (t, 4, 2, 4 * world, 8, "torch")] if torch_blocks else []
         cases += [(t, 4, 2, 4 * world, 16, "triton")] if triton else []
     return cases
 
 
-@pytest.mark.parametrize("world,inner", [(2, 2), pytest.param(4, 2, marks=pytest.mark.slow)])
-def test_every_cp_type_with_documents_matches_full_attention(world, inner):
+# The fast tier runs the torch blocks at C=2; the Triton cases (about 5 s of the interpreter's
+# launches) are slow: the packed kernels at ring offsets against the reference stay in the fast
+# tier (tests/test_packed_kernels.py), as does the Triton ring with a value head of its own
+# (tests/test_attention_value_head.py).
+@pytest.mark.parametrize("world,inner,backends", [(2, 2, "torch"), pytest.param(2, 2, "triton", marks=pytest.mark.slow),
+                                                  pytest.param(4, 2, "torch+triton", marks=pytest.mark.slow)])
+def test_every_cp_type_with_documents_matches_full_attention(world, inner, backends):
     """Every case asked for comes back from every rank. The Triton cases are asked for unless the
     kernels cannot run on CPU tensors here (triton_cannot_run's reason, printed); under the
     interpreter (the suite's default) that is one per CP type."""
-    why_not = triton_cannot_run()
-    cases = _cp_cases(world, triton=why_not is None)
+    why_not = triton_cannot_run() if "triton" in backends else "not asked for in this case"
+    cases = _cp_cases(world, triton=why_not is None, torch_blocks="torch" in backends)
     results = run_world(_cp_worker, world, inner, cases, timeout=300)
     not_run = [(rank, case) for rank, rank_results in enumerate(results)
                for case, errs in zip(cases, rank_results) if errs is None]

@@ -5,7 +5,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 
 import pytest
@@ -107,13 +106,19 @@ def test_bad_input_is_one_line_and_exit_2(src, tmp_path, capsys):
         (bad / "iter_0000001" / "metadata.json").write_text(json.dumps(meta))
         code, err = _cli(capsys, "--load", str(bad), "--save", str(tmp_path / "d3"))
         assert code == 2 and err.startswith("reshard_checkpoint: ") and "metadata.json" in err, err
-    # The real command: an impossible layout, one line on stderr, no traceback.
-    proc = subprocess.run([sys.executable, TOOL, "--load", str(src), "--save", str(tmp_path / "d4"),
-                           "--target-tensor-model-parallel-size", "3"], capture_output=True, text=True,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("reshard_checkpoint: "), proc.stderr
+    # The command as run: the script as __main__ (its own exit status) in a fork of this process
+    # (tests/forked_commands.py; in a new interpreter: tests/test_tools_reporting.py's own-process
+    # cases, slow): an impossible layout, one line on stderr, no traceback.
+    from tests.forked_commands import start_script, wait
+
+    output = tmp_path / "d4.txt"
+    code = wait(start_script(TOOL, ["--load", str(src), "--save", str(tmp_path / "d4"),
+                                    "--target-tensor-model-parallel-size", "3"], tmp_path,
+                             {**os.environ, "OMP_NUM_THREADS": "1"}, str(output)), 120)
+    stderr = output.read_text()  # stdout and stderr together: nothing but the line
+    assert code == 2, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("reshard_checkpoint: "), stderr
     assert not (tmp_path / "d4").exists()
 
 

@@ -71,11 +71,16 @@ def test_corrupt_checkpoint_is_one_message(tmp_path):
 
 
 def test_plain_python_prints_one_line(tmp_path):
-    run = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_gpt.py"), "--mock-data", *SMALL,
-                          "--tensor-model-parallel-size", "3"], capture_output=True, text=True, timeout=120,
-                         cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert run.returncode == 2
-    assert run.stdout == "" and run.stderr.splitlines() == [
+    """pretrain_gpt.py as __main__ (its record wrapper and sys.exit) in a fork of this process
+    (tests/forked_commands.py); a new interpreter starts the script in the torchrun test above."""
+    from tests.forked_commands import start_script, wait
+
+    out, err = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    code = wait(start_script(os.path.join(ROOT, "pretrain_gpt.py"), ["--mock-data", *SMALL,
+                                                                      "--tensor-model-parallel-size", "3"],
+                             tmp_path, dict(os.environ, OMP_NUM_THREADS="1"), str(out), str(err)), 120)
+    assert code == 2
+    assert out.read_text() == "" and err.read_text().splitlines() == [
         "megalite: configuration error: world size (1) must be divisible by TP*CP*PP = 3*1*1 = 3; the data-parallel "
         "size is world/(TP*CP*PP). Fix: launch a multiple of 3 processes, or choose sizes whose product divides 1."]
 

@@ -353,13 +353,25 @@ def _assert_one_line(tool, argv, wanted, code, err):
 
 
 def test_tools_bad_input_one_line(tmp_path):
-    """Every case in one interpreter (torch imported once): each tool run as __main__."""
+    """Every case in one fork of this process (torch imported already; a new interpreter per
+    tool: the own-process test below): each tool run as __main__ by the driver's code."""
     cases = _bad_inputs(tmp_path)
-    run = subprocess.run([sys.executable, "-c", _DRIVER,
-                          json.dumps([[os.path.join(ROOT, "tools", t), a] for t, a, _ in cases])],
-                         capture_output=True, text=True, timeout=300, cwd=str(tmp_path))
-    assert run.returncode == 0, run.stderr[-3000:]
-    for (tool, argv, wanted), (code, err) in zip(cases, json.loads(run.stdout.strip().splitlines()[-1])):
+    out = tmp_path / "driver.txt"
+    argv = [json.dumps([[os.path.join(ROOT, "tools", t), a] for t, a, _ in cases])]
+    pid = os.fork()
+    if pid == 0:  # the driver, as `python -c _DRIVER argv` would run it, stdout to a file
+        code = 1
+        try:
+            os.chdir(tmp_path)
+            sys.argv = ["-c", *argv]
+            with open(out, "w") as sys.stdout:
+                exec(compile(_DRIVER, "<driver>", "exec"), {"__name__": "__main__"})
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, out.read_text()[-3000:] if out.exists() else status
+    for (tool, argv, wanted), (code, err) in zip(cases, json.loads(out.read_text().strip().splitlines()[-1])):
         _assert_one_line(tool, argv, wanted, code, err)
 
 
@@ -367,9 +379,13 @@ def test_tools_bad_input_one_line(tmp_path):
 def test_tool_bad_input_own_process(tmp_path):
     """Some of the same cases as the user meets them, each tool in its own process (a fresh
     interpreter, the tool's own imports); every case runs as __main__ in the test above. The
-    four processes run at once (each is one interpreter starting: on two cores, two at a time)."""
+    processes run at once (each is one interpreter starting: on two cores, two at a time). Every
+    tool a guide runs is here (the guides' commands run in forks: tests/forked_commands.py),
+    but plot_log.py (its own process above) and preprocess_data.py (tests/test_hf_tokenizer.py)."""
     every = _bad_inputs(tmp_path)
-    cases = [every[i] for i in (3, 4, 6, 13)]  # a checkpoint tool, the planner, the dry run, a benchmark
+    # the checkpoint tools, the planner, the dry run, the tokenizer trainer, ZeRO's report, the
+    # pipeline timeline and a benchmark
+    cases = [every[i] for i in (2, 3, 4, 6, 7, 8, 11, 13)]
     procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", tool), *argv], stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True, cwd=str(tmp_path)) for tool, argv, _ in cases]
     errs = [p.communicate(timeout=300)[1] for p in procs]

@@ -67,8 +67,12 @@ def _worker(fn, rank, world_size, port, args, kwargs, results, env, pg_timeout_s
 
 
 def run_world(fn, world_size: int, *args, timeout: float = 120.0, env: dict | None = None,
-              pg_timeout_s: float | None = None, **kwargs) -> list:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on a fresh gloo world; return results."""
+              pg_timeout_s: float | None = None, unawaited: tuple = (), **kwargs) -> list:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on a fresh gloo world; return results.
+
+    ``unawaited``: ranks whose outcome the caller does not need (a rank a test makes hang):
+    once every other rank has reported, they are killed and their result is ``None``; an error
+    they report before that still fails the world."""
     ctx = mp.get_context("fork")
     results = ctx.Queue()
     port = free_port()
@@ -79,8 +83,9 @@ def run_world(fn, world_size: int, *args, timeout: float = 120.0, env: dict | No
         p.start()
     outcomes: dict[int, tuple[str, object]] = {}
     deadline = time.monotonic() + timeout
+    awaited = set(range(world_size)) - set(unawaited)
     try:
-        while len(outcomes) < world_size:
+        while not awaited <= set(outcomes):
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
@@ -99,7 +104,7 @@ def run_world(fn, world_size: int, *args, timeout: float = 120.0, env: dict | No
             if status == "error":
                 break  # fail fast: peers may now be stuck waiting for this rank
     finally:
-        for p in procs:
+        for p in procs:  # an unawaited rank still out: the others' closing barrier cannot complete
             p.join(timeout=2.0 if len(outcomes) == world_size else 0.1)
         for p in procs:
             if p.is_alive():
@@ -109,8 +114,8 @@ def run_world(fn, world_size: int, *args, timeout: float = 120.0, env: dict | No
     if errors:
         rank = min(errors)
         raise WorldError(f"rank {rank} of {world_size} failed:\n{errors[rank]}")
-    missing = sorted(set(range(world_size)) - set(outcomes))
+    missing = sorted(awaited - set(outcomes))
     if missing:
         raise WorldError(f"rank(s) {missing} of {world_size} did not finish within {timeout:.0f} s "
                          f"(hung in a collective?); all workers were killed")
-    return [pickle.loads(outcomes[r][1]) for r in range(world_size)]
+    return [pickle.loads(outcomes[r][1]) if r in outcomes else None for r in range(world_size)]

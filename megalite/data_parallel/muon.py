@@ -1,0 +1,218 @@
+"""Muon: momentum, then the update of each hidden weight matrix orthogonalised by Newton-Schulz.
+
+For a matrix parameter ``W`` (m x n) with gradient ``G`` (divided by ``grad_scale``: the clip
+coefficient, as AdamW's), momentum ``beta`` (``--muon-momentum``), learning rate ``lr`` and
+decoupled weight decay ``wd`` (``--weight-decay``)::
+
+    M <- beta M + (1 - beta) G                        one fp32 momentum buffer per matrix
+    U  = (1 - beta) G + beta M   with --muon-use-nesterov, else  U = M
+    O  = NS_k(U)                                      k = --muon-num-ns-steps (5)
+    W <- W (1 - lr wd) - lr * s(m, n) * f * O         f = --muon-extra-scale-factor
+
+NS_k, the quintic Newton-Schulz iteration towards the orthogonal factor ``U V^T`` of ``U = U S V^T``
+(its singular values driven into roughly [0.7, 1.2], not exactly 1: cheap and good enough)::
+
+    X_0 = U / (||U||_F + 1e-7)          (transposed first when m > n: X X^T is the small Gram)
+    A   = X X^T;   X <- a X + (b A + c A A) X,     (a, b, c) = (3.4445, -4.7750, 2.0315)
+
+``s(m, n)``, ``--muon-scale-mode`` (Megatron-LM's names): ``spectral`` sqrt(max(m, n)) (with f = 0.2
+the update's RMS matches AdamW's, so AdamW's learning rate and weight decay carry over: Moonlight),
+``unit_rms_norm`` sqrt(m / n), ``shape_scaling`` sqrt(max(1, m / n)) (Keller Jordan's). The
+products run under ``torch.set_float32_matmul_precision(--muon-fp32-matmul-prec)``.
+
+**Logical matrices, not storage.** NS is applied per matrix the model multiplies by, with
+``(m, n)`` its shape (its full, TP=1 shape, in every TP mode):
+
+- a fused QKV weight (rows by KV group: heads-per-group query heads, one key, one value head)
+  per q, k and v (each gathered over the groups, as Megatron's split QKV); ``--muon-no-split-qkv``:
+  as one matrix;
+- a weight TP-split in sections (SwiGLU's fused [gate; up] fc1: ``TPSplit(0, 2)``) per section;
+- stacked MoE experts (E, rows, cols) per expert, and per [gate; up] half of a SwiGLU w1.
+
+**Which parameters** (:func:`takes_muon`): the 2-D weights of the transformer layers (attention
+and MLP projections, MLA's down/up projections, MTP's projection) and the 3-D stacked experts.
+AdamW (:mod:`megalite.data_parallel.adamw`, ``--adam-*``) for the rest:
+
+- embeddings (word, position): a lookup table, each row updated only by its token's gradient: a
+  row-sparse gradient whose orthogonalisation would spread one token's signal over all rows;
+- the output layer (and its tied copy): the logits' scale is what the loss measures; Muon's
+  fixed-norm update has no per-vocabulary-row adaptivity (Moonlight and Megatron keep AdamW);
+- norm weights and biases (1-D): vectors, not matrices: nothing to orthogonalise;
+- the MoE router (E x h): a small classifier over experts whose rows' scales are the routing
+  decision; orthogonalising would equalise them (Megatron keeps it on AdamW);
+- the expert bias (DeepSeek-V3's aux-loss-free balancing): a buffer moved by its own rule
+  (:mod:`megalite.moe.balancing`), not a trained parameter.
+
+**Tensor parallelism** (``--muon-tp-mode``): ``duplicated`` all-gathers U over TP (the split
+metadata ``tp_split`` says how: :func:`megalite.parallel.sharding.gather_full`), every TP rank runs
+NS on the logical matrices of the full tensor and keeps its shard: equal to one process; its
+bytes per step are each TP-split matrix's (tp - 1)/tp fp32 elements gathered per rank.
+``blockwise`` runs NS on the logical matrices of each rank's shard (no communication): a
+different update from one process's, Megatron's default. ``distributed`` is not built yet.
+
+**State**: ``momentum`` (Muon's M over the Muon matrices; AdamW's first moment over the rest)
+and ``exp_avg_sq`` (AdamW's second moment; allocated over the Muon matrices too, unused there:
+the flat shards are one allocation per bucket). So ``bytes_per_parameter`` is AdamW's 12, truthfully
+what is held; only 8 per Muon parameter are used.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from megalite.data_parallel.adamw import FlatAdamW
+from megalite.data_parallel.update_rule import DeviceStepCount, UpdateRule, register_rule
+from megalite.parallel import comm
+from megalite.parallel.sharding import gather_full, is_expert, shard_tensor
+
+NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic iteration's (a, b, c)
+NS_EPS = 1e-7
+ADAMW_NAMES = ("word_embeddings", "position_embeddings", "output_layer", "router")
+SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
+
+
+def scale_factor(rows: int, cols: int, mode: str) -> float:
+    """``s(m, n)`` of the module docstring."""
+    if mode == "spectral":
+        return math.sqrt(max(rows, cols))
+    if mode == "unit_rms_norm":
+        return math.sqrt(rows / cols)
+    if mode == "shape_scaling":
+        return math.sqrt(max(1.0, rows / cols))
+    raise ValueError(f"unknown Muon scale mode {mode!r}: one of {', '.join(SCALE_MODES)}")
+
+
+def newton_schulz(u: torch.Tensor, steps: int) -> torch.Tensor:
+    """NS_k(u) of the module docstring, in fp32, for a 2-D ``u``."""
+    a, b, c = NS_COEFFICIENTS
+    x = u.float()
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.T
+    x = x / (x.norm() + NS_EPS)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return x.T if tall else x
+
+
+def takes_muon(name: str, param) -> bool:
+    """Muon for a 2-D hidden weight or stacked experts; AdamW for the kinds the module docstring lists."""
+    if any(part in name for part in ADAMW_NAMES) or param.ndim < 2:
+        return False
+    if param.ndim == 3 and not is_expert(param):
+        raise ValueError(f"Muon cannot classify parameter {name} of shape {tuple(param.shape)}: 3-D but not stacked "
+                         f"experts. Fix: train it with --optimizer adam, or teach megalite.data_parallel.muon its "
+                         f"logical matrices")
+    return param.ndim in (2, 3)
+
+
+def logical_pieces(name: str, param, shape: tuple, model, split_qkv: bool) -> list:
+    """Selectors of the logical matrices of a tensor of ``shape`` (the parameter's full or local
+    shape): functions tensor -> a view whose last dim is the matrix's columns."""
+    if param.ndim == 3:  # stacked experts: per expert, per [gate; up] half of a SwiGLU w1
+        halves = 2 if (model is not None and model.swiglu and name.endswith("w1")) else 1
+        rows = shape[1] // halves
+        return [(lambda t, e=e, h=h, r=rows: t[e, h * r:(h + 1) * r]) for e in range(shape[0]) for h in range(halves)]
+    if split_qkv and name.endswith("qkv.weight") and model is not None:
+        per_group = model.num_attention_heads // model.num_query_groups
+        d, cols = model.head_dim, shape[1]
+        groups = shape[0] // ((per_group + 2) * d)
+        grouped = lambda t: t.view(groups, per_group + 2, d, cols)  # noqa: E731
+        return [lambda t: grouped(t)[:, :per_group], lambda t: grouped(t)[:, per_group],
+                lambda t: grouped(t)[:, per_group + 1]]
+    split = getattr(param, "tp_split", None)
+    sections = split.sections if split is not None and split.dim == 0 else 1
+    rows = shape[0] // sections
+    return [(lambda t, k=k, r=rows: t[k * r:(k + 1) * r]) for k in range(sections)]
+
+
+@contextlib.contextmanager
+def matmul_precision(precision: str):
+    before = torch.get_float32_matmul_precision()
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+class FlatMuon(DeviceStepCount):
+    """Muon over the Muon matrices of the flat shards, AdamW (one :class:`FlatAdamW` over views of
+    the shards) over the rest; one step count, shared (AdamW's bias correction reads it)."""
+
+    def __init__(self, masters, states, decay_ranges, t, *, geometry):
+        super().__init__(masters)
+        self.t, self.tp_group, self.model = t, geometry.tp_group, geometry.model
+        self.masters, self.momentum = masters, states["momentum"]
+        decayed = [set() for _ in masters]  # elements decayed, as (a, z) ranges, per shard
+        self.matrices, adam = [], {"w": [], "m": [], "v": [], "decay": [], "where": []}
+        for place in geometry.places:
+            if takes_muon(place.name, place.param):
+                if not place.whole:
+                    raise ValueError(f"Muon needs every matrix whole on its rank; {place.name} is cut by the ZeRO "
+                                     f"shards. Fix: --zero-stage 0 (ZeRO >= 1 ownership is not built yet)")
+                self.matrices.append(place)
+                continue
+            i, a, z = place.shard, place.start, place.stop
+            adam["w"].append(masters[i][a:z])
+            adam["m"].append(states["momentum"][i][a:z])
+            adam["v"].append(states["exp_avg_sq"][i][a:z])
+            inside = any(lo <= a and z <= hi for lo, hi in decay_ranges[i])
+            adam["decay"].append([(0, z - a)] if inside else [])
+            adam["where"].append((i, a, z))
+        self.adam = FlatAdamW(adam["w"], adam["m"], adam["v"], adam["decay"], betas=(t.adam_beta1, t.adam_beta2),
+                              eps=t.adam_eps, weight_decay=t.weight_decay)
+        self.adam.steps = self.steps  # one count
+        self.adam_where = adam["where"]
+
+    @torch.no_grad()
+    def step(self, grads, lr: float, grad_scale: torch.Tensor | None = None,
+             found_inf: torch.Tensor | None = None) -> None:
+        keep = None if found_inf is None else (found_inf == 0).to(self.steps.device)
+        t, beta = self.t, self.t.muon_momentum
+        with matmul_precision(t.muon_fp32_matmul_prec):
+            for place in self.matrices:
+                i, a, z, p = place.shard, place.start, place.stop, place.param
+                g = grads[i][a:z].float().view(p.shape)
+                if grad_scale is not None:
+                    g = g / grad_scale
+                m, w = self.momentum[i][a:z].view(p.shape), self.masters[i][a:z].view(p.shape)
+                new_m = torch.lerp(m, g, 1 - beta)
+                u = torch.lerp(g, new_m, beta) if t.muon_use_nesterov else new_m
+                new_w = w * (1 - lr * t.weight_decay) - lr * t.muon_extra_scale_factor * self.orthogonalised(place, u)
+                if keep is None:
+                    m.copy_(new_m)
+                    w.copy_(new_w)
+                else:
+                    m.copy_(torch.where(keep, new_m, m))
+                    w.copy_(torch.where(keep, new_w, w))
+        self.adam.step([grads[i][a:z] for i, a, z in self.adam_where], lr, grad_scale, found_inf)
+
+    def orthogonalised(self, place, u: torch.Tensor) -> torch.Tensor:
+        """s(m, n) NS_k(U) per logical matrix of ``u`` (this rank's part of the parameter)."""
+        p, t = place.param, self.t
+        split, tp = getattr(p, "tp_split", None), comm.group_size(self.tp_group)
+        gathered = split is not None and tp > 1 and t.muon_tp_mode == "duplicated"
+        whole = gather_full(u, split, self.tp_group) if gathered else u
+        widen = tp if (split is not None and tp > 1 and not gathered) else 1  # blockwise: the full shape's scale
+        out = torch.empty_like(whole)
+        for select in logical_pieces(place.name, p, tuple(whole.shape), self.model, t.muon_split_qkv):
+            piece, target = select(whole), select(out)
+            matrix = piece.reshape(-1, piece.shape[-1])
+            rows, cols = matrix.shape
+            full_rows, full_cols = (rows * widen, cols) if split is None or split.dim == 0 else (rows, cols * widen)
+            scale = scale_factor(full_rows, full_cols, t.muon_scale_mode)
+            target.copy_((newton_schulz(matrix, t.muon_num_ns_steps) * scale).view(target.shape))
+        return shard_tensor(out, split, comm.group_rank(self.tp_group), tp) if gathered else out
+
+
+def _build_muon(masters, states, decay_ranges, t, *, geometry) -> FlatMuon:
+    return FlatMuon(masters, states, decay_ranges, t, geometry=geometry)
+
+
+MUON = UpdateRule("muon", ("momentum", "exp_avg_sq"), _build_muon, state_label="Muon/Adam state",
+                  wants_geometry=True)
+register_rule("muon", MUON)

@@ -173,3 +173,54 @@ def test_validate_refuses_what_muon_does_not_do_yet(train, message):
     with pytest.raises(ConfigError) as e:
         validate(_config(**train))
     assert message in str(e.value) and "Fix:" in str(e.value), str(e.value)
+
+
+# -- blockwise TP: Newton-Schulz per shard, against its own per-shard reference -------------------
+
+def test_blockwise_is_newton_schulz_per_shard():
+    """Each TP rank's shard (built offline: no world) orthogonalised per logical matrix of the shard
+    (its q, k, v of whole KV groups; its gate and up halves; a row-parallel shard whole), scaled by
+    the full matrix's shape: one step of SGD momentum from zero, so U = (1 - beta) G."""
+    from megalite.data_parallel.muon import FlatMuon
+    from megalite.data_parallel.update_rule import ParamPlace, ShardGeometry
+    from megalite.parallel.comm import OfflineGroup
+    cfg = dataclasses.replace(MODEL, num_experts=None, moe_layer_freq=1, num_layers=1)
+    t = TrainConfig(optimizer="muon", weight_decay=0.0, muon_fp32_matmul_prec="high", muon_tp_mode="blockwise")
+    lr, tp = 0.02, 2
+    torch.manual_seed(3)
+    for rank in range(tp):
+        group = OfflineGroup(rank, tp)
+        model = GPTModel(cfg, tp_group=group)
+        named = [(n, p) for n, p in model.named_parameters() if p.ndim == 2 and "embeddings" not in n
+                 and "output_layer" not in n]
+        masters = [torch.cat([p.detach().reshape(-1) for _, p in named]).float().zero_()]
+        places, at = [], 0
+        for n, p in named:
+            places.append(ParamPlace(n, p, 0, at, at + p.numel(), 0))
+            at += p.numel()
+        torch.manual_seed(10 + rank)
+        grads = [torch.randn(at)]
+        states = {"momentum": [torch.zeros(at)], "exp_avg_sq": [torch.zeros(at)]}
+        FlatMuon(masters, states, [[]], t, geometry=ShardGeometry(tuple(places), group, cfg)).step(grads, lr)
+        for place in places:
+            n, p = place.name, place.param
+            u = (1 - t.muon_momentum) * grads[0][place.start:place.stop].double().view(p.shape)
+            want = torch.zeros_like(u)
+            split = p.tp_split
+            if n.endswith("qkv.weight"):
+                hpg, d = cfg.num_attention_heads // cfg.num_query_groups, cfg.head_dim
+                groups = p.shape[0] // ((hpg + 2) * d)
+                sets = [[g * (hpg + 2) * d + s * d + i for g in range(groups) for s in slots for i in range(d)]
+                        for slots in (range(hpg), [hpg], [hpg + 1])]
+            elif n.endswith("fc1.weight"):
+                half = p.shape[0] // 2
+                sets = [list(range(half)), list(range(half, 2 * half))]
+            else:
+                sets = [list(range(p.shape[0]))]
+            for rows in sets:
+                m, k = len(rows), p.shape[1]
+                fm, fk = (m * tp, k) if split.dim == 0 else (m, k * tp)
+                want[rows] = ns64(u[rows], t.muon_num_ns_steps) * scale(fm, fk, t.muon_scale_mode)
+            got = -masters[0][place.start:place.stop].double().view(p.shape) / lr
+            torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5, msg=n)
+        assert [place.name.split('.')[-2] for place in places] == ['qkv', 'proj', 'fc1', 'fc2']

@@ -5,7 +5,9 @@
   losses, gradient norms and weights of the uninterrupted run, bit for bit;
 - TP 2 and TP 2 x SP with ``--muon-tp-mode duplicated`` equal one process (losses, gradient
   norms 1e-6 relative; the saved fp32 weights 5e-5, see WEIGHT_TOL); ``blockwise`` (Newton-Schulz per shard, checked
-  against its own reference in test_muon.py) is a different update, shown to differ.
+  against its own reference in test_muon.py) is a different update, shown to differ;
+- PP 2, and EP 2 with MoE (4 experts, top-2: each expert orthogonalised on the rank that holds
+  it), equal one process the same way.
 
 The model: GQA (4 heads, 2 KV groups) with SwiGLU, so the fused QKV and [gate; up] are split per
 logical matrix both in one process and over TP.
@@ -26,6 +28,7 @@ BASE = ["--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-siz
         "--hidden-dropout", "0", "--attention-dropout", "0", "--muon-fp32-matmul-prec", "high",
         "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type", "rope"]
 TP2 = ["--tensor-model-parallel-size", "2"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
 TOL = 1e-6  # losses and gradient norms
 # The fp32 weights after 4 steps: TP's other summation order leaves ~1e-7 in U, and Newton-Schulz
 # grows a direction of small singular value up to a^k = 3.4445^5 ~ 490 times (1.4e-5 seen, and 4e-6
@@ -44,13 +47,18 @@ def _serial(rank, world, root):
     full = _pretrain(BASE + ["--train-iters", "4", "--save", f"{root}/serial"])
     _pretrain(BASE + ["--train-iters", "2", "--save", f"{root}/half"])
     resumed = _pretrain(BASE + ["--train-iters", "4", "--load", f"{root}/half", "--save", f"{root}/resumed"])
-    return full, resumed
+    moe = _pretrain(BASE + MOE + ["--train-iters", "4", "--save", f"{root}/moe"])
+    return full, resumed, moe
 
 
-def _tp2(rank, world, root):
-    return {mode + sp: _pretrain(BASE + TP2 + (["--sequence-parallel"] if sp else []) +
+def _two_ranks(rank, world, root):
+    runs = {mode + sp: _pretrain(BASE + TP2 + (["--sequence-parallel"] if sp else []) +
                                  ["--muon-tp-mode", mode, "--train-iters", "4", "--save", f"{root}/{mode}{sp}"])
             for mode, sp in (("duplicated", ""), ("duplicated", "sp"), ("blockwise", ""))}
+    runs["pp2"] = _pretrain(BASE + ["--pipeline-model-parallel-size", "2", "--train-iters", "4", "--save", f"{root}/pp2"])
+    runs["ep2"] = _pretrain(BASE + MOE + ["--expert-model-parallel-size", "2", "--train-iters", "4",
+                                          "--save", f"{root}/ep2"])
+    return runs
 
 
 def _weights(path) -> dict[str, torch.Tensor]:
@@ -70,8 +78,8 @@ def _max_relative(a: dict, b: dict) -> float:
 
 
 @pytest.mark.slow
-def test_muon_trains_resumes_exactly_and_tp2_duplicated_equals_one_process(tmp_path):
-    full, resumed = run_world(_serial, 1, str(tmp_path))[0]
+def test_muon_resumes_exactly_and_tp2_pp2_ep2_equal_one_process(tmp_path):
+    full, resumed, moe = run_world(_serial, 1, str(tmp_path))[0]
     assert all(abs(loss - 4.85) < 0.1 for _, loss, _ in full)  # mock data: near ln(128), nothing to learn
     assert resumed == full[2:]  # bit-identical losses and gradient norms after the resume
     reader = PieceReader(resolve_checkpoint(str(tmp_path / "half")))
@@ -80,8 +88,9 @@ def test_muon_trains_resumes_exactly_and_tp2_duplicated_equals_one_process(tmp_p
     after = _weights(tmp_path / "resumed")
     assert all(torch.equal(after[n], serial[n]) for n in serial)
 
-    runs = run_world(_tp2, 2, str(tmp_path))[0]
-    for name in ("duplicated", "duplicatedsp"):
-        _close(runs[name], full)
-        assert _max_relative(_weights(tmp_path / name), serial) < WEIGHT_TOL, name
+    runs = run_world(_two_ranks, 2, str(tmp_path))[0]
+    for name, baseline, saved in (("duplicated", full, serial), ("duplicatedsp", full, serial),
+                                  ("pp2", full, serial), ("ep2", moe, _weights(tmp_path / "moe"))):
+        _close(runs[name], baseline)
+        assert _max_relative(_weights(tmp_path / name), saved) < WEIGHT_TOL, name
     assert _max_relative(_weights(tmp_path / "blockwise"), serial) > 1e-3  # a different update

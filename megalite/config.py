@@ -91,7 +91,7 @@ def check_multi_token_prediction(m) -> None:
                           "wired in. Fix: --transformer-impl local.")
 
 
-MUON_TP_MODES_BUILT = ("blockwise", "duplicated")
+MUON_TP_MODES = ("blockwise", "duplicated", "distributed")
 
 
 def _check_muon(t) -> None:
@@ -99,10 +99,9 @@ def _check_muon(t) -> None:
     do yet, refused with the value, the rule and the fix; nothing for another rule."""
     if t.optimizer != "muon":
         return
-    if t.muon_tp_mode not in MUON_TP_MODES_BUILT:
-        raise ConfigError(f"--muon-tp-mode {t.muon_tp_mode!r} is not built yet (Newton-Schulz with its matrix "
-                          f"products split over TP). Fix: --muon-tp-mode duplicated (equal to one process) or "
-                          f"blockwise (per-shard Newton-Schulz).")
+    if t.muon_tp_mode not in MUON_TP_MODES:
+        raise ConfigError(f"--muon-tp-mode {t.muon_tp_mode!r} is unknown. Fix: duplicated or distributed (equal "
+                          f"to one process) or blockwise (Newton-Schulz per TP shard, Megatron's default).")
     if t.zero_stage != 0:
         raise ConfigError(f"--optimizer muon with --zero-stage {t.zero_stage}: ZeRO's flat shards cut across "
                           f"matrices, and owning whole matrices per DP rank is not built yet. Fix: --zero-stage 0 "

@@ -161,7 +161,7 @@ def _config(**train) -> Config:
 
 
 @pytest.mark.parametrize("train, message", [
-    (dict(muon_tp_mode="distributed"), "--muon-tp-mode 'distributed' is not built yet"),
+    (dict(muon_tp_mode="sideways"), "--muon-tp-mode 'sideways' is unknown"),
     (dict(zero_stage=1), "--optimizer muon with --zero-stage 1"),
     (dict(zero_stage=3), "--optimizer muon with --zero-stage 3"),
     (dict(muon_num_ns_steps=0), "--muon-num-ns-steps must be >= 1, got 0"),
@@ -170,6 +170,7 @@ def _config(**train) -> Config:
 def test_validate_refuses_what_muon_does_not_do_yet(train, message):
     validate(_config())
     validate(_config(muon_tp_mode="duplicated"))
+    validate(_config(muon_tp_mode="distributed"))
     with pytest.raises(ConfigError) as e:
         validate(_config(**train))
     assert message in str(e.value) and "Fix:" in str(e.value), str(e.value)

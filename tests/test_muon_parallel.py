@@ -3,7 +3,7 @@
 - one process: ``optimizer="muon"`` trains; a checkpoint saved at iteration 2
   (its state: the master weights, ``momentum``, ``exp_avg_sq``) resumes to iteration 4 with the
   losses, gradient norms and weights of the uninterrupted run, bit for bit;
-- TP 2 and TP 2 x SP with ``--muon-tp-mode duplicated`` equal one process (losses, gradient
+- TP 2 and TP 2 x SP with ``--muon-tp-mode duplicated`` and ``distributed`` equal one process (losses, gradient
   norms 1e-6 relative; the saved fp32 weights 5e-5, see WEIGHT_TOL); ``blockwise`` (Newton-Schulz per shard, checked
   against its own reference in test_muon.py) is a different update, shown to differ;
 - PP 2, and EP 2 with MoE (4 experts, top-2: each expert orthogonalised on the rank that holds
@@ -54,7 +54,8 @@ def _serial(rank, world, root):
 def _two_ranks(rank, world, root):
     runs = {mode + sp: _pretrain(BASE + TP2 + (["--sequence-parallel"] if sp else []) +
                                  ["--muon-tp-mode", mode, "--train-iters", "4", "--save", f"{root}/{mode}{sp}"])
-            for mode, sp in (("duplicated", ""), ("duplicated", "sp"), ("blockwise", ""))}
+            for mode, sp in (("duplicated", ""), ("duplicated", "sp"), ("distributed", ""), ("distributed", "sp"),
+                             ("blockwise", ""))}
     runs["pp2"] = _pretrain(BASE + ["--pipeline-model-parallel-size", "2", "--train-iters", "4", "--save", f"{root}/pp2"])
     runs["ep2"] = _pretrain(BASE + MOE + ["--expert-model-parallel-size", "2", "--train-iters", "4",
                                           "--save", f"{root}/ep2"])
@@ -90,6 +91,7 @@ def test_muon_resumes_exactly_and_tp2_pp2_ep2_equal_one_process(tmp_path):
 
     runs = run_world(_two_ranks, 2, str(tmp_path))[0]
     for name, baseline, saved in (("duplicated", full, serial), ("duplicatedsp", full, serial),
+                                  ("distributed", full, serial), ("distributedsp", full, serial),
                                   ("pp2", full, serial), ("ep2", moe, _weights(tmp_path / "moe"))):
         _close(runs[name], baseline)
         assert _max_relative(_weights(tmp_path / name), saved) < WEIGHT_TOL, name

@@ -102,10 +102,13 @@ def _check_muon(t) -> None:
     if t.muon_tp_mode not in MUON_TP_MODES:
         raise ConfigError(f"--muon-tp-mode {t.muon_tp_mode!r} is unknown. Fix: duplicated or distributed (equal "
                           f"to one process) or blockwise (Newton-Schulz per TP shard, Megatron's default).")
-    if t.zero_stage != 0:
-        raise ConfigError(f"--optimizer muon with --zero-stage {t.zero_stage}: ZeRO's flat shards cut across "
-                          f"matrices, and owning whole matrices per DP rank is not built yet. Fix: --zero-stage 0 "
-                          f"(no --use-distributed-optimizer).")
+    if t.zero_stage == 3:
+        raise ConfigError("--optimizer muon with --zero-stage 3: the weights' shards are gathered per layer for "
+                          "use, and Muon's ownership of whole matrices is built for stages 1 and 2 only. Fix: "
+                          "--zero-stage 1 or 2 (or --use-distributed-optimizer).")
+    if t.offload_optimizer:
+        raise ConfigError("--optimizer muon with --offload-optimizer: Muon's gathers and Newton-Schulz run on the "
+                          "model's device, not on offloaded host shards. Fix: drop --offload-optimizer.")
     if t.muon_num_ns_steps < 1:
         raise ConfigError(f"--muon-num-ns-steps must be >= 1, got {t.muon_num_ns_steps}. Fix: 5 (Megatron's).")
     if not 0 <= t.muon_momentum < 1:

@@ -162,8 +162,8 @@ def _config(**train) -> Config:
 
 @pytest.mark.parametrize("train, message", [
     (dict(muon_tp_mode="sideways"), "--muon-tp-mode 'sideways' is unknown"),
-    (dict(zero_stage=1), "--optimizer muon with --zero-stage 1"),
     (dict(zero_stage=3), "--optimizer muon with --zero-stage 3"),
+    (dict(zero_stage=1, offload_optimizer=True), "--optimizer muon with --offload-optimizer"),
     (dict(muon_num_ns_steps=0), "--muon-num-ns-steps must be >= 1, got 0"),
     (dict(muon_momentum=1.0), "--muon-momentum must be in [0, 1), got 1.0"),
 ])
@@ -171,6 +171,7 @@ def test_validate_refuses_what_muon_does_not_do_yet(train, message):
     validate(_config())
     validate(_config(muon_tp_mode="duplicated"))
     validate(_config(muon_tp_mode="distributed"))
+    validate(_config(zero_stage=2))
     with pytest.raises(ConfigError) as e:
         validate(_config(**train))
     assert message in str(e.value) and "Fix:" in str(e.value), str(e.value)
@@ -225,3 +226,12 @@ def test_blockwise_is_newton_schulz_per_shard():
             got = -masters[0][place.start:place.stop].double().view(p.shape) / lr
             torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5, msg=n)
         assert [place.name.split('.')[-2] for place in places] == ['qkv', 'proj', 'fc1', 'fc2']
+
+
+def test_zero_ownership_balances_newton_schulz_cost_over_the_buckets():
+    from megalite.data_parallel.muon import ns_cost, owners
+    big, small = torch.zeros(64, 32), torch.zeros(32, 32)
+    assert ns_cost(big) == 64 * 32 * 32 and ns_cost(torch.zeros(4, 8, 16)) == 4 * 8 * 16 * 8
+    load = [0, 0]
+    assert owners([("a", small, 0), ("b", big, 1024), ("c", small, 3072)], load) == [1, 0, 1]
+    assert owners([("d", small, 0)], load) == [0] and load == [ns_cost(big) + ns_cost(small), 2 * ns_cost(small)]

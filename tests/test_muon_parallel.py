@@ -6,7 +6,8 @@
 - TP 2 and TP 2 x SP with ``--muon-tp-mode duplicated`` and ``distributed`` equal one process (losses, gradient
   norms 1e-6 relative; the saved fp32 weights 5e-5, see WEIGHT_TOL); ``blockwise`` (Newton-Schulz per shard, checked
   against its own reference in test_muon.py) is a different update, shown to differ;
-- PP 2, and EP 2 with MoE (4 experts, top-2: each expert orthogonalised on the rank that holds
+- DP 2 with ZeRO-1 and ZeRO-2 (small buckets, so shards cut matrices and each bucket's matrices
+  are owned across the two ranks), PP 2, and EP 2 with MoE (4 experts, top-2: each expert orthogonalised on the rank that holds
   it), equal one process the same way.
 
 The model: GQA (4 heads, 2 KV groups) with SwiGLU, so the fused QKV and [gate; up] are split per
@@ -56,6 +57,9 @@ def _two_ranks(rank, world, root):
                                  ["--muon-tp-mode", mode, "--train-iters", "4", "--save", f"{root}/{mode}{sp}"])
             for mode, sp in (("duplicated", ""), ("duplicated", "sp"), ("distributed", ""), ("distributed", "sp"),
                              ("blockwise", ""))}
+    for stage in (1, 2):  # matrices owned across the DP ranks
+        runs[f"zero{stage}"] = _pretrain(BASE + ["--zero-stage", str(stage), "--ddp-bucket-size", "4000",
+                                                 "--train-iters", "4", "--save", f"{root}/zero{stage}"])
     runs["pp2"] = _pretrain(BASE + ["--pipeline-model-parallel-size", "2", "--train-iters", "4", "--save", f"{root}/pp2"])
     runs["ep2"] = _pretrain(BASE + MOE + ["--expert-model-parallel-size", "2", "--train-iters", "4",
                                           "--save", f"{root}/ep2"])
@@ -92,7 +96,7 @@ def test_muon_resumes_exactly_and_tp2_pp2_ep2_equal_one_process(tmp_path):
     runs = run_world(_two_ranks, 2, str(tmp_path))[0]
     for name, baseline, saved in (("duplicated", full, serial), ("duplicatedsp", full, serial),
                                   ("distributed", full, serial), ("distributedsp", full, serial),
-                                  ("pp2", full, serial), ("ep2", moe, _weights(tmp_path / "moe"))):
+                                  ("zero1", full, serial), ("zero2", full, serial), ("pp2", full, serial), ("ep2", moe, _weights(tmp_path / "moe"))):
         _close(runs[name], baseline)
         assert _max_relative(_weights(tmp_path / name), saved) < WEIGHT_TOL, name
     assert _max_relative(_weights(tmp_path / "blockwise"), serial) > 1e-3  # a different update

@@ -53,6 +53,13 @@ runs NS on it with the Gram all-reduced over TP (:func:`newton_schulz_distribute
 process, the gather and the duplicated NS work avoided; its bytes per step are k (Gram: the
 uncut dimension squared, fp32) all-reduces per logical matrix.
 
+**ZeRO 1 and 2** (:class:`FlatMuon`): the flat shards cut across matrices, so each bucket's
+matrices are owned by its DP ranks, balanced by NS cost m n min(m, n) (:func:`owners`); U's
+shards are all-gathered, owners orthogonalise, updates are reduce-scattered: per step two
+collectives of the bucket's fp32 elements (4 bytes per parameter each) beside AdamW's none (both
+then all-gather the new weights, in the model dtype). ZeRO-3 and offload are refused by
+``validate()``.
+
 **State**: ``momentum`` (Muon's M over the Muon matrices; AdamW's first moment over the rest)
 and ``exp_avg_sq`` (AdamW's second moment; allocated over the Muon matrices too, unused there:
 the flat shards are one allocation per bucket). So ``bytes_per_parameter`` is AdamW's 12, truthfully
@@ -66,7 +73,7 @@ import math
 import torch
 
 from megalite.data_parallel.adamw import FlatAdamW
-from megalite.data_parallel.update_rule import DeviceStepCount, UpdateRule, register_rule
+from megalite.data_parallel.update_rule import BucketLayout, DeviceStepCount, UpdateRule, register_rule
 from megalite.parallel import comm
 from megalite.parallel.sharding import gather_full, is_expert, shard_tensor
 
@@ -161,30 +168,66 @@ def matmul_precision(precision: str):
         torch.set_float32_matmul_precision(before)
 
 
+def ns_cost(param) -> int:
+    """Newton-Schulz work of a parameter, ~ m n min(m, n) per matrix (ZeRO ownership balances it)."""
+    *stack, m, n = param.shape
+    return math.prod(stack) * m * n * min(m, n)
+
+
+def owners(members: list, load: list) -> list[int]:
+    """The DP rank that orthogonalises each of ``members`` ((name, param, start), the Muon
+    matrices of one bucket): the costliest first, each to the least loaded rank (ties: the
+    lower rank), ``load`` (NS cost per rank of the group) carried over the group's buckets; the
+    same on every rank."""
+    owner = [0] * len(members)
+    for k in sorted(range(len(members)), key=lambda k: (-ns_cost(members[k][1]), k)):
+        owner[k] = min(range(len(load)), key=lambda r: (load[r], r))
+        load[owner[k]] += ns_cost(members[k][1])
+    return owner
+
+
 class FlatMuon(DeviceStepCount):
     """Muon over the Muon matrices of the flat shards, AdamW (one :class:`FlatAdamW` over views of
-    the shards) over the rest; one step count, shared (AdamW's bias correction reads it)."""
+    the shards) over the rest; one step count, shared (AdamW's bias correction reads it).
+
+    The momentum and U are elementwise on this rank's shard. Without ZeRO every matrix is whole in
+    the shard and orthogonalised here. Under ZeRO 1-2 (a sharded bucket) the matrices are owned
+    by the bucket's DP ranks (:func:`owners`): U's shards are all-gathered over the bucket's
+    group (the bucket's fp32 elements), each owner orthogonalises its matrices, and the updates
+    are reduce-scattered back (each element nonzero on its owner only: the bucket's fp32 elements
+    again), where AdamW's step gathers nothing: two fp32 bucket collectives per step beside the
+    publish's all-gather, and the NS work divided over DP."""
 
     def __init__(self, masters, states, decay_ranges, t, *, geometry):
         super().__init__(masters)
         self.t, self.tp_group, self.model = t, geometry.tp_group, geometry.model
         self.masters, self.momentum = masters, states["momentum"]
-        decayed = [set() for _ in masters]  # elements decayed, as (a, z) ranges, per shard
-        self.matrices, adam = [], {"w": [], "m": [], "v": [], "decay": [], "where": []}
+        self.buckets = geometry.buckets or tuple(  # a hand-made geometry (tests): each shard its own bucket
+            BucketLayout(0, m.numel(), m.numel(), None, False,
+                         tuple((pl.name, pl.param, pl.start) for pl in geometry.places if pl.shard == i))
+            for i, m in enumerate(masters))
+        self.muon_ranges = [[] for _ in masters]  # (a, z): this shard's Muon elements
+        adam = {"w": [], "m": [], "v": [], "decay": [], "where": []}
         for place in geometry.places:
-            if takes_muon(place.name, place.param):
-                if not place.whole:
-                    raise ValueError(f"Muon needs every matrix whole on its rank; {place.name} is cut by the ZeRO "
-                                     f"shards. Fix: --zero-stage 0 (ZeRO >= 1 ownership is not built yet)")
-                self.matrices.append(place)
-                continue
             i, a, z = place.shard, place.start, place.stop
+            if takes_muon(place.name, place.param):
+                self.muon_ranges[i].append((a, z))
+                continue
             adam["w"].append(masters[i][a:z])
             adam["m"].append(states["momentum"][i][a:z])
             adam["v"].append(states["exp_avg_sq"][i][a:z])
             inside = any(lo <= a and z <= hi for lo, hi in decay_ranges[i])
             adam["decay"].append([(0, z - a)] if inside else [])
             adam["where"].append((i, a, z))
+        self.owned, loads = [], {}  # per bucket: the (name, param, start) this rank orthogonalises
+        for bucket in self.buckets:
+            muon = [m for m in bucket.members if takes_muon(m[0], m[1])]
+            if bucket.sharded:
+                load = loads.setdefault(id(bucket.group), [0] * comm.group_size(bucket.group))
+                mine = comm.group_rank(bucket.group)
+                muon = [m for m, r in zip(muon, owners(muon, load)) if r == mine]
+            self.owned.append(muon)
+        self.has_muon = [any(takes_muon(m[0], m[1]) for m in b.members) for b in self.buckets]
         self.adam = FlatAdamW(adam["w"], adam["m"], adam["v"], adam["decay"], betas=(t.adam_beta1, t.adam_beta2),
                               eps=t.adam_eps, weight_decay=t.weight_decay)
         self.adam.steps = self.steps  # one count
@@ -194,28 +237,50 @@ class FlatMuon(DeviceStepCount):
     def step(self, grads, lr: float, grad_scale: torch.Tensor | None = None,
              found_inf: torch.Tensor | None = None) -> None:
         keep = None if found_inf is None else (found_inf == 0).to(self.steps.device)
-        t, beta = self.t, self.t.muon_momentum
-        with matmul_precision(t.muon_fp32_matmul_prec):
-            for place in self.matrices:
-                i, a, z, p = place.shard, place.start, place.stop, place.param
-                g = grads[i][a:z].float().view(p.shape)
-                if grad_scale is not None:
-                    g = g / grad_scale
-                m, w = self.momentum[i][a:z].view(p.shape), self.masters[i][a:z].view(p.shape)
-                new_m = torch.lerp(m, g, 1 - beta)
-                u = torch.lerp(g, new_m, beta) if t.muon_use_nesterov else new_m
-                new_w = w * (1 - lr * t.weight_decay) - lr * t.muon_extra_scale_factor * self.orthogonalised(place, u)
-                if keep is None:
-                    m.copy_(new_m)
-                    w.copy_(new_w)
-                else:
-                    m.copy_(torch.where(keep, new_m, m))
-                    w.copy_(torch.where(keep, new_w, w))
+        with matmul_precision(self.t.muon_fp32_matmul_prec):
+            for i, bucket in enumerate(self.buckets):
+                if self.has_muon[i]:
+                    self._step_bucket(i, bucket, grads[i], lr, grad_scale, keep)
         self.adam.step([grads[i][a:z] for i, a, z in self.adam_where], lr, grad_scale, found_inf)
 
-    def orthogonalised(self, place, u: torch.Tensor) -> torch.Tensor:
-        """s(m, n) NS_k(U) per logical matrix of ``u`` (this rank's part of the parameter)."""
-        p, t = place.param, self.t
+    def _step_bucket(self, i, bucket, grad, lr, grad_scale, keep) -> None:
+        t, beta = self.t, self.t.muon_momentum
+        device = self.masters[i].device
+        u_local, new_ms = torch.zeros(bucket.hi - bucket.lo, device=device), []
+        for a, z in self.muon_ranges[i]:
+            g = grad[a:z].float()
+            if grad_scale is not None:
+                g = g / grad_scale
+            new_m = torch.lerp(self.momentum[i][a:z], g, 1 - beta)
+            u_local[a:z] = torch.lerp(g, new_m, beta) if t.muon_use_nesterov else new_m
+            new_ms.append(new_m)
+        u_full = torch.zeros(bucket.numel, device=device)
+        if bucket.sharded:
+            comm.all_gather_async(u_full, u_local, bucket.group).wait()
+        else:
+            u_full[bucket.lo:bucket.hi] = u_local
+        o_full = torch.zeros(bucket.numel, device=device)
+        for name, p, start in self.owned[i]:
+            u = u_full[start:start + p.numel()].view(p.shape)
+            o_full[start:start + p.numel()] = self.orthogonalised(name, p, u).reshape(-1)
+        if bucket.sharded:
+            o_shard = torch.empty(bucket.hi - bucket.lo, device=device)
+            comm.reduce_scatter_async(o_shard, o_full, bucket.group).wait()
+        else:
+            o_shard = o_full[bucket.lo:bucket.hi]
+        for (a, z), new_m in zip(self.muon_ranges[i], new_ms):
+            m, w = self.momentum[i][a:z], self.masters[i][a:z]
+            new_w = w * (1 - lr * t.weight_decay) - lr * t.muon_extra_scale_factor * o_shard[a:z]
+            if keep is None:
+                m.copy_(new_m)
+                w.copy_(new_w)
+            else:
+                m.copy_(torch.where(keep, new_m, m))
+                w.copy_(torch.where(keep, new_w, w))
+
+    def orthogonalised(self, name: str, p, u: torch.Tensor) -> torch.Tensor:
+        """s(m, n) NS_k(U) per logical matrix of ``u`` (this rank's TP part of parameter ``p``)."""
+        t = self.t
         split, tp = getattr(p, "tp_split", None), comm.group_size(self.tp_group)
         gathered = split is not None and tp > 1 and t.muon_tp_mode == "duplicated"
         whole = gather_full(u, split, self.tp_group) if gathered else u
@@ -223,7 +288,7 @@ class FlatMuon(DeviceStepCount):
         widen = tp if cut else 1  # the scale is the full matrix's
         distributed = cut and t.muon_tp_mode == "distributed"
         out = torch.empty_like(whole)
-        for select in logical_pieces(place.name, p, tuple(whole.shape), self.model, t.muon_split_qkv):
+        for select in logical_pieces(name, p, tuple(whole.shape), self.model, t.muon_split_qkv):
             piece, target = select(whole), select(out)
             matrix = piece.reshape(-1, piece.shape[-1])
             rows, cols = matrix.shape

@@ -13,8 +13,8 @@ An :class:`UpdateRule` is the one place that knows an optimizer's per-parameter 
   :class:`megalite.data_parallel.adamw.FlatAdamW`);
 - ``wants_geometry``: a rule whose math is not elementwise (Muon orthogonalises whole matrices)
   also gets ``geometry=`` a :class:`ShardGeometry` (where each parameter lies in the flat
-  shards, with the parameter itself: its shape, name and TP split metadata; the TP group; the
-  model config). Elementwise rules (AdamW) are built exactly as before, without it.
+  shards, with the parameter itself: its shape, name and TP split metadata; each shard's bucket
+  and the group that shards it; the TP group; the model config). Elementwise rules (AdamW) are built exactly as before, without it.
 
 :class:`megalite.data_parallel.zero.DistributedOptimizer` takes a rule (``ADAMW`` unless
 told otherwise), allocates its state from ``state_names`` and steps with ``build``'s object,
@@ -61,13 +61,29 @@ class ParamPlace:
 
 
 @dataclass(frozen=True)
+class BucketLayout:
+    """The flat bucket a master shard is cut from: this rank's ``[lo, hi)`` of its ``numel``
+    (padded) elements, the group that shards it (``sharded``: ZeRO >= 1 over more than one
+    rank, the shards all-gather into the bucket in rank order) and every parameter in it as
+    ``(name, param, start)``, also those held by other ranks."""
+    lo: int
+    hi: int
+    numel: int
+    group: object
+    sharded: bool
+    members: tuple
+
+
+@dataclass(frozen=True)
 class ShardGeometry:
     """What a non-elementwise rule needs of the layout: every parameter piece of this rank's
-    shards (:class:`ParamPlace`, in shard order), the tensor-parallel group the TP-split
-    parameters are split over (None: one process) and the model config (heads, groups, SwiGLU)."""
+    shards (:class:`ParamPlace`, in shard order), each shard's bucket (:class:`BucketLayout`),
+    the tensor-parallel group the TP-split parameters are split over (None: one process) and
+    the model config (heads, groups, SwiGLU)."""
     places: tuple
     tp_group: object = None
     model: object = None
+    buckets: tuple = ()
 
 
 @dataclass(frozen=True)

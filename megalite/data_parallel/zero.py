@@ -32,7 +32,8 @@ import torch
 from megalite.config import TrainConfig
 from megalite.data_parallel.ddp import GradSync, group_by_size
 from megalite.data_parallel.sharded_params import ShardedParameters
-from megalite.data_parallel.update_rule import DEFAULT_RULE, MASTER_KIND, ParamPlace, ShardGeometry, UpdateRule
+from megalite.data_parallel.update_rule import (DEFAULT_RULE, MASTER_KIND, BucketLayout, ParamPlace, ShardGeometry,
+                                                UpdateRule)
 from megalite.host_memory import HostBuffer
 from megalite.observe.memory_tracker import category
 from megalite.pipeline.plan import resolve_schedule
@@ -153,15 +154,17 @@ class DistributedOptimizer:
 
     def _geometry(self, names) -> ShardGeometry:
         """Where each parameter lies in this rank's master shards, for a rule that asks."""
-        places = []
+        places, buckets = [], []
         for i, b in enumerate(self.sync.buckets):
             lo, hi = b.shard
             for p, (start, numel) in zip(b.params, b.offsets):
                 a, z = max(start, lo), min(start + numel, hi)
                 if a < z:
                     places.append(ParamPlace(names[p], p, i, a - lo, z - lo, a - start))
+            buckets.append(BucketLayout(lo, hi, b.numel, b.group, self.stage >= 1 and b.size > 1,
+                                        tuple((names[p], p, start) for p, (start, _) in zip(b.params, b.offsets))))
         return ShardGeometry(tuple(places), self.grid.tp_group if self.grid is not None else None,
-                             getattr(self.chunks[0], "cfg", None))
+                             getattr(self.chunks[0], "cfg", None), tuple(buckets))
 
     # -- the train-step protocol ------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True, num_micro: int = 1) -> None:

@@ -2,25 +2,34 @@
 
 - one process: ``optimizer="muon"`` trains; a checkpoint saved at iteration 2
   (its state: the master weights, ``momentum``, ``exp_avg_sq``) resumes to iteration 4 with the
-  losses, gradient norms and weights of the uninterrupted run, bit for bit;
-- TP 2 and TP 2 x SP with ``--muon-tp-mode duplicated`` and ``distributed`` equal one process (losses, gradient
-  norms 1e-6 relative; the saved fp32 weights 5e-5, see WEIGHT_TOL); ``blockwise`` (Newton-Schulz per shard, checked
-  against its own reference in test_muon.py) is a different update, shown to differ;
+  losses, gradient norms and weights of the uninterrupted run, bit for bit, and so does one saved
+  in the torch DCP format; resharded to TP 2 (tools/reshard_checkpoint) it resumes equal (1e-6);
+- TP 2 and TP 2 x SP with ``--muon-tp-mode duplicated`` and ``distributed`` equal one process
+  (losses, gradient norms 1e-6 relative; the saved fp32 weights 5e-5, see WEIGHT_TOL);
+  ``blockwise`` (Newton-Schulz per shard, checked against its own reference in test_muon.py) is
+  a different update, shown to differ;
 - DP 2 with ZeRO-1 and ZeRO-2 (small buckets, so shards cut matrices and each bucket's matrices
-  are owned across the two ranks), PP 2, and EP 2 with MoE (4 experts, top-2: each expert orthogonalised on the rank that holds
-  it), equal one process the same way.
+  are owned across the two ranks), PP 2, and EP 2 with MoE (4 experts, top-2: each expert
+  orthogonalised on the rank that holds it), equal one process the same way.
 
 The model: GQA (4 heads, 2 KV groups) with SwiGLU, so the fused QKV and [gate; up] are split per
 logical matrix both in one process and over TP.
 """
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 import torch
 
+import megalite.data_parallel.muon  # noqa: F401  (registers "muon": the reshard tool validates the target)
 from megalite.checkpoint.format import PieceReader, resolve_checkpoint
 from megalite.data_parallel.update_rule import MASTER_KIND
 from megalite.testing import run_world
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools import reshard_checkpoint  # noqa: E402
 
 BASE = ["--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "32",
         "--num-attention-heads", "4", "--num-query-groups", "2", "--swiglu", "--seq-length", "16",
@@ -49,7 +58,10 @@ def _serial(rank, world, root):
     _pretrain(BASE + ["--train-iters", "2", "--save", f"{root}/half"])
     resumed = _pretrain(BASE + ["--train-iters", "4", "--load", f"{root}/half", "--save", f"{root}/resumed"])
     moe = _pretrain(BASE + MOE + ["--train-iters", "4", "--save", f"{root}/moe"])
-    return full, resumed, moe
+    dcp = ["--ckpt-format", "torch_dcp"]
+    _pretrain(BASE + dcp + ["--train-iters", "2", "--save", f"{root}/half_dcp"])
+    resumed_dcp = _pretrain(BASE + dcp + ["--train-iters", "4", "--load", f"{root}/half_dcp"])
+    return full, resumed, moe, resumed_dcp
 
 
 def _two_ranks(rank, world, root):
@@ -60,6 +72,8 @@ def _two_ranks(rank, world, root):
     for stage in (1, 2):  # matrices owned across the DP ranks
         runs[f"zero{stage}"] = _pretrain(BASE + ["--zero-stage", str(stage), "--ddp-bucket-size", "4000",
                                                  "--train-iters", "4", "--save", f"{root}/zero{stage}"])
+    runs["resharded"] = _pretrain(BASE + TP2 + ["--muon-tp-mode", "duplicated", "--train-iters", "4",
+                                                "--load", f"{root}/half_tp2"])
     runs["pp2"] = _pretrain(BASE + ["--pipeline-model-parallel-size", "2", "--train-iters", "4", "--save", f"{root}/pp2"])
     runs["ep2"] = _pretrain(BASE + MOE + ["--expert-model-parallel-size", "2", "--train-iters", "4",
                                           "--save", f"{root}/ep2"])
@@ -84,16 +98,18 @@ def _max_relative(a: dict, b: dict) -> float:
 
 @pytest.mark.slow
 def test_muon_resumes_exactly_and_tp2_pp2_ep2_equal_one_process(tmp_path):
-    full, resumed, moe = run_world(_serial, 1, str(tmp_path))[0]
+    full, resumed, moe, resumed_dcp = run_world(_serial, 1, str(tmp_path))[0]
     assert all(abs(loss - 4.85) < 0.1 for _, loss, _ in full)  # mock data: near ln(128), nothing to learn
-    assert resumed == full[2:]  # bit-identical losses and gradient norms after the resume
+    assert resumed == full[2:] == resumed_dcp  # bit-identical losses and gradient norms after the resume
     reader = PieceReader(resolve_checkpoint(str(tmp_path / "half")))
     assert {kind for _, kind in reader.index} == {MASTER_KIND, "momentum", "exp_avg_sq"}
     serial = _weights(tmp_path / "serial")
     after = _weights(tmp_path / "resumed")
     assert all(torch.equal(after[n], serial[n]) for n in serial)
 
+    reshard_checkpoint.reshard(str(tmp_path / "half"), str(tmp_path / "half_tp2"), tp=2)  # the state carried
     runs = run_world(_two_ranks, 2, str(tmp_path))[0]
+    _close(runs["resharded"], full[2:])
     for name, baseline, saved in (("duplicated", full, serial), ("duplicatedsp", full, serial),
                                   ("distributed", full, serial), ("distributedsp", full, serial),
                                   ("zero1", full, serial), ("zero2", full, serial), ("pp2", full, serial), ("ep2", moe, _weights(tmp_path / "moe"))):

@@ -235,3 +235,22 @@ def test_zero_ownership_balances_newton_schulz_cost_over_the_buckets():
     load = [0, 0]
     assert owners([("a", small, 0), ("b", big, 1024), ("c", small, 3072)], load) == [1, 0, 1]
     assert owners([("d", small, 0)], load) == [0] and load == [ns_cost(big) + ns_cost(small), 2 * ns_cost(small)]
+
+
+def test_a_step_with_found_inf_changes_nothing():
+    """fp16's overflow skip, decided on the device: weights, momentum and the step count unchanged."""
+    t = TrainConfig(optimizer="muon", weight_decay=0.1, muon_fp32_matmul_prec="high")
+    torch.manual_seed(0)
+    model = GPTModel(MODEL)
+    for p in model.parameters():
+        torch.nn.init.normal_(p.data, std=0.02)
+    opt = DistributedOptimizer([model], t, None, stage=0, overlap=False, rule=MUON)
+    for b in opt.sync.buckets:
+        opt.sync.shard_grad(b).normal_()
+    opt.step(0.02)
+    before = [x.clone() for x in opt.master + opt.state["momentum"] + opt.state["exp_avg_sq"]]
+    opt.step(0.02, found_inf=torch.ones(()))
+    after = opt.master + opt.state["momentum"] + opt.state["exp_avg_sq"]
+    assert all(torch.equal(x, y) for x, y in zip(before, after)) and opt.step_count == 1
+    opt.step(0.02, found_inf=torch.zeros(()))
+    assert not torch.equal(before[0], opt.master[0]) and opt.step_count == 2

@@ -50,8 +50,9 @@ bytes per step are each TP-split matrix's (tp - 1)/tp fp32 elements gathered per
 ``blockwise`` runs NS on the logical matrices of each rank's shard (no communication): a
 different update from one process's, Megatron's default. ``distributed`` keeps each rank's block and
 runs NS on it with the Gram all-reduced over TP (:func:`newton_schulz_distributed`): equal to one
-process, the gather and the duplicated NS work avoided; its bytes per step are k (Gram: the
-uncut dimension squared, fp32) all-reduces per logical matrix.
+process, the gather and the duplicated NS work avoided; per logical matrix and step, k + 1
+all-reduces over TP: k Grams (the uncut dimension squared, fp32; for a Megatron layer h x h)
+and the Frobenius norm's scalar.
 
 **ZeRO 1 and 2** (:class:`FlatMuon`): the flat shards cut across matrices, so each bucket's
 matrices are owned by its DP ranks, balanced by NS cost m n min(m, n) (:func:`owners`); U's
@@ -73,7 +74,7 @@ import math
 import torch
 
 from megalite.data_parallel.adamw import FlatAdamW
-from megalite.data_parallel.update_rule import BucketLayout, DeviceStepCount, UpdateRule, register_rule
+from megalite.data_parallel.update_rule import ADAMW, BucketLayout, DeviceStepCount, UpdateRule, register_rule
 from megalite.parallel import comm
 from megalite.parallel.sharding import gather_full, is_expert, shard_tensor
 
@@ -81,6 +82,8 @@ NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)  # the quintic iteration's (a, b, c)
 NS_EPS = 1e-7
 ADAMW_NAMES = ("word_embeddings", "position_embeddings", "output_layer", "router")
 SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
+MOMENTUM = "momentum"  # Muon's M over the matrices, AdamW's first moment over the rest
+SECOND_MOMENT = ADAMW.state_names[1]  # AdamW's second moment, by AdamW's rule's name for it
 
 
 def scale_factor(rows: int, cols: int, mode: str) -> float:
@@ -201,7 +204,7 @@ class FlatMuon(DeviceStepCount):
     def __init__(self, masters, states, decay_ranges, t, *, geometry):
         super().__init__(masters)
         self.t, self.tp_group, self.model = t, geometry.tp_group, geometry.model
-        self.masters, self.momentum = masters, states["momentum"]
+        self.masters, self.momentum = masters, states[MOMENTUM]
         self.buckets = geometry.buckets or tuple(  # a hand-made geometry (tests): each shard its own bucket
             BucketLayout(0, m.numel(), m.numel(), None, False,
                          tuple((pl.name, pl.param, pl.start) for pl in geometry.places if pl.shard == i))
@@ -214,8 +217,8 @@ class FlatMuon(DeviceStepCount):
                 self.muon_ranges[i].append((a, z))
                 continue
             adam["w"].append(masters[i][a:z])
-            adam["m"].append(states["momentum"][i][a:z])
-            adam["v"].append(states["exp_avg_sq"][i][a:z])
+            adam["m"].append(states[MOMENTUM][i][a:z])
+            adam["v"].append(states[SECOND_MOMENT][i][a:z])
             inside = any(lo <= a and z <= hi for lo, hi in decay_ranges[i])
             adam["decay"].append([(0, z - a)] if inside else [])
             adam["where"].append((i, a, z))
@@ -304,6 +307,6 @@ def _build_muon(masters, states, decay_ranges, t, *, geometry) -> FlatMuon:
     return FlatMuon(masters, states, decay_ranges, t, geometry=geometry)
 
 
-MUON = UpdateRule("muon", ("momentum", "exp_avg_sq"), _build_muon, state_label="Muon/Adam state",
+MUON = UpdateRule("muon", (MOMENTUM, SECOND_MOMENT), _build_muon, state_label="Muon/Adam state",
                   wants_geometry=True)
 register_rule("muon", MUON)

@@ -9,8 +9,9 @@
   ``blockwise`` (Newton-Schulz per shard, checked against its own reference in test_muon.py) is
   a different update, shown to differ;
 - DP 2 with ZeRO-1 and ZeRO-2 (small buckets, so shards cut matrices and each bucket's matrices
-  are owned across the two ranks), PP 2, and EP 2 with MoE (4 experts, top-2: each expert
-  orthogonalised on the rank that holds it), equal one process the same way.
+  are owned across the two ranks), PP 2 (1F1B and zero-bubble zb-h1), CP 2, and EP 2 with MoE (4 experts, top-2: each expert
+  orthogonalised on the rank that holds it), equal one process the same way; and on four ranks,
+  TP 2 x DP 2 ZeRO-1 (distributed) and TP 2 x PP 2 (duplicated).
 
 The model: GQA (4 heads, 2 KV groups) with SwiGLU, so the fused QKV and [gate; up] are split per
 logical matrix both in one process and over TP.
@@ -75,9 +76,22 @@ def _two_ranks(rank, world, root):
     runs["resharded"] = _pretrain(BASE + TP2 + ["--muon-tp-mode", "duplicated", "--train-iters", "4",
                                                 "--load", f"{root}/half_tp2"])
     runs["pp2"] = _pretrain(BASE + ["--pipeline-model-parallel-size", "2", "--train-iters", "4", "--save", f"{root}/pp2"])
+    runs["zbh1"] = _pretrain(BASE + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1",
+                                     "--train-iters", "4", "--save", f"{root}/zbh1"])
+    runs["cp2"] = _pretrain(BASE + ["--context-parallel-size", "2", "--train-iters", "4", "--save", f"{root}/cp2"])
     runs["ep2"] = _pretrain(BASE + MOE + ["--expert-model-parallel-size", "2", "--train-iters", "4",
                                           "--save", f"{root}/ep2"])
     return runs
+
+
+def _four_ranks(rank, world, root):
+    """TP 2 x DP 2 under ZeRO-1 (the owners' Newton-Schulz runs TP collectives, between the DP
+    gather and scatter), and TP 2 x PP 2."""
+    zero = ["--zero-stage", "1", "--ddp-bucket-size", "4000"]
+    return {"tp2dp2": _pretrain(BASE + TP2 + zero + ["--muon-tp-mode", "distributed", "--train-iters", "4",
+                                                      "--save", f"{root}/tp2dp2"]),
+            "tp2pp2": _pretrain(BASE + TP2 + ["--pipeline-model-parallel-size", "2", "--muon-tp-mode", "duplicated",
+                                              "--train-iters", "4", "--save", f"{root}/tp2pp2"])}
 
 
 def _weights(path) -> dict[str, torch.Tensor]:
@@ -97,7 +111,7 @@ def _max_relative(a: dict, b: dict) -> float:
 
 
 @pytest.mark.slow
-def test_muon_resumes_exactly_and_tp2_pp2_ep2_equal_one_process(tmp_path):
+def test_muon_resumes_exactly_and_the_layouts_equal_one_process(tmp_path):
     full, resumed, moe, resumed_dcp = run_world(_serial, 1, str(tmp_path))[0]
     assert all(abs(loss - 4.85) < 0.1 for _, loss, _ in full)  # mock data: near ln(128), nothing to learn
     assert resumed == full[2:] == resumed_dcp  # bit-identical losses and gradient norms after the resume
@@ -112,7 +126,12 @@ def test_muon_resumes_exactly_and_tp2_pp2_ep2_equal_one_process(tmp_path):
     _close(runs["resharded"], full[2:])
     for name, baseline, saved in (("duplicated", full, serial), ("duplicatedsp", full, serial),
                                   ("distributed", full, serial), ("distributedsp", full, serial),
-                                  ("zero1", full, serial), ("zero2", full, serial), ("pp2", full, serial), ("ep2", moe, _weights(tmp_path / "moe"))):
+                                  ("zero1", full, serial), ("zero2", full, serial), ("pp2", full, serial),
+                                  ("zbh1", full, serial), ("cp2", full, serial), ("ep2", moe, _weights(tmp_path / "moe"))):
         _close(runs[name], baseline)
         assert _max_relative(_weights(tmp_path / name), saved) < WEIGHT_TOL, name
     assert _max_relative(_weights(tmp_path / "blockwise"), serial) > 1e-3  # a different update
+    runs = run_world(_four_ranks, 4, str(tmp_path))[0]
+    for name in ("tp2dp2", "tp2pp2"):
+        _close(runs[name], full)
+        assert _max_relative(_weights(tmp_path / name), serial) < WEIGHT_TOL, name

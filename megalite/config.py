@@ -91,6 +91,30 @@ def check_multi_token_prediction(m) -> None:
                           "wired in. Fix: --transformer-impl local.")
 
 
+MUON_TP_MODES = ("blockwise", "duplicated", "distributed")
+
+
+def _check_muon(t) -> None:
+    """What Muon (megalite.data_parallel.muon, registered by importing it: pretrain does) does not
+    do yet, refused with the value, the rule and the fix; nothing for another rule."""
+    if t.optimizer != "muon":
+        return
+    if t.muon_tp_mode not in MUON_TP_MODES:
+        raise ConfigError(f"--muon-tp-mode {t.muon_tp_mode!r} is unknown. Fix: duplicated or distributed (equal "
+                          f"to one process) or blockwise (Newton-Schulz per TP shard, Megatron's default).")
+    if t.zero_stage == 3:
+        raise ConfigError("--optimizer muon with --zero-stage 3: the weights' shards are gathered per layer for "
+                          "use, and Muon's ownership of whole matrices is built for stages 1 and 2 only. Fix: "
+                          "--zero-stage 1 or 2 (or --use-distributed-optimizer).")
+    if t.offload_optimizer:
+        raise ConfigError("--optimizer muon with --offload-optimizer: Muon's gathers and Newton-Schulz run on the "
+                          "model's device, not on offloaded host shards. Fix: drop --offload-optimizer.")
+    if t.muon_num_ns_steps < 1:
+        raise ConfigError(f"--muon-num-ns-steps must be >= 1, got {t.muon_num_ns_steps}. Fix: 5 (Megatron's).")
+    if not 0 <= t.muon_momentum < 1:
+        raise ConfigError(f"--muon-momentum must be in [0, 1), got {t.muon_momentum}. Fix: 0.9 to 0.95.")
+
+
 def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = None) -> list[str]:
     """Check every rule; raise ConfigError on the first violation, return warnings."""
     m, p, t, d = config.model, config.parallel, config.train, config.data
@@ -247,6 +271,7 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
                           f"{', '.join(sorted(RULES))}. Fix: set TrainConfig.optimizer to one of them, or register "
                           f"the rule first (megalite.data_parallel.update_rule.register_rule(name, rule))."
                           ) from None
+    _check_muon(t)
     if t.clip_grad < 0:
         raise ConfigError(f"--clip-grad must be >= 0 (0 disables clipping), got {t.clip_grad}.")
 

@@ -283,6 +283,24 @@ class TrainConfig:
     # the update rule, by its registered name (megalite.data_parallel.update_rule.rule_named;
     # "adam": AdamW, Megatron's name). No flag yet (issue 39 gives it --optimizer).
     optimizer: str = setting("adam", "the update rule's registered name", flags=NO_FLAG)
+    # Muon (megalite.data_parallel.muon; chosen by optimizer="muon"): Megatron-LM's flags and defaults
+    muon_momentum: float = setting(0.9, "Muon's momentum coefficient beta (m <- beta m + (1 - beta) g)")
+    muon_split_qkv: bool = setting(True, "orthogonalise a fused QKV weight per q, k, v (off: as one matrix)",
+                                   flags=[flag("--muon-no-split-qkv", action="store_true",
+                                               help="orthogonalise a fused QKV weight as one matrix")],
+                                   read=lambda ns: not ns.muon_no_split_qkv)
+    muon_use_nesterov: bool = setting(False, "Nesterov momentum in Muon (orthogonalise (1 - beta) g + beta m)")
+    muon_scale_mode: str = setting("spectral", "the orthogonalised update's scale: spectral sqrt(max(m, n)), "
+                                   "unit_rms_norm sqrt(m / n), shape_scaling sqrt(max(1, m / n))",
+                                   choices=["spectral", "unit_rms_norm", "shape_scaling"])
+    muon_fp32_matmul_prec: str = setting("medium", "fp32 matmul precision of the Newton-Schulz products "
+                                         "(torch.set_float32_matmul_precision)", choices=["low", "medium", "high"])
+    muon_num_ns_steps: int = setting(5, "Newton-Schulz iterations")
+    muon_tp_mode: str = setting("blockwise", "Newton-Schulz of a TP-split matrix: blockwise (each rank's shard, "
+                                "a different update), duplicated (gathered, every rank), distributed",
+                                choices=["blockwise", "duplicated", "distributed"])
+    muon_extra_scale_factor: float = setting(1.0, "a factor on every Muon update (0.2 with spectral: "
+                                             "AdamW's update RMS, so its lr and decay carry over)")
     adam_beta1: float = setting(0.9)
     adam_beta2: float = setting(0.999)
     adam_eps: float = setting(1e-8)

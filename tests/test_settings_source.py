@@ -35,6 +35,8 @@ ADDED |= {("model", f"moe_router_{name}") for name in  # issue 38: DeepSeek-V3 r
 ADDED |= {("model", k) for k in ("multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
                                "qk_pos_emb_head_dim", "v_head_dim")}  # issue 38's MLA, off by default
 ADDED |= {("model", "mtp_num_layers"), ("model", "mtp_loss_scaling_factor")}  # issue 38's MTP, off by default
+ADDED |= {("train", f"muon_{k}") for k in ("momentum", "split_qkv", "use_nesterov", "scale_mode",  # issue 39's
+                                        "fp32_matmul_prec", "num_ns_steps", "tp_mode", "extra_scale_factor")}  # Muon
 
 
 @pytest.mark.parametrize("case", RECORDED, ids=[" ".join(c["argv"][:2]) or "defaults" for c in RECORDED])

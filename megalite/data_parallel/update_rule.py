@@ -10,7 +10,11 @@ An :class:`UpdateRule` is the one place that knows an optimizer's per-parameter 
   the MoE planner and the preflight disk check count;
 - ``build``: its step on flat shards, made from the master shards, the state shards by name,
   the decayed index ranges and the training config (AdamW:
-  :class:`megalite.data_parallel.adamw.FlatAdamW`).
+  :class:`megalite.data_parallel.adamw.FlatAdamW`);
+- ``wants_geometry``: a rule whose math is not elementwise (Muon orthogonalises whole matrices)
+  also gets ``geometry=`` a :class:`ShardGeometry` (where each parameter lies in the flat
+  shards, with the parameter itself: its shape, name and TP split metadata; each shard's bucket
+  and the group that shards it; the TP group; the model config). Elementwise rules (AdamW) are built exactly as before, without it.
 
 :class:`megalite.data_parallel.zero.DistributedOptimizer` takes a rule (``ADAMW`` unless
 told otherwise), allocates its state from ``state_names`` and steps with ``build``'s object,
@@ -39,6 +43,50 @@ NUMBER_WORDS = {0: "no", 1: "one", 2: "two", 3: "three", 4: "four"}
 
 
 @dataclass(frozen=True)
+class ParamPlace:
+    """One parameter's elements in the flat shards: ``master[shard][start:stop]`` holds its
+    flattened elements ``[first, first + stop - start)``. ``param`` is the model's parameter
+    (its shape, ``tp_split``, ``expert_parallel``), ``name`` its name in its model chunk."""
+    name: str
+    param: object
+    shard: int
+    start: int
+    stop: int
+    first: int
+
+    @property
+    def whole(self) -> bool:
+        """All of the parameter lies in this shard (always so without ZeRO)."""
+        return self.first == 0 and self.stop - self.start == self.param.numel()
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """The flat bucket a master shard is cut from: this rank's ``[lo, hi)`` of its ``numel``
+    (padded) elements, the group that shards it (``sharded``: ZeRO >= 1 over more than one
+    rank, the shards all-gather into the bucket in rank order) and every parameter in it as
+    ``(name, param, start)``, also those held by other ranks."""
+    lo: int
+    hi: int
+    numel: int
+    group: object
+    sharded: bool
+    members: tuple
+
+
+@dataclass(frozen=True)
+class ShardGeometry:
+    """What a non-elementwise rule needs of the layout: every parameter piece of this rank's
+    shards (:class:`ParamPlace`, in shard order), each shard's bucket (:class:`BucketLayout`),
+    the tensor-parallel group the TP-split parameters are split over (None: one process) and
+    the model config (heads, groups, SwiGLU)."""
+    places: tuple
+    tp_group: object = None
+    model: object = None
+    buckets: tuple = ()
+
+
+@dataclass(frozen=True)
 class UpdateRule:
     """An optimizer's state (names, fp32, one element per parameter each) and its step."""
     name: str
@@ -46,6 +94,7 @@ class UpdateRule:
     build: Callable  # (masters, states: dict[name, list of shards], decay_ranges, t: TrainConfig) -> stepper
     state_label: str = "optimizer state"  # how messages name the state tensors, e.g. "Adam moments"
     master_bytes: int = FP32_BYTES  # per parameter, the fp32 master weights
+    wants_geometry: bool = False  # build also gets geometry=ShardGeometry (module docstring)
 
     @property
     def state_bytes(self) -> int:

@@ -32,7 +32,8 @@ import torch
 from megalite.config import TrainConfig
 from megalite.data_parallel.ddp import GradSync, group_by_size
 from megalite.data_parallel.sharded_params import ShardedParameters
-from megalite.data_parallel.update_rule import DEFAULT_RULE, MASTER_KIND, UpdateRule
+from megalite.data_parallel.update_rule import (DEFAULT_RULE, MASTER_KIND, BucketLayout, ParamPlace, ShardGeometry,
+                                                UpdateRule)
 from megalite.host_memory import HostBuffer
 from megalite.observe.memory_tracker import category
 from megalite.pipeline.plan import resolve_schedule
@@ -145,10 +146,25 @@ class DistributedOptimizer:
             self._host_weight = [views[f"weight/{i}"] for i in range(len(self.sync.buckets))]
         for p in params:  # the model now holds its weights in the training dtype
             p.data = p.data.to(param_dtype)
-        self.update = rule.build(self.master, self.state, self.decay_ranges, t)  # the rule's stepper
+        geometry = {"geometry": self._geometry(names)} if rule.wants_geometry else {}  # update_rule docstring
+        self.update = rule.build(self.master, self.state, self.decay_ranges, t, **geometry)  # the rule's stepper
         self.param_groups = [{"lr": t.lr}]  # for schedulers and logging
         self._update_waits: list = []  # CUDA events the next update waits for (wait_before_next_update)
         self.sharded = ShardedParameters(self.chunks, self.sync, self.group) if stage == 3 else None
+
+    def _geometry(self, names) -> ShardGeometry:
+        """Where each parameter lies in this rank's master shards, for a rule that asks."""
+        places, buckets = [], []
+        for i, b in enumerate(self.sync.buckets):
+            lo, hi = b.shard
+            for p, (start, numel) in zip(b.params, b.offsets):
+                a, z = max(start, lo), min(start + numel, hi)
+                if a < z:
+                    places.append(ParamPlace(names[p], p, i, a - lo, z - lo, a - start))
+            buckets.append(BucketLayout(lo, hi, b.numel, b.group, self.stage >= 1 and b.size > 1,
+                                        tuple((names[p], p, start) for p, (start, _) in zip(b.params, b.offsets))))
+        return ShardGeometry(tuple(places), self.grid.tp_group if self.grid is not None else None,
+                             getattr(self.chunks[0], "cfg", None), tuple(buckets))
 
     # -- the train-step protocol ------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True, num_micro: int = 1) -> None:

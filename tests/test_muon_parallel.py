@@ -1,0 +1,137 @@
+"""Muon trained through pretrain (issue 39, phase 1), slow tier, gloo worlds on the CPU.
+
+- one process: ``optimizer="muon"`` trains; a checkpoint saved at iteration 2
+  (its state: the master weights, ``momentum``, ``exp_avg_sq``) resumes to iteration 4 with the
+  losses, gradient norms and weights of the uninterrupted run, bit for bit, and so does one saved
+  in the torch DCP format; resharded to TP 2 (tools/reshard_checkpoint) it resumes equal (1e-6);
+- TP 2 and TP 2 x SP with ``--muon-tp-mode duplicated`` and ``distributed`` equal one process
+  (losses, gradient norms 1e-6 relative; the saved fp32 weights 5e-5, see WEIGHT_TOL);
+  ``blockwise`` (Newton-Schulz per shard, checked against its own reference in test_muon.py) is
+  a different update, shown to differ;
+- DP 2 with ZeRO-1 and ZeRO-2 (small buckets, so shards cut matrices and each bucket's matrices
+  are owned across the two ranks), PP 2 (1F1B and zero-bubble zb-h1), CP 2, and EP 2 with MoE (4 experts, top-2: each expert
+  orthogonalised on the rank that holds it), equal one process the same way; and on four ranks,
+  TP 2 x DP 2 ZeRO-1 (distributed) and TP 2 x PP 2 (duplicated).
+
+The model: GQA (4 heads, 2 KV groups) with SwiGLU, so the fused QKV and [gate; up] are split per
+logical matrix both in one process and over TP.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+import megalite.data_parallel.muon  # noqa: F401  (registers "muon": the reshard tool validates the target)
+from megalite.checkpoint.format import PieceReader, resolve_checkpoint
+from megalite.data_parallel.update_rule import MASTER_KIND
+from megalite.testing import run_world
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools import reshard_checkpoint  # noqa: E402
+
+BASE = ["--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "32",
+        "--num-attention-heads", "4", "--num-query-groups", "2", "--swiglu", "--seq-length", "16",
+        "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--lr", "1e-2", "--lr-decay-iters", "4", "--log-interval", "100", "--weight-decay", "0.1", "--clip-grad", "1.0",
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--muon-fp32-matmul-prec", "high",
+        "--disable-bias-linear", "--normalization", "RMSNorm", "--position-embedding-type", "rope"]
+TP2 = ["--tensor-model-parallel-size", "2"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
+TOL = 1e-6  # losses and gradient norms
+# The fp32 weights after 4 steps: TP's other summation order leaves ~1e-7 in U, and Newton-Schulz
+# grows a direction of small singular value up to a^k = 3.4445^5 ~ 490 times (1.4e-5 seen, and 4e-6
+# on the AdamW-stepped word embedding): 5e-5 relative to the tensor's largest element.
+WEIGHT_TOL = 5e-5
+MUON = {"train": {"optimizer": "muon"}}
+
+
+def _pretrain(argv):
+    import megalite.data_parallel.muon  # noqa: F401  (registers "muon")
+    from megalite.train.pretrain import pretrain
+    return [(r["iteration"], r["loss"], r["grad_norm"]) for r in pretrain(argv, MUON)]
+
+
+def _serial(rank, world, root):
+    full = _pretrain(BASE + ["--train-iters", "4", "--save", f"{root}/serial"])
+    _pretrain(BASE + ["--train-iters", "2", "--save", f"{root}/half"])
+    resumed = _pretrain(BASE + ["--train-iters", "4", "--load", f"{root}/half", "--save", f"{root}/resumed"])
+    moe = _pretrain(BASE + MOE + ["--train-iters", "4", "--save", f"{root}/moe"])
+    dcp = ["--ckpt-format", "torch_dcp"]
+    _pretrain(BASE + dcp + ["--train-iters", "2", "--save", f"{root}/half_dcp"])
+    resumed_dcp = _pretrain(BASE + dcp + ["--train-iters", "4", "--load", f"{root}/half_dcp"])
+    return full, resumed, moe, resumed_dcp
+
+
+def _two_ranks(rank, world, root):
+    runs = {mode + sp: _pretrain(BASE + TP2 + (["--sequence-parallel"] if sp else []) +
+                                 ["--muon-tp-mode", mode, "--train-iters", "4", "--save", f"{root}/{mode}{sp}"])
+            for mode, sp in (("duplicated", ""), ("duplicated", "sp"), ("distributed", ""), ("distributed", "sp"),
+                             ("blockwise", ""))}
+    for stage in (1, 2):  # matrices owned across the DP ranks
+        runs[f"zero{stage}"] = _pretrain(BASE + ["--zero-stage", str(stage), "--ddp-bucket-size", "4000",
+                                                 "--train-iters", "4", "--save", f"{root}/zero{stage}"])
+    runs["resharded"] = _pretrain(BASE + TP2 + ["--muon-tp-mode", "duplicated", "--train-iters", "4",
+                                                "--load", f"{root}/half_tp2"])
+    runs["pp2"] = _pretrain(BASE + ["--pipeline-model-parallel-size", "2", "--train-iters", "4", "--save", f"{root}/pp2"])
+    runs["zbh1"] = _pretrain(BASE + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1",
+                                     "--train-iters", "4", "--save", f"{root}/zbh1"])
+    runs["cp2"] = _pretrain(BASE + ["--context-parallel-size", "2", "--train-iters", "4", "--save", f"{root}/cp2"])
+    runs["ep2"] = _pretrain(BASE + MOE + ["--expert-model-parallel-size", "2", "--train-iters", "4",
+                                          "--save", f"{root}/ep2"])
+    return runs
+
+
+def _four_ranks(rank, world, root):
+    """TP 2 x DP 2 under ZeRO-1 (the owners' Newton-Schulz runs TP collectives, between the DP
+    gather and scatter), and TP 2 x PP 2."""
+    zero = ["--zero-stage", "1", "--ddp-bucket-size", "4000"]
+    return {"tp2dp2": _pretrain(BASE + TP2 + zero + ["--muon-tp-mode", "distributed", "--train-iters", "4",
+                                                      "--save", f"{root}/tp2dp2"]),
+            "tp2pp2": _pretrain(BASE + TP2 + ["--pipeline-model-parallel-size", "2", "--muon-tp-mode", "duplicated",
+                                              "--train-iters", "4", "--save", f"{root}/tp2pp2"])}
+
+
+def _weights(path) -> dict[str, torch.Tensor]:
+    reader = PieceReader(resolve_checkpoint(str(path)))
+    return {n: reader.full_tensor(n, MASTER_KIND, 128) for n in reader.names(MASTER_KIND)}
+
+
+def _close(a, b, rtol=TOL):
+    assert [x[0] for x in a] == [x[0] for x in b]
+    for x, y in zip(a, b):
+        assert abs(x[1] - y[1]) <= rtol * abs(y[1]) and abs(x[2] - y[2]) <= rtol * abs(y[2]), (x, y)
+
+
+def _max_relative(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max(((a[n] - b[n]).abs().max() / b[n].abs().max()).item() for n in a)
+
+
+@pytest.mark.slow
+def test_muon_resumes_exactly_and_the_layouts_equal_one_process(tmp_path):
+    full, resumed, moe, resumed_dcp = run_world(_serial, 1, str(tmp_path))[0]
+    assert all(abs(loss - 4.85) < 0.1 for _, loss, _ in full)  # mock data: near ln(128), nothing to learn
+    assert resumed == full[2:] == resumed_dcp  # bit-identical losses and gradient norms after the resume
+    reader = PieceReader(resolve_checkpoint(str(tmp_path / "half")))
+    assert {kind for _, kind in reader.index} == {MASTER_KIND, "momentum", "exp_avg_sq"}
+    serial = _weights(tmp_path / "serial")
+    after = _weights(tmp_path / "resumed")
+    assert all(torch.equal(after[n], serial[n]) for n in serial)
+
+    reshard_checkpoint.reshard(str(tmp_path / "half"), str(tmp_path / "half_tp2"), tp=2)  # the state carried
+    runs = run_world(_two_ranks, 2, str(tmp_path))[0]
+    _close(runs["resharded"], full[2:])
+    for name, baseline, saved in (("duplicated", full, serial), ("duplicatedsp", full, serial),
+                                  ("distributed", full, serial), ("distributedsp", full, serial),
+                                  ("zero1", full, serial), ("zero2", full, serial), ("pp2", full, serial),
+                                  ("zbh1", full, serial), ("cp2", full, serial), ("ep2", moe, _weights(tmp_path / "moe"))):
+        _close(runs[name], baseline)
+        assert _max_relative(_weights(tmp_path / name), saved) < WEIGHT_TOL, name
+    assert _max_relative(_weights(tmp_path / "blockwise"), serial) > 1e-3  # a different update
+    runs = run_world(_four_ranks, 4, str(tmp_path))[0]
+    for name in ("tp2dp2", "tp2pp2"):
+        _close(runs[name], full)
+        assert _max_relative(_weights(tmp_path / name), serial) < WEIGHT_TOL, name

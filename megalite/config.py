@@ -268,7 +268,7 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
         rule_named(t.optimizer)
     except ValueError:
         raise ConfigError(f"optimizer {t.optimizer!r} is not a registered update rule; registered: "
-                          f"{', '.join(sorted(RULES))}. Fix: set TrainConfig.optimizer to one of them, or register "
+                          f"{', '.join(sorted(RULES))}. Fix: set TrainConfig.optimizer (--optimizer) to one of them, or register "
                           f"the rule first (megalite.data_parallel.update_rule.register_rule(name, rule))."
                           ) from None
     _check_muon(t)

@@ -281,8 +281,9 @@ class TrainConfig:
     weight_decay: float = setting(0.01)
     clip_grad: float = setting(1.0)
     # the update rule, by its registered name (megalite.data_parallel.update_rule.rule_named;
-    # "adam": AdamW, Megatron's name). No flag yet (issue 39 gives it --optimizer).
-    optimizer: str = setting("adam", "the update rule's registered name", flags=NO_FLAG)
+    # Megatron's names: "adam" is AdamW, "muon" Muon); validate() refuses a name not registered
+    optimizer: str = setting("adam", "the update rule by its registered name: adam (AdamW) or muon (Muon for the "
+                             "hidden matrices, AdamW for the rest); a rule registered in code by its name", type=str)
     # Muon (megalite.data_parallel.muon; chosen by optimizer="muon"): Megatron-LM's flags and defaults
     muon_momentum: float = setting(0.9, "Muon's momentum coefficient beta (m <- beta m + (1 - beta) g)")
     muon_split_qkv: bool = setting(True, "orthogonalise a fused QKV weight per q, k, v (off: as one matrix)",

@@ -231,6 +231,7 @@ FLOORS = {
     # the update rules and the ZeRO arithmetic (torch only), which the parts' counting and the planners ask:
     "megalite.data_parallel.adamw": 5, "megalite.data_parallel.update_rule": 5, "megalite.data_parallel.accounting": 5,
     "megalite.data_parallel.step_counter": 5,  # the steppers' device step count (torch only)
+    "megalite.data_parallel.rule_types": 5, "megalite.data_parallel.muon": 5,  # the rules under the registry
     "megalite.config": 6, "megalite.arguments": 6,
     "megalite.moe": 7,
     "megalite.model": 8,

@@ -14,7 +14,6 @@ import math
 import pytest
 import torch
 
-import megalite.data_parallel.muon  # noqa: F401  (registers "muon")
 from megalite.config import Config, ConfigError, DataConfig, ModelConfig, TrainConfig, validate
 from megalite.data_parallel.muon import MUON
 from megalite.data_parallel.update_rule import rule_named

@@ -24,7 +24,6 @@ import sys
 import pytest
 import torch
 
-import megalite.data_parallel.muon  # noqa: F401  (registers "muon": the reshard tool validates the target)
 from megalite.checkpoint.format import PieceReader, resolve_checkpoint
 from megalite.data_parallel.update_rule import MASTER_KIND
 from megalite.testing import run_world
@@ -45,13 +44,12 @@ TOL = 1e-6  # losses and gradient norms
 # grows a direction of small singular value up to a^k = 3.4445^5 ~ 490 times (1.4e-5 seen, and 4e-6
 # on the AdamW-stepped word embedding): 5e-5 relative to the tensor's largest element.
 WEIGHT_TOL = 5e-5
-MUON = {"train": {"optimizer": "muon"}}
+MUON = ["--optimizer", "muon"]
 
 
 def _pretrain(argv):
-    import megalite.data_parallel.muon  # noqa: F401  (registers "muon")
     from megalite.train.pretrain import pretrain
-    return [(r["iteration"], r["loss"], r["grad_norm"]) for r in pretrain(argv, MUON)]
+    return [(r["iteration"], r["loss"], r["grad_norm"]) for r in pretrain(argv + MUON)]
 
 
 def _serial(rank, world, root):

@@ -1,6 +1,7 @@
 """Proof of the two seams (issue 37, item 7): a new attention and a new update rule, written in
-this file alone and picked through the settings ``ModelConfig.attention_kind`` and
-``TrainConfig.optimizer``.
+this file alone and picked through the settings ``ModelConfig.attention_kind`` (no flag) and
+``TrainConfig.optimizer`` (``--optimizer NAME``, Megatron's flag: a rule registered in code is
+picked by its name like the built-in ones).
 
 - **Scaled-cosine attention** (``attention_kind="scaled_cosine"``): q and k L2-normalised per
   head, logits ``tau exp(g_h) cos(q_h, k)`` with a learned log-gain ``g`` per head (split over TP
@@ -12,9 +13,10 @@ this file alone and picked through the settings ``ModelConfig.attention_kind`` a
       w <- w (1 - lr wd);   m <- beta m + (1 - beta) g;   w <- w - lr sign(m)
 
 Neither name appears in megalite. A config (or a dry run of one, ``tools/dry_run.measure_layout``,
-or ``pretrain(argv, flagless)``) that names them gets them, with nothing of megalite patched:
+or ``pretrain(argv + ["--optimizer", "signum"], flagless)``) that names them gets them, with
+nothing of megalite patched:
 
-- fast: the settings have no flag; validate() refuses an unknown name with the registered ones;
+- fast: the attention setting has no flag, the rule's is ``--optimizer``; validate() refuses an unknown name with the registered ones;
   a checkpoint without ``attention_kind`` loads as "self"; the planner's weights, optimizer state
   (master + momentum, 8 bytes per parameter) and FLOPs per token equal a meta dry run of the
   pretrain path with both parts plugged in;
@@ -121,7 +123,8 @@ SIGNUM = UpdateRule("signum", ("momentum",), FlatSignum, state_label="momentum b
 register_attention("scaled_cosine", ScaledCosineAttention)
 register_rule("signum", SIGNUM)
 
-PICKED = {"model": {"attention_kind": "scaled_cosine"}, "train": {"optimizer": "signum"}}
+PICKED = {"model": {"attention_kind": "scaled_cosine"}}  # the settings without a flag that pick the parts
+RULE = ["--optimizer", "signum"]  # the rule's flag
 
 
 def picked(config: Config) -> Config:
@@ -129,17 +132,20 @@ def picked(config: Config) -> Config:
     for section, values in PICKED.items():
         for name, value in values.items():
             setattr(getattr(config, section), name, value)
+    config.train.optimizer = "signum"
     return config
 
 
 # -- fast: the settings, validate, old checkpoints --------------------------------------------------
 
-def test_the_settings_have_no_flag_and_default_to_megatrons_parts():
+def test_the_settings_default_to_megatrons_parts_and_the_flag_picks_a_registered_rule():
     options = {o for action in build_parser()._actions for o in action.option_strings}
-    assert "--attention-kind" not in options and "--optimizer" not in options
+    assert "--attention-kind" not in options and "--optimizer" in options
     config = config_from_args(build_parser().parse_args(["--mock-data"]), 100)
     assert (config.model.attention_kind, config.train.optimizer) == ("self", "adam")
     assert rule_named(config.train.optimizer).name == "adamw"
+    config = config_from_args(build_parser().parse_args(["--mock-data"] + RULE), 100)
+    assert rule_named(config.train.optimizer) is SIGNUM
 
 
 def test_only_a_setting_without_a_flag_is_handed_beside_the_flags():
@@ -200,7 +206,8 @@ DRY = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "8"
 
 def _dry_run(config):
     validate(config, 8, 8)
-    return list(dry_run.measure_layout(DRY, config, GridLayout.from_config(config.parallel, 8), 8))
+    argv = DRY + (RULE if config.train.optimizer == "signum" else [])  # the rule by its flag, the attention flagless
+    return list(dry_run.measure_layout(argv, config, GridLayout.from_config(config.parallel, 8), 8))
 
 
 def test_the_planner_counts_both_parts_as_a_meta_dry_run_holds_them():
@@ -236,12 +243,12 @@ TOL = 1e-5
 
 def _run(rank, world, argv, flagless=PICKED):
     from megalite.train.pretrain import pretrain
-    return [(r["iteration"], r["loss"], r["grad_norm"]) for r in pretrain(argv, flagless)]
+    return [(r["iteration"], r["loss"], r["grad_norm"]) for r in pretrain(argv + RULE, flagless)]
 
 
 def _resume_naming_only_the_rule(rank, world, argv):
     """A resume that does not name the attention: ``--load`` adopts it from the checkpoint (a fixed setting)."""
-    return _run(rank, world, argv, {"train": PICKED["train"]})
+    return _run(rank, world, argv, {})
 
 
 def _close(a, b, rtol=TOL):

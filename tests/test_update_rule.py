@@ -25,7 +25,8 @@ from megalite.data_parallel.update_rule import ADAMW, MASTER_KIND, UpdateRule
 from megalite.data_parallel.zero import DistributedOptimizer
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-RULE_HOMES = {"megalite/data_parallel/update_rule.py", "megalite/data_parallel/adamw.py"}
+RULE_HOMES = {"megalite/data_parallel/update_rule.py", "megalite/data_parallel/rule_types.py",  # the registry, AdamW's rule
+              "megalite/data_parallel/adamw.py"}
 # A state name written as a string, or the AdamW bytes-per-parameter figure as code:
 # ``= 12``, ``12 *``, ``* 12``, ``/ 12`` and ``x 12 bytes`` in a message.
 STATE_LITERAL = re.compile(r"""["'](exp_avg|exp_avg_sq)["']""")

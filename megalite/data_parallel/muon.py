@@ -74,7 +74,7 @@ import math
 import torch
 
 from megalite.data_parallel.adamw import FlatAdamW
-from megalite.data_parallel.update_rule import ADAMW, BucketLayout, DeviceStepCount, UpdateRule, register_rule
+from megalite.data_parallel.rule_types import ADAMW, BucketLayout, DeviceStepCount, UpdateRule
 from megalite.parallel import comm
 from megalite.parallel.sharding import gather_full, is_expert, shard_tensor
 
@@ -309,4 +309,3 @@ def _build_muon(masters, states, decay_ranges, t, *, geometry) -> FlatMuon:
 
 MUON = UpdateRule("muon", (MOMENTUM, SECOND_MOMENT), _build_muon, state_label="Muon/Adam state",
                   wants_geometry=True)
-register_rule("muon", MUON)

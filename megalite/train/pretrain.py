@@ -35,7 +35,6 @@ from megalite.parallel.random import model_parallel_seed
 from megalite.pipeline.partition import build_model_chunks, virtual_stages
 from megalite.pipeline.schedule_kinds import schedule as schedule_kind
 from megalite.data_parallel.accounting import describe_memory
-import megalite.data_parallel.muon  # noqa: F401  (registers the "muon" update rule)
 from megalite.data_parallel.update_rule import rule_named
 from megalite.flag_spec import set_flagless
 from megalite.device import (cuda_allocator_environment, host_barrier, init_distributed, meta_stand_ins,

@@ -191,8 +191,8 @@ def test_dp2_zero1_from_scratch_equals_serial():
 
 
 def test_the_planner_counts_the_rule_as_a_dry_run_measures_it():
-    """A dry run of one ZeRO-1 DP2 rank whose optimizer steps with SIGNUM (the config's
-    ``optimizer`` setting, no flag yet: issue 39; the dry run hands it to pretrain): the memory tracker's optimizer
+    """A dry run of one ZeRO-1 DP2 rank whose optimizer steps with SIGNUM (``--optimizer signum``,
+    the name this file registers it under): the memory tracker's optimizer
     state (master weights + momentum) equals the planner's estimate for the rule, 8 bytes per
     parameter over DP (the dry run's planned column says so too), and is 8/12 of what the planner
     counts for AdamW."""
@@ -202,9 +202,9 @@ def test_the_planner_counts_the_rule_as_a_dry_run_measures_it():
     from tools import dry_run as tool
 
     flags = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length",
-             "64", "--vocab-size", "500", "--micro-batch-size", "2", "--global-batch-size", "4", "--zero-stage", "1"]
+             "64", "--vocab-size", "500", "--micro-batch-size", "2", "--global-batch-size", "4", "--zero-stage", "1",
+             "--optimizer", "signum"]
     config = config_from_args(build_parser().parse_args(flags), 500, eod_token=tool.mock_eod(500))
-    config.train.optimizer = "signum"
     (role,) = tool.measure_layout(flags, config, GridLayout.from_config(config.parallel, 2), 8)
     measured = role["categories"]["optimizer state"]
     planned = stage_memory(config.model, Layout(dp=2, zero=1), 0, 2, 1, precision("fp32", rule=SIGNUM),

@@ -10,7 +10,8 @@ tests/test_planner_truth.py and tests/test_moe_planning.py hold the planner to.
 The flags come from the scripts themselves (ACTION=print and ACTION=print-dry-run), so what is
 tested is what a launch runs. The dry run of one GPU count per recipe (the cheapest) is in the
 default run (with its layout check, and the counts where nothing fits); the other counts' dry
-runs and layout checks, and the SFT recipe's prepare step, are marked slow.
+runs and layout checks, the SFT recipe's prepare step, and the Qwen3-30B-A3B and DeepSeek-V3
+dry runs (``SLOW_DRY_RUNS``: the biggest models, 3-7 s each) are marked slow.
 
 Cost: a meta dry run takes time in proportion to the micro-batches of a step, M = global batch /
 (micro batch x DP). Every recipe has PP 1, so one micro-batch's activations are in flight
@@ -51,6 +52,9 @@ RECIPES = {
     "qwen3-30b-a3b": ([64, 256, 1024], 1024, [], []),
     "deepseek-v3": ([256, 1024], 1024, [64], []),
 }
+# Their dry runs (61 and 48 layers of hundreds of experts on meta: 7 s and 3 s) only in the slow
+# tier; the default run keeps these recipes' layout checks.
+SLOW_DRY_RUNS = {"qwen3-30b-a3b", "deepseek-v3"}
 SIZES = [(r, g) for r, (sizes, _, _, _) in RECIPES.items() for g in sizes]
 LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                "num_layers_per_virtual_pipeline_stage", "sequence_parallel", "zero_stage", "overlap_grad_reduce",
@@ -252,7 +256,7 @@ def _dry_params():
     params = []
     for recipe, (sizes, default, _, _) in RECIPES.items():
         for gpus in sizes:
-            marks = [] if gpus == default else [pytest.mark.slow]
+            marks = [] if gpus == default and recipe not in SLOW_DRY_RUNS else [pytest.mark.slow]
             params.append(pytest.param(recipe, gpus, marks=marks, id=f"{recipe}-{gpus}"))
     return params
 

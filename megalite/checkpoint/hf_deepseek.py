@@ -46,8 +46,8 @@ import math
 import torch
 
 from megalite.checkpoint.expert_bias import SUFFIX as BIAS_SUFFIX
-from megalite.checkpoint.format import CheckpointError
-from megalite.checkpoint.hf_llama import UnsupportedModel, global_names
+from megalite.checkpoint.hf_llama import (UnsupportedModel, export_gate_up_experts, global_names,
+                                          import_gate_up_experts)
 from megalite.config import ModelConfig
 from megalite.layers.rotary import rotary_amplitude, scaling_kind, yarn_mscale
 from megalite.moe.settings import check_routing, moe_layers
@@ -329,16 +329,7 @@ def import_block(get, p: str, q: str, moe: bool, cfg: ModelConfig, interleaved: 
     out[q + "mlp." + BIAS_SUFFIX] = get(m + "gate.e_score_correction_bias").float()
     out[q + "mlp.shared_expert.fc1.weight"] = torch.cat([get(m + "shared_experts.gate_proj.weight"),
                                                          get(m + "shared_experts.up_proj.weight")])
-    try:  # the hub's names, one tensor per expert and projection
-        for e in range(cfg.num_experts):
-            x = f"{m}experts.{e}."
-            out[f"{q}mlp.experts.{e}.fc1.weight"] = torch.cat([get(x + "gate_proj.weight"), get(x + "up_proj.weight")])
-            out[f"{q}mlp.experts.{e}.fc2.weight"] = get(x + "down_proj.weight")
-    except CheckpointError:  # transformers 5's stacked names
-        gate_up, down = get(m + "experts.gate_up_proj"), get(m + "experts.down_proj")
-        for e in range(cfg.num_experts):
-            out[f"{q}mlp.experts.{e}.fc1.weight"], out[f"{q}mlp.experts.{e}.fc2.weight"] = gate_up[e], down[e]
-    return out
+    return {**out, **import_gate_up_experts(get, m, q, cfg)}  # the hub's or transformers 5's stacked names
 
 
 def export_block(get, p: str, q: str, moe: bool, cfg: ModelConfig, interleaved: bool) -> dict:
@@ -356,8 +347,4 @@ def export_block(get, p: str, q: str, moe: bool, cfg: ModelConfig, interleaved: 
     out[m + "gate.e_score_correction_bias"] = get(q + "mlp." + BIAS_SUFFIX)
     out.update(zip((m + "shared_experts.gate_proj.weight", m + "shared_experts.up_proj.weight"),
                    get(q + "mlp.shared_expert.fc1.weight").chunk(2)))
-    for e in range(cfg.num_experts):
-        gate, up = get(f"{q}mlp.experts.{e}.fc1.weight").chunk(2)
-        out.update({f"{m}experts.{e}.gate_proj.weight": gate, f"{m}experts.{e}.up_proj.weight": up,
-                    f"{m}experts.{e}.down_proj.weight": get(f"{q}mlp.experts.{e}.fc2.weight")})
-    return out
+    return {**out, **export_gate_up_experts(get, m, q, cfg)}

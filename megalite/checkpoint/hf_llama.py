@@ -309,16 +309,33 @@ def _import_experts(get, p: str, q: str, cfg: ModelConfig) -> dict:
 
 def _import_qwen3_experts(get, p: str, q: str, cfg: ModelConfig) -> dict:
     """Qwen3-MoE's router and experts of HF layer prefix ``p`` under megalite's names (prefix ``q``)."""
-    out = {q + "mlp.router.weight": get(p + "mlp.gate.weight")}
+    return {q + "mlp.router.weight": get(p + "mlp.gate.weight"), **import_gate_up_experts(get, p + "mlp.", q, cfg)}
+
+
+def import_gate_up_experts(get, m: str, q: str, cfg: ModelConfig) -> dict:
+    """The experts under HF MLP prefix ``m`` (``gate_proj`` / ``up_proj`` / ``down_proj`` per expert,
+    Qwen3-MoE's and DeepSeek-V3's names) as megalite's ``fc1`` = [gate; up] and ``fc2`` (prefix ``q``)."""
+    out = {}
     try:  # the hub's names, one tensor per expert and projection
         for e in range(cfg.num_experts):
-            x = f"{p}mlp.experts.{e}."
+            x = f"{m}experts.{e}."
             out[f"{q}mlp.experts.{e}.fc1.weight"] = torch.cat([get(x + "gate_proj.weight"), get(x + "up_proj.weight")])
             out[f"{q}mlp.experts.{e}.fc2.weight"] = get(x + "down_proj.weight")
     except CheckpointError:  # transformers 5's stacked names
-        gate_up, down = get(p + "mlp.experts.gate_up_proj"), get(p + "mlp.experts.down_proj")
+        gate_up, down = get(m + "experts.gate_up_proj"), get(m + "experts.down_proj")
         for e in range(cfg.num_experts):
             out[f"{q}mlp.experts.{e}.fc1.weight"], out[f"{q}mlp.experts.{e}.fc2.weight"] = gate_up[e], down[e]
+    return out
+
+
+def export_gate_up_experts(get, m: str, q: str, cfg: ModelConfig) -> dict:
+    """megalite's experts (prefix ``q``) under the hub's per-expert names of HF MLP prefix ``m``
+    (the converse of :func:`import_gate_up_experts`)."""
+    out = {}
+    for e in range(cfg.num_experts):
+        gate, up = get(f"{q}mlp.experts.{e}.fc1.weight").chunk(2)
+        out.update({f"{m}experts.{e}.gate_proj.weight": gate, f"{m}experts.{e}.up_proj.weight": up,
+                    f"{m}experts.{e}.down_proj.weight": get(f"{q}mlp.experts.{e}.fc2.weight")})
     return out
 
 
@@ -334,10 +351,7 @@ def export_layer(get, i: int, cfg: ModelConfig) -> dict:
                    _split_qkv(get(q + "attn.qkv.weight"), cfg)))
     if _is_moe(cfg, i) and cfg.qk_layernorm:  # Qwen3-MoE: the hub's per-expert names
         out[p + "mlp.gate.weight"] = get(q + "mlp.router.weight")
-        for e in range(cfg.num_experts):
-            gate, up = get(f"{q}mlp.experts.{e}.fc1.weight").chunk(2)
-            out.update({f"{p}mlp.experts.{e}.gate_proj.weight": gate, f"{p}mlp.experts.{e}.up_proj.weight": up,
-                        f"{p}mlp.experts.{e}.down_proj.weight": get(f"{q}mlp.experts.{e}.fc2.weight")})
+        out.update(export_gate_up_experts(get, p + "mlp.", q, cfg))
     elif _is_moe(cfg, i):
         m = p + "block_sparse_moe."
         out[m + "gate.weight"] = get(q + "mlp.router.weight")

@@ -20,6 +20,12 @@ from megalite.flag_spec import NO_FLAG, flag, setting
 MOE = "mixture of experts (megalite.moe)"
 
 
+def mtp_depths(m) -> int:
+    """D, the multi-token prediction depths of model config ``m`` (``--mtp-num-layers``; 0 without
+    them): the one reading of the setting, for the model, its counting and the MoE layer pattern."""
+    return getattr(m, "mtp_num_layers", None) or 0
+
+
 def llama3_rope_scaling(factor: float = 8.0) -> dict:
     """Megatron's --use-rope-scaling: the Llama 3.1 schedule (see megalite.layers.rotary)."""
     return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,

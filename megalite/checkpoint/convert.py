@@ -43,6 +43,7 @@ from megalite.checkpoint.format import CheckpointError, PieceReader
 from megalite.checkpoint.hf_io import HFReader, HFShardWriter, check_export_target
 from megalite.checkpoint.settings import CARRIED, GENERATION_CONFIG, read_files, write_files
 from megalite.checkpoint.serial import _checkpoint_dir, model_config_from, write_weights_checkpoint
+from megalite.config_types import mtp_depths
 from megalite.data.tokenizer import build_tokenizer
 from megalite.observe.progress import track
 
@@ -98,7 +99,7 @@ def import_hf(hf_dir: str, save: str, seq_length: int | None = None, progress: b
         note = deepseek_mtp.absent_mtp_note(hf, cfg)
         if note:
             print(note, file=sys.stderr)
-    depths = cfg.mtp_num_layers or 0
+    depths = mtp_depths(cfg)
 
     def units():  # one at a time: the embeddings and head, then each layer, then each MTP depth
         yield family.import_globals(get, cfg)
@@ -168,7 +169,7 @@ def export_hf(load: str, hf_dir: str, model_type: str | None = None, dtype: str 
 
     check_export_target(hf_dir, force, source.get("hf_dir"))
     writer = HFShardWriter(hf_dir, max_shard_bytes)
-    depths = cfg.mtp_num_layers or 0
+    depths = mtp_depths(cfg)
     for i in track(range(-1, cfg.num_layers + depths), enabled=progress, unit=" unit",
                    desc=f"export {model_type}: embeddings + {cfg.num_layers} layers" + _mtp_desc(depths)):
         for name, tensor in _export_unit(family, get, cfg, i).items():

@@ -49,6 +49,7 @@ from megalite.checkpoint.expert_bias import SUFFIX as BIAS_SUFFIX
 from megalite.checkpoint.hf_llama import (UnsupportedModel, export_gate_up_experts, global_names,
                                           import_gate_up_experts)
 from megalite.config import ModelConfig
+from megalite.config_types import mtp_depths
 from megalite.layers.rotary import rotary_amplitude, scaling_kind, yarn_mscale
 from megalite.moe.settings import check_routing, moe_layers
 
@@ -226,7 +227,7 @@ def hf_config_from(cfg: ModelConfig, dtype: torch.dtype, special: dict, interlea
             "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.norm_epsilon,
             "rope_theta": cfg.rotary_base, "rope_scaling": scaling, "rope_interleave": interleaved,
             "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights, "attention_bias": False,
-            "attention_dropout": 0.0, "num_nextn_predict_layers": cfg.mtp_num_layers or 0,
+            "attention_dropout": 0.0, "num_nextn_predict_layers": mtp_depths(cfg),
             "torch_dtype": str(dtype).removeprefix("torch."), **special}
 
 

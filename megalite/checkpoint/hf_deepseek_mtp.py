@@ -41,6 +41,7 @@ import torch
 from megalite.checkpoint.hf_deepseek import export_block, import_block
 from megalite.checkpoint.hf_llama import UnsupportedModel, global_names
 from megalite.config import ModelConfig
+from megalite.config_types import mtp_depths
 from megalite.moe.settings import moe_layers
 
 
@@ -72,7 +73,7 @@ def check_mtp(get, has, cfg: ModelConfig) -> None:
     embedding and output layer (where the files hold them) equal the main model's bit for bit
     (megalite's depths share them), or one refusal naming the tensor."""
     main_names = global_names(cfg)
-    for k in range(cfg.mtp_num_layers or 0):
+    for k in range(mtp_depths(cfg)):
         p = f"model.layers.{cfg.num_layers + k}."
         missing = [p + theirs for theirs in MTP_NAMES.values() if not has(p + theirs)]
         if missing:

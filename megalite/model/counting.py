@@ -21,6 +21,7 @@ shared output layer per token: ``2 V h`` forward FLOPs that no parameter of its 
 """
 from __future__ import annotations
 
+from megalite.config_types import mtp_depths
 from megalite.layers.part_shape import norm_parameters
 from megalite.model.parts import layer_spec
 from megalite.moe import planning as moe_planning
@@ -37,11 +38,6 @@ def layer_parameters(m, tp: int = 1) -> tuple[int, int]:
     attn_split, attn_replicated = spec.attention.parameter_counts(m)
     mlp_split, mlp_replicated = spec.mlp.parameter_counts(m)
     return (attn_split + mlp_split) // tp, 2 * norm_parameters(m) + attn_replicated + mlp_replicated
-
-
-def mtp_depths(m) -> int:
-    """D, the multi-token prediction depths (0 without them)."""
-    return getattr(m, "mtp_num_layers", None) or 0
 
 
 def mtp_is_moe(m) -> bool:

@@ -39,6 +39,7 @@ from typing import Callable, NamedTuple
 import torch
 from torch import nn
 
+from megalite.config_types import mtp_depths  # noqa: F401  (the model and the train step read it here)
 from megalite.layers.documents import Documents
 from megalite.layers.tensor_parallel import ColumnParallelLinear
 from megalite.model.linears import linears_for
@@ -48,11 +49,6 @@ from megalite.parallel import comm
 # The batch keys of the shifted targets and their masks, (b, s, D), built before a CP split.
 MTP_LABELS = "mtp_labels"
 MTP_LOSS_MASK = "mtp_loss_mask"
-
-
-def mtp_depths(cfg) -> int:
-    """D, the number of prediction depths (0 without ``--mtp-num-layers``)."""
-    return cfg.mtp_num_layers or 0
 
 
 class MTPLosses(NamedTuple):

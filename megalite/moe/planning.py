@@ -59,6 +59,7 @@ traffic in its MLP: half a dense layer's (attention only).
 """
 from __future__ import annotations
 
+from megalite.config_types import mtp_depths
 from megalite.data_parallel.accounting import zero_theory_bytes
 from megalite.layers.part_shape import MLPShape, PartShape, SelfAttentionShape, norm_parameters
 from megalite.moe.settings import moe_layers
@@ -139,7 +140,7 @@ def stage_ends(m, tp: int, pp: int, stage: int) -> tuple[list, list]:
     all-reduce). The MTP depths, registered after these: :func:`_mtp_parameter_list`."""
     embedding = m.padded_vocab_size(tp) * m.hidden_size // tp
     tied = not m.untie_embeddings_and_output_weights
-    depths = getattr(m, "mtp_num_layers", None) or 0  # megalite.model.mtp (the model floor is above)
+    depths = mtp_depths(m)
     shared = tied or depths > 0
     head, tail = [], []
     if stage == 0 or (stage == pp - 1 and shared):
@@ -157,7 +158,7 @@ def _mtp_parameter_list(m, tp: int, ep: int, attention: type[PartShape]) -> list
     """(elements, expert) of the MTP depths' parameters (``--mtp-num-layers``, megalite.model.mtp) in
     registration order: per depth enorm, hnorm, eh_proj (2h x h, column-parallel), one layer of
     the last layer's kind, its final norm."""
-    depths = getattr(m, "mtp_num_layers", None) or 0
+    depths = mtp_depths(m)
     norm = [(m.hidden_size, False)] * (norm_parameters(m) // m.hidden_size)
     layer = _layer_parameter_list(m, tp, ep, moe_layers(m)[m.num_layers - 1], attention)
     return (2 * norm + [(2 * m.hidden_size * m.hidden_size // tp, False)] + layer + norm) * depths

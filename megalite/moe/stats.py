@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import torch
 
+from megalite.config_types import mtp_depths
 from megalite.moe.layer import MoELayer
 from megalite.moe.settings import moe_layers
 from megalite.parallel import comm
@@ -41,7 +42,7 @@ def moe_modules(chunks) -> list[tuple[int, MoELayer]]:
 def moe_pattern(cfg) -> list[bool]:
     """Whether each layer is MoE, then each MTP depth (which takes the last layer's spec)."""
     pattern = moe_layers(cfg)
-    return pattern + pattern[-1:] * (getattr(cfg, "mtp_num_layers", None) or 0)
+    return pattern + pattern[-1:] * mtp_depths(cfg)
 
 
 def start_step(chunks, scale: float) -> None:

@@ -159,15 +159,50 @@ def without_autocast(fn):
 @without_autocast
 def attention_block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                             q_offset: int = 0, k_offset: int = 0, scale: float | None = None,
-                            doc_start: torch.Tensor | None = None, doc_end: torch.Tensor | None = None):
+                            doc_start: torch.Tensor | None = None, doc_end: torch.Tensor | None = None,
+                            row_max: torch.Tensor | None = None):
     """(out, lse) of one block, as ``flash_attention_forward``: out in q's dtype, lse
-    (b, heads, s_q) in float32 (float64 for float64 inputs); no autograd."""
+    (b, heads, s_q) in float32 (float64 for float64 inputs); no autograd. ``row_max``: gets
+    each row's largest visible logit (:func:`logit_row_max`), as the Triton kernel's."""
     _check_block_inputs("attention_block_forward", q, k, v)
     acc = _compute_dtype(q.dtype)
     out, lse = attention_reference(q.to(acc), k.to(acc), v.to(acc), causal=causal,
                                    q_offset=q_offset, k_offset=k_offset, scale=scale,
                                    doc_start=doc_start, doc_end=doc_end)
+    if row_max is not None:
+        row_max.copy_(logit_row_max(q, k, causal, q_offset, k_offset, scale, doc_start))
     return out.to(q.dtype), lse
+
+
+@torch.no_grad()
+def logit_row_max(q: torch.Tensor, k: torch.Tensor, causal: bool = True, q_offset: int = 0, k_offset: int = 0,
+                  scale: float | None = None, doc_start: torch.Tensor | None = None,
+                  rows_per_chunk: int = 1024) -> torch.Tensor:
+    """Each query row's largest visible logit ``max_j scale q_i . k_j`` (the scores softmax
+    sees, masked keys excluded; -inf for a row that sees none), (b, heads, s_q) float32
+    (float64 for float64 inputs). The scores are formed ``rows_per_chunk`` query rows at a
+    time, so the extra memory is (b, heads, rows_per_chunk, s_k), not (s_q, s_k): the torch
+    backend's QK-clip statistic, which SDPA does not give (the Triton kernel keeps it anyway)."""
+    heads, groups = q.shape[1], k.shape[1]
+    acc = _compute_dtype(q.dtype)
+    k = k.to(acc) if heads == groups else k.to(acc).repeat_interleave(heads // groups, dim=1)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    parts = []
+    for lo in range(0, q.shape[2], rows_per_chunk):
+        q_part = q[:, :, lo: lo + rows_per_chunk].to(acc)
+        scores = torch.matmul(q_part, k.transpose(-1, -2)) * scale
+        if causal:
+            starts = None if doc_start is None else doc_start[:, lo: lo + q_part.shape[2]]
+            visible = causal_visible(q_part.shape[2], k.shape[2], q_offset + lo, k_offset, q.device, starts)
+            scores = scores.masked_fill(~visible, float("-inf"))
+        parts.append(scores.amax(dim=-1) if scores.shape[-1] else scores.new_full(scores.shape[:-1], float("-inf")))
+    return torch.cat(parts, dim=2) if parts else q.new_empty(q.shape[:3], dtype=acc)
+
+
+def fold_head_max(head_max: torch.Tensor, row_max: torch.Tensor) -> None:
+    """``head_max`` (heads,) <- max(head_max, max over batch and rows of ``row_max`` (b, heads,
+    s)), in place on the device (no host read): a call's share of a layer's per-head logit max."""
+    torch.maximum(head_max, row_max.amax(dim=(0, 2)).to(head_max.dtype), out=head_max)
 
 
 def attention_block_delta(out: torch.Tensor, dout: torch.Tensor) -> torch.Tensor:

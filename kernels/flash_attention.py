@@ -70,10 +70,10 @@ TUNING_KEY = ("HEAD_DIM", "CAUSAL", "DOCS", "SQ_KEY", "SK_KEY")  # + the tensors
 @triton.jit(do_not_specialize=["n_bh"])  # b * heads: no variant per value class
 def _fwd_kernel(Q, K, V, O, LSE, DS, TILES, stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks,
                 stride_vb, stride_vh, stride_vs, stride_ob, stride_oh, stride_os, s_q, s_k, delta, qk_scale,
-                heads, groups, n_bh, SQ_KEY, SK_KEY,
+                heads, groups, n_bh, SQ_KEY, SK_KEY, RM,
                 HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-                CAUSAL: tl.constexpr, DOCS: tl.constexpr, COUNT: tl.constexpr,
+                CAUSAL: tl.constexpr, DOCS: tl.constexpr, COUNT: tl.constexpr, ROW_MAX: tl.constexpr,
                 MASK_N: tl.constexpr, UPCAST: tl.constexpr, PREC: tl.constexpr, GRID_Y: tl.constexpr):
     # Reductions call tl.reduce with the combine functions tl.sum / tl.max use: the same code
     # when compiled, and it skips a jit-wrapper call that costs milliseconds in the interpreter.
@@ -81,6 +81,7 @@ def _fwd_kernel(Q, K, V, O, LSE, DS, TILES, stride_qb, stride_qh, stride_qs, str
     # DS (DOCS): per query row, the first key index (this call's key numbering) of its
     # document; TILES (COUNT, tests and benchmarks): one count per key tile computed.
     # HEAD_DIM (tile width BLOCK_D): q's and k's head size; V_DIM (BLOCK_DV): v's and out's.
+    # RM (ROW_MAX, QK-clip): per query row, the largest visible logit scale q.k, natural units.
     start_m = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1) + tl.program_id(2) * GRID_Y  # (batch, head): axes 1 and 2 (split_grid)
     if bh >= n_bh:
@@ -147,6 +148,8 @@ def _fwd_kernel(Q, K, V, O, LSE, DS, TILES, stride_qb, stride_qh, stride_qs, str
     tl.store(o_ptrs, out.to(O.dtype.element_ty), mask=(offs_m[:, None] < s_q) & dv_ok)
     bh = bh.to(tl.int64)
     tl.store(LSE + bh * s_q + offs_m, lse, mask=offs_m < s_q)
+    if ROW_MAX:  # m_i is the running max of the base-2 scores: back to natural units
+        tl.store(RM + bh * s_q + offs_m, m_i * 0.6931471805599453, mask=offs_m < s_q)
 
 
 # -- configurations ------------------------------------------------------------------------------
@@ -220,7 +223,7 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
                             block_m: int | None = None, block_n: int | None = None,
                             num_warps: int | None = None, num_stages: int | None = None,
                             doc_start: torch.Tensor | None = None, doc_end: torch.Tensor | None = None,
-                            tile_count: torch.Tensor | None = None):
+                            tile_count: torch.Tensor | None = None, row_max: torch.Tensor | None = None):
     """(out, lse): out (b, heads, s_q, d_v) in q's dtype (d_v: v's head size, which may differ from
     q's and k's d), laid out (s_q, b, heads, d_v) in memory (module docstring), lse (b, heads, s_q) float32
     natural log; no autograd. q, k, v of any strides with a unit last stride are read in place
@@ -230,7 +233,9 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
     absolute positions (``attention_reference``): key tiles wholly before a query tile's first
     document are skipped, so the work is the documents' causal squares, not the sequence's;
     ``doc_end`` is the backward's hint and unused here. ``tile_count``: an int32 tensor that
-    gets one added per key tile computed (tests, benchmarks)."""
+    gets one added per key tile computed (tests, benchmarks). ``row_max`` (QK-clip): a float32
+    (b, heads, s_q) tensor that gets each query row's largest visible logit ``scale q.k``
+    (-inf for a row that sees no key), the running max the online softmax keeps anyway."""
     check_attention_inputs(q, k, v)
     check_documents("flash_attention_forward", causal, q, k, doc_start, doc_end)
     q, k, v = unit_last_stride(q), seq_strided(k), seq_strided(v)  # q's offsets are int64
@@ -242,15 +247,22 @@ def flash_attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
         config = explicit_config(fwd_configs(max(d, d_v), q.dtype), block_m, block_n, num_warps, num_stages)
     out = torch.empty((s_q, b, heads, d_v), device=q.device, dtype=q.dtype).permute(1, 2, 0, 3)
     lse = torch.empty((b, heads, s_q), device=q.device, dtype=torch.float32)
+    if row_max is not None and (tuple(row_max.shape) != (b, heads, s_q) or row_max.dtype != torch.float32
+                                or not row_max.is_contiguous()):
+        raise ValueError(f"row_max must be a contiguous float32 {(b, heads, s_q)}, got "
+                         f"{tuple(row_max.shape)} {row_max.dtype}.")
     if out.numel() == 0:
+        if row_max is not None:
+            row_max.fill_(float("-inf"))
         return out, lse.fill_(float("-inf"))
     grid = lambda meta: split_grid("flash_attention_forward", triton.cdiv(s_q, meta["BLOCK_M"]), b * heads)  # noqa
     launch_tiles(_fwd, None if config else _tuned_fwd(d, q.dtype, d_v), config, grid,
                  q, k, v, out, lse, document_starts(doc_start, k_offset, q), tile_counter(q, tile_count),
                  *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3], s_q, s_k,
                  int(q_offset) - int(k_offset), scale * LOG2E, heads, groups, b * heads, seq_key(s_q), seq_key(s_k),
+                 lse if row_max is None else row_max,  # (unused without ROW_MAX)
                  HEAD_DIM=d, V_DIM=d_v, BLOCK_D=block_d(d), BLOCK_DV=block_d(d_v), CAUSAL=bool(causal),
-                 DOCS=doc_start is not None,
+                 DOCS=doc_start is not None, ROW_MAX=row_max is not None,
                  COUNT=tile_count is not None, UPCAST=INTERPRET,
                  PREC="ieee" if q.dtype == torch.float32 else "tf32", GRID_Y=_utils.MAX_GRID_Y)
     return out, lse
@@ -277,9 +289,9 @@ class _FlashAttention(torch.autograd.Function):
     partial attentions can be merged with ``merge_attention`` under autograd."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, q_offset, k_offset, scale, doc_start, doc_end):
+    def forward(ctx, q, k, v, causal, q_offset, k_offset, scale, doc_start, doc_end, row_max=None):
         out, lse = flash_attention_forward(q, k, v, causal, q_offset, k_offset, scale,
-                                           doc_start=doc_start, doc_end=doc_end)
+                                           doc_start=doc_start, doc_end=doc_end, row_max=row_max)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.set_materialize_grads(False)  # an unused lse brings no gradient, not zeros
         ctx.args = (causal, q_offset, k_offset, scale)
@@ -292,14 +304,16 @@ class _FlashAttention(torch.autograd.Function):
         if dout is None:
             dout = torch.zeros_like(out)
         dq, dk, dv = flash_attention_backward(q, k, v, out, dout, lse, *ctx.args, dlse=dlse, **ctx.documents)
-        return dq, dk, dv, None, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True,
                     q_offset: int = 0, k_offset: int = 0, softmax_scale: float | None = None,
                     return_lse: bool = False, doc_start: torch.Tensor | None = None,
-                    doc_end: torch.Tensor | None = None):
+                    doc_end: torch.Tensor | None = None, row_max: torch.Tensor | None = None):
     """softmax(scale q k^T + mask) v with autograd; ``(out, lse)`` when ``return_lse``.
-    ``doc_start`` / ``doc_end``: packed documents (``flash_attention_forward``)."""
-    out, lse = _FlashAttention.apply(q, k, v, causal, q_offset, k_offset, softmax_scale, doc_start, doc_end)
+    ``doc_start`` / ``doc_end``: packed documents; ``row_max``: each row's largest visible
+    logit, written (``flash_attention_forward``)."""
+    out, lse = _FlashAttention.apply(q, k, v, causal, q_offset, k_offset, softmax_scale, doc_start, doc_end,
+                                     row_max)
     return (out, lse) if return_lse else out

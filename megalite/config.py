@@ -115,6 +115,37 @@ def _check_muon(t) -> None:
         raise ConfigError(f"--muon-momentum must be in [0, 1), got {t.muon_momentum}. Fix: 0.9 to 0.95.")
 
 
+def _check_qk_clip(m, t) -> None:
+    """QK-clip (megalite.model.qk_clip) or its max-logit log, refused with what cannot give or
+    use the per-head max: the value, the rule and the fix."""
+    if not (t.qk_clip or t.log_max_attention_logit):
+        return
+    what = "--qk-clip" if t.qk_clip else "--log-max-attention-logit"
+    if t.qk_clip and not t.qk_clip_threshold > 0:
+        raise ConfigError(f"--qk-clip-threshold must be > 0, got {t.qk_clip_threshold}: the largest attention "
+                          f"logit a head may keep. Fix: 100 (Megatron's default; Kimi K2 used 100).")
+    if t.qk_clip and not 0 < t.qk_clip_alpha < 1:
+        raise ConfigError(f"--qk-clip-alpha must be in (0, 1), got {t.qk_clip_alpha}: the query takes eta^alpha "
+                          f"and the key eta^(1-alpha). Fix: 0.5 (Megatron's default).")
+    if m.multi_latent_attention:
+        raise ConfigError(f"{what} with --multi-latent-attention: MLA's rule (the no-RoPE query and key "
+                          f"up-projections sqrt(tau/S), the rotary query tau/S, the shared rotary key "
+                          f"unchanged) is not implemented in megalite. Fix: drop {what}.")
+    if m.transformer_impl != "local":
+        raise ConfigError(f"{what} with --transformer-impl {m.transformer_impl}: transformer-engine's "
+                          f"attention gives no per-head max logit here. Fix: --transformer-impl local.")
+    if m.attention_backend == "flash":
+        raise ConfigError(f"{what} with --attention-backend flash: flash-attn returns no per-head max "
+                          f"attention logit. Fix: --attention-backend triton (or auto, or torch).")
+    if t.qk_clip and m.qk_layernorm:
+        raise ConfigError("--qk-clip with --qk-layernorm: the norm rescales each head's query and key to a "
+                          "fixed RMS, undoing any scale of their projection, so the clip would change "
+                          "nothing. Fix: drop one of them (QK-norm bounds the logits by itself).")
+    if t.qk_clip and t.offload_optimizer:
+        raise ConfigError("--qk-clip with --offload-optimizer: the rescale's factors are on the device and "
+                          "the masters on the host (a copy that waits). Fix: drop --offload-optimizer.")
+
+
 def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = None) -> list[str]:
     """Check every rule; raise ConfigError on the first violation, return warnings."""
     m, p, t, d = config.model, config.parallel, config.train, config.data
@@ -272,6 +303,7 @@ def validate(config: Config, world_size: int = 1, gpus_per_node: int | None = No
                           f"the rule first (megalite.data_parallel.update_rule.register_rule(name, rule))."
                           ) from None
     _check_muon(t)
+    _check_qk_clip(m, t)
     if t.clip_grad < 0:
         raise ConfigError(f"--clip-grad must be >= 0 (0 disables clipping), got {t.clip_grad}.")
 

@@ -308,6 +308,15 @@ class TrainConfig:
                                 choices=["blockwise", "duplicated", "distributed"])
     muon_extra_scale_factor: float = setting(1.0, "a factor on every Muon update (0.2 with spectral: "
                                              "AdamW's update RMS, so its lr and decay carry over)")
+    # QK-clip (megalite.model.qk_clip; MuonClip with --optimizer muon): Megatron-LM's flags and defaults
+    qk_clip: bool = setting(False, "after each step, shrink the query and key weights of every head (GQA: group) "
+                                   "whose largest attention logit of the step exceeded --qk-clip-threshold")
+    qk_clip_threshold: float = setting(100.0, "QK-clip's tau: eta = min(1, tau / max logit); the query weights "
+                                              "take eta^alpha, the key weights eta^(1 - alpha)")
+    qk_clip_alpha: float = setting(0.5, "QK-clip's balance alpha between the query (eta^alpha) and key "
+                                        "(eta^(1 - alpha)) weights")
+    log_max_attention_logit: bool = setting(False, "log the model's largest attention logit of each step "
+                                                   "(max_attention_logit; always with --qk-clip)")
     adam_beta1: float = setting(0.9)
     adam_beta2: float = setting(0.999)
     adam_eps: float = setting(1e-8)

@@ -86,13 +86,13 @@ def attention_jobs(dtype: str):
                  heads="i32", groups="i32", n_bh="i32", n_bg="i32", SQ_KEY=a, SK_KEY=a)
     tensors = {name: p for name in ("Q", "K", "V", "O", "DO", "DK", "DV", "DQ")}
     documents = dict(DS="*i32:16", DE="*i32:16", TILES="*i32:16")  # packed documents; tile counter
-    types = dict(**tensors, LSE="*fp32:16", DELTA="*fp32:16", **documents, **strides, **sizes)
+    types = dict(**tensors, LSE="*fp32:16", RM="*fp32:16", DELTA="*fp32:16", **documents, **strides, **sizes)
     for d, d_v in ATTENTION_HEAD_DIMS:
         width, v_width = fa.block_d(d), fa.block_d(d_v)
         label = f"d{d}" if d == d_v else f"d{d}/{d_v}"
         tile = dict(HEAD_DIM=d, V_DIM=d_v, BLOCK_D=width, BLOCK_DV=v_width, CAUSAL=True, COUNT=False, UPCAST=False,
                     PREC=prec, GRID_Y=fa._utils.MAX_GRID_Y)
-        kinds = (("fwd", fa._fwd_kernel, fa.fwd_configs, fa.fwd_shared_bytes, dict(MASK_N=True)),
+        kinds = (("fwd", fa._fwd_kernel, fa.fwd_configs, fa.fwd_shared_bytes, dict(MASK_N=True, ROW_MAX=False)),
                  ("dk/dv", fb._dkdv_kernel, fb.dkdv_configs, fb.dkdv_shared_bytes, {}),
                  ("dq", fb._dq_kernel, fb.dq_configs, fb.dq_shared_bytes, {}))
         for kind, fn, configs, nbytes, extra in kinds:

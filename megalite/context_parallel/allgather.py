@@ -33,8 +33,8 @@ from __future__ import annotations
 import torch
 
 from megalite.context_parallel.data import rank_major_to_natural
-from megalite.context_parallel.ring_attention import (assemble_output, block_ops, check_documents_length,
-                                                      local_chunk_ids)
+from megalite.context_parallel.ring_attention import (BlockRowMax, assemble_output, block_ops,
+                                                      check_documents_length, local_chunk_ids)
 from megalite.layers.documents import Documents
 from megalite.kernels.attention_reference import merge_attention
 from megalite.observe.memory_tracker import category
@@ -105,8 +105,9 @@ def _gathered_blocks(rank: int, size: int, chunk: int, causal: bool):
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, ops, documents=None):
+    def forward(ctx, q, k, v, group, causal, scale, ops, documents=None, logit_max=None):
         size, rank = comm.group_size(group), comm.group_rank(group)
+        rows = BlockRowMax(ops, logit_max)
         acc_dtype = torch.promote_types(q.dtype, torch.float32)
         n = 2 if causal else 1
         q_parts, k_parts, v_parts = q.chunk(n, 2), k.chunk(n, 2), v.chunk(n, 2)
@@ -116,17 +117,18 @@ class _AllGatherAttention(torch.autograd.Function):
         acc = [None] * n
 
         def add(part, o, lse):
+            rows.fold()
             o = o.to(acc_dtype)
             acc[part] = (o, lse) if acc[part] is None else merge_attention(*acc[part], o, lse)
 
         for part, lo, hi in _diagonal_blocks(rank, size, chunk, causal):  # while the gather runs
             add(part, *ops.forward(q_parts[part], k_parts[part], v_parts[part], scale=scale,
-                                   **_kwargs(documents, True, lo, hi, lo, chunk)))
+                                   **_kwargs(documents, True, lo, hi, lo, chunk), **rows.kwargs(q_parts[part])))
         k_full, v_full = gathered.wait()
         for part, lo, hi in _gathered_blocks(rank, size, chunk, causal):
             q_start = local_chunk_ids(rank, size, causal)[part] * chunk
             add(part, *ops.forward(q_parts[part], k_full[:, :, lo:hi], v_full[:, :, lo:hi], scale=scale,
-                                   **_kwargs(documents, False, lo, hi, q_start, chunk)))
+                                   **_kwargs(documents, False, lo, hi, q_start, chunk), **rows.kwargs(q_parts[part])))
         out, lse = assemble_output(q, acc)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.causal, ctx.scale, ctx.ops, ctx.documents = group, causal, scale, ops, documents
@@ -169,7 +171,7 @@ class _AllGatherAttention(torch.autograd.Function):
             block(part, k_full[:, :, lo:hi], v_full[:, :, lo:hi], lo, hi, False)
         del k_full, v_full, dk_full, dv_full  # the gathered K/V are not needed for the reduce-scatter
         dk, dv = scatter_sequence_sum(both, group, causal, k.dtype, d)
-        return dq.to(q.dtype), dk, dv, None, None, None, None, None
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None, None
 
 
 def _kwargs(documents: Documents | None, diag: bool, lo: int, hi: int, q_start: int, chunk: int) -> dict:
@@ -181,8 +183,10 @@ def _kwargs(documents: Documents | None, diag: bool, lo: int, hi: int, q_start: 
 
 
 def allgather_attention(q, k, v, group, causal: bool = True, scale: float | None = None,
-                        backend: str = "auto", documents: Documents | None = None) -> torch.Tensor:
+                        backend: str = "auto", documents: Documents | None = None,
+                        logit_max: torch.Tensor | None = None) -> torch.Tensor:
     """Exact attention of this rank's queries over the whole sequence, K/V all-gathered.
-    Shapes and layout as :func:`.ring_attention.ring_attention`; ``documents`` as there."""
+    Shapes and layout as :func:`.ring_attention.ring_attention`; ``documents`` and
+    ``logit_max`` as there."""
     return _AllGatherAttention.apply(q, k, v, group, causal, scale, block_ops(backend, q, documents is not None),
-                                     documents)
+                                     documents, logit_max)

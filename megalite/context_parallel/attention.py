@@ -44,20 +44,26 @@ class ContextParallelGroups(NamedTuple):
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                groups: ContextParallelGroups, comm_type: str = "p2p", *,
                                causal: bool = True, backend: str = "auto",
-                               documents: Documents | None = None) -> torch.Tensor:
+                               documents: Documents | None = None,
+                               logit_max: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of this rank's queries (b, heads, s_local, d) over the whole sequence's keys and
     values (b, groups, s_local, d; v's head size may differ, and the output has it), by
     ``comm_type`` (see the module docstring); ``documents``: packed documents of the whole
-    sequence, or None."""
+    sequence, or None; ``logit_max``: (heads,) float32, raised in place to each head's largest
+    visible logit of this rank's share of the work (QK-clip; the max over the CP group, taken
+    after the step, is the whole sequence's)."""
     kind = cp_comm_type(comm_type)  # refuses an unknown type
     if kind.hierarchical:
         if groups.inner is None and groups.outer is None:
             raise ValueError(f"{kind.name} context parallelism needs the inner and outer groups "
                              "(--hierarchical-context-parallel-sizes)")
         return ulysses_attention(q, k, v, groups.inner, groups.outer, causal=causal, backend=backend,
-                                 documents=documents)
+                                 documents=documents, logit_max=logit_max)
     if comm_type == "p2p":
-        return ring_attention(q, k, v, groups.group, causal=causal, backend=backend, documents=documents)
+        return ring_attention(q, k, v, groups.group, causal=causal, backend=backend, documents=documents,
+                              logit_max=logit_max)
     if comm_type == "a2a":
-        return ulysses_attention(q, k, v, groups.group, None, causal=causal, backend=backend, documents=documents)
-    return allgather_attention(q, k, v, groups.group, causal=causal, backend=backend, documents=documents)
+        return ulysses_attention(q, k, v, groups.group, None, causal=causal, backend=backend, documents=documents,
+                                 logit_max=logit_max)
+    return allgather_attention(q, k, v, groups.group, causal=causal, backend=backend, documents=documents,
+                               logit_max=logit_max)

@@ -60,8 +60,8 @@ import torch
 import torch.distributed as dist
 
 from megalite.kernels.attention_reference import (attention_block_backward, attention_block_delta,
-                                                  attention_block_forward, merge_attention)
-from megalite.layers.attention import TRITON_MAX_HEAD_DIM, BackendUnavailable, require_flash
+                                                  attention_block_forward, fold_head_max, merge_attention)
+from megalite.layers.attention import TRITON_MAX_HEAD_DIM, BackendUnavailable, refuse_flash_logit_max, require_flash
 from megalite.layers.backends import triton_missing
 from megalite.layers.documents import Documents
 from megalite.observe.memory_tracker import category
@@ -100,7 +100,7 @@ def resolve_ring_backend(backend: str, q: torch.Tensor) -> str:
     return backend
 
 
-def _meta_forward(q, k, v, causal: bool = True, scale: float | None = None, **documents):
+def _meta_forward(q, k, v, causal: bool = True, scale: float | None = None, row_max=None, **documents):
     out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
     return out, torch.empty(q.shape[:-1], dtype=torch.float32, device=q.device)
 
@@ -143,6 +143,30 @@ def block_ops(backend: str, q: torch.Tensor, documents: bool = False) -> BlockOp
         backward = functools.partial(flash_attention_backward, grad_dtype=torch.float32)
         return BlockOps("triton", flash_attention_forward, backward, attention_delta)
     return BlockOps("torch", attention_block_forward, attention_block_backward, attention_block_delta)
+
+
+class BlockRowMax:
+    """QK-clip's statistic from the blocks (:mod:`megalite.model.qk_clip`): each block forward
+    writes its rows' largest visible logit (``row_max``, as its lse), and :meth:`fold` raises
+    the (heads,) ``logit_max`` to the block's per-head max, on the device. The max over blocks
+    is the max over all the keys a query sees, so it needs no merge rule. flash-attn's blocks
+    give no such row max: refused. Inactive (no extra argument, no work) without ``logit_max``."""
+
+    def __init__(self, ops: BlockOps, logit_max: torch.Tensor | None):
+        if logit_max is not None and ops.name == "flash":
+            refuse_flash_logit_max("context-parallel attention on flash-attn blocks")
+        self.logit_max, self.active = logit_max, logit_max is not None and ops.name != "meta"
+        self.buffer = None
+
+    def kwargs(self, q: torch.Tensor) -> dict:
+        if not self.active:
+            return {}
+        self.buffer = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        return {"row_max": self.buffer}
+
+    def fold(self) -> None:
+        if self.active:
+            fold_head_max(self.logit_max, self.buffer)
 
 
 class RingExchange:
@@ -230,8 +254,9 @@ def assemble_output(q: torch.Tensor, acc: list) -> tuple[torch.Tensor, torch.Ten
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, exchange, ops, documents=None):
+    def forward(ctx, q, k, v, group, causal, scale, exchange, ops, documents=None, logit_max=None):
         size, rank = exchange.size, exchange.rank
+        rows = BlockRowMax(ops, logit_max)
         acc_dtype = torch.promote_types(q.dtype, torch.float32)  # partials merged in float32
         n = 2 if causal else 1
         q_parts = q.chunk(n, dim=2)
@@ -247,7 +272,8 @@ class _RingAttention(torch.autograd.Function):
             for qi, qa, ki, ka, diag in _pairs(rank, src, size, causal):
                 exchange.work.append((qa, ka, diag))  # the load-balance count of the tests
                 o, lse = ops.forward(q_parts[qi], k_parts[ki], v_parts[ki], scale=scale,
-                                     **block_kwargs(documents, diag, qa, ka, chunk))
+                                     **block_kwargs(documents, diag, qa, ka, chunk), **rows.kwargs(q_parts[qi]))
+                rows.fold()
                 o = o.to(acc_dtype)
                 acc[qi] = (o, lse) if acc[qi] is None else merge_attention(acc[qi][0], acc[qi][1], o, lse)
             exchange.events.append(("computed", time.perf_counter()))
@@ -303,19 +329,21 @@ class _RingAttention(torch.autograd.Function):
             if pending is not None:
                 k_cur, v_cur = exchange.finish(pending)
         dk_acc, dv_acc = exchange.finish(travelling)
-        return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype), None, None, None, None, None, None
+        return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype), None, None, None, None, None, None, None
 
 
 def ring_attention(q, k, v, group, causal: bool = True, scale: float | None = None,
                    exchange: RingExchange | None = None, backend: str = "auto",
-                   documents: Documents | None = None) -> torch.Tensor:
+                   documents: Documents | None = None, logit_max: torch.Tensor | None = None) -> torch.Tensor:
     """Exact attention of this rank's queries over the whole sequence's keys and values.
 
     q: (b, heads, s_local, d); k: (b, groups, s_local, d); v: (b, groups, s_local, d_v) (the value
     head size may differ; the output has it), in the layout of
     :func:`megalite.context_parallel.data.context_parallel_slice`. ``backend``: auto, triton,
     flash or torch (the block functions, see the module docstring). ``documents``: packed
-    documents of the whole sequence (b, s), absolute positions, causal only. No dropout."""
+    documents of the whole sequence (b, s), absolute positions, causal only. No dropout.
+    ``logit_max``: (heads,) float32, raised to each head's largest visible logit of this
+    rank's queries (:class:`BlockRowMax`; the max over CP ranks is QK-clip's, after the step)."""
     ops = block_ops(backend, q, documents is not None)
     exchange = exchange or RingExchange(group)
-    return _RingAttention.apply(q, k, v, group, causal, scale, exchange, ops, documents)
+    return _RingAttention.apply(q, k, v, group, causal, scale, exchange, ops, documents, logit_max)

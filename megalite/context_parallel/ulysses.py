@@ -59,12 +59,16 @@ def heads_to_sequence(x: torch.Tensor, group, causal: bool = True) -> torch.Tens
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inner, outer=None, *,
-                      causal: bool = True, backend: str = "auto", documents: Documents | None = None) -> torch.Tensor:
+                      causal: bool = True, backend: str = "auto", documents: Documents | None = None,
+                      logit_max: torch.Tensor | None = None) -> torch.Tensor:
     """Exact attention of this rank's queries over the whole sequence: all-to-all over
     ``inner``, then the ring over ``outer`` (None or one rank: plain attention), then back.
     q: (b, heads, s_local, d); k, v: (b, groups, s_local, d), heads divisible by the inner
     size (the config refuses other layouts before any work); v's head size may differ from
-    q's and k's (the output has v's)."""
+    q's and k's (the output has v's). ``logit_max`` (heads,): raised to each head's largest
+    visible logit; after the all-to-all this rank attends heads [a H/A, (a+1) H/A) of them
+    (a its inner rank) over the whole sequence, so only that slice is raised here and the
+    other ranks' slices stay -inf, for QK-clip's max over the CP group to fill."""
     size = comm.group_size(inner)
     heads, groups = q.shape[1], k.shape[1]
     if heads % size != 0:
@@ -74,8 +78,12 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, inner, 
     if wanted != groups:
         k, v = k.repeat_interleave(wanted // groups, dim=1), v.repeat_interleave(wanted // groups, dim=1)
     q, k, v = (sequence_to_heads(t, inner, causal) for t in (q, k, v))
+    mine = None
+    if logit_max is not None:  # a view: the attention below raises this rank's heads in place
+        per_rank = heads // size
+        mine = logit_max[comm.group_rank(inner) * per_rank: (comm.group_rank(inner) + 1) * per_rank]
     if comm.group_size(outer) > 1:
-        out = ring_attention(q, k, v, outer, causal=causal, backend=backend, documents=documents)
+        out = ring_attention(q, k, v, outer, causal=causal, backend=backend, documents=documents, logit_max=mine)
     else:
-        out = attention(q, k, v, causal=causal, backend=backend, documents=documents)
+        out = attention(q, k, v, causal=causal, backend=backend, documents=documents, logit_max=mine)
     return heads_to_sequence(out, inner, causal)

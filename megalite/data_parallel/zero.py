@@ -345,3 +345,17 @@ class DistributedOptimizer:
         """The fp32 shards a checkpoint stores, by the rule's checkpoint kinds: the master
         weights, then each state tensor."""
         return {MASTER_KIND: self.master, **self.state}
+
+    @torch.no_grad()
+    def scale_rows(self, factors: dict) -> None:
+        """QK-clip (megalite.model.qk_clip): multiply each given parameter's rows (dim 0) by its
+        (rows,) device ``factors`` in the fp32 masters, wherever ZeRO put them, then publish."""
+        for master, b in zip(self.master, self.sync.buckets):
+            lo, hi = b.shard
+            for p, (start, numel) in zip(b.params, b.offsets):
+                a, z = max(start, lo), min(start + numel, hi)
+                if a < z and p in factors:
+                    rows = factors[p]
+                    per_row = rows[:, None].expand(-1, numel // rows.numel()).reshape(-1)
+                    master[a - lo: z - lo].mul_(per_row[a - start: z - start])
+        self.publish()

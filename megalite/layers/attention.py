@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from megalite.errors import ConfigError
 from megalite.layers.backends import flash_missing, triton_missing
 from megalite.layers.documents import Documents, visible_mask
+from megalite.kernels.attention_reference import fold_head_max, logit_row_max
 
 BACKENDS = ("auto", "triton", "flash", "torch")
 TRITON_MAX_HEAD_DIM = 256  # megalite.kernels._utils.MAX_HEAD_DIM (not imported here: no triton import)
@@ -97,6 +98,13 @@ def refuse_flash_documents(what: str) -> None:
                              f"megalite: flash-attn's varlen API would, but it is not wired in (it cannot "
                              f"be tested without a GPU). Fix: --attention-backend triton (or auto, "
                              f"or torch).")
+
+
+def refuse_flash_logit_max(what: str) -> None:
+    """Raise BackendUnavailable: flash-attn returns no attention-logit max (QK-clip needs one)."""
+    raise BackendUnavailable(f"{what} cannot give the per-head max attention logit that --qk-clip and "
+                             f"--log-max-attention-logit need (flash-attn returns no such statistic). Fix: "
+                             f"--attention-backend triton (or auto, or torch).")
 
 
 def refuse_flash_value_head_size(what: str, head_dim: int, v_head_dim: int) -> None:
@@ -168,25 +176,42 @@ class _MetaFlashAttention(torch.autograd.Function):
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True,
-              dropout_p: float = 0.0, backend: str = "torch", documents: Documents | None = None) -> torch.Tensor:
+              dropout_p: float = 0.0, backend: str = "torch", documents: Documents | None = None,
+              logit_max: torch.Tensor | None = None) -> torch.Tensor:
     """Output (b, heads, s_q, d_v) from q (b, heads, s_q, d), k (b, groups, s_k, d) and v (b, groups,
     s_k, d_v) (the value head size may differ from the query/key one, module docstring).
-    ``documents``: packed documents over the whole sequence (s_q = s_k = s), causal only."""
+    ``documents``: packed documents over the whole sequence (s_q = s_k = s), causal only.
+    ``logit_max`` (QK-clip, :mod:`megalite.model.qk_clip`): a float32 (heads,) device tensor raised
+    in place to each head's largest visible logit ``q.k / sqrt(d)`` of this call (masked keys
+    excluded), no host read: triton writes its running row max, torch computes it apart
+    (``logit_row_max``, only when asked); flash-attn cannot give it (refused; auto skips flash)."""
     if documents is not None and (not causal or q.shape[2] != k.shape[2]):
         raise ValueError(f"packed documents need causal self-attention over the whole sequence, got "
                          f"causal={causal}, s_q {q.shape[2]}, s_k {k.shape[2]}.")
     if q.device.type == "meta":
         return _MetaFlashAttention.apply(q, k, v)
-    if documents is None and v.shape[-1] == q.shape[-1]:
+    if documents is None and v.shape[-1] == q.shape[-1] and logit_max is None:
         backend = resolve_backend(backend, q, dropout_p)
-    else:  # flash refuses either; auto passes over it
-        backend = resolve_backend(backend, q, dropout_p, documents=documents is not None, v_head_dim=v.shape[-1])
+    else:  # flash refuses each; auto passes over it
+        if logit_max is not None and backend == "flash":
+            refuse_flash_logit_max("attention backend 'flash'")
+        backend = resolve_backend(backend, q, dropout_p, documents=documents is not None or logit_max is not None,
+                                  v_head_dim=v.shape[-1])
     if backend == "triton":
         from megalite.kernels.flash_attention import flash_attention
 
+        row_max = None if logit_max is None else q.new_empty(q.shape[:3], dtype=torch.float32)
         if documents is not None:
-            return flash_attention(q, k, v, causal=True, doc_start=documents.start, doc_end=documents.end)
-        return flash_attention(q, k, v, causal=causal)
+            out = flash_attention(q, k, v, causal=True, doc_start=documents.start, doc_end=documents.end,
+                                  row_max=row_max)
+        else:
+            out = flash_attention(q, k, v, causal=causal, row_max=row_max)
+        if row_max is not None:
+            fold_head_max(logit_max, row_max)
+        return out
+    if logit_max is not None:  # torch: SDPA gives no statistics, so the scores' max is taken apart
+        fold_head_max(logit_max, logit_row_max(q.detach(), k.detach(), causal,
+                                               doc_start=None if documents is None else documents.start))
     if backend == "flash":
         if causal and q.shape[2] != k.shape[2]:
             raise ValueError(f"causal attention with s_q {q.shape[2]} != s_k {k.shape[2]}: "

@@ -60,6 +60,8 @@ class SelfAttention(nn.Module, SelfAttentionShape):
         self.cp_group = cp_group if comm.group_size(cp_group) > 1 else None
         self.cp_groups = ContextParallelGroups(self.cp_group, *cp_hierarchy)
         self.heads_per_group = cfg.num_attention_heads // cfg.num_query_groups
+        self.local_heads = cfg.num_attention_heads // comm.group_size(tp_group)
+        self.logit_max = None  # QK-clip: a (local heads,) max the training forwards raise (megalite.model.qk_clip)
         linears = linears_for(cfg)
         par = dict(tp_group=tp_group, sequence_parallel=sequence_parallel)
         qkv, proj = self.linears(cfg)
@@ -125,16 +127,20 @@ class SelfAttention(nn.Module, SelfAttentionShape):
         return q if correction == 1.0 else q * correction
 
     def core_attention(self, q, k, v, dropout_p: float, documents: Documents | None = None) -> torch.Tensor:
-        """``documents``: packed documents of the whole sequence (a token sees its own only)."""
+        """``documents``: packed documents of the whole sequence (a token sees its own only).
+        While training with QK-clip each call raises ``logit_max`` to its heads' largest logits."""
+        logit_max = getattr(self, "logit_max", None) if self.training else None  # (MLA shares this method)
         if self.cp_group is not None:
             # This rank holds a shard of the sequence: attend over all of it (ring, all-to-all, ...).
             return context_parallel_attention(q, k, v, self.cp_groups, self.cfg.cp_comm_type, causal=True,
-                                              backend=self.cfg.attention_backend, documents=documents)
+                                              backend=self.cfg.attention_backend, documents=documents,
+                                              logit_max=logit_max)
         if self.te_core is not None and documents is None:  # TE's core is given no document mask: megalite's runs
             return self.te_core(q, k, v)  # transformer-engine's, dropout on the TP stream inside
         if dropout_p > 0:
             # Attention probabilities belong to this rank's heads: a TP-split tensor.
             with get_rng_tracker().fork():
                 return attention(q, k, v, causal=True, dropout_p=dropout_p, backend=self.cfg.attention_backend,
-                                 documents=documents)
-        return attention(q, k, v, causal=True, backend=self.cfg.attention_backend, documents=documents)
+                                 documents=documents, logit_max=logit_max)
+        return attention(q, k, v, causal=True, backend=self.cfg.attention_backend, documents=documents,
+                         logit_max=logit_max)

@@ -152,7 +152,8 @@ def scalars(record: dict) -> dict[str, float]:
     out."""
     out = {f"train/{key}": record[key] for key in ("loss", "lr", "grad_norm", "loss_scale", "tokens_per_sec",
                                                     "tflops_per_gpu", "mfu", "valid_loss", "moe_aux_loss",
-                                                    "moe_z_loss", "moe_load_min", "moe_load_max", "mtp_loss")
+                                                    "moe_z_loss", "moe_load_min", "moe_load_max", "mtp_loss",
+                                                    "max_attention_logit")
            if record.get(key) is not None}
     for field, group in (("times_ms", "time_ms"), ("memory_bytes", "memory_bytes")):
         out.update({f"{group}/{key}": value for key, value in record.get(field, {}).items() if value is not None})
@@ -219,7 +220,9 @@ class Monitor:
                  f"elapsed {clock_time(record.get('run_elapsed_s'))} ETA {clock_time(record.get('eta_s'))}",
                  f"loss {_value(record['loss'], '.4f')}"
                  + (f" mtp {_value(record['mtp_loss'], '.4f')}" if "mtp_loss" in record else ""),
-                 f"lr {record['lr']:.3e}", f"grad norm {_value(record['grad_norm'], '.3f')}",
+                 f"lr {record['lr']:.3e}", f"grad norm {_value(record['grad_norm'], '.3f')}"
+                 + (f" max logit {_value(record['max_attention_logit'], '.2f')}"
+                    if "max_attention_logit" in record else ""),
                  f"scale {record['loss_scale']:g}", f"skipped {record['skipped_total']}",
                  f"{_value(record['tokens_per_sec'], ',.0f')} tok/s",
                  f"{_value(record['tflops_per_gpu'], '.3g')} {self.flops_unit}"]

@@ -131,11 +131,14 @@ class StepLog:
                       "comm_bytes_by_group": bytes_by_group(self.grid, s.traffic), **(r.moe or {})}
             if r.mtp_loss is not None:
                 record["mtp_loss"] = r.mtp_loss
+            if r.max_attention_logit is not None:  # QK-clip's statistic (megalite.model.qk_clip)
+                record["max_attention_logit"] = r.max_attention_logit
             if s.tracked is not None:
                 record["memory_tracked"] = s.tracked
             record.update(s.extra or {})
             if self.meta:  # nothing was computed: no values to report (n/a), unlike a NaN
-                record.update({k: None for k in ("loss", "grad_norm", "tokens_per_sec", "tflops_per_gpu", "mfu", "mtp_loss")
+                record.update({k: None for k in ("loss", "grad_norm", "tokens_per_sec", "tflops_per_gpu", "mfu", "mtp_loss",
+                                                 "max_attention_logit")
                                if k in record})
             records.append(record)
         return records

@@ -67,12 +67,15 @@ def _scalar(value, device) -> torch.Tensor:
 class StepResult:
     """One step's figures: ``loss``, ``grad_norm``, ``lr``, ``loss_scale``, ``skipped``,
     ``times_ms`` (forward, backward, grad_sync, optimizer), ``moe`` (None for a dense
-    model) and ``mtp_loss`` (None without multi-token prediction). Given as device scalars (or host numbers); read as host numbers."""
+    model) and ``mtp_loss`` (None without multi-token prediction), ``max_attention_logit`` (None without QK-clip or its log). Given as device scalars (or host numbers); read as host numbers."""
 
-    def __init__(self, loss, grad_norm, lr: float, loss_scale, skipped, timers=None, moe=None, mtp_loss=None):
+    def __init__(self, loss, grad_norm, lr: float, loss_scale, skipped, timers=None, moe=None, mtp_loss=None,
+                 max_attention_logit=None):
         self._device = {"loss": loss, "grad_norm": grad_norm, "loss_scale": loss_scale, "skipped": skipped}
         if mtp_loss is not None:  # multi-token prediction: the depths' mean loss (megalite.model.mtp)
             self._device["mtp_loss"] = mtp_loss
+        if max_attention_logit is not None:  # QK-clip's statistic, the model's max (megalite.model.qk_clip)
+            self._device["max_attention_logit"] = max_attention_logit
         self._moe = moe  # a device vector of the MOE_KEYS, or None
         self.lr, self._timers = lr, timers
         self._host: dict | None = None
@@ -111,6 +114,11 @@ class StepResult:
     def mtp_loss(self) -> float | None:
         """The MTP depths' mean loss (None without multi-token prediction)."""
         return self._get("mtp_loss") if "mtp_loss" in self._device else None
+
+    @property
+    def max_attention_logit(self) -> float | None:
+        """The step's largest attention logit over the model (None unless tracked)."""
+        return self._get("max_attention_logit") if "max_attention_logit" in self._device else None
 
     @property
     def moe(self) -> dict | None:

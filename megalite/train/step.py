@@ -36,6 +36,8 @@ from megalite.data_parallel.update_rule import DEFAULT_RULE, UpdateRule
 from megalite.data_parallel.zero import DistributedOptimizer
 from megalite.device import host_value
 from megalite.layers.documents import batch_documents
+from megalite.model.qk_clip import after_step as qk_clip_after_step
+from megalite.model.qk_clip import start_step as start_qk_clip_step
 from megalite.model.mtp import MTP_LABELS, MTP_LOSS_MASK, MTPLosses, mtp_depths, with_mtp_targets
 from megalite.moe.stats import start_step as start_moe_step
 from megalite.moe.balancing import balance_after_step
@@ -253,6 +255,7 @@ def train_step(model, optimizer: DistributedOptimizer, micro_batches, t: TrainCo
     No host sync: the inf/NaN skip, the clip coefficient and the loss scale are device
     values (see :mod:`megalite.observe.step_values`)."""
     optimizer.zero_grad(num_micro=len(micro_batches))
+    start_qk_clip_step(as_chunks(model), t)  # a fresh per-head max logit for the forwards (QK-clip)
     timers = StepTimers(Clock(model_device(model)))
     extra: dict = {}
     loss = forward_backward(model, micro_batches, t, scaler.scale, grid, trace, timers, extra)
@@ -266,10 +269,11 @@ def train_step(model, optimizer: DistributedOptimizer, micro_batches, t: TrainCo
     lr = lr_at(iteration, t)
     optimizer.step(lr, clip_coefficient(norm, t.clip_grad, found_inf), found_inf)
     balance_after_step(as_chunks(model), grid)  # aux-loss-free expert biases, from the step's loads
+    max_logit = qk_clip_after_step(as_chunks(model), optimizer, grid, t)  # rescale over-threshold heads
     timers.add("optimizer", middle, timers.mark())
     loss, mtp = data_parallel_mean(loss, extra.get("mtp_loss"), grid)
     return StepResult(loss, norm, lr, scaler.scale, found_inf, timers, moe_stats(model, micro_batches, grid),
-                      mtp_loss=mtp)
+                      mtp_loss=mtp, max_attention_logit=max_logit)
 
 
 def data_parallel_mean(loss: torch.Tensor, mtp: torch.Tensor | None, grid):

@@ -1,0 +1,276 @@
+"""QK-clip (``--qk-clip``, issue 39 item 5; megalite.model.qk_clip).
+
+Fast:
+- the rescale after one step against a float64 reference written from the equations (GQA: the
+  group's max over its query heads, eta = tau / S_g, the query rows of the group eta^alpha, the
+  key rows eta^(1-alpha), the value rows untouched, in the fused [q heads; k; v] per-group row
+  layout), on the model's weights and the optimizer's fp32 masters, with a planted statistic;
+- the per-head max each backend reports (torch, the Triton kernel under the interpreter, and the
+  block functions context parallelism calls, with offsets) equals the max of the explicitly
+  computed scaled q.k over the visible pairs, causal, with and without packed documents: a huge
+  logit planted at a masked pair is not seen;
+- below the threshold QK-clip changes nothing (bit-identical to a run without it), and the step
+  with QK-clip reads nothing on the host (the value is read with the log line's one transfer);
+- bad input refused in one message each.
+
+Slow (one gloo world per size): TP 2, DP 2 ZeRO-1 (small buckets: the shards cut the fused qkv
+weights), CP 2 (p2p and a2a) and PP 2 with a threshold low enough that every step clips equal one
+process (losses, gradient norms and the logged max logit 1e-6; the saved fp32 weights), and
+Muon + QK-clip (MuonClip) runs and clips.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from megalite.checkpoint.format import PieceReader, resolve_checkpoint
+from megalite.config import Config, ConfigError, DataConfig, ModelConfig, ParallelConfig, TrainConfig, validate
+from megalite.data_parallel.update_rule import MASTER_KIND
+from megalite.data_parallel.zero import DistributedOptimizer
+from megalite.kernels.attention_reference import attention_block_forward
+from megalite.layers.attention import attention
+from megalite.layers.documents import documents_from_lengths
+from megalite.model import qk_clip
+from megalite.observe.host_syncs import count_host_syncs
+from megalite.observe.step_values import LossScaler, resolve_steps
+from megalite.parallel.grid import build_grid
+from megalite.pipeline.partition import build_model_chunks
+from megalite.testing import run_world
+from megalite.train.step import train_step
+
+from tests.test_zero import global_batch
+
+HEADS, GROUPS, HIDDEN = 4, 2, 32
+
+
+def make_config(**train):
+    model = ModelConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
+                        vocab_size=97, seq_length=16, hidden_dropout=0.0, attention_dropout=0.0,
+                        attention_backend="torch", add_qkv_bias=True)
+    t = TrainConfig(micro_batch_size=2, global_batch_size=8, lr=3e-3, weight_decay=0.1, clip_grad=1.0,
+                    train_iters=3, **train)
+    return Config(model, ParallelConfig(), t, DataConfig(mock_data=True))
+
+
+def build(config):
+    chunks = build_model_chunks(config, build_grid(config.parallel, 1, 0))
+    for c in chunks:
+        c.init_weights(7)
+    return chunks, DistributedOptimizer(chunks, config.train, None, stage=0)
+
+
+def run_steps(config, steps=2):
+    chunks, opt = build(config)
+    results = [train_step(chunks, opt, global_batch(config.model, s), config.train, s, LossScaler(False))
+               for s in range(steps)]
+    return chunks, opt, results
+
+
+# -- the rescale against the equations ------------------------------------------------------------
+def reference_clip(weight, bias, head_max, tau, alpha, heads, groups, d):
+    """float64: rows per group [r query heads of d rows, the key head, the value head]."""
+    r = heads // groups
+    w = weight.double().reshape(groups, r + 2, d, -1).clone()
+    b = bias.double().reshape(groups, r + 2, d).clone()
+    for g in range(groups):
+        s_g = max(float(head_max[g * r + i]) for i in range(r))
+        eta = tau / s_g if s_g > tau else 1.0
+        w[g, :r] *= eta ** alpha
+        b[g, :r] *= eta ** alpha
+        w[g, r] *= eta ** (1 - alpha)
+        b[g, r] *= eta ** (1 - alpha)
+    return w.reshape(weight.shape), b.reshape(bias.shape)
+
+
+def test_the_rescale_equals_the_equations_on_weights_and_masters():
+    tau, alpha = 2.0, 0.3
+    config = make_config(qk_clip=True, qk_clip_threshold=tau, qk_clip_alpha=alpha)
+    chunks, opt = build(config)
+    parts = qk_clip.attention_parts(chunks)
+    planted = [torch.tensor([5.0, 1.0, 0.5, 1.5]), torch.tensor([1.0, 8.0, 3.0, float("-inf")])]
+    before = [(p.qkv.weight.detach().clone(), p.qkv.bias.detach().clone()) for p in parts]
+    for p, m in zip(parts, planted):
+        p.logit_max = m.clone()
+    logged = qk_clip.after_step(chunks, opt, None, config.train)
+    assert float(logged) == 8.0 and all(p.logit_max is None for p in parts)
+    d = HIDDEN // HEADS
+    masters = {n: opt.master[pl.shard][pl.start:pl.stop] for pl in opt._geometry(
+        {p: n for c in chunks for n, p in c.named_parameters()}).places for n in [pl.name]}
+    for (name, part), (w0, b0), m in zip([(n, p) for c in chunks for n, p in c.named_modules()
+                                          if p in parts], before, planted):
+        want_w, want_b = reference_clip(w0, b0, m, tau, alpha, HEADS, GROUPS, d)
+        assert torch.allclose(part.qkv.weight.double(), want_w, rtol=1e-6, atol=0)
+        assert torch.allclose(part.qkv.bias.double(), want_b, rtol=1e-6, atol=0)
+        assert torch.equal(masters[f"{name}.qkv.weight"].view_as(w0), part.qkv.weight.detach())
+    # group 1 of layer 0 stayed below tau, and so did the value rows everywhere: untouched
+    r = HEADS // GROUPS
+    w_after = parts[0].qkv.weight.detach().reshape(GROUPS, r + 2, d, -1)
+    assert torch.equal(w_after[1], before[0][0].reshape(GROUPS, r + 2, d, -1)[1])
+    assert torch.equal(w_after[:, r + 1], before[0][0].reshape(GROUPS, r + 2, d, -1)[:, r + 1])
+
+
+# -- the max each backend reports ----------------------------------------------------------------
+def explicit_max(q, k, visible):
+    """float64 max over visible pairs of q.k / sqrt(d), per query head."""
+    kk = k.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    scores = q.double() @ kk.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    return scores.masked_fill(~visible, float("-inf")).amax(dim=(0, 2, 3))
+
+
+def qkv(b=2, s=24, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, HEADS, s, d, generator=g)
+    k = torch.randn(b, GROUPS, s, d, generator=g)
+    k[:, :, -1] *= 50  # the last key is huge: only the last query may see it (causal)
+    return q, k, torch.randn(b, GROUPS, s, d, generator=g)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("packed", [False, True])
+def test_backends_report_the_max_of_the_visible_scores(backend, packed):
+    q, k, v = qkv()
+    s = q.shape[2]
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    visible = (j <= i).expand(q.shape[0], 1, s, s)
+    documents = None
+    if packed:  # documents end mid-sequence: a query sees only keys of its own document
+        documents = documents_from_lengths([[10, 14], [5, 18, 1]])
+        visible = visible & (j[None, None] >= documents.start[:, None, :, None])
+    logit_max = torch.full((HEADS,), float("-inf"))
+    out = attention(q, k, v, causal=True, backend=backend, documents=documents, logit_max=logit_max)
+    want = explicit_max(q, k, visible)
+    assert torch.allclose(logit_max.double(), want, rtol=1e-5, atol=1e-5), (logit_max, want)
+    assert torch.equal(out, attention(q, k, v, causal=True, backend=backend, documents=documents))
+    unmasked = explicit_max(q, k, torch.ones_like(visible))
+    assert (unmasked > want + 1).all()  # the planted huge logits sit at masked pairs and were not seen
+
+
+@pytest.mark.parametrize("ops", ["torch", "triton"])
+def test_block_functions_write_the_row_max_with_offsets(ops):
+    from megalite.kernels.flash_attention import flash_attention_forward
+    forward = attention_block_forward if ops == "torch" else flash_attention_forward
+    q, k, v = qkv(s=12)
+    row_max = torch.empty(q.shape[:3])
+    forward(q, k, v, causal=True, q_offset=12, k_offset=4, row_max=row_max)
+    i, j = torch.arange(12)[:, None] + 12, torch.arange(12)[None, :] + 4
+    kk = k.double().repeat_interleave(2, dim=1)
+    scores = (q.double() @ kk.transpose(-1, -2) / 4.0).masked_fill(~(j <= i), float("-inf"))
+    assert torch.allclose(row_max.double(), scores.amax(-1), rtol=1e-5, atol=1e-5)
+
+
+# -- nothing below the threshold, no host read -----------------------------------------------------
+def test_below_the_threshold_nothing_changes_and_nothing_is_read():
+    plain_chunks, _, plain = run_steps(make_config())
+    with count_host_syncs() as calls:
+        chunks, _, clipped = run_steps(make_config(qk_clip=True, qk_clip_threshold=1e6))
+    assert calls == []  # the statistic, its reduction and the rescale stay on the device
+    resolve_steps(plain + clipped)
+    assert [(r.loss, r.grad_norm) for r in clipped] == [(r.loss, r.grad_norm) for r in plain]
+    assert all(0 < r.max_attention_logit < 1e6 for r in clipped) and plain[0].max_attention_logit is None
+    for a, b in zip(plain_chunks[0].parameters(), chunks[0].parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_low_threshold_clips_every_step_to_it():
+    """After the step, the logits the forward would now see are at most tau (here: well below)."""
+    tau = 0.02
+    config = make_config(qk_clip=True, qk_clip_threshold=tau)
+    chunks, opt, results = run_steps(config, steps=1)
+    assert results[0].max_attention_logit > tau
+    qk_clip.start_step(chunks, config.train)
+    with torch.no_grad():
+        for b in global_batch(config.model, 0):
+            chunks[0](b["tokens"], b["position_ids"], labels=b["labels"])
+    assert max(float(p.logit_max.max()) for p in qk_clip.attention_parts(chunks)) <= tau * 1.2
+
+
+# -- bad input -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("change, words", [
+    (dict(qk_clip_threshold=0.0), "--qk-clip-threshold must be > 0"),
+    (dict(qk_clip_alpha=1.0), "--qk-clip-alpha must be in (0, 1)"),
+    (dict(model=dict(attention_backend="flash")), "--attention-backend flash"),
+    (dict(model=dict(qk_layernorm=True)), "--qk-layernorm"),
+    (dict(model=dict(multi_latent_attention=True)), "--multi-latent-attention"),
+])
+def test_bad_input_is_refused_once(change, words):
+    change = dict(change)
+    config = make_config(qk_clip=True, **{k: v for k, v in change.items() if k != "model"})
+    for k, v in change.get("model", {}).items():
+        setattr(config.model, k, v)
+    with pytest.raises(ConfigError) as info:
+        validate(config, 1)
+    assert words in str(info.value) and "Fix:" in str(info.value)
+
+
+# -- every layout equals one process (slow) --------------------------------------------------------
+BASE = ["--mock-data", "--vocab-size", "128", "--num-layers", "2", "--hidden-size", "32",
+        "--num-attention-heads", "4", "--num-query-groups", "2", "--seq-length", "16",
+        "--max-position-embeddings", "16", "--micro-batch-size", "2", "--global-batch-size", "4",
+        "--lr", "1e-2", "--train-iters", "3", "--log-interval", "100", "--clip-grad", "1.0",
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--attention-backend", "torch",
+        "--normalization", "RMSNorm", "--position-embedding-type", "rope", "--swiglu",
+        "--disable-bias-linear", "--adam-eps", "1e-4", "--qk-clip", "--qk-clip-threshold", "0.03"]
+TOL = 1e-6
+# The fp32 weights after 3 steps, relative to the tensor's largest element: Adam's update of an
+# element whose gradient is near zero turns on rounding (with eps 1e-8, TP 2 without QK-clip
+# already differed by 4e-4 here); with eps 1e-4 the layouts agree to ~6e-6 (the word embedding).
+WEIGHT_TOL = 2e-5
+
+
+def _pretrain(argv):
+    from megalite.train.pretrain import pretrain
+    return [(r["iteration"], r["loss"], r["grad_norm"], r.get("max_attention_logit")) for r in pretrain(argv)]
+
+
+def _serial(rank, world, root):
+    return {"serial": _pretrain(BASE + ["--save", f"{root}/serial"]),
+            "noclip": _pretrain([a for a in BASE if a != "--qk-clip"] + ["--log-max-attention-logit",
+                                                                        "--save", f"{root}/noclip"]),
+            "muon": _pretrain(BASE + ["--optimizer", "muon", "--save", f"{root}/muon"]),
+            "muon_noclip": _pretrain([a for a in BASE if a != "--qk-clip"] + ["--optimizer", "muon",
+                                                                             "--save", f"{root}/muon_noclip"])}
+
+
+LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"],
+           "zero1": ["--zero-stage", "1", "--ddp-bucket-size", "700"],
+           "cp2p2p": ["--context-parallel-size", "2", "--cp-comm-type", "p2p"],
+           "cp2a2a": ["--context-parallel-size", "2", "--cp-comm-type", "a2a"],
+           "pp2": ["--pipeline-model-parallel-size", "2"]}
+
+
+def _two_ranks(rank, world, root):
+    return {name: _pretrain(BASE + extra + ["--save", f"{root}/{name}"]) for name, extra in LAYOUTS.items()}
+
+
+def _weights(path) -> dict[str, torch.Tensor]:
+    reader = PieceReader(resolve_checkpoint(str(path)))
+    return {n: reader.full_tensor(n, MASTER_KIND, 128) for n in reader.names(MASTER_KIND)}
+
+
+def _close(a, b, name):
+    """Losses and gradient norms 1e-6 relative; the max logit (~0.05 here, a sum of products of
+    O(1) terms, rounded in another order) 1e-6 absolute."""
+    assert [x[0] for x in a] == [x[0] for x in b]
+    for x, y in zip(a, b):
+        assert all(abs(u - w) <= TOL * abs(w) for u, w in zip(x[1:3], y[1:3])), (name, x, y)
+        assert abs(x[3] - y[3]) <= TOL, (name, x, y)
+
+
+@pytest.mark.slow
+def test_every_layout_with_qk_clip_equals_one_process(tmp_path):
+    serial = run_world(_serial, 1, str(tmp_path))[0]
+    assert [m > 0.03 for *_, m in serial["serial"]] == [True, True, False]  # it fires, then holds
+    assert serial["noclip"][0] == serial["serial"][0]  # the first step's forward is the same; only logged
+    clipped, plain = _weights(tmp_path / "serial"), _weights(tmp_path / "noclip")
+    assert any(not torch.equal(clipped[n], plain[n]) for n in clipped if "qkv" in n)
+    muon, muon_plain = _weights(tmp_path / "muon"), _weights(tmp_path / "muon_noclip")  # MuonClip clips
+    assert any(not torch.equal(muon[n], muon_plain[n]) for n in muon if "qkv" in n)
+    runs = run_world(_two_ranks, 2, str(tmp_path))[0]
+    for name in LAYOUTS:
+        _close(runs[name], serial["serial"], name)
+        saved = _weights(tmp_path / name)
+        assert saved.keys() == clipped.keys()
+        worst = max(((saved[n] - clipped[n]).abs().max() / clipped[n].abs().max()).item() for n in saved)
+        assert worst < WEIGHT_TOL, (name, worst)

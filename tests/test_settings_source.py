@@ -37,6 +37,7 @@ ADDED |= {("model", k) for k in ("multi_latent_attention", "q_lora_rank", "kv_lo
 ADDED |= {("model", "mtp_num_layers"), ("model", "mtp_loss_scaling_factor")}  # issue 38's MTP, off by default
 ADDED |= {("train", f"muon_{k}") for k in ("momentum", "split_qkv", "use_nesterov", "scale_mode",  # issue 39's
                                         "fp32_matmul_prec", "num_ns_steps", "tp_mode", "extra_scale_factor")}  # Muon
+ADDED |= {("train", k) for k in ("qk_clip", "qk_clip_threshold", "qk_clip_alpha", "log_max_attention_logit")}  # QK-clip
 
 
 @pytest.mark.parametrize("case", RECORDED, ids=[" ".join(c["argv"][:2]) or "defaults" for c in RECORDED])

@@ -127,10 +127,6 @@ def _check_qk_clip(m, t) -> None:
     if t.qk_clip and not 0 < t.qk_clip_alpha < 1:
         raise ConfigError(f"--qk-clip-alpha must be in (0, 1), got {t.qk_clip_alpha}: the query takes eta^alpha "
                           f"and the key eta^(1-alpha). Fix: 0.5 (Megatron's default).")
-    if m.multi_latent_attention:
-        raise ConfigError(f"{what} with --multi-latent-attention: MLA's rule (the no-RoPE query and key "
-                          f"up-projections sqrt(tau/S), the rotary query tau/S, the shared rotary key "
-                          f"unchanged) is not implemented in megalite. Fix: drop {what}.")
     if m.transformer_impl != "local":
         raise ConfigError(f"{what} with --transformer-impl {m.transformer_impl}: transformer-engine's "
                           f"attention gives no per-head max logit here. Fix: --transformer-impl local.")

@@ -1,7 +1,7 @@
 """QK-clip (``--qk-clip``, issue 39 item 5; megalite.model.qk_clip).
 
 Fast:
-- the rescale after one step against a float64 reference written from the equations (GQA: the
+- the rescale (GQA, and MLA: Kimi's per-part rule) against a float64 reference written from the equations (GQA: the
   group's max over its query heads, eta = tau / S_g, the query rows of the group eta^alpha, the
   key rows eta^(1-alpha), the value rows untouched, in the fused [q heads; k; v] per-group row
   layout), on the model's weights and the optimizer's fp32 masters, with a planted statistic;
@@ -14,9 +14,9 @@ Fast:
 - bad input refused in one message each.
 
 Slow (one gloo world per size): TP 2, DP 2 ZeRO-1 (small buckets: the shards cut the fused qkv
-weights), CP 2 (p2p and a2a) and PP 2 with a threshold low enough that every step clips equal one
-process (losses, gradient norms and the logged max logit 1e-6; the saved fp32 weights), and
-Muon + QK-clip (MuonClip) runs and clips.
+weights), CP 2 (p2p, a2a and allgather) and PP 2 with a threshold low enough that the first steps
+clip equal one process (losses, gradient norms 1e-6 relative, the logged max logit 1e-6; the saved
+fp32 weights), and so do MLA under TP 2 and ZeRO-1; Muon + QK-clip (MuonClip) runs and clips.
 """
 from __future__ import annotations
 
@@ -45,10 +45,15 @@ from tests.test_zero import global_batch
 HEADS, GROUPS, HIDDEN = 4, 2, 32
 
 
-def make_config(**train):
-    model = ModelConfig(num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
-                        vocab_size=97, seq_length=16, hidden_dropout=0.0, attention_dropout=0.0,
-                        attention_backend="torch", add_qkv_bias=True)
+MLA = dict(multi_latent_attention=True, num_query_groups=None, q_lora_rank=12, kv_lora_rank=10, qk_head_dim=8,
+           qk_pos_emb_head_dim=4, v_head_dim=6, normalization="RMSNorm", position_embedding_type="rope", add_bias_linear=False)
+
+
+def make_config(mla: dict | None = None, **train):
+    fields = dict(num_layers=2, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=GROUPS,
+                  vocab_size=97, seq_length=16, hidden_dropout=0.0, attention_dropout=0.0,
+                  attention_backend="torch", add_qkv_bias=True)
+    model = ModelConfig(**{**fields, **(mla or {})})
     t = TrainConfig(micro_batch_size=2, global_batch_size=8, lr=3e-3, weight_decay=0.1, clip_grad=1.0,
                     train_iters=3, **train)
     return Config(model, ParallelConfig(), t, DataConfig(mock_data=True))
@@ -109,6 +114,36 @@ def test_the_rescale_equals_the_equations_on_weights_and_masters():
     w_after = parts[0].qkv.weight.detach().reshape(GROUPS, r + 2, d, -1)
     assert torch.equal(w_after[1], before[0][0].reshape(GROUPS, r + 2, d, -1)[1])
     assert torch.equal(w_after[:, r + 1], before[0][0].reshape(GROUPS, r + 2, d, -1)[:, r + 1])
+
+
+@pytest.mark.parametrize("q_lora", [12, None])
+def test_mla_rescale_equals_kimis_rule(q_lora):
+    """Per head (its own key): the no-RoPE query rows eta^alpha, the RoPE query rows eta, the
+    no-RoPE key rows eta^(1-alpha), values and the shared RoPE key (kv_down) unchanged."""
+    tau, alpha, dn, dr, dv = 2.0, 0.3, 8, 4, 6
+    config = make_config(mla={**MLA, "q_lora_rank": q_lora}, qk_clip=True, qk_clip_threshold=tau,
+                         qk_clip_alpha=alpha)
+    validate(config, 1)
+    chunks, opt = build(config)
+    parts = qk_clip.attention_parts(chunks)
+    query = [p.q_up if q_lora else p.q_proj for p in parts]
+    before = [(q.weight.detach().double().clone(), p.kv_up.weight.detach().double().clone(),
+               p.kv_down.weight.detach().clone()) for q, p in zip(query, parts)]
+    planted = [torch.tensor([5.0, 1.0, 0.5, 8.0]), torch.tensor([1.0, 3.0, float("inf"), 2.0])]
+    for p, m in zip(parts, planted):
+        p.logit_max = m.clone()
+    qk_clip.after_step(chunks, opt, None, config.train)
+    for q, p, (wq, wkv, wdown), m in zip(query, parts, before, planted):
+        wq, wkv = wq.view(HEADS, dn + dr, -1).clone(), wkv.view(HEADS, dn + dv, -1).clone()
+        for h in range(HEADS):
+            s_h = float(m[h])
+            eta = tau / s_h if math.isfinite(s_h) and s_h > tau else 1.0
+            wq[h, :dn] *= eta ** alpha
+            wq[h, dn:] *= eta
+            wkv[h, :dn] *= eta ** (1 - alpha)
+        assert torch.allclose(q.weight.double(), wq.view(q.weight.shape), rtol=1e-6, atol=0)
+        assert torch.allclose(p.kv_up.weight.double(), wkv.view(p.kv_up.weight.shape), rtol=1e-6, atol=0)
+        assert torch.equal(p.kv_down.weight, wdown)
 
 
 # -- the max each backend reports ----------------------------------------------------------------
@@ -173,17 +208,20 @@ def test_below_the_threshold_nothing_changes_and_nothing_is_read():
         assert torch.equal(a, b)
 
 
-def test_a_low_threshold_clips_every_step_to_it():
-    """After the step, the logits the forward would now see are at most tau (here: well below)."""
-    tau = 0.02
-    config = make_config(qk_clip=True, qk_clip_threshold=tau)
+@pytest.mark.parametrize("mla", [None, MLA], ids=["gqa", "mla"])
+def test_a_low_threshold_clips_every_step_to_it(mla):
+    """With lr 0 (the update moves nothing) the same batch's logits after the rescale are at
+    most tau, and the largest is tau: the clipped heads land on it."""
+    tau = 0.01
+    config = make_config(mla, qk_clip=True, qk_clip_threshold=tau)
+    config.train.lr = 0.0
     chunks, opt, results = run_steps(config, steps=1)
-    assert results[0].max_attention_logit > tau
+    assert results[0].max_attention_logit > 2 * tau
     qk_clip.start_step(chunks, config.train)
     with torch.no_grad():
         for b in global_batch(config.model, 0):
             chunks[0](b["tokens"], b["position_ids"], labels=b["labels"])
-    assert max(float(p.logit_max.max()) for p in qk_clip.attention_parts(chunks)) <= tau * 1.2
+    assert abs(max(float(p.logit_max.max()) for p in qk_clip.attention_parts(chunks)) - tau) < 1e-6
 
 
 # -- bad input -------------------------------------------------------------------------------------
@@ -192,7 +230,7 @@ def test_a_low_threshold_clips_every_step_to_it():
     (dict(qk_clip_alpha=1.0), "--qk-clip-alpha must be in (0, 1)"),
     (dict(model=dict(attention_backend="flash")), "--attention-backend flash"),
     (dict(model=dict(qk_layernorm=True)), "--qk-layernorm"),
-    (dict(model=dict(multi_latent_attention=True)), "--multi-latent-attention"),
+    (dict(model=dict(transformer_impl="transformer_engine")), "--transformer-impl"),
 ])
 def test_bad_input_is_refused_once(change, words):
     change = dict(change)
@@ -230,18 +268,30 @@ def _serial(rank, world, root):
                                                                         "--save", f"{root}/noclip"]),
             "muon": _pretrain(BASE + ["--optimizer", "muon", "--save", f"{root}/muon"]),
             "muon_noclip": _pretrain([a for a in BASE if a != "--qk-clip"] + ["--optimizer", "muon",
-                                                                             "--save", f"{root}/muon_noclip"])}
+                                                                             "--save", f"{root}/muon_noclip"]),
+            "mla": _pretrain(MLA_BASE + ["--save", f"{root}/mla"])}
 
 
 LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"],
            "zero1": ["--zero-stage", "1", "--ddp-bucket-size", "700"],
            "cp2p2p": ["--context-parallel-size", "2", "--cp-comm-type", "p2p"],
            "cp2a2a": ["--context-parallel-size", "2", "--cp-comm-type", "a2a"],
+           "cp2allgather": ["--context-parallel-size", "2", "--cp-comm-type", "allgather"],
            "pp2": ["--pipeline-model-parallel-size", "2"]}
+MLA_FLAGS = ["--multi-latent-attention", "--q-lora-rank", "12", "--kv-lora-rank", "10", "--qk-head-dim", "8",
+             "--qk-pos-emb-head-dim", "4", "--v-head-dim", "6"]
+_GROUPS_AT = BASE.index("--num-query-groups")
+# MLA has no KV groups; its logits are smaller here, so its threshold is lower
+MLA_BASE = [("0.01" if a == "0.03" else a) for a in BASE[:_GROUPS_AT] + BASE[_GROUPS_AT + 2:]] + MLA_FLAGS
+MLA_LAYOUTS = {"mla_tp2": ["--tensor-model-parallel-size", "2"], "mla_zero1": ["--zero-stage", "1",
+                                                                              "--ddp-bucket-size", "300"]}
 
 
 def _two_ranks(rank, world, root):
-    return {name: _pretrain(BASE + extra + ["--save", f"{root}/{name}"]) for name, extra in LAYOUTS.items()}
+    runs = {name: _pretrain(BASE + extra + ["--save", f"{root}/{name}"]) for name, extra in LAYOUTS.items()}
+    runs.update({name: _pretrain(MLA_BASE + extra + ["--save", f"{root}/{name}"])
+                 for name, extra in MLA_LAYOUTS.items()})
+    return runs
 
 
 def _weights(path) -> dict[str, torch.Tensor]:
@@ -268,9 +318,12 @@ def test_every_layout_with_qk_clip_equals_one_process(tmp_path):
     muon, muon_plain = _weights(tmp_path / "muon"), _weights(tmp_path / "muon_noclip")  # MuonClip clips
     assert any(not torch.equal(muon[n], muon_plain[n]) for n in muon if "qkv" in n)
     runs = run_world(_two_ranks, 2, str(tmp_path))[0]
-    for name in LAYOUTS:
-        _close(runs[name], serial["serial"], name)
+    assert serial["mla"][0][3] > 0.01  # MLA clips too (its threshold 0.01)
+    mla = _weights(tmp_path / "mla")
+    for name, baseline, weights in [(n, serial["serial"], clipped) for n in LAYOUTS] + [
+            (n, serial["mla"], mla) for n in MLA_LAYOUTS]:
+        _close(runs[name], baseline, name)
         saved = _weights(tmp_path / name)
-        assert saved.keys() == clipped.keys()
-        worst = max(((saved[n] - clipped[n]).abs().max() / clipped[n].abs().max()).item() for n in saved)
+        assert saved.keys() == weights.keys()
+        worst = max(((saved[n] - weights[n]).abs().max() / weights[n].abs().max()).item() for n in saved)
         assert worst < WEIGHT_TOL, (name, worst)

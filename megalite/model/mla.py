@@ -93,6 +93,8 @@ class MultiLatentAttention(nn.Module, MLAShape):
         self.cp_group = cp_group if comm.group_size(cp_group) > 1 else None
         self.cp_groups = ContextParallelGroups(self.cp_group, *cp_hierarchy)
         self.te_core = None  # megalite's core attention (transformer-engine's is refused by the config check)
+        self.local_heads = cfg.num_attention_heads // comm.group_size(tp_group)
+        self.logit_max = None  # QK-clip: a (local heads,) max the training forwards raise (megalite.model.qk_clip)
         h, rq, rkv, dr = cfg.hidden_size, cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_pos_emb_head_dim
         # Registration order is MLAShape.parameter_list's: the TP linears, then the replicated ones.
         q_up, kv_up, proj = self.linears(cfg)

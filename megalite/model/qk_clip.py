@@ -32,14 +32,24 @@ so the whole projection (not only its weight) scales. Values are untouched. In t
 rows each (:mod:`megalite.model.attention`), so the factors form one (rows,) vector per layer
 (:func:`qkv_row_factors`), TP-local (a rank holds whole groups).
 
+**MLA** (:mod:`megalite.model.mla`, Kimi K2's rule; Megatron-LM's too): each head has its own
+key, so eta_h = tau / S_h per head. The logit is ``q_n . k_n + q_r . k_r`` with the RoPE key k_r
+shared by every head, so k_r stays and the head's RoPE query takes all of eta:
+
+    W_uq rows of q_n,h (d_n) <- eta_h^a,   W_uq rows of q_r,h (d_r) <- eta_h,
+    W_ukv rows of k_n,h (d_n) <- eta_h^(1-a),   W_ukv rows of v_h (d_v) and W_dkv unchanged
+
+(W_q in place of W_uq without a query latent): the head's logit is multiplied by eta_h
+(:func:`mla_row_factors`).
+
 **Where it lands.** The factors multiply the fp32 master weights in the optimizer's flat
 shards, wherever ZeRO put each row (``DistributedOptimizer.scale_rows``), and the weights are
 published again (a copy without ZeRO, one more all-gather of the weight shards per step under
 ZeRO 1-2): the model's weights are the masters cast, as after any step, so checkpoints and
 resumes stay exact. It is an independent post-step, so it works after AdamW and after Muon.
 
-Refused (``megalite.config``'s ``_check_qk_clip``): QK-norm (the norm undoes any scale of the projection), MLA (its
-own per-part rule, not implemented), transformer-engine attention and flash-attn (neither gives
+Refused (``megalite.config``'s ``_check_qk_clip``): QK-norm (the norm undoes any scale of the
+projection), transformer-engine attention and flash-attn (neither gives
 the max), an offloaded optimizer (the factors would cross to the host), tau <= 0, a outside (0, 1).
 """
 from __future__ import annotations
@@ -47,6 +57,7 @@ from __future__ import annotations
 import torch
 
 from megalite.model.attention import SelfAttention
+from megalite.model.mla import MultiLatentAttention
 from megalite.parallel import comm
 
 
@@ -55,9 +66,9 @@ def enabled(t) -> bool:
     return bool(t.qk_clip or t.log_max_attention_logit)
 
 
-def attention_parts(chunks) -> list[SelfAttention]:
-    """This rank's self-attention modules, in model order (every chunk, every layer)."""
-    return [m for c in chunks for m in c.modules() if isinstance(m, SelfAttention)]
+def attention_parts(chunks) -> list:
+    """This rank's attention modules (self-attention, MLA), in model order (every chunk, every layer)."""
+    return [m for c in chunks for m in c.modules() if isinstance(m, (SelfAttention, MultiLatentAttention))]
 
 
 def start_step(chunks, t) -> None:
@@ -65,7 +76,7 @@ def start_step(chunks, t) -> None:
     if not enabled(t):
         return
     for part in attention_parts(chunks):
-        device = part.qkv.weight.device
+        device = next(part.parameters()).device
         part.logit_max = torch.full((part.local_heads,), float("-inf"), dtype=torch.float32, device=device)
 
 
@@ -87,6 +98,32 @@ def qkv_row_factors(eta: torch.Tensor, heads_per_group: int, head_dim: int, alph
     return torch.cat([q, k, torch.ones_like(k)], dim=1).reshape(-1)
 
 
+def mla_row_factors(eta: torch.Tensor, dn: int, dr: int, dv: int, alpha: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """MLA's (query up-projection rows, key/value up-projection rows) factors from eta (heads,):
+    per head [d_n rows eta^alpha ; d_r rows eta] and [d_n rows eta^(1 - alpha) ; d_v rows 1]."""
+    heads = eta.shape[0]
+    q = torch.cat([eta.pow(alpha)[:, None].expand(heads, dn), eta[:, None].expand(heads, dr)], dim=1)
+    kv = torch.cat([eta.pow(1.0 - alpha)[:, None].expand(heads, dn), torch.ones_like(eta)[:, None].expand(heads, dv)],
+                   dim=1)
+    return q.reshape(-1), kv.reshape(-1)
+
+
+def part_factors(part, head_max: torch.Tensor, t) -> dict:
+    """{parameter: (rows,) factors} of one attention part from its heads' maxima."""
+    cfg = part.cfg
+    if isinstance(part, MultiLatentAttention):
+        q, kv = mla_row_factors(group_factors(head_max, 1, t.qk_clip_threshold), cfg.qk_head_dim,
+                                cfg.qk_pos_emb_head_dim, cfg.v_head_dim, t.qk_clip_alpha)
+        query = part.q_up if part.q_down is not None else part.q_proj
+        return {query.weight: q, part.kv_up.weight: kv}
+    rows = qkv_row_factors(group_factors(head_max, part.heads_per_group, t.qk_clip_threshold),
+                           part.heads_per_group, cfg.head_dim, t.qk_clip_alpha)
+    factors = {part.qkv.weight: rows}
+    if getattr(part.qkv, "bias", None) is not None:
+        factors[part.qkv.bias] = rows
+    return factors
+
+
 def after_step(chunks, optimizer, grid, t) -> torch.Tensor | None:
     """The step's statistic reduced (DP x CP), the rescale applied (with ``--qk-clip``) to the
     optimizer's masters and the published weights; returns the model-wide max logit, a device
@@ -101,13 +138,8 @@ def after_step(chunks, optimizer, grid, t) -> torch.Tensor | None:
     if t.qk_clip and parts:
         factors, offset = {}, 0
         for part in parts:
-            head_max = maxima[offset: offset + part.local_heads]
+            factors.update(part_factors(part, maxima[offset: offset + part.local_heads], t))
             offset += part.local_heads
-            rows = qkv_row_factors(group_factors(head_max, part.heads_per_group, t.qk_clip_threshold),
-                                   part.heads_per_group, part.cfg.head_dim, t.qk_clip_alpha)
-            factors[part.qkv.weight] = rows
-            if getattr(part.qkv, "bias", None) is not None:
-                factors[part.qkv.bias] = rows
         optimizer.scale_rows(factors)
     for part in parts:
         part.logit_max = None

@@ -14,9 +14,10 @@ Fast:
 - bad input refused in one message each.
 
 Slow (one gloo world per size): TP 2, DP 2 ZeRO-1 (small buckets: the shards cut the fused qkv
-weights), CP 2 (p2p, a2a and allgather) and PP 2 with a threshold low enough that the first steps
+weights), ZeRO-3, CP 2 (p2p, a2a and allgather) and PP 2 with a threshold low enough that the first steps
 clip equal one process (losses, gradient norms 1e-6 relative, the logged max logit 1e-6; the saved
-fp32 weights), and so do MLA under TP 2 and ZeRO-1; Muon + QK-clip (MuonClip) runs and clips.
+fp32 weights), and so do MLA under TP 2 and ZeRO-1; a resume from a clipped checkpoint is
+bit-identical; Muon + QK-clip (MuonClip) runs and clips.
 """
 from __future__ import annotations
 
@@ -269,11 +270,15 @@ def _serial(rank, world, root):
             "muon": _pretrain(BASE + ["--optimizer", "muon", "--save", f"{root}/muon"]),
             "muon_noclip": _pretrain([a for a in BASE if a != "--qk-clip"] + ["--optimizer", "muon",
                                                                              "--save", f"{root}/muon_noclip"]),
-            "mla": _pretrain(MLA_BASE + ["--save", f"{root}/mla"])}
+            "mla": _pretrain(MLA_BASE + ["--save", f"{root}/mla"]),
+            "half": _pretrain([("2" if before == "--train-iters" else a) for before, a in zip([None] + BASE, BASE)]
+                              + ["--lr-decay-iters", "3", "--save", f"{root}/half"]),
+            "resumed": _pretrain(BASE + ["--load", f"{root}/half", "--save", f"{root}/resumed"])}
 
 
 LAYOUTS = {"tp2": ["--tensor-model-parallel-size", "2"],
            "zero1": ["--zero-stage", "1", "--ddp-bucket-size", "700"],
+           "zero3": ["--zero-stage", "3"],
            "cp2p2p": ["--context-parallel-size", "2", "--cp-comm-type", "p2p"],
            "cp2a2a": ["--context-parallel-size", "2", "--cp-comm-type", "a2a"],
            "cp2allgather": ["--context-parallel-size", "2", "--cp-comm-type", "allgather"],
@@ -315,6 +320,8 @@ def test_every_layout_with_qk_clip_equals_one_process(tmp_path):
     assert serial["noclip"][0] == serial["serial"][0]  # the first step's forward is the same; only logged
     clipped, plain = _weights(tmp_path / "serial"), _weights(tmp_path / "noclip")
     assert any(not torch.equal(clipped[n], plain[n]) for n in clipped if "qkv" in n)
+    assert serial["resumed"] == serial["serial"][2:]  # a resume from the clipped masters is exact
+    assert all(torch.equal(w, clipped[n]) for n, w in _weights(tmp_path / "resumed").items())
     muon, muon_plain = _weights(tmp_path / "muon"), _weights(tmp_path / "muon_noclip")  # MuonClip clips
     assert any(not torch.equal(muon[n], muon_plain[n]) for n in muon if "qkv" in n)
     runs = run_world(_two_ranks, 2, str(tmp_path))[0]

@@ -177,7 +177,7 @@ def attention_block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c
 @torch.no_grad()
 def logit_row_max(q: torch.Tensor, k: torch.Tensor, causal: bool = True, q_offset: int = 0, k_offset: int = 0,
                   scale: float | None = None, doc_start: torch.Tensor | None = None,
-                  rows_per_chunk: int = 1024) -> torch.Tensor:
+                  rows_per_chunk: int = 256) -> torch.Tensor:
     """Each query row's largest visible logit ``max_j scale q_i . k_j`` (the scores softmax
     sees, masked keys excluded; -inf for a row that sees none), (b, heads, s_q) float32
     (float64 for float64 inputs). The scores are formed ``rows_per_chunk`` query rows at a

@@ -149,7 +149,7 @@ def test_the_rule_takes_the_matrices_and_leaves_the_rest_to_adamw():
     assert not {"word_embeddings.weight", "output_layer.weight", "layers.1.mlp.router.weight"} & taken
     with pytest.raises(ValueError, match="Muon cannot classify parameter odd of shape"):
         takes_muon("odd", torch.nn.Parameter(torch.zeros(2, 2, 2)))
-    assert MUON.record()["name"] == "muon" and MUON.bytes_per_parameter == 12
+    assert MUON.record()["name"] == "muon" and (MUON.bytes_of(True), MUON.bytes_of(False)) == (8, 12)
 
 
 # -- the settings ----------------------------------------------------------------------------------
@@ -201,7 +201,7 @@ def test_blockwise_is_newton_schulz_per_shard():
             at += p.numel()
         torch.manual_seed(10 + rank)
         grads = [torch.randn(at)]
-        states = {"momentum": [torch.zeros(at)], "exp_avg_sq": [torch.zeros(at)]}
+        states = {"momentum": [torch.zeros(at)], "exp_avg_sq": [torch.zeros(0)]}  # matrices only: no exp_avg_sq
         FlatMuon(masters, states, [[]], t, geometry=ShardGeometry(tuple(places), group, cfg)).step(grads, lr)
         for place in places:
             n, p = place.name, place.param

@@ -33,7 +33,7 @@ from __future__ import annotations
 from megalite.data_parallel.muon import MUON
 from megalite.data_parallel.rule_types import (ADAMW, DEFAULT_RULE, FP32_BYTES, MASTER_KIND, NUMBER_WORDS,  # noqa: F401
                                                STATE_DTYPE, BucketLayout, DeviceStepCount, ParamPlace,
-                                               ShardGeometry, UpdateRule)
+                                               ShardGeometry, StateLayout, UpdateRule)
 
 RULES: dict[str, UpdateRule] = {}  # by the name a run asks for (Megatron's --optimizer NAME)
 

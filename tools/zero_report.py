@@ -4,7 +4,8 @@ real gloo world on CPU, against the ZeRO arithmetic and ring-collective theory.
 
 Memory: bytes this rank holds between steps (weights, gradients, fp32 master weights, the
 update rule's state), from DistributedOptimizer.memory_bytes(), against the ZeRO arithmetic
-with the rule's bytes per parameter K (master weights and state; AdamW: 12):
+with the rule's bytes per parameter K (master weights and state; AdamW: 12; a rule with a matrix
+class, Muon, counts its matrices at their own bytes, 8):
 DDP (4 + K) Psi, ZeRO-1 4 Psi + K Psi/N, ZeRO-2 2 Psi + (2 + K) Psi/N, ZeRO-3 (4 + K) Psi/N
 (bf16 weights and gradients; with --fp32-grads the gradient terms take 4 bytes). The rule is
 the default one (what pretrain_gpt.py trains with); its name and state come from the rule.
@@ -28,7 +29,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 from megalite.config import ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
-from megalite.data_parallel.accounting import model_parameters, zero_theory_bytes  # noqa: E402
+from megalite.data_parallel.accounting import matrix_parameters, model_parameters, zero_theory_bytes  # noqa: E402
 from megalite.data_parallel.update_rule import DEFAULT_RULE  # noqa: E402
 from megalite.data_parallel.zero import DistributedOptimizer  # noqa: E402
 from megalite.model.gpt import GPTModel  # noqa: E402
@@ -58,14 +59,14 @@ def measure(rank, world, stage, hidden, layers, fp32_grads):
     train_step(model, opt, batch, t, 0, LossScaler(False), grid)  # warm-up step
     with count_collectives() as stats:
         train_step(model, opt, batch, t, 1, LossScaler(False), grid)
-    return opt.memory_bytes(), model_parameters(opt), {k: dict(v) for k, v in stats.items()}
+    return opt.memory_bytes(), (model_parameters(opt), matrix_parameters(opt)), {k: dict(v) for k, v in stats.items()}
 
 
 def header(rule, n: int, fp32_grads: bool) -> str:
     """The report's first two lines: the setting, with the update rule's name, state and bytes per
     parameter in its own words, and the table's columns (the state column named after the rule)."""
     return (f"DP={n}, bf16 weights, {'fp32' if fp32_grads else 'bf16'} gradients, {rule.name} (fp32 master + "
-            f"{rule.describe_state()}: {rule.bytes_per_parameter} bytes per parameter)\n"
+            f"{rule.describe_state()}: {rule.describe_bytes()})\n"
             f"{'stage':>5} {'weights':>9} {'grads':>9} {'master':>9} {rule.name:>9} {'total':>10} {'theory':>10} "
             f"{'ratio':>6} | {'handed':>10} {'ring/rank':>10} {'theory':>10} {'ratio':>6}")
 
@@ -86,8 +87,8 @@ def main():
     print(header(RULE, n, args.fp32_grads))
     ddp_ring = None
     for stage in range(4):
-        mem, psi, stats = run_world(measure, n, stage, args.hidden, args.layers, args.fp32_grads)[0]
-        theory = zero_theory_bytes(psi, n, stage, 2, g, RULE.bytes_per_parameter)
+        mem, (psi, matrices), stats = run_world(measure, n, stage, args.hidden, args.layers, args.fp32_grads)[0]
+        theory = zero_theory_bytes(psi, n, stage, 2, g, RULE.bytes_of(False), matrices, RULE.bytes_of(True))
         total = sum(mem.values())
         handed = {k: v["bytes"] for k, v in stats.items()}
         ring = (2 * handed.get("all_reduce", 0) + handed.get("all_gather", 0)

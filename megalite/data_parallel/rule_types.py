@@ -123,6 +123,12 @@ class UpdateRule:
         and ``other_params`` others: what the accounting, the planners and preflight count."""
         return self.bytes_of(True) * matrix_params + self.bytes_of(False) * other_params
 
+    def describe_bytes(self) -> str:
+        """Master + state bytes per parameter in words: "12 bytes per parameter", or per class."""
+        if self.bytes_of(True) == self.bytes_of(False):
+            return f"{self.bytes_per_parameter} bytes per parameter"
+        return f"{self.bytes_of(True)} bytes per matrix parameter, {self.bytes_of(False)} per other"
+
     def describe_state(self) -> str:
         """The state tensors in words, for messages: "two Adam moments"."""
         count = len(self.state_names)

@@ -253,3 +253,47 @@ def test_a_step_with_found_inf_changes_nothing():
     assert all(torch.equal(x, y) for x, y in zip(before, after)) and opt.step_count == 1
     opt.step(0.02, found_inf=torch.zeros(()))
     assert not torch.equal(before[0], opt.master[0]) and opt.step_count == 2
+
+
+# -- state bytes per class -------------------------------------------------------------------------
+
+DENSE = dataclasses.replace(MODEL, num_experts=None, moe_layer_freq=1)
+MLA_MTP = dataclasses.replace(MODEL, multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8,
+                              qk_pos_emb_head_dim=4, v_head_dim=8, num_query_groups=4, mtp_num_layers=1,
+                              moe_shared_expert_intermediate_size=32, position_embedding_type="rope")
+
+
+def planned_state_bytes(m, rule, dp: int = 1, zero: int = 0) -> float:
+    """The planner's fp32 master + optimizer-state bytes of one rank (pipeline stage 0)."""
+    from megalite.planner.estimate import stage_memory
+    from megalite.planner.types import Layout, precision
+    layout = Layout(dp=dp, zero=zero, experts=bool(m.num_experts))
+    return stage_memory(m, layout, 0, 1, 1, precision("bf16", rule=rule))[1]["master_and_optimizer"]
+
+
+def held_state_bytes(opt) -> int:
+    mem = opt.memory_bytes()
+    return mem["master_weights"] + mem["optimizer_state"]
+
+
+@pytest.mark.parametrize("m", [DENSE, MODEL, MLA_MTP], ids=["gqa_swiglu", "moe", "mla_shared_mtp"])
+def test_a_muon_matrix_holds_8_bytes_the_rest_12_and_the_planner_counts_them(m):
+    """Master + momentum for a Muon matrix, master + both Adam moments for the rest: what
+    DistributedOptimizer allocates, to the byte, equals the planner's count (from the parts'
+    shapes), the accounting's and preflight's; AdamW keeps 12 everywhere. (DP 2 ZeRO-1:
+    test_muon_parallel.py's two-rank world.)"""
+    from megalite.data_parallel.accounting import matrix_parameters, model_parameters
+    from megalite.data_parallel.rule_types import ADAMW
+    from megalite.model.counting import total_matrix_parameters
+    muon = DistributedOptimizer([GPTModel(m)], TrainConfig(optimizer="muon"), None, overlap=False, rule=MUON)
+    psi, matrices = model_parameters(muon), matrix_parameters(muon)
+    names = {p: n for n, p in muon.chunks[0].named_parameters()}
+    assert matrices == sum(p.numel() for p, n in names.items() if MUON.is_matrix(n, p)) > psi // 2
+    assert held_state_bytes(muon) == 8 * matrices + 12 * (psi - matrices) == planned_state_bytes(m, MUON)
+    assert sum(s.numel() for s in muon.state["exp_avg_sq"]) == psi - matrices
+    adam = DistributedOptimizer([GPTModel(m)], TrainConfig(), None, overlap=False)
+    assert held_state_bytes(adam) == 12 * psi == planned_state_bytes(m, ADAMW)
+    assert total_matrix_parameters(m) == matrices  # the whole model's: what preflight's disk check counts
+    for piece in muon.places:
+        kept = muon.state_piece("exp_avg_sq", piece.shard, piece.start, piece.stop - piece.start)
+        assert (kept is None) == MUON.is_matrix(piece.name, piece.param), piece.name

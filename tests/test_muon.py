@@ -297,3 +297,51 @@ def test_a_muon_matrix_holds_8_bytes_the_rest_12_and_the_planner_counts_them(m):
     for piece in muon.places:
         kept = muon.state_piece("exp_avg_sq", piece.shard, piece.start, piece.stop - piece.start)
         assert (kept is None) == MUON.is_matrix(piece.name, piece.param), piece.name
+
+
+# Muon as it was before the per-class state: exp_avg_sq over every parameter, no "held_by" mark.
+MUON_BEFORE_THE_SPLIT = dataclasses.replace(MUON, takes_matrix=None, matrix_state=())
+
+
+@pytest.mark.parametrize("fmt", ["megalite", "torch_dcp"])
+def test_a_checkpoint_holds_each_parameters_own_state_and_one_from_before_the_split_loads(tmp_path, fmt):
+    """Saved and loaded (both formats): every state element the run keeps comes back, a Muon
+    matrix has no exp_avg_sq piece; a checkpoint written by the Muon that kept exp_avg_sq over
+    every parameter loads into today's (only the AdamW-stepped parameters' exp_avg_sq is read)."""
+    import json
+    import os
+
+    from megalite.checkpoint import load_checkpoint, save_checkpoint, save_dcp_checkpoint
+    from megalite.checkpoint.dcp import load_dcp_checkpoint
+    from megalite.config import ParallelConfig
+    save, load = {"megalite": (save_checkpoint, load_checkpoint),
+                  "torch_dcp": (save_dcp_checkpoint, load_dcp_checkpoint)}[fmt]
+    model = dataclasses.replace(DENSE, vocab_size=128)  # no padding rows: every element survives
+    config = Config(model, ParallelConfig(), TrainConfig(optimizer="muon", micro_batch_size=1, global_batch_size=1),
+                    DataConfig(mock_data=True))
+
+    def optimizer(rule, seed):
+        model = GPTModel(config.model)
+        model.init_weights(seed)
+        opt = DistributedOptimizer([model], config.train, None, overlap=False, rule=rule)
+        for k, shards in enumerate(opt.state.values()):  # state unlike the weights and unlike zero
+            for shard in shards:
+                shard.copy_(torch.arange(shard.numel()) * (k + 1) / max(shard.numel(), 1) + seed)
+        return opt
+
+    for writer in (MUON, MUON_BEFORE_THE_SPLIT):
+        root = str(tmp_path / writer.name / str(writer.takes_matrix is None))
+        saved = optimizer(writer, 3)
+        save(root, 5, saved, None, config, None, consumed_samples=5)
+        record = json.load(open(os.path.join(root, "iter_0000005", "metadata.json")))["update_rule"]
+        assert [s.get("held_by") for s in record["state"]] == (
+            [None, "non-matrix"] if writer is MUON else [None, None])
+        loaded = optimizer(MUON, 7)
+        load(root, loaded, None, config, None)
+        for piece in loaded.places:
+            for kind in ("weight", "momentum", "exp_avg_sq"):
+                got = loaded.state_piece(kind, piece.shard, piece.start, piece.stop - piece.start)
+                want = saved.state_piece(kind, piece.shard, piece.start, piece.stop - piece.start)
+                assert (got is None) == (kind == "exp_avg_sq" and MUON.is_matrix(piece.name, piece.param))
+                if got is not None:
+                    assert torch.equal(got, want), (writer.takes_matrix, piece.name, kind)

@@ -5,7 +5,8 @@
   AdamW-stepped ones only) resumes to iteration 4 with the losses, gradient norms and weights of
   the uninterrupted run, bit for bit, and so does one saved in the torch DCP format; resharded to
   TP 2 (tools/reshard_checkpoint) it resumes equal (1e-6); ``--finetune`` loads its weights into
-  a fresh Muon; an adam run refuses its state (one message, with the fix);
+  a fresh Muon; an adam run refuses its state (one message, with the fix); a rollback (a NaN
+  injected at iteration 3, back to the checkpoint of 2) equals a run that skipped that batch;
 - a checkpoint saved at iteration 2 of TP 2 x DP 2 ZeRO-1 (distributed), resharded to TP 1 (DP 2
   ZeRO-1), and a torch DCP one of TP 2 x PP 2 loaded at DP 2, resume equal to the serial run;
 - TP 2 and TP 2 x SP with ``--muon-tp-mode duplicated`` and ``distributed`` equal one process
@@ -81,12 +82,15 @@ def _serial(rank, world, root):
     _pretrain(BASE + dcp + ["--train-iters", "2", "--save", f"{root}/half_dcp"])
     resumed_dcp = _pretrain(BASE + dcp + ["--train-iters", "4", "--load", f"{root}/half_dcp"])
     finetuned = _pretrain(BASE + ["--train-iters", "1", "--load", f"{root}/half", "--finetune"])
+    rollback = ["--train-iters", "4", "--save-interval", "2", "--max-rollbacks", "1"]  # back to iteration 2
+    rolled = (_pretrain(BASE + rollback + ["--save", f"{root}/rolled", "--inject-fault", "nan@3"]),
+              _pretrain(BASE + rollback + ["--save", f"{root}/skipped", "--skip-batches", "3"]))
     try:  # an adam run cannot continue Muon's state
         pretrain(BASE + ["--train-iters", "3", "--load", f"{root}/half"])
         refused = None
     except CheckpointError as e:
         refused = str(e)
-    return full, resumed, moe, resumed_dcp, finetuned, refused
+    return full, resumed, moe, resumed_dcp, finetuned, refused, rolled
 
 
 def _state_bytes(rank, world) -> dict:
@@ -177,7 +181,8 @@ def _frobenius_relative(a: dict, b: dict) -> tuple[float, str, float]:
 
 @pytest.mark.slow
 def test_muon_resumes_exactly_and_the_layouts_equal_one_process(tmp_path):
-    full, resumed, moe, resumed_dcp, finetuned, refused = run_world(_serial, 1, str(tmp_path))[0]
+    full, resumed, moe, resumed_dcp, finetuned, refused, (rolled, skipped) = run_world(_serial, 1, str(tmp_path))[0]
+    assert rolled == skipped and [r[0] for r in rolled] == [1, 2, 3, 4]  # rollback restores Muon's state exactly
     assert all(abs(loss - 4.85) < 0.1 for _, loss, _ in full)  # mock data: near ln(128), nothing to learn
     assert resumed == full[2:] == resumed_dcp  # bit-identical losses and gradient norms after the resume
     reader = PieceReader(resolve_checkpoint(str(tmp_path / "half")))

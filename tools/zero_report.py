@@ -29,9 +29,10 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 import torch  # noqa: E402
 
 from megalite.config import ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
-from megalite.data_parallel.accounting import matrix_parameters, model_parameters, zero_theory_bytes  # noqa: E402
+from megalite.data_parallel.accounting import model_parameters, zero_theory_bytes  # noqa: E402
 from megalite.data_parallel.update_rule import DEFAULT_RULE  # noqa: E402
 from megalite.data_parallel.zero import DistributedOptimizer  # noqa: E402
+from megalite.model.counting import total_matrix_parameters  # noqa: E402
 from megalite.model.gpt import GPTModel  # noqa: E402
 from megalite.parallel.comm import count_collectives  # noqa: E402
 from megalite.parallel.grid import build_grid  # noqa: E402
@@ -43,9 +44,13 @@ from tools.tool_errors import one_line_errors, positive, writable  # noqa: E402
 RULE = DEFAULT_RULE  # the update rule measured, and named in the report
 
 
+def model_config(hidden: int, layers: int) -> ModelConfig:
+    return ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=4, vocab_size=512,
+                       seq_length=32, hidden_dropout=0, attention_dropout=0)
+
+
 def measure(rank, world, stage, hidden, layers, fp32_grads):
-    cfg = ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=4, vocab_size=512,
-                      seq_length=32, hidden_dropout=0, attention_dropout=0)
+    cfg = model_config(hidden, layers)
     t = TrainConfig(micro_batch_size=2, bf16=True, clip_grad=1.0)
     grid = build_grid(ParallelConfig(), world, rank)
     model = GPTModel(cfg)
@@ -59,7 +64,7 @@ def measure(rank, world, stage, hidden, layers, fp32_grads):
     train_step(model, opt, batch, t, 0, LossScaler(False), grid)  # warm-up step
     with count_collectives() as stats:
         train_step(model, opt, batch, t, 1, LossScaler(False), grid)
-    return opt.memory_bytes(), (model_parameters(opt), matrix_parameters(opt)), {k: dict(v) for k, v in stats.items()}
+    return opt.memory_bytes(), model_parameters(opt), {k: dict(v) for k, v in stats.items()}
 
 
 def header(rule, n: int, fp32_grads: bool) -> str:
@@ -87,7 +92,8 @@ def main():
     print(header(RULE, n, args.fp32_grads))
     ddp_ring = None
     for stage in range(4):
-        mem, (psi, matrices), stats = run_world(measure, n, stage, args.hidden, args.layers, args.fp32_grads)[0]
+        mem, psi, stats = run_world(measure, n, stage, args.hidden, args.layers, args.fp32_grads)[0]
+        matrices = total_matrix_parameters(model_config(args.hidden, args.layers))  # the rule's matrix class
         theory = zero_theory_bytes(psi, n, stage, 2, g, RULE.bytes_of(False), matrices, RULE.bytes_of(True))
         total = sum(mem.values())
         handed = {k: v["bytes"] for k, v in stats.items()}

@@ -244,7 +244,8 @@ def _write_text_atomic(path: str, text: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _write_ranks(reader, config, layout: GridLayout, out_dir: str, zero: int, model, kinds, partial=frozenset()) -> list:
+def _write_ranks(reader, config, layout: GridLayout, out_dir: str, zero: int, model, kinds,
+                 partial=frozenset()) -> list:
     files, dp = [], layout.dp
     for rank in range(layout.world_size):
         c = layout.coord(rank)

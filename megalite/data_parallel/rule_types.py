@@ -155,23 +155,23 @@ class UpdateRule:
 class StateLayout:
     """Where each state tensor's elements lie, when a rule keeps a state for some parameters only.
 
-    An :class:`UpdateRule` says per parameter class which state
-    tensors it keeps (:meth:`UpdateRule.keeps`; Muon: a matrix
-    keeps ``momentum`` only, every other parameter ``momentum`` and ``exp_avg_sq``). A state every
-    parameter keeps is a flat shard parallel to the master shard (element ``k`` of the state is the
-    state of master element ``k``): AdamW's layout, unchanged. A *scoped* state (kept by the non-matrix
-    parameters only) is a **compact** flat tensor per master shard: the runs ``[a, z)`` of the master
-    shard held by its keepers, laid end to end (adjacent keepers: one run)::
+    An :class:`UpdateRule` says per parameter class which state tensors it keeps
+    (:meth:`UpdateRule.keeps`; Muon: a matrix keeps ``momentum`` only, every other parameter
+    ``momentum`` and ``exp_avg_sq``). A state every parameter keeps is a flat shard parallel to the
+    master shard (element ``k`` of the state is the state of master element ``k``): AdamW's layout,
+    unchanged. A *scoped* state (kept by the non-matrix parameters only) is a **compact** flat
+    tensor per master shard: the runs ``[a, z)`` of the master shard held by its keepers, laid end
+    to end (adjacent keepers: one run)::
 
         master shard   | embedding | qkv (matrix) | norm | fc1 (matrix) | output layer |
-        exp_avg_sq     | embedding |                norm |                output layer |
-                         run 0 at 0                 run 1                run 2
+        exp_avg_sq     | embedding | norm | output layer |
+                         run 0       run 1  run 2
 
     so a Muon matrix costs no byte of it (8 bytes per parameter: master + momentum; 12 for the
-    rest). One compact tensor per shard rather than one per class keeps the allocation, the
-    checkpoint's views and offload's host buffers one tensor per shard, as AdamW's are; a stepper and
-    a checkpoint reach a parameter's slice of it through :meth:`StateLayout.view` (no copy: each
-    piece lies inside one run, as a run never splits a parameter).
+    rest). One compact tensor per shard, rather than one per class, keeps the allocation and the
+    checkpoints' views one tensor per shard, as AdamW's are; a stepper and a checkpoint reach a
+    parameter's slice of it through :meth:`view` (no copy: a piece lies inside one run, as a run
+    never splits a parameter). Each state's runs are made once, from ``places``, on every rank.
 
     ``places``: every parameter piece of this rank's shards (objects with ``name``, ``param``,
     ``shard``, ``start``, ``stop``: :class:`~megalite.data_parallel.rule_types.ParamPlace`);

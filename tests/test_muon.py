@@ -303,6 +303,8 @@ def test_a_muon_matrix_holds_8_bytes_the_rest_12_and_the_planner_counts_them(m):
 MUON_BEFORE_THE_SPLIT = dataclasses.replace(MUON, takes_matrix=None, matrix_state=())
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+@pytest.mark.filterwarnings("ignore:.*deprecating ShardedTensor:FutureWarning")
 @pytest.mark.parametrize("fmt", ["megalite", "torch_dcp"])
 def test_a_checkpoint_holds_each_parameters_own_state_and_one_from_before_the_split_loads(tmp_path, fmt):
     """Saved and loaded (both formats): every state element the run keeps comes back, a Muon

@@ -307,15 +307,17 @@ MUON_BEFORE_THE_SPLIT = dataclasses.replace(MUON, takes_matrix=None, matrix_stat
 @pytest.mark.filterwarnings("ignore:.*deprecating ShardedTensor:FutureWarning")
 @pytest.mark.parametrize("fmt", ["megalite", "torch_dcp"])
 def test_a_checkpoint_holds_each_parameters_own_state_and_one_from_before_the_split_loads(tmp_path, fmt):
-    """Saved and loaded (both formats): every state element the run keeps comes back, a Muon
-    matrix has no exp_avg_sq piece; a checkpoint written by the Muon that kept exp_avg_sq over
-    every parameter loads into today's (only the AdamW-stepped parameters' exp_avg_sq is read)."""
+    """Saved and loaded (both formats, and resharded into the other one by
+    tools/reshard_checkpoint.py): every state element the run keeps comes back, a Muon matrix has
+    no exp_avg_sq piece; a checkpoint written by the Muon that kept exp_avg_sq over every
+    parameter loads into today's (only the AdamW-stepped parameters' exp_avg_sq is read)."""
     import json
     import os
 
     from megalite.checkpoint import load_checkpoint, save_checkpoint, save_dcp_checkpoint
     from megalite.checkpoint.dcp import load_dcp_checkpoint
     from megalite.config import ParallelConfig
+    from tools import reshard_checkpoint
     save, load = {"megalite": (save_checkpoint, load_checkpoint),
                   "torch_dcp": (save_dcp_checkpoint, load_dcp_checkpoint)}[fmt]
     model = dataclasses.replace(DENSE, vocab_size=128)  # no padding rows: every element survives
@@ -331,15 +333,20 @@ def test_a_checkpoint_holds_each_parameters_own_state_and_one_from_before_the_sp
                 shard.copy_(torch.arange(shard.numel()) * (k + 1) / max(shard.numel(), 1) + seed)
         return opt
 
-    for writer in (MUON, MUON_BEFORE_THE_SPLIT):
-        root = str(tmp_path / writer.name / str(writer.takes_matrix is None))
+    other = {"megalite": ("torch_dcp", load_dcp_checkpoint), "torch_dcp": ("megalite", load_checkpoint)}[fmt]
+    for writer, resharded in ((MUON, False), (MUON, True), (MUON_BEFORE_THE_SPLIT, False)):
+        root = str(tmp_path / f"{writer.takes_matrix is None}")
         saved = optimizer(writer, 3)
         save(root, 5, saved, None, config, None, consumed_samples=5)
         record = json.load(open(os.path.join(root, "iter_0000005", "metadata.json")))["update_rule"]
         assert [s.get("held_by") for s in record["state"]] == (
             [None, "non-matrix"] if writer is MUON else [None, None])
         loaded = optimizer(MUON, 7)
-        load(root, loaded, None, config, None)
+        if resharded:  # tools/reshard_checkpoint.py into the other format, which carries what the source holds
+            reshard_checkpoint.reshard(root, str(tmp_path / "other"), to_format=other[0])
+            other[1](str(tmp_path / "other"), loaded, None, config, None)
+        else:
+            load(root, loaded, None, config, None)
         for piece in loaded.places:
             for kind in ("weight", "momentum", "exp_avg_sq"):
                 got = loaded.state_piece(kind, piece.shard, piece.start, piece.stop - piece.start)

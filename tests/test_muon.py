@@ -354,3 +354,15 @@ def test_a_checkpoint_holds_each_parameters_own_state_and_one_from_before_the_sp
                 assert (got is None) == (kind == "exp_avg_sq" and MUON.is_matrix(piece.name, piece.param))
                 if got is not None:
                     assert torch.equal(got, want), (writer.takes_matrix, piece.name, kind)
+
+
+def test_preflight_counts_a_muon_checkpoint_per_class(tmp_path, monkeypatch):
+    """The disk check's bytes: 8 per matrix parameter and 12 per other, from the model's counts."""
+    from megalite.checkpoint.format import CheckpointError
+    from megalite.train import preflight
+    free = 8 * 600 + 12 * 400
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: type("U", (), {"free": free})())
+    preflight.check_save_location(str(tmp_path), 1000, MUON, matrix_parameters=600)  # fits exactly
+    with pytest.raises(CheckpointError, match=r"599 matrix parameters x 8 bytes and 401 others x 12: fp32 weights "
+                                              r"and two Muon/Adam state \(one for a matrix\)"):
+        preflight.check_save_location(str(tmp_path), 1000, MUON, matrix_parameters=599)  # 4 bytes more

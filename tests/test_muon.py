@@ -280,17 +280,21 @@ def held_state_bytes(opt) -> int:
 def test_a_muon_matrix_holds_8_bytes_the_rest_12_and_the_planner_counts_them(m):
     """Master + momentum for a Muon matrix, master + both Adam moments for the rest: what
     DistributedOptimizer allocates, to the byte, equals the planner's count (from the parts'
-    shapes), the accounting's and preflight's; AdamW keeps 12 everywhere. (DP 2 ZeRO-1:
+    shapes), the memory tracker's and the whole model's matrix count preflight uses; AdamW keeps
+    12 everywhere. (DP 2 ZeRO-1:
     test_muon_parallel.py's two-rank world.)"""
     from megalite.data_parallel.accounting import matrix_parameters, model_parameters
     from megalite.data_parallel.rule_types import ADAMW
     from megalite.model.counting import total_matrix_parameters
+    from megalite.observe.memory_tracker import training_tracker
     muon = DistributedOptimizer([GPTModel(m)], TrainConfig(optimizer="muon"), None, overlap=False, rule=MUON)
     psi, matrices = model_parameters(muon), matrix_parameters(muon)
     names = {p: n for n, p in muon.chunks[0].named_parameters()}
     assert matrices == sum(p.numel() for p, n in names.items() if MUON.is_matrix(n, p)) > psi // 2
     assert held_state_bytes(muon) == 8 * matrices + 12 * (psi - matrices) == planned_state_bytes(m, MUON)
     assert sum(s.numel() for s in muon.state["exp_avg_sq"]) == psi - matrices
+    tracked = training_tracker(muon.chunks, muon).summary()["live_by_category"]["optimizer state"]
+    assert tracked == held_state_bytes(muon)  # --track-memory counts the same bytes
     adam = DistributedOptimizer([GPTModel(m)], TrainConfig(), None, overlap=False)
     assert held_state_bytes(adam) == 12 * psi == planned_state_bytes(m, ADAMW)
     assert total_matrix_parameters(m) == matrices  # the whole model's: what preflight's disk check counts

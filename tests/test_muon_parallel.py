@@ -122,9 +122,10 @@ def _two_ranks(rank, world, root):
     runs["resharded"] = _pretrain(BASE + TP2 + ["--muon-tp-mode", "duplicated", "--train-iters", "4",
                                                 "--load", f"{root}/half_tp2"])
     zero1 = ["--zero-stage", "1", "--ddp-bucket-size", "4000", "--train-iters", "4"]
-    runs["tp1_from_tp2dp2"] = _pretrain(BASE + zero1 + ["--load", f"{root}/half_tp1"])  # resharded TP 2 -> 1
-    runs["dcp_from_tp2pp2"] = _pretrain(BASE + zero1 + ["--ckpt-format", "torch_dcp",  # DCP: any layout
-                                                        "--load", f"{root}/tp2pp2_dcp", "--ckpt-step", "2"])
+    runs["tp1_from_tp2dp2"] = _pretrain(BASE + zero1 + ["--load", f"{root}/half_tp1",  # resharded TP 2 -> 1
+                                                        "--save", f"{root}/tp1_from_tp2dp2"])
+    runs["dcp_from_tp2pp2"] = _pretrain(BASE + zero1 + ["--load", f"{root}/tp2pp2_dcp", "--ckpt-step", "2",
+                                                        "--save", f"{root}/dcp_from_tp2pp2"])  # DCP: any layout
     runs["pp2"] = _pretrain(BASE + ["--pipeline-model-parallel-size", "2", "--train-iters", "4", "--save", f"{root}/pp2"])
     runs["zbh1"] = _pretrain(BASE + ["--pipeline-model-parallel-size", "2", "--pipeline-schedule", "zb-h1",
                                      "--train-iters", "4", "--save", f"{root}/zbh1"])
@@ -200,6 +201,7 @@ def test_muon_resumes_exactly_and_the_layouts_equal_one_process(tmp_path):
     reshard_checkpoint.reshard(str(tmp_path / "half"), str(tmp_path / "half_tp2"), tp=2)  # the state carried
     quad = run_world(_four_ranks, 4, str(tmp_path))[0]
     reshard_checkpoint.reshard(str(tmp_path / "tp2dp2" / "iter_0000002"), str(tmp_path / "half_tp1"), tp=1)
+    frobenius = {}
     per_rank = run_world(_two_ranks, 2, str(tmp_path))
     runs = per_rank[0]
     for name, m in (("dense", DENSE), ("moe", MOE_MODEL)):  # the planner's bytes, DP 2 ZeRO-1, to the byte
@@ -208,8 +210,9 @@ def test_muon_resumes_exactly_and_the_layouts_equal_one_process(tmp_path):
     _close(runs["resharded"], full[2:])
     for name in ("tp1_from_tp2dp2", "dcp_from_tp2pp2"):  # TP 2 x DP 2 -> TP 1; TP 2 x PP 2 (DCP) -> DP 2
         _close(runs[name], full[2:])
+        assert _max_relative(_weights(tmp_path / name), serial) < WEIGHT_TOL, name
+        frobenius[name] = _frobenius_relative(_weights(tmp_path / name), serial)
     runs["tp2pp2dp2"] = run_world(_eight_ranks, 8, str(tmp_path), timeout=300.0)[0]
-    frobenius = {}
     for name, baseline, saved in (("duplicated", full, serial), ("duplicatedsp", full, serial),
                                   ("distributed", full, serial), ("distributedsp", full, serial),
                                   ("zero1", full, serial), ("zero2", full, serial), ("pp2", full, serial),

@@ -149,7 +149,7 @@ def test_the_rule_takes_the_matrices_and_leaves_the_rest_to_adamw():
     assert not {"word_embeddings.weight", "output_layer.weight", "layers.1.mlp.router.weight"} & taken
     with pytest.raises(ValueError, match="Muon cannot classify parameter odd of shape"):
         takes_muon("odd", torch.nn.Parameter(torch.zeros(2, 2, 2)))
-    assert MUON.record()["name"] == "muon" and MUON.bytes_per_parameter == 12
+    assert MUON.record()["name"] == "muon" and (MUON.bytes_of(True), MUON.bytes_of(False)) == (8, 12)
 
 
 # -- the settings ----------------------------------------------------------------------------------
@@ -201,7 +201,7 @@ def test_blockwise_is_newton_schulz_per_shard():
             at += p.numel()
         torch.manual_seed(10 + rank)
         grads = [torch.randn(at)]
-        states = {"momentum": [torch.zeros(at)], "exp_avg_sq": [torch.zeros(at)]}
+        states = {"momentum": [torch.zeros(at)], "exp_avg_sq": [torch.zeros(0)]}  # matrices only: no exp_avg_sq
         FlatMuon(masters, states, [[]], t, geometry=ShardGeometry(tuple(places), group, cfg)).step(grads, lr)
         for place in places:
             n, p = place.name, place.param
@@ -253,3 +253,120 @@ def test_a_step_with_found_inf_changes_nothing():
     assert all(torch.equal(x, y) for x, y in zip(before, after)) and opt.step_count == 1
     opt.step(0.02, found_inf=torch.zeros(()))
     assert not torch.equal(before[0], opt.master[0]) and opt.step_count == 2
+
+
+# -- state bytes per class -------------------------------------------------------------------------
+
+DENSE = dataclasses.replace(MODEL, num_experts=None, moe_layer_freq=1)
+MLA_MTP = dataclasses.replace(MODEL, multi_latent_attention=True, q_lora_rank=16, kv_lora_rank=16, qk_head_dim=8,
+                              qk_pos_emb_head_dim=4, v_head_dim=8, num_query_groups=4, mtp_num_layers=1,
+                              moe_shared_expert_intermediate_size=32, position_embedding_type="rope")
+
+
+def planned_state_bytes(m, rule, dp: int = 1, zero: int = 0) -> float:
+    """The planner's fp32 master + optimizer-state bytes of one rank (pipeline stage 0)."""
+    from megalite.planner.estimate import stage_memory
+    from megalite.planner.types import Layout, precision
+    layout = Layout(dp=dp, zero=zero, experts=bool(m.num_experts))
+    return stage_memory(m, layout, 0, 1, 1, precision("bf16", rule=rule))[1]["master_and_optimizer"]
+
+
+def held_state_bytes(opt) -> int:
+    mem = opt.memory_bytes()
+    return mem["master_weights"] + mem["optimizer_state"]
+
+
+@pytest.mark.parametrize("m", [DENSE, MODEL, MLA_MTP], ids=["gqa_swiglu", "moe", "mla_shared_mtp"])
+def test_a_muon_matrix_holds_8_bytes_the_rest_12_and_the_planner_counts_them(m):
+    """Master + momentum for a Muon matrix, master + both Adam moments for the rest: what
+    DistributedOptimizer allocates, to the byte, equals the planner's count (from the parts'
+    shapes), the memory tracker's and the whole model's matrix count preflight uses; AdamW keeps
+    12 everywhere. (DP 2 ZeRO-1:
+    test_muon_parallel.py's two-rank world.)"""
+    from megalite.data_parallel.accounting import matrix_parameters, model_parameters
+    from megalite.data_parallel.rule_types import ADAMW
+    from megalite.model.counting import total_matrix_parameters
+    from megalite.observe.memory_tracker import training_tracker
+    muon = DistributedOptimizer([GPTModel(m)], TrainConfig(optimizer="muon"), None, overlap=False, rule=MUON)
+    psi, matrices = model_parameters(muon), matrix_parameters(muon)
+    names = {p: n for n, p in muon.chunks[0].named_parameters()}
+    assert matrices == sum(p.numel() for p, n in names.items() if MUON.is_matrix(n, p)) > psi // 2
+    assert held_state_bytes(muon) == 8 * matrices + 12 * (psi - matrices) == planned_state_bytes(m, MUON)
+    assert sum(s.numel() for s in muon.state["exp_avg_sq"]) == psi - matrices
+    tracked = training_tracker(muon.chunks, muon).summary()["live_by_category"]["optimizer state"]
+    assert tracked == held_state_bytes(muon)  # --track-memory counts the same bytes
+    adam = DistributedOptimizer([GPTModel(m)], TrainConfig(), None, overlap=False)
+    assert held_state_bytes(adam) == 12 * psi == planned_state_bytes(m, ADAMW)
+    assert total_matrix_parameters(m) == matrices  # the whole model's: what preflight's disk check counts
+    for piece in muon.places:
+        kept = muon.state_piece("exp_avg_sq", piece.shard, piece.start, piece.stop - piece.start)
+        assert (kept is None) == MUON.is_matrix(piece.name, piece.param), piece.name
+
+
+# Muon as it was before the per-class state: exp_avg_sq over every parameter, no "held_by" mark.
+MUON_BEFORE_THE_SPLIT = dataclasses.replace(MUON, takes_matrix=None, matrix_state=())
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+@pytest.mark.filterwarnings("ignore:.*deprecating ShardedTensor:FutureWarning")
+@pytest.mark.parametrize("fmt", ["megalite", "torch_dcp"])
+def test_a_checkpoint_holds_each_parameters_own_state_and_one_from_before_the_split_loads(tmp_path, fmt):
+    """Saved and loaded (both formats, and resharded into the other one by
+    tools/reshard_checkpoint.py): every state element the run keeps comes back, a Muon matrix has
+    no exp_avg_sq piece; a checkpoint written by the Muon that kept exp_avg_sq over every
+    parameter loads into today's (only the AdamW-stepped parameters' exp_avg_sq is read)."""
+    import json
+    import os
+
+    from megalite.checkpoint import load_checkpoint, save_checkpoint, save_dcp_checkpoint
+    from megalite.checkpoint.dcp import load_dcp_checkpoint
+    from megalite.config import ParallelConfig
+    from tools import reshard_checkpoint
+    save, load = {"megalite": (save_checkpoint, load_checkpoint),
+                  "torch_dcp": (save_dcp_checkpoint, load_dcp_checkpoint)}[fmt]
+    model = dataclasses.replace(DENSE, vocab_size=128)  # no padding rows: every element survives
+    config = Config(model, ParallelConfig(), TrainConfig(optimizer="muon", micro_batch_size=1, global_batch_size=1),
+                    DataConfig(mock_data=True))
+
+    def optimizer(rule, seed):
+        model = GPTModel(config.model)
+        model.init_weights(seed)
+        opt = DistributedOptimizer([model], config.train, None, overlap=False, rule=rule)
+        for k, shards in enumerate(opt.state.values()):  # state unlike the weights and unlike zero
+            for shard in shards:
+                shard.copy_(torch.arange(shard.numel()) * (k + 1) / max(shard.numel(), 1) + seed)
+        return opt
+
+    other = {"megalite": ("torch_dcp", load_dcp_checkpoint), "torch_dcp": ("megalite", load_checkpoint)}[fmt]
+    for writer, resharded in ((MUON, False), (MUON, True), (MUON_BEFORE_THE_SPLIT, False)):
+        root = str(tmp_path / f"{writer.takes_matrix is None}")
+        saved = optimizer(writer, 3)
+        save(root, 5, saved, None, config, None, consumed_samples=5)
+        record = json.load(open(os.path.join(root, "iter_0000005", "metadata.json")))["update_rule"]
+        assert [s.get("held_by") for s in record["state"]] == (
+            [None, "non-matrix"] if writer is MUON else [None, None])
+        loaded = optimizer(MUON, 7)
+        if resharded:  # tools/reshard_checkpoint.py into the other format, which carries what the source holds
+            reshard_checkpoint.reshard(root, str(tmp_path / "other"), to_format=other[0])
+            other[1](str(tmp_path / "other"), loaded, None, config, None)
+        else:
+            load(root, loaded, None, config, None)
+        for piece in loaded.places:
+            for kind in ("weight", "momentum", "exp_avg_sq"):
+                got = loaded.state_piece(kind, piece.shard, piece.start, piece.stop - piece.start)
+                want = saved.state_piece(kind, piece.shard, piece.start, piece.stop - piece.start)
+                assert (got is None) == (kind == "exp_avg_sq" and MUON.is_matrix(piece.name, piece.param))
+                if got is not None:
+                    assert torch.equal(got, want), (writer.takes_matrix, piece.name, kind)
+
+
+def test_preflight_counts_a_muon_checkpoint_per_class(tmp_path, monkeypatch):
+    """The disk check's bytes: 8 per matrix parameter and 12 per other, from the model's counts."""
+    from megalite.checkpoint.format import CheckpointError
+    from megalite.train import preflight
+    free = 8 * 600 + 12 * 400
+    monkeypatch.setattr(preflight.shutil, "disk_usage", lambda path: type("U", (), {"free": free})())
+    preflight.check_save_location(str(tmp_path), 1000, MUON, matrix_parameters=600)  # fits exactly
+    with pytest.raises(CheckpointError, match=r"599 matrix parameters x 8 bytes and 401 others x 12: fp32 weights "
+                                              r"and two Muon/Adam state \(one for a matrix\)"):
+        preflight.check_save_location(str(tmp_path), 1000, MUON, matrix_parameters=599)  # 4 bytes more

@@ -18,7 +18,8 @@ or the root of the iteration SRC names) and not hold it; an existing iteration i
 For every rank of the target layout, one after another, it builds that rank's model shard
 on the meta device (shapes only), assembles each of its parameters' full tensors from the
 source pieces (master weights and the optimizer state of the update rule the source's
-metadata.json records, e.g. AdamW's two moments), cuts the rank's tensor-parallel shard and,
+metadata.json records, e.g. AdamW's two moments; a state it keeps for some parameters only, as
+Muon's ``exp_avg_sq``, for those), cuts the rank's tensor-parallel shard and,
 with ZeRO (Z >= 1), the rank's 1/D of it, and writes the rank's file. Memory stays near one
 full tensor plus one rank's file. The result loads under the target layout (or any other:
 loading re-slices pieces whatever their layout). RNG states are not carried over (training
@@ -51,7 +52,7 @@ from megalite.checkpoint.names import global_pieces  # noqa: E402
 from megalite.checkpoint.format import (FORMAT_VERSION, TOKENIZER_DIR, VOCAB_PARAMS, CheckpointError,  # noqa: E402
                                         PieceReader, fsync_path, iteration_dir, resolve_checkpoint,
                                         write_json_atomic, write_rank_files)
-from megalite.checkpoint.rule_record import RULE_KEY, saved_kinds, saved_rule_record  # noqa: E402
+from megalite.checkpoint.rule_record import RULE_KEY, partial_states, saved_kinds, saved_rule_record  # noqa: E402
 from megalite.checkpoint.expert_bias import KIND as BIAS_KIND  # noqa: E402
 from megalite.checkpoint.serial import model_config_from  # noqa: E402
 from megalite.checkpoint.settings import CARRIED  # noqa: E402
@@ -205,10 +206,11 @@ def reshard(src: str, dst: str, tp=None, pp=None, vp_layers=SOURCE, dp=None, zer
     try:
         # The master weights and the state of the rule that wrote the source (its own record).
         kinds = saved_kinds(meta, src_dir) if not meta.get("weights_only") else (MASTER_KIND,)
+        partial = partial_states(meta, src_dir)  # held for some parameters only (Muon's exp_avg_sq)
         if to_format == CKPT_FORMAT:
-            files = _write_dcp(reader, tmp, model, kinds)
+            files = _write_dcp(reader, tmp, model, kinds, partial)
         else:
-            files = _write_ranks(reader, config, layout, tmp, zero, model, kinds)
+            files = _write_ranks(reader, config, layout, tmp, zero, model, kinds, partial)
         # The folders the metadata refers to: an HF import's tokenizer and generation config,
         # and the tokenizer the run trained with (its record stays in the metadata).
         for folder in (CARRIED, TOKENIZER_DIR):
@@ -242,7 +244,8 @@ def _write_text_atomic(path: str, text: str) -> None:
     os.replace(path + ".tmp", path)
 
 
-def _write_ranks(reader, config, layout: GridLayout, out_dir: str, zero: int, model, kinds) -> list:
+def _write_ranks(reader, config, layout: GridLayout, out_dir: str, zero: int, model, kinds,
+                 partial=frozenset()) -> list:
     files, dp = [], layout.dp
     for rank in range(layout.world_size):
         c = layout.coord(rank)
@@ -264,6 +267,8 @@ def _write_ranks(reader, config, layout: GridLayout, out_dir: str, zero: int, mo
                 for global_name, _, n, _ in parts:
                     lo, hi = (share[0] * n // share[1], (share[0] + 1) * n // share[1]) if zero >= 1 else (0, n)
                     for kind in kinds:
+                        if kind in partial and not reader.has(global_name, kind):
+                            continue  # a state the source's rule keeps not for this parameter
                         full = reader.full_tensor(global_name, kind, model.vocab_size)
                         if global_name in VOCAB_PARAMS:
                             full = torch.cat([full, torch.zeros(p.full_shape[0] - full.shape[0], *full.shape[1:])])
@@ -283,13 +288,15 @@ def _write_ranks(reader, config, layout: GridLayout, out_dir: str, zero: int, mo
     return files
 
 
-def _write_dcp(reader, out_dir: str, model, kinds) -> list:
+def _write_dcp(reader, out_dir: str, model, kinds, partial=frozenset()) -> list:
     """DCP's files holding every full tensor of the source (vocabulary rows unpadded): of each
-    of ``kinds`` (the weights, and the update rule's state unless weights-only), and the FP8
-    scaling state. No rank files."""
+    of ``kinds`` (the weights, and the update rule's state unless weights-only; of a state in
+    ``partial``, the parameters the source holds it for), and the FP8 scaling state. No rank files."""
     tensors = {}
     for kind in kinds:
         for name in reader.names(MASTER_KIND):
+            if kind in partial and not reader.has(name, kind):
+                continue
             tensors[f"{kind}/{name}"] = reader.full_tensor(name, kind, model.vocab_size)
     for kind in ("fp8", BIAS_KIND):
         for name in reader.names(kind):

@@ -4,7 +4,8 @@ real gloo world on CPU, against the ZeRO arithmetic and ring-collective theory.
 
 Memory: bytes this rank holds between steps (weights, gradients, fp32 master weights, the
 update rule's state), from DistributedOptimizer.memory_bytes(), against the ZeRO arithmetic
-with the rule's bytes per parameter K (master weights and state; AdamW: 12):
+with the rule's bytes per parameter K (master weights and state; AdamW: 12; a rule with a matrix
+class, Muon, counts its matrices at their own bytes, 8):
 DDP (4 + K) Psi, ZeRO-1 4 Psi + K Psi/N, ZeRO-2 2 Psi + (2 + K) Psi/N, ZeRO-3 (4 + K) Psi/N
 (bf16 weights and gradients; with --fp32-grads the gradient terms take 4 bytes). The rule is
 the default one (what pretrain_gpt.py trains with); its name and state come from the rule.
@@ -31,6 +32,7 @@ from megalite.config import ModelConfig, ParallelConfig, TrainConfig  # noqa: E4
 from megalite.data_parallel.accounting import model_parameters, zero_theory_bytes  # noqa: E402
 from megalite.data_parallel.update_rule import DEFAULT_RULE  # noqa: E402
 from megalite.data_parallel.zero import DistributedOptimizer  # noqa: E402
+from megalite.model.counting import total_matrix_parameters  # noqa: E402
 from megalite.model.gpt import GPTModel  # noqa: E402
 from megalite.parallel.comm import count_collectives  # noqa: E402
 from megalite.parallel.grid import build_grid  # noqa: E402
@@ -42,9 +44,13 @@ from tools.tool_errors import one_line_errors, positive, writable  # noqa: E402
 RULE = DEFAULT_RULE  # the update rule measured, and named in the report
 
 
+def model_config(hidden: int, layers: int) -> ModelConfig:
+    return ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=4, vocab_size=512,
+                       seq_length=32, hidden_dropout=0, attention_dropout=0)
+
+
 def measure(rank, world, stage, hidden, layers, fp32_grads):
-    cfg = ModelConfig(num_layers=layers, hidden_size=hidden, num_attention_heads=4, vocab_size=512,
-                      seq_length=32, hidden_dropout=0, attention_dropout=0)
+    cfg = model_config(hidden, layers)
     t = TrainConfig(micro_batch_size=2, bf16=True, clip_grad=1.0)
     grid = build_grid(ParallelConfig(), world, rank)
     model = GPTModel(cfg)
@@ -65,7 +71,7 @@ def header(rule, n: int, fp32_grads: bool) -> str:
     """The report's first two lines: the setting, with the update rule's name, state and bytes per
     parameter in its own words, and the table's columns (the state column named after the rule)."""
     return (f"DP={n}, bf16 weights, {'fp32' if fp32_grads else 'bf16'} gradients, {rule.name} (fp32 master + "
-            f"{rule.describe_state()}: {rule.bytes_per_parameter} bytes per parameter)\n"
+            f"{rule.describe_state()}: {rule.describe_bytes()})\n"
             f"{'stage':>5} {'weights':>9} {'grads':>9} {'master':>9} {rule.name:>9} {'total':>10} {'theory':>10} "
             f"{'ratio':>6} | {'handed':>10} {'ring/rank':>10} {'theory':>10} {'ratio':>6}")
 
@@ -87,7 +93,8 @@ def main():
     ddp_ring = None
     for stage in range(4):
         mem, psi, stats = run_world(measure, n, stage, args.hidden, args.layers, args.fp32_grads)[0]
-        theory = zero_theory_bytes(psi, n, stage, 2, g, RULE.bytes_per_parameter)
+        matrices = total_matrix_parameters(model_config(args.hidden, args.layers))  # the rule's matrix class
+        theory = zero_theory_bytes(psi, n, stage, 2, g, RULE.bytes_of(False), matrices, RULE.bytes_of(True))
         total = sum(mem.values())
         handed = {k: v["bytes"] for k, v in stats.items()}
         ring = (2 * handed.get("all_reduce", 0) + handed.get("all_gather", 0)

@@ -13,8 +13,9 @@ writing and committing on a background thread (``--async-save``), with the same 
 
 Load (``--load DIR``: its 'latest'; ``--load DIR --ckpt-step N`` or ``--load DIR/iter_N``:
 that iteration, see :func:`megalite.checkpoint.format.resolve_checkpoint`): every rank fills
-its optimizer shards (fp32 master weights, the update rule's state) from the full tensors of
-the checkpoint, cut for *its* layout, then publishes the weights to the model; optimizer state
+its optimizer shards (fp32 master weights, the update rule's state: per parameter the state
+tensors the rule keeps for it, :meth:`megalite.data_parallel.zero.DistributedOptimizer.state_piece`)
+from the full tensors of the checkpoint, cut for *its* layout, then publishes the weights to the model; optimizer state
 written by another rule is refused first (:mod:`megalite.checkpoint.rule_record`). With the same layout it also restores its RNG streams, so a resumed run repeats the
 uninterrupted one bit for bit.
 """
@@ -95,13 +96,15 @@ def rank_state(optimizer, grid) -> tuple[dict[str, torch.Tensor], list[dict]]:
     copied into host buffers, :mod:`megalite.checkpoint.async_save`)."""
     c = _coords(grid)
     tensors, pieces = {}, []
-    states = optimizer.shards_by_kind()
     for i, p, name, shape, (a, z), offset in _param_ranges(optimizer):
         if not _owns(p, c, optimizer.stage):
             continue
         for kind in optimizer.rule.checkpoint_kinds:
+            values = optimizer.state_piece(kind, i, offset, z - a)
+            if values is None:  # a state the rule keeps not for this parameter (a Muon matrix's exp_avg_sq)
+                continue
             key = f"{kind}/{name}/tp{c['tp_rank']}/{a}"
-            tensors[key] = states[kind][i][offset: offset + z - a].float()
+            tensors[key] = values.float()
             pieces.append({"key": key, "name": name, "kind": kind, "tp_rank": c["tp_rank"],
                            "tp_size": c["tp_size"], "split": _split_of(p), "local_shape": list(shape),
                            "range": [a, z]})
@@ -299,7 +302,6 @@ def load_checkpoint(root: str, optimizer, scaler, config, grid, load_optimizer: 
     meta = reader.metadata
     check_config(meta["config"]["model"], config.model)
     vocab = config.model.vocab_size
-    states = optimizer.shards_by_kind()
     with_optim = load_optimizer and not meta.get("weights_only")
     check_update_rule(meta, optimizer.rule, with_optim, reader.directory)  # before any file is read
     kinds = optimizer.rule.checkpoint_kinds if with_optim else (MASTER_KIND,)
@@ -310,8 +312,10 @@ def load_checkpoint(root: str, optimizer, scaler, config, grid, load_optimizer: 
                    grid)  # every rank's files are sound, or every rank stops with the first fault found
     for i, p, name, shape, (a, z), offset in _param_ranges(optimizer):
         for kind in kinds:
-            values = _local_values(reader, p, name, shape, kind, vocab, c)
-            states[kind][i][offset: offset + z - a] = values[a:z].to(states[kind][i].device)
+            target = optimizer.state_piece(kind, i, offset, z - a)
+            if target is None:  # not kept for this parameter (a checkpoint may hold it: read only what the run keeps)
+                continue
+            target.copy_(_local_values(reader, p, name, shape, kind, vocab, c)[a:z])
     finish_optimizer_load(meta, optimizer, scaler, with_optim)
     fp8_names = reader.names("fp8")
     if fp8_names and fp8:  # any layout: the state is the stage's

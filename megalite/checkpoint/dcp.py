@@ -2,7 +2,8 @@
 
 The state dict uses megalite's global names: ``weight/<name>`` (fp32 master weights),
 then one key per state tensor of the update rule (AdamW: ``exp_avg/<name>``, ``exp_avg_sq/<name>``,
-the Adam moments; metadata.json's ``update_rule`` record names them), ``fp8/<module>.<state>``
+the Adam moments; metadata.json's ``update_rule`` record names them; a state the rule keeps for
+some parameters only, Muon's ``exp_avg_sq``, has keys for those only), ``fp8/<module>.<state>``
 (transformer-engine's scaling state, if any), ``expert_bias/<module>`` (the routers' expert
 biases, :mod:`megalite.checkpoint.expert_bias`) and ``rng/rankXXXXX/<stream>`` (each rank's
 random streams). Parameter tensors have their *global* shape, vocabulary rows unpadded, so
@@ -127,11 +128,12 @@ def load_dcp_checkpoint(root: str, optimizer, scaler, config, grid, load_optimiz
         state[k] = torch.empty(list(stored[k].size), dtype=stored[k].properties.dtype)
     with read_errors(directory):
         dcp.load(state, storage_reader=dcp.FileSystemReader(directory), process_group=group, no_dist=group is None)
-    states = optimizer.shards_by_kind()
     for i, _, name, _, (a, z), offset in _param_ranges(optimizer):
         if name in VOCAB_PARAMS:  # the padding rows (in no box) are zero, as in core's load
             for kind in kinds:
-                states[kind][i][offset: offset + z - a].zero_()
+                target = optimizer.state_piece(kind, i, offset, z - a)
+                if target is not None:
+                    target.zero_()
     for view, loaded in fills:
         view.copy_(loaded)
     if bias_keys:  # any layout: the stage's layers, whole (megalite.checkpoint.expert_bias)

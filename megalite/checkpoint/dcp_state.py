@@ -51,15 +51,17 @@ def sharded(shape, boxes, rank: int, group) -> ShardedTensor:
 
 
 def _rank_boxes(optimizer, c, vocab: int, kinds, owned_only: bool):
-    """{(kind, name): (global shape, [(offsets, view of the optimizer state)])} for this rank."""
-    states = optimizer.shards_by_kind()
+    """{(kind, name): (global shape, [(offsets, view of the optimizer state)])} for this rank: each
+    kind a parameter keeps (:meth:`~megalite.data_parallel.zero.DistributedOptimizer.state_piece`)."""
     out: dict = {}
     for i, p, name, shape, (a, z), offset in _param_ranges(optimizer):
         if owned_only and not _owns(p, c, optimizer.stage):
             continue
         split = _split_of(p)
         for kind in kinds:
-            values = states[kind][i][offset: offset + z - a]
+            values = optimizer.state_piece(kind, i, offset, z - a)
+            if values is None:  # not kept for this parameter (a Muon matrix's exp_avg_sq): no key
+                continue
             gshape = global_shape(name, shape, split, c["tp_size"], vocab)
             entry = out.setdefault((kind, name), (gshape, []))
             entry[1].extend(piece_boxes(name, list(shape), split, c["tp_rank"], c["tp_size"], a, z, vocab, values))

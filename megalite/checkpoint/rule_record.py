@@ -7,6 +7,13 @@ record, never from a constant: a checkpoint written with another rule is reshard
 and loaded with *its* state. A checkpoint older than the record was written by AdamW, the only
 rule there was, and reads as AdamW's record.
 
+A state the rule keeps for its non-matrix parameters only (Muon's ``exp_avg_sq``) is marked
+``"held_by": "non-matrix"`` in the record, and the checkpoint holds no piece of it for a matrix
+(:func:`partial_states`: the tools copy what is there). A load reads, per parameter, only the
+state the run's rule keeps for it, so a Muon checkpoint written before that split (an
+``exp_avg_sq`` piece for every parameter, zero and unused on the matrices, and no mark) loads
+unchanged: its matrices' ``exp_avg_sq`` pieces are not read.
+
 Loading the optimizer state of a checkpoint into a run whose rule differs (another name or other
 state tensors) is refused before any tensor is read (:func:`check_update_rule`); a run that
 loads the weights only (``--finetune``, ``--no-load-optim``, a weights-only checkpoint) starts
@@ -44,6 +51,11 @@ def saved_state_names(meta: dict, directory: str = "") -> tuple[str, ...]:
 def saved_kinds(meta: dict, directory: str = "") -> tuple[str, ...]:
     """What the checkpoint stores per parameter: the master weights, then its rule's state tensors."""
     return (MASTER_KIND, *saved_state_names(meta, directory))
+
+
+def partial_states(meta: dict, directory: str = "") -> frozenset[str]:
+    """The state tensors the checkpoint holds for some parameters only (``"held_by"`` in its record)."""
+    return frozenset(s["name"] for s in saved_rule_record(meta, directory)["state"] if s.get("held_by"))
 
 
 def _describe(record: dict) -> str:

@@ -61,10 +61,18 @@ collectives of the bucket's fp32 elements (4 bytes per parameter each) beside Ad
 then all-gather the new weights, in the model dtype). ZeRO-3 and offload are refused by
 ``validate()``.
 
-**State**: ``momentum`` (Muon's M over the Muon matrices; AdamW's first moment over the rest)
-and ``exp_avg_sq`` (AdamW's second moment; allocated over the Muon matrices too, unused there:
-the flat shards are one allocation per bucket). So ``bytes_per_parameter`` is AdamW's 12, truthfully
-what is held; only 8 per Muon parameter are used.
+**State**, per parameter class (the rule's ``takes_matrix`` is :func:`takes_muon`, its
+``matrix_state`` the momentum): ``momentum`` over every parameter (Muon's M over the matrices,
+AdamW's first moment over the rest) and ``exp_avg_sq`` (AdamW's second moment) over the
+AdamW-stepped parameters only, a compact tensor per shard
+(:class:`~megalite.data_parallel.rule_types.StateLayout`). So a Muon matrix holds 8 bytes per
+parameter (fp32 master + momentum) and every other parameter 12, as Megatron's Muon: what the
+allocation, the memory accounting, the planners and preflight count
+(:meth:`~megalite.data_parallel.rule_types.UpdateRule.bytes_of`). A checkpoint holds
+``weight`` and ``momentum`` of every parameter and ``exp_avg_sq`` of the AdamW-stepped ones (its
+rule record marks that state ``"held_by": "non-matrix"``); one written before this split (an
+``exp_avg_sq`` piece for every parameter, all zero on the matrices) still loads: a load reads
+only the pieces the run keeps.
 """
 from __future__ import annotations
 
@@ -74,7 +82,7 @@ import math
 import torch
 
 from megalite.data_parallel.adamw import FlatAdamW
-from megalite.data_parallel.rule_types import ADAMW, BucketLayout, DeviceStepCount, UpdateRule
+from megalite.data_parallel.rule_types import ADAMW, BucketLayout, DeviceStepCount, StateLayout, UpdateRule
 from megalite.parallel import comm
 from megalite.parallel.sharding import gather_full, is_expert, shard_tensor
 
@@ -205,6 +213,7 @@ class FlatMuon(DeviceStepCount):
         super().__init__(masters)
         self.t, self.tp_group, self.model = t, geometry.tp_group, geometry.model
         self.masters, self.momentum = masters, states[MOMENTUM]
+        layout = geometry.state_layout or StateLayout(MUON, geometry.places, [m.numel() for m in masters])
         self.buckets = geometry.buckets or tuple(  # a hand-made geometry (tests): each shard its own bucket
             BucketLayout(0, m.numel(), m.numel(), None, False,
                          tuple((pl.name, pl.param, pl.start) for pl in geometry.places if pl.shard == i))
@@ -218,7 +227,7 @@ class FlatMuon(DeviceStepCount):
                 continue
             adam["w"].append(masters[i][a:z])
             adam["m"].append(states[MOMENTUM][i][a:z])
-            adam["v"].append(states[SECOND_MOMENT][i][a:z])
+            adam["v"].append(layout.view(states[SECOND_MOMENT][i], SECOND_MOMENT, i, a, z))  # compact
             inside = any(lo <= a and z <= hi for lo, hi in decay_ranges[i])
             adam["decay"].append([(0, z - a)] if inside else [])
             adam["where"].append((i, a, z))
@@ -308,4 +317,4 @@ def _build_muon(masters, states, decay_ranges, t, *, geometry) -> FlatMuon:
 
 
 MUON = UpdateRule("muon", (MOMENTUM, SECOND_MOMENT), _build_muon, state_label="Muon/Adam state",
-                  wants_geometry=True)
+                  wants_geometry=True, takes_matrix=takes_muon, matrix_state=(MOMENTUM,))

@@ -8,6 +8,11 @@ An :class:`UpdateRule` is the one place that knows an optimizer's per-parameter 
 - ``state_bytes`` and ``bytes_per_parameter``: the bytes of that state per parameter, and of
   state plus fp32 master weights (AdamW: 8 and 12), which the ZeRO arithmetic, the planner,
   the MoE planner and the preflight disk check count;
+- per parameter class, optionally: ``takes_matrix`` (which parameters are the rule's matrices)
+  and ``matrix_state`` (the state tensors a matrix keeps; the rest keep all): Muon's matrices
+  keep ``momentum`` only, so ``bytes_of(True)`` is 8 and ``bytes_of(False)`` 12; ``keeps``
+  answers per parameter, :class:`StateLayout` lays such a state out compactly, and the byte
+  counts above go per class (``state_bytes_total``);
 - ``build``: its step on flat shards, made from the master shards, the state shards by name,
   the decayed index ranges and the training config (AdamW:
   :class:`megalite.data_parallel.adamw.FlatAdamW`);
@@ -33,7 +38,7 @@ from __future__ import annotations
 from megalite.data_parallel.muon import MUON
 from megalite.data_parallel.rule_types import (ADAMW, DEFAULT_RULE, FP32_BYTES, MASTER_KIND, NUMBER_WORDS,  # noqa: F401
                                                STATE_DTYPE, BucketLayout, DeviceStepCount, ParamPlace,
-                                               ShardGeometry, UpdateRule)
+                                               ShardGeometry, StateLayout, UpdateRule)
 
 RULES: dict[str, UpdateRule] = {}  # by the name a run asks for (Megatron's --optimizer NAME)
 

@@ -33,7 +33,7 @@ from megalite.config import TrainConfig
 from megalite.data_parallel.ddp import GradSync, group_by_size
 from megalite.data_parallel.sharded_params import ShardedParameters
 from megalite.data_parallel.update_rule import (DEFAULT_RULE, MASTER_KIND, BucketLayout, ParamPlace, ShardGeometry,
-                                                UpdateRule)
+                                                StateLayout, UpdateRule)
 from megalite.host_memory import HostBuffer
 from megalite.observe.memory_tracker import category
 from megalite.pipeline.plan import resolve_schedule
@@ -64,7 +64,10 @@ def host_device(device: torch.device) -> torch.device:
 class DistributedOptimizer:
     """An update rule (AdamW unless told otherwise) over DP-sharded fp32 master weights; see the
     module docstring. The rule's state shards are in ``state`` by name, and are attributes too
-    (``exp_avg``, ``exp_avg_sq`` for AdamW)."""
+    (``exp_avg``, ``exp_avg_sq`` for AdamW). A state the rule keeps for some parameters only
+    (Muon's ``exp_avg_sq``: not for its matrices) is a compact tensor per shard over its keepers'
+    elements (:class:`~megalite.data_parallel.rule_types.StateLayout`, ``state_layout``); read a
+    parameter's slice of any kind through :meth:`state_piece`."""
 
     def __init__(self, chunks, t: TrainConfig, grid, *, stage: int = 0, bucket_size: int = 40_000_000,
                  overlap: bool = True, offload: bool = False, param_dtype: torch.dtype = torch.float32,
@@ -112,6 +115,8 @@ class DistributedOptimizer:
         pinned = offload and self.device.type == "cuda"
         tp_rank = grid.tp_rank if grid is not None else 0
         self.master = []
+        self.places = self._places(names)  # every parameter piece of this rank's shards
+        self.state_layout = StateLayout(rule, self.places, [b.shard[1] - b.shard[0] for b in self.sync.buckets])
         self.state: dict[str, list[torch.Tensor]] = {name: [] for name in rule.state_names}
         for name, shards in self.state.items():  # optimizer.exp_avg etc., as before the rule seam
             if hasattr(self, name):
@@ -122,7 +127,7 @@ class DistributedOptimizer:
         self.decay_ranges, self.norm_ranges, self.sp_ranges = [], [], []
         self._host_grad, self._host_weight = [], []  # offload: pinned staging buffers
         self._host_staging = HostBuffer()  # offload: the one allocation they are views of
-        for b in self.sync.buckets:
+        for i, b in enumerate(self.sync.buckets):
             lo, hi = b.shard  # the fp32 master shard, straight from the (still fp32) weights
             master = torch.zeros(hi - lo, dtype=torch.float32, device=self.device)
             for p, (start, numel) in zip(b.params, b.offsets):
@@ -130,8 +135,9 @@ class DistributedOptimizer:
                 if a < z:
                     master[a - lo: z - lo] = p.detach().reshape(-1)[a - start: z - start]
             self.master.append(master.to(self.state_device))
-            for shards in self.state.values():
-                shards.append(torch.zeros(hi - lo, device=self.state_device))
+            for name, shards in self.state.items():  # hi - lo elements, or its keepers' (StateLayout)
+                shards.append(torch.zeros(self.state_layout.numel(name, i),
+                                          device=self.state_device))
             self.decay_ranges.append(_shard_ranges(b, b.shard, lambda p: p.ndim >= 2 and "norm" not in names[p]))
             self.norm_ranges.append(_shard_ranges(b, b.shard, lambda p: not getattr(p, "embedding_copy", False)
                                                   and (is_tensor_parallel(p) or is_expert(p) or tp_rank == 0)))
@@ -152,19 +158,33 @@ class DistributedOptimizer:
         self._update_waits: list = []  # CUDA events the next update waits for (wait_before_next_update)
         self.sharded = ShardedParameters(self.chunks, self.sync, self.group) if stage == 3 else None
 
-    def _geometry(self, names) -> ShardGeometry:
-        """Where each parameter lies in this rank's master shards, for a rule that asks."""
-        places, buckets = [], []
+    def _places(self, names) -> tuple:
+        """Where each parameter lies in this rank's master shards (:class:`ParamPlace`, in shard order)."""
+        places = []
         for i, b in enumerate(self.sync.buckets):
             lo, hi = b.shard
             for p, (start, numel) in zip(b.params, b.offsets):
                 a, z = max(start, lo), min(start + numel, hi)
                 if a < z:
                     places.append(ParamPlace(names[p], p, i, a - lo, z - lo, a - start))
-            buckets.append(BucketLayout(lo, hi, b.numel, b.group, self.stage >= 1 and b.size > 1,
-                                        tuple((names[p], p, start) for p, (start, _) in zip(b.params, b.offsets))))
-        return ShardGeometry(tuple(places), self.grid.tp_group if self.grid is not None else None,
-                             getattr(self.chunks[0], "cfg", None), tuple(buckets))
+        return tuple(places)
+
+    def _geometry(self, names) -> ShardGeometry:
+        """Where each parameter lies in this rank's master shards, for a rule that asks."""
+        buckets = [BucketLayout(b.shard[0], b.shard[1], b.numel, b.group, self.stage >= 1 and b.size > 1,
+                                tuple((names[p], p, start) for p, (start, _) in zip(b.params, b.offsets)))
+                   for b in self.sync.buckets]
+        return ShardGeometry(self.places, self.grid.tp_group if self.grid is not None else None,
+                             getattr(self.chunks[0], "cfg", None), tuple(buckets), self.state_layout)
+
+    def state_piece(self, kind: str, shard: int, offset: int, count: int) -> torch.Tensor | None:
+        """Master shard ``shard``'s elements ``[offset, offset + count)`` (one parameter's) of
+        checkpoint kind ``kind`` (the master weights or a state tensor), a view; None where the
+        rule keeps no such state for that parameter (a Muon matrix's ``exp_avg_sq``). The one
+        way the checkpoint writers and readers reach the state."""
+        if kind == MASTER_KIND:
+            return self.master[shard][offset: offset + count]
+        return self.state_layout.view(self.state[kind][shard], kind, shard, offset, offset + count)
 
     # -- the train-step protocol ------------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True, num_micro: int = 1) -> None:

@@ -89,6 +89,21 @@ class PartShape:
         return split, replicated
 
     @classmethod
+    def extra_matrices(cls, m) -> tuple[int, int]:
+        """(split over TP, replicated) elements of the weight matrices among ``extra_parameters``."""
+        return 0, 0
+
+    @classmethod
+    def matrix_counts(cls, m, *size) -> tuple[int, int]:
+        """(split over TP, replicated) elements of the part's weight matrices, full size: each
+        linear's weight and the extra matrices; not its biases or norms. These are the hidden
+        matrices an update rule with a matrix class steps as matrices (Muon's
+        :func:`megalite.data_parallel.muon.takes_muon`: 2-D weights of the layers), so the
+        planner's optimizer-state bytes per class come from here."""
+        split, replicated = cls.extra_matrices(m)
+        return split + sum(linear.weight for linear in cls.linears(m, *size)), replicated
+
+    @classmethod
     def parameter_list(cls, m, tp: int, *size) -> list[int]:
         """Elements of each parameter on one TP rank, in registration order (the buckets' order):
         the linears', then the extra ones."""
@@ -257,6 +272,12 @@ class MLAShape(PartShape):
     @classmethod
     def extra_parameters(cls, m) -> tuple[int, int]:
         return 0, sum(cls.replicated_list(m))
+
+    @classmethod
+    def extra_matrices(cls, m) -> tuple[int, int]:
+        """The down-projections q_down (with a query latent) and kv_down, replicated."""
+        h, rq = m.hidden_size, m.q_lora_rank
+        return 0, (h * rq if rq else 0) + h * (m.kv_lora_rank + m.qk_pos_emb_head_dim)
 
     @classmethod
     def parameter_list(cls, m, tp: int, *size) -> list[int]:

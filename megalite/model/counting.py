@@ -40,6 +40,35 @@ def layer_parameters(m, tp: int = 1) -> tuple[int, int]:
     return (attn_split + mlp_split) // tp, 2 * norm_parameters(m) + attn_replicated + mlp_replicated
 
 
+def layer_matrix_parameters(m, tp: int = 1) -> int:
+    """The weight-matrix elements of one dense transformer layer on one TP rank (its attention's
+    and MLP's :meth:`~megalite.layers.part_shape.PartShape.matrix_counts`): the part of
+    :func:`layer_parameters` an update rule's matrix class takes (Muon); norms and biases are not."""
+    spec = layer_spec(m, 0)
+    attn_split, attn_replicated = spec.attention.matrix_counts(m)
+    mlp_split, mlp_replicated = spec.mlp.matrix_counts(m)
+    return (attn_split + mlp_split) // tp + attn_replicated + mlp_replicated
+
+
+def mtp_matrix_parameters(m, tp: int = 1, ep: int = 1) -> tuple[int, int]:
+    """(dense, expert) weight-matrix elements of all D MTP depths on one rank: ``eh_proj`` and its
+    layer's matrices (:func:`mtp_parameters` less the norms, biases and router)."""
+    d = mtp_depths(m)
+    if not d:
+        return 0, 0
+    last = range(m.num_layers - 1, m.num_layers)
+    dense, expert = moe_planning.layers_matrix_parameters(m, layer_matrix_parameters(m, tp), tp, ep, last)
+    return d * (dense + 2 * m.hidden_size * m.hidden_size // tp), d * expert
+
+
+def total_matrix_parameters(m) -> int:
+    """The weight-matrix elements of the whole model (layers, experts, MTP depths): the part of
+    :func:`total_parameters` an update rule's matrix class takes; embeddings, output layer,
+    norms, biases and routers are the rest."""
+    layers = sum(moe_planning.layers_matrix_parameters(m, layer_matrix_parameters(m)))
+    return layers + sum(mtp_matrix_parameters(m))
+
+
 def mtp_is_moe(m) -> bool:
     """Whether the MTP depths' layer is MoE: it takes the spec of the model's last layer."""
     return bool(m.num_experts) and moe_layers(m)[m.num_layers - 1]

@@ -118,14 +118,40 @@ def layers_parameters(m, dense_layer: tuple[int, int], tp: int = 1, ep: int = 1,
     return dense + n_moe * (split + replicated - mlp), n_moe * expert
 
 
+def mlp_matrix_parameters(m, ffn: int, tp: int = 1) -> int:
+    """Weight-matrix elements of megalite's dense MLP of FFN size ``ffn`` on one rank."""
+    split, replicated = MLPShape.matrix_counts(m, ffn)
+    return split // tp + replicated
+
+
+def layers_matrix_parameters(m, dense_layer: int, tp: int = 1, ep: int = 1,
+                             layers: range | None = None) -> tuple[int, int]:
+    """(dense, expert) weight-matrix elements of ``layers`` on one rank (the part of
+    :func:`layers_parameters` an update rule's matrix class takes), given a dense layer's
+    (:func:`megalite.model.counting.layer_matrix_parameters`): an MoE layer's shared expert and
+    its E/EP experts in place of the dense MLP; not the router (a classifier, AdamW's in Muon)."""
+    layers = range(m.num_layers) if layers is None else layers
+    n_moe = sum(moe_layers(m)[i] for i in layers)
+    dense = len(layers) * dense_layer
+    if not n_moe:
+        return dense, 0
+    mlp = mlp_matrix_parameters(m, m.ffn_hidden_size, tp)
+    shared = mlp_matrix_parameters(m, m.moe_shared_expert_intermediate_size or 0, tp)
+    return dense + n_moe * (shared - mlp), n_moe * (m.num_experts // ep * expert_parameters(m))
+
+
 def model_state_bytes(dense: int, expert: int, n: int, edp: int, zero: int, weight_bytes: int, grad_bytes: int,
-                      optimizer_bytes: int | None = None) -> dict[str, float]:
+                      optimizer_bytes: int | None = None, dense_matrices: int = 0,
+                      matrix_optimizer_bytes: int | None = None) -> dict[str, float]:
     """Weights, gradients and master + Adam state per rank: the ZeRO arithmetic of the dense
     parameters over N = DP x CP plus that of the expert parameters over EDP. ``optimizer_bytes``:
-    per parameter, master weights and optimizer state (default: the default update rule's)."""
+    per parameter, master weights and optimizer state (default: the default update rule's);
+    ``matrix_optimizer_bytes`` (default: the same) for the ``dense_matrices`` of the dense
+    parameters and for every expert parameter (the experts are all weight matrices)."""
     out = {}
-    for psi, group in ((dense, n), (expert, edp)):
-        s = zero_theory_bytes(psi, group, zero, weight_bytes, grad_bytes, optimizer_bytes)
+    for psi, group, matrices in ((dense, n, dense_matrices), (expert, edp, expert)):
+        s = zero_theory_bytes(psi, group, zero, weight_bytes, grad_bytes, optimizer_bytes, matrices,
+                              matrix_optimizer_bytes)
         for key in ("weights", "gradients", "master_and_optimizer"):
             out[key] = out.get(key, 0.0) + s[key]
     out["total"] = out["weights"] + out["gradients"] + out["master_and_optimizer"]

@@ -98,7 +98,7 @@ from megalite.config import ModelConfig
 from megalite.data_parallel.accounting import zero_theory_bytes
 from megalite.layers.part_shape import norm_parameters
 from megalite.model.counting import layer_activation_bytes, layer_parameters, total_parameters  # noqa: F401  (the parts' shapes)
-from megalite.model.counting import mtp_depths, mtp_parameters
+from megalite.model.counting import layer_matrix_parameters, mtp_depths, mtp_matrix_parameters, mtp_parameters
 from megalite.model.parts import attention_part
 from megalite.moe import planning as moe_planning
 from megalite.parallel.grid import EXPERT_KINDS, GridLayout
@@ -185,9 +185,31 @@ def _stage_expert_parameters(m: ModelConfig, tp: int, pp: int, stage: int, ep: i
     return moe_planning.layers_parameters(m, layer_parameters(m, tp), tp, ep, layers)[1] + mtp
 
 
-def model_state_bytes(psi: int, n: int, zero: int, prec: Precision) -> dict[str, float]:
-    """Weights, gradients, fp32 master + Adam state per rank (the ZeRO arithmetic)."""
-    return zero_theory_bytes(psi, n, zero, prec.weight_bytes, prec.grad_bytes, prec.optimizer_bytes)
+def stage_matrix_parameters(m: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0, ep: int = 1,
+                            schedule: str = "1f1b") -> int:
+    """The part of :func:`stage_parameters` that is weight matrices of the layers (attention and
+    MLP linears, MLA's projections, stacked experts, MTP's ``eh_proj`` and layer): what an update
+    rule's matrix class takes (Muon), counted from the parts' ``matrix_counts``; embeddings, the
+    output layer, norms, biases and routers are the rest."""
+    return _stage_matrix_parameters(m, tp, pp, stage, ep, schedule)
+
+
+@_per_model
+def _stage_matrix_parameters(m: ModelConfig, tp: int, pp: int, stage: int, ep: int, schedule: str) -> int:
+    kind = describe_schedule(schedule)
+    if kind.v_shape:
+        return sum(stage_matrix_parameters(m, tp, kind.pipeline_chunks(pp), g, ep)
+                   for g in kind.local_chunks(pp, stage))
+    layers = moe_planning.stage_layers(m, pp, stage)
+    mtp = sum(mtp_matrix_parameters(m, tp, ep)) if stage == pp - 1 else 0
+    return sum(moe_planning.layers_matrix_parameters(m, layer_matrix_parameters(m, tp), tp, ep, layers)) + mtp
+
+
+def model_state_bytes(psi: int, n: int, zero: int, prec: Precision, matrices: int = 0) -> dict[str, float]:
+    """Weights, gradients, fp32 master + optimizer state per rank (the ZeRO arithmetic);
+    ``matrices`` of the ``psi`` parameters take ``prec.matrix_bytes`` of master + state (Muon: 8)."""
+    return zero_theory_bytes(psi, n, zero, prec.weight_bytes, prec.grad_bytes, prec.optimizer_bytes, matrices,
+                             prec.matrix_bytes)
 
 
 # -- activations -----------------------------------------------------------------------------------
@@ -262,11 +284,14 @@ def stage_memory(m: ModelConfig, layout: Layout, stage: int, micro: int, num_mic
     the step's micro-batches on the device (``documents``: with --reset-attention-mask's arrays;
     :func:`megalite.planner.documents.batch_bytes`); ``detail``: :func:`stage_activation_bytes`'s."""
     psi = stage_parameters(m, layout.tp, layout.pp, stage, layout.ep, layout.schedule)
-    mem = model_state_bytes(psi, layout.dp * layout.cp, layout.zero, prec)
+    matrices = 0 if prec.matrix_bytes == prec.optimizer_bytes else stage_matrix_parameters(  # Muon's 8 bytes
+        m, layout.tp, layout.pp, stage, layout.ep, layout.schedule)
+    mem = model_state_bytes(psi, layout.dp * layout.cp, layout.zero, prec, matrices)
     psi_e = stage_expert_parameters(m, layout.tp, layout.pp, stage, layout.ep, layout.schedule)
-    if psi_e:  # expert parameters: the ZeRO arithmetic over the expert-data-parallel group
+    if psi_e:  # expert parameters (all matrices): the ZeRO arithmetic over the expert-data-parallel group
         mem = moe_planning.model_state_bytes(psi - psi_e, psi_e, layout.dp * layout.cp, layout.edp, layout.zero,
-                                             prec.weight_bytes, prec.grad_bytes, prec.optimizer_bytes)
+                                             prec.weight_bytes, prec.grad_bytes, prec.optimizer_bytes,
+                                             matrices - psi_e if matrices else 0, prec.matrix_optimizer_bytes)
     mem["activations"] = stage_activation_bytes(m, layout, stage, micro, num_micro, prec, flash_attention, detail)
     mem["buffers"] = 0.0
     split, replicated = layer_parameters(m, layout.tp)

@@ -45,6 +45,13 @@ class Precision:
     act_bytes: int = 2  # activations (dropout masks are 1 byte regardless)
     optimizer_bytes: int = DEFAULT_RULE.bytes_per_parameter  # fp32 master + the update rule's state (Adam m, v)
     optimizer_state: str = DEFAULT_RULE.state_label  # that state in words, for explanations
+    # per parameter of the rule's matrix class (the layers' weight matrices; Muon: 8), else optimizer_bytes
+    matrix_optimizer_bytes: int | None = None
+
+    @property
+    def matrix_bytes(self) -> int:
+        """fp32 master + state bytes per parameter of the rule's matrix class."""
+        return self.optimizer_bytes if self.matrix_optimizer_bytes is None else self.matrix_optimizer_bytes
 
     @property
     def bytes_per_param(self) -> int:
@@ -56,7 +63,8 @@ def precision(name: str = "bf16", fp32_grads: bool = False, rule: UpdateRule = D
     if name not in ("bf16", "fp16", "fp32"):
         raise ValueError(f"precision {name!r} is unknown; use bf16, fp16 or fp32")
     w = 4 if name == "fp32" else 2
-    return Precision(name, w, 4 if fp32_grads else w, w, rule.bytes_per_parameter, rule.state_label)
+    return Precision(name, w, 4 if fp32_grads else w, w, rule.bytes_per_parameter, rule.state_label,
+                     rule.bytes_of(True) if rule.bytes_of(True) != rule.bytes_per_parameter else None)
 
 
 # The planner's order of a layout's fields: Layout's positional arguments and its to_dict() keys.

@@ -83,21 +83,26 @@ def check_output_paths(log: LoggingSettings) -> None:
         raise ConfigError("\n".join(problems))
 
 
-def check_save_location(root: str, num_parameters: int, rule: UpdateRule = DEFAULT_RULE) -> None:
+def check_save_location(root: str, num_parameters: int, rule: UpdateRule = DEFAULT_RULE,
+                        matrix_parameters: int = 0) -> None:
     """Raise CheckpointError naming the path, the problem and the fix. A checkpoint holds
-    ``rule.bytes_per_parameter`` per parameter: fp32 master weights and the update rule's state."""
+    ``rule.bytes_per_parameter`` per parameter: fp32 master weights and the update rule's state;
+    ``rule.bytes_of(True)`` for the ``matrix_parameters`` of them in the rule's matrix class
+    (Muon's matrices: 8, :func:`megalite.model.counting.total_matrix_parameters`)."""
     try:
         _writable_folder(root)
     except OSError as e:
         raise CheckpointError(f"--save {root}: cannot create and write checkpoints there ({_why(e)}). Fix: "
                               f"choose a writable directory for --save.") from e
-    needed = rule.bytes_per_parameter * num_parameters
+    needed = rule.state_bytes_total(matrix_parameters, num_parameters - matrix_parameters)
     free = shutil.disk_usage(root).free
     if free < needed:
+        per = (f"{num_parameters:,} parameters x {rule.bytes_per_parameter} bytes" if not matrix_parameters else
+               f"{matrix_parameters:,} matrix parameters x {rule.bytes_of(True)} bytes and "
+               f"{num_parameters - matrix_parameters:,} others x {rule.bytes_of(False)}")
         raise CheckpointError(f"--save {root}: {_gib(free)} free on that filesystem, but one checkpoint needs "
-                              f"about {_gib(needed)} ({num_parameters:,} parameters x "
-                              f"{rule.bytes_per_parameter} bytes: fp32 weights and {rule.describe_state()}). Fix: free space there, "
-                              f"or point --save elsewhere.")
+                              f"about {_gib(needed)} ({per}: fp32 weights and {rule.describe_state()}). Fix: free "
+                              f"space there, or point --save elsewhere.")
 
 
 def check_datasets(prefixes: list[str], vocab_size: int) -> None:

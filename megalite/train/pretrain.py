@@ -27,6 +27,7 @@ from megalite.data.blended import describe_data, parse_data_path
 from megalite.data.indexed_dataset import DatasetError
 from megalite.data.tokenizer import build_tokenizer
 from megalite.layers.transformer_engine import tp_comm_overlap
+from megalite.model.counting import total_matrix_parameters
 from megalite.model.gpt import count_parameters
 from megalite.parallel import comm
 from megalite.model.summary import moe_summary
@@ -166,7 +167,8 @@ def setup(argv=None, flagless: dict | None = None):
     if config.data.data_path and not config.data.mock_data:
         check_datasets(parse_data_path(config.data.data_path)[0], config.model.vocab_size)
     if ckpt.save:
-        check_save_location(ckpt.save, count_parameters(config.model), rule_named(config.train.optimizer))
+        check_save_location(ckpt.save, count_parameters(config.model), rule_named(config.train.optimizer),
+                            total_matrix_parameters(config.model))  # the rule's bytes per class
     check_output_paths(run.logging)  # --log-json, --tensorboard-dir, ...: folders created now, or refused by flag
     device = resolve_device(here.device, here.fake_process_group)
     if device.type == "cuda":

@@ -43,12 +43,12 @@ import torch.distributed as dist  # noqa: E402
 
 from megalite.arguments import build_parser, config_from_args, parse_settings  # noqa: E402
 from megalite.config import ConfigError, validate  # noqa: E402
-from megalite.data_parallel.update_rule import rule_named  # noqa: E402
 from megalite.device import meta_stand_ins  # noqa: E402
 from megalite.flag_spec import flagless  # noqa: E402
 from megalite.parallel.grid import GridLayout  # noqa: E402
 from megalite.moe.planning import wire_from_handed  # noqa: E402
-from megalite.planner import DEFAULT_HEADROOM, Hardware, Layout, communication, precision, stage_memory  # noqa: E402
+from megalite.planner import DEFAULT_HEADROOM, Hardware, Layout, communication, stage_memory  # noqa: E402
+from megalite.planner.types import precision_of_run  # noqa: E402
 from megalite.planner.documents import dry_run_line  # noqa: E402
 from tools.tool_errors import one_line_errors, writable  # noqa: E402
 
@@ -135,9 +135,7 @@ def run_role(flags: list[str], world: int, rank: int, gpus_per_node: int, device
 
 def _plan_inputs(config, layout: GridLayout):
     t, m = config.train, config.model
-    prec = precision("bf16" if t.bf16 else "fp16" if t.fp16 else "fp32",
-                     fp32_grads=bool(t.accumulate_allreduce_grads_in_fp32) and (t.bf16 or t.fp16),
-                     rule=rule_named(t.optimizer))
+    prec = precision_of_run(t)  # its number format, gradient buffers and update rule
     plan_layout = Layout.of_run(layout, m, t)
     num_micro = t.global_batch_size // (t.micro_batch_size * layout.dp)
     return m, plan_layout, t.micro_batch_size, num_micro, prec

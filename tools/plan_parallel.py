@@ -29,7 +29,7 @@ from megalite.planner.search import plan  # noqa: E402
 from megalite.planner import DEFAULT_HEADROOM, WIRE_MEASURE, GiB, Hardware, precision, total_parameters  # noqa: E402
 from megalite.planner.cp import CP_COMM_TYPES, cp_type_name  # noqa: E402
 from megalite.planner.documents import plan_lines as document_lines  # noqa: E402
-from megalite.planner.flags import grads_in_fp32, pretrain_flags, training_defaults  # noqa: E402
+from megalite.planner.flags import add_update_flags, grads_in_fp32, pretrain_flags, training_defaults, update_from_args  # noqa: E402
 from megalite.planner.flags import add_model_flags, model_from_args as planned_model  # noqa: E402
 from tools.tool_errors import one_line_errors, writable  # noqa: E402
 
@@ -63,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--achieved-tflops", type=float, default=Hardware.achieved_tflops,
                    help="TFLOP/s a GPU achieves in training: the compute time that, with the bubble, "
                         "ranks a layout's pipeline schedules (1f1b, zb-h1, zbv) by step time")
+    g = p.add_argument_group("update rule: pretrain_gpt.py's flags (the state bytes each keeps; Muon's ZeRO and "
+                             "TP collectives in the communication; Muon refuses ZeRO-3)")
+    add_update_flags(g)
     g = p.add_argument_group("precision and options")
     g.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16",
                    help="bf16/fp16: mixed precision with fp32 master weights and Adam (16 bytes/param)")
@@ -125,7 +128,7 @@ def table(estimates, usable: float) -> list[str]:
 def layout_flags(a, m, e) -> list[str]:
     """The exact pretrain_gpt.py flags of a planned layout (what the estimate assumed)."""
     return pretrain_flags(m, e.layout, a.global_batch_size, a.micro_batch_size, a.precision, a.accumulate,
-                          a.reset_position_ids, a.reset_attention_mask)
+                          a.reset_position_ids, a.reset_attention_mask, update_from_args(a))
 
 
 def dry_run_command(a, flags: list[str], world: int) -> str:
@@ -190,7 +193,7 @@ def main(argv=None) -> int:
         parser.error(f"--document-length ({a.document_length}) must be between 1 and --seq-length ({a.seq_length})")
     m = model_from_args(a)
     hw = Hardware(a.gpu_memory_gb, a.gpus_per_node, a.nodes, a.nvlink_gbps, a.ib_gbps, a.headroom, a.achieved_tflops)
-    prec = precision(a.precision, grads_in_fp32(a.precision, a.accumulate))
+    prec = precision(a.precision, grads_in_fp32(a.precision, a.accumulate), update=update_from_args(a))
     result = plan(m, hw, a.global_batch_size, a.micro_batch_size, prec, a.flash_attention, a.max_context_parallel,
                   a.cp_comm_type, documents=a.reset_attention_mask)
     experts = ""
@@ -240,7 +243,7 @@ def main(argv=None) -> int:
         verify(a, m, fitting[: a.verify])
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"model": vars(m), "hardware": vars(hw), "precision": vars(prec),
+            json.dump({"model": vars(m), "hardware": vars(hw), "precision": {**vars(prec), "update": vars(prec.update)},
                        "global_batch_size": a.global_batch_size, "micro_batch_size": a.micro_batch_size,
                        "model_parameters": total_parameters(m),
                        "document_length": (a.document_length or m.seq_length) if a.reset_attention_mask else None,

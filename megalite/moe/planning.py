@@ -205,32 +205,44 @@ def _layer_parameter_list(m, tp: int, ep: int, moe: bool,
     return out + [(n, False) for n in MLPShape.parameter_list(m, tp, fs or 0)]
 
 
+def gradient_buckets(m, tp: int, ep: int, pp: int, stage: int, bucket_size: int,
+                     attention: type[PartShape] = SelfAttentionShape) -> list[tuple[int, bool, bool]]:
+    """A stage's gradient buckets as megalite builds them (``megalite.data_parallel.ddp``), each
+    as (elements, expert, holds a layer's parameters): the parameters in reverse order in groups of
+    about ``bucket_size`` elements, cut where they switch between dense and expert parameters; a
+    tied embedding is a bucket of its own. ``attention``: the layers' attention shape (the planner
+    passes the part the config picks). A bucket holding a layer's (or an MTP depth's) parameters
+    holds weight matrices: what Muon's ZeRO step gathers (:mod:`megalite.planner.update_traffic`)."""
+    head, tail = stage_ends(m, tp, pp, stage)
+    flags = moe_layers(m)
+    items = [(n, False, iso, False) for n, iso in head]  # (elements, expert, isolated, layer's), registration order
+    for i in stage_layers(m, pp, stage):
+        items += [(n, e, False, True) for n, e in _layer_parameter_list(m, tp, ep, flags[i], attention)]
+    items += [(n, False, iso, False) for n, iso in tail]
+    if stage == pp - 1:
+        items += [(n, e, False, True) for n, e in _mtp_parameter_list(m, tp, ep, attention)]
+    buckets, size, expert, filled, layered = [], 0, None, 0, False  # the current bucket; the group's fill
+    for n, is_expert, isolated, of_layer in reversed(items):
+        if isolated:
+            buckets.append((n, is_expert, of_layer))
+            continue
+        if expert is not None and is_expert != expert:  # cut where the domain switches
+            buckets.append((size, expert, layered))
+            size, layered = 0, False
+        size, expert, filled, layered = size + n, is_expert, filled + n, layered or of_layer
+        if filled >= bucket_size:  # the group is complete
+            buckets.append((size, expert, layered))
+            size, expert, filled, layered = 0, None, 0, False
+    if size:
+        buckets.append((size, expert, layered))
+    return buckets
+
+
 def largest_gradient_bucket(m, tp: int, ep: int, pp: int, stage: int, bucket_size: int,
                             attention: type[PartShape] = SelfAttentionShape) -> int:
     """Elements of the largest gradient bucket of a stage (what ZeRO-2 stages per micro-batch):
-    megalite's buckets (``megalite.data_parallel.ddp``) take the parameters in reverse order in
-    groups of about ``bucket_size`` elements, cut where they switch between dense and expert
-    parameters; a tied embedding is a bucket of its own. ``attention``: the layers' attention
-    shape (the planner passes the part the config picks)."""
-    head, tail = stage_ends(m, tp, pp, stage)
-    flags = moe_layers(m)
-    items = [(n, False, iso) for n, iso in head]  # (elements, expert, isolated), registration order
-    for i in stage_layers(m, pp, stage):
-        items += [(n, e, False) for n, e in _layer_parameter_list(m, tp, ep, flags[i], attention)]
-    items += [(n, False, iso) for n, iso in tail]
-    if stage == pp - 1:
-        items += [(n, e, False) for n, e in _mtp_parameter_list(m, tp, ep, attention)]
-    largest, size, expert, filled = 0, 0, None, 0  # the current bucket: elements, kind; the group's fill
-    for n, is_expert, isolated in reversed(items):
-        if isolated:
-            largest = max(largest, n)
-            continue
-        if expert is not None and is_expert != expert:  # cut where the domain switches
-            largest, size = max(largest, size), 0
-        size, expert, filled = size + n, is_expert, filled + n
-        if filled >= bucket_size:  # the group is complete
-            largest, size, expert, filled = max(largest, size), 0, None, 0
-    return max(largest, size)
+    the largest of :func:`gradient_buckets`."""
+    return max((n for n, _, _ in gradient_buckets(m, tp, ep, pp, stage, bucket_size, attention)), default=0)
 
 
 # -- activations -----------------------------------------------------------------------------------

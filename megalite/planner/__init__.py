@@ -6,7 +6,7 @@ Floors inside the package, each importing only those below it:
 1. :mod:`.types`: Hardware, Precision, Layout, Estimate, Plan (dataclasses only);
 2. :mod:`.flags` (pretrain_gpt.py's defaults, a model and a layout as flags), :mod:`.layers` (one layer's
    activations), :mod:`.cp` (CP types), :mod:`.documents` (packed documents), :mod:`.checks`
-   (megalite's validation of a layout);
+   (megalite's validation of a layout), :mod:`.update_traffic` (the update rule's own collectives: Muon's);
 3. :mod:`.pipeline` (schedules: bubble, micro-batches held, step time);
 4. :mod:`.estimate` (parameters, model state, communication, one layout's estimate; the math
    is in its docstring);

@@ -6,10 +6,11 @@ import dataclasses
 
 from megalite.config import Config, ConfigError, DataConfig, ModelConfig, TrainConfig, validate
 from megalite.context_parallel.checks import check_context_parallel
-from megalite.planner.types import Hardware, Layout
+from megalite.planner.types import Hardware, Layout, UpdatePlan
 
 
-def check_layout(m: ModelConfig, layout: Layout, global_batch: int, micro: int, hw: Hardware) -> str | None:
+def check_layout(m: ModelConfig, layout: Layout, global_batch: int, micro: int, hw: Hardware,
+                 update: UpdatePlan = UpdatePlan()) -> str | None:
     """None if megalite's validation accepts the layout, else its message (the reason).
 
     The layout is judged for the target cluster, not this machine: the attention backend is
@@ -18,7 +19,7 @@ def check_layout(m: ModelConfig, layout: Layout, global_batch: int, micro: int, 
     two CP rules here (sequence in 2 CP chunks; under SP, s/CP divisible by TP) and megalite's
     rules of the CP type (:func:`check_context_parallel`: a2a needs the heads per TP rank
     divisible by CP, a2a+p2p by its inner size A), with the attention dropout the planned flags
-    set under CP (0)."""
+    set under CP (0). ``update``: the update rule the run trains with (Muon refuses ZeRO-3)."""
     s, cp, tp = m.seq_length, layout.cp, layout.tp
     if cp > 1 and s % (2 * cp):
         return (f"--seq-length ({s}) must be divisible by 2 * --context-parallel-size ({2 * cp}): the "
@@ -41,7 +42,9 @@ def check_layout(m: ModelConfig, layout: Layout, global_batch: int, micro: int, 
     folded = dataclasses.replace(layout.parallel_config(), context_parallel_size=1,  # CP folded into the world
                                  hierarchical_context_parallel_sizes=None, expert_model_parallel_size=ep)
     cfg = Config(model, folded,
-                 TrainConfig(micro_batch_size=micro, global_batch_size=global_batch, zero_stage=layout.zero),
+                 TrainConfig(micro_batch_size=micro, global_batch_size=global_batch, zero_stage=layout.zero,
+                             optimizer=update.optimizer, muon_tp_mode=update.muon_tp_mode,
+                             muon_num_ns_steps=update.muon_num_ns_steps, muon_split_qkv=update.muon_split_qkv),
                  DataConfig(mock_data=True))
     try:
         validate(cfg, hw.world_size // cp, hw.gpus_per_node)

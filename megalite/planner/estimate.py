@@ -107,6 +107,7 @@ from megalite.planner import cp as planner_cp, documents as planner_documents, p
 from megalite.planner.flags import training_defaults
 from megalite.planner.pipeline import stage_activation_bytes
 from megalite.planner.types import Estimate, GiB, Hardware, Layout, Precision
+from megalite.planner.update_traffic import update_traffic
 
 DEFAULT_BUCKET = training_defaults()["ddp_bucket_size"]  # elements, pretrain_gpt.py's default
 
@@ -261,6 +262,8 @@ def communication(m: ModelConfig, layout: Layout, psi: int, micro: int, num_micr
     edp = moe_planning.gradient_reduction_bytes(psi_e, layout.edp, layout.zero, M, prec.weight_bytes, prec.grad_bytes)
     pp = 2 * M * bsh / (t if layout.sp else 1) * planner_pipeline.p2p_factor(layout.schedule, layout.pp) \
         if layout.pp > 1 else 0.0
+    update = update_traffic(m, layout, prec, stage, DEFAULT_BUCKET)  # the update rule's own (Muon's)
+    dp, tp, edp = dp + update.get("dp", 0.0), tp + update.get("tp", 0.0), edp + update.get("edp", 0.0)
     spans = functools.partial(group_spans_nodes, layout, gpus_per_node=hw.gpus_per_node)
     result = {kind: planner_cp.link(volume, spans(group), hw)
               for kind, group, volume in (("dp", "dp_cp", dp), ("tp", "tp", tp), ("pp", "pp", pp)) if volume > 0}

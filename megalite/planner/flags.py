@@ -55,10 +55,11 @@ import dataclasses
 import functools
 
 from megalite.arguments import build_parser, flag_for
-from megalite.config import ModelConfig, llama3_rope_scaling
+from megalite.config import ModelConfig, TrainConfig, llama3_rope_scaling
 from megalite.config_types import yarn_rope_scaling
 from megalite.flag_spec import Flag, flags_of_field, read_field, settings_of
 from megalite.moe.settings import parse_layer_freq
+from megalite.planner.types import UpdatePlan
 
 
 @functools.lru_cache(maxsize=1)
@@ -242,9 +243,42 @@ def model_from_args(a: argparse.Namespace) -> ModelConfig:
     return model
 
 
+# -- the update rule: --optimizer and Muon's settings that move data (megalite.planner.UpdatePlan) -------
+
+UPDATE_SETTINGS = tuple(f.name for f in dataclasses.fields(UpdatePlan))
+_TRAIN_FIELDS = {f.name: f for f, _ in settings_of(TrainConfig)}
+
+
+def add_update_flags(group) -> None:
+    """Add ``pretrain_gpt.py``'s flags of the :class:`UpdatePlan` settings (``--optimizer``,
+    ``--muon-tp-mode``, ``--muon-num-ns-steps``, ``--muon-no-split-qkv``) to ``group``, from their marks."""
+    for name in UPDATE_SETTINGS:
+        for one in flags_of_field(_TRAIN_FIELDS[name]):
+            group.add_argument(one.option, dest=one.dest, **dict(one.kwargs))
+
+
+def update_from_args(a: argparse.Namespace) -> UpdatePlan:
+    """The :class:`UpdatePlan` of a namespace parsed with :func:`add_update_flags`'s flags."""
+    return UpdatePlan(**{name: read_field(_TRAIN_FIELDS[name], a) for name in UPDATE_SETTINGS})
+
+
+def update_flags(update: UpdatePlan) -> list[str]:
+    """The flags that make ``pretrain_gpt.py`` train with ``update`` (those at their defaults left out)."""
+    out = []
+    for name in UPDATE_SETTINGS:
+        f, value = _TRAIN_FIELDS[name], getattr(update, name)
+        if value == f.default:
+            continue
+        if name == "muon_split_qkv":  # a switch that turns the setting off
+            out += [one.option for one in flags_of_field(f)]
+        else:
+            out += _write_one(f, value)
+    return out
+
+
 def pretrain_flags(m: ModelConfig, layout, global_batch: int, micro: int, precision: str = "bf16",
                    accumulate: bool | None = None, reset_position_ids: bool = False,
-                   reset_attention_mask: bool = False) -> list[str]:
+                   reset_attention_mask: bool = False, update: UpdatePlan = UpdatePlan()) -> list[str]:
     """The ``pretrain_gpt.py`` flags of a planned layout (``megalite.planner.Layout``): the model,
     the batch, the layout and every assumption the planner made (module docstring); flags left
     at the parser's defaults are left out. Data flags are the user's (``--mock-data`` for a try)."""
@@ -277,5 +311,5 @@ def pretrain_flags(m: ModelConfig, layout, global_batch: int, micro: int, precis
         flags.append(option if accumulate else "--no-" + option[2:])
     flags += [_flag(k) for k, on in (("reset_position_ids", reset_position_ids),
                                      ("reset_attention_mask", reset_attention_mask)) if on]
-    return flags
+    return flags + update_flags(update)
 

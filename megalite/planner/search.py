@@ -16,7 +16,7 @@ from megalite.config import ModelConfig
 from megalite.model.counting import cache_bytes_per_token, flops_per_token
 from megalite.planner.checks import check_layout
 from megalite.planner.cp import cp_variants, explain_cp_type
-from megalite.planner.estimate import (estimate, format_communication, model_state_bytes,
+from megalite.planner.estimate import (estimate, format_communication, model_state_bytes, stage_matrix_parameters,
                                        stage_parameters, total_parameters)
 from megalite.planner.flags import grads_in_fp32
 from megalite.planner.pipeline import (compute_seconds, explain_schedule, held_words, same_layout,
@@ -106,7 +106,7 @@ def plan(m: ModelConfig, hw: Hardware, global_batch: int, micro: int, prec: Prec
     for layout in sorted(candidate_layouts(m, hw, max_cp, cp_comm_type), key=ladder_key):
         key = (layout.tp, layout.pp, layout.cp, layout.zero, layout.ep, layout.cp_comm_type, layout.cp_inner)
         if key not in checked:
-            checked[key] = check_layout(m, layout, global_batch, micro, hw)
+            checked[key] = check_layout(m, layout, global_batch, micro, hw, prec.update)
         if checked[key]:
             invalid[layout] = checked[key]
             continue
@@ -178,9 +178,16 @@ def explain(p: Plan) -> list[str]:
     m, hw, prec = p.model, p.hardware, p.precision
     psi_all = total_parameters(m)
     usable = hw.usable_bytes
-    ddp = model_state_bytes(stage_parameters(m), 1, 0, prec)["total"]
-    lines = [f"{psi_all / 1e9:.2f}B parameters x {prec.bytes_per_param} bytes ({prec.weight_bytes} weights + "
-             f"{prec.grad_bytes} gradients + {prec.optimizer_bytes} fp32 master and {prec.optimizer_state}) = "
+    matrices = stage_matrix_parameters(m) if prec.matrix_optimizer_bytes is not None else 0
+    ddp = model_state_bytes(stage_parameters(m), 1, 0, prec, matrices)["total"]
+    if matrices:  # the rule keeps less for its matrix class (Muon: fp32 master and momentum)
+        per_param = (f"{psi_all / 1e9:.2f}B parameters x ({prec.weight_bytes} weights + {prec.grad_bytes} gradients "
+                     f"+ fp32 master and {prec.optimizer_state}: {prec.matrix_bytes} bytes for the "
+                     f"{matrices / 1e9:.2f}B weight matrices, {prec.optimizer_bytes} for the rest)")
+    else:
+        per_param = (f"{psi_all / 1e9:.2f}B parameters x {prec.bytes_per_param} bytes ({prec.weight_bytes} weights + "
+                     f"{prec.grad_bytes} gradients + {prec.optimizer_bytes} fp32 master and {prec.optimizer_state})")
+    lines = [f"{per_param} = "
              f"{ddp / 1e9:.1f} GB ({_gib(ddp)}) of weights+grads+optimizer state per model copy, before "
              f"activations; a GPU has {hw.gpu_memory_gb:g} GiB, {_gib(usable)} usable after "
              f"{hw.headroom:.0%} headroom."]

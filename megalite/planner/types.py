@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from megalite.config import ModelConfig, ParallelConfig, TrainConfig
 from megalite.context_parallel.comm_types import DEFAULT_CP_COMM_TYPE, cp_comm_type
-from megalite.data_parallel.update_rule import DEFAULT_RULE, UpdateRule
+from megalite.data_parallel.update_rule import DEFAULT_RULE, RULES, UpdateRule, rule_named
 from megalite.parallel.grid import GridLayout
 
 GiB = 2**30
@@ -38,6 +38,29 @@ class Hardware:
 
 
 @dataclass(frozen=True)
+class UpdatePlan:
+    """The update rule a plan trains with, as ``pretrain_gpt.py``'s flags name it (``--optimizer``;
+    for Muon also how it meets tensor parallelism): the rule's state bytes go into
+    :class:`Precision`, its collectives into :mod:`megalite.planner.update_traffic`."""
+    optimizer: str = "adam"
+    muon_tp_mode: str = "blockwise"
+    muon_num_ns_steps: int = 5
+    muon_split_qkv: bool = True
+
+    @classmethod
+    def of_run(cls, t: TrainConfig) -> UpdatePlan:
+        return cls(t.optimizer, t.muon_tp_mode, t.muon_num_ns_steps, t.muon_split_qkv)
+
+    @property
+    def rule(self) -> UpdateRule:
+        return rule_named(self.optimizer)
+
+    @property
+    def muon(self) -> bool:
+        return self.rule.name == "muon"
+
+
+@dataclass(frozen=True)
 class Precision:
     name: str = "bf16"
     weight_bytes: int = 2
@@ -47,6 +70,7 @@ class Precision:
     optimizer_state: str = DEFAULT_RULE.state_label  # that state in words, for explanations
     # per parameter of the rule's matrix class (the layers' weight matrices; Muon: 8), else optimizer_bytes
     matrix_optimizer_bytes: int | None = None
+    update: UpdatePlan = UpdatePlan()  # the rule these bytes are of, and its settings that move data
 
     @property
     def matrix_bytes(self) -> int:
@@ -58,13 +82,25 @@ class Precision:
         return self.weight_bytes + self.grad_bytes + self.optimizer_bytes
 
 
-def precision(name: str = "bf16", fp32_grads: bool = False, rule: UpdateRule = DEFAULT_RULE) -> Precision:
-    """Byte widths for a precision; master weights and optimizer state as ``rule`` keeps them."""
+def precision(name: str = "bf16", fp32_grads: bool = False, rule: UpdateRule | None = None,
+              update: UpdatePlan | None = None) -> Precision:
+    """Byte widths for a precision; master weights and optimizer state as the update rule keeps
+    them: ``update``'s (:class:`UpdatePlan`), or ``rule`` with its settings' defaults (AdamW)."""
     if name not in ("bf16", "fp16", "fp32"):
         raise ValueError(f"precision {name!r} is unknown; use bf16, fp16 or fp32")
+    if update is None:  # the rule by the name --optimizer gives it (AdamW is 'adam')
+        update = UpdatePlan(next((k for k, r in RULES.items() if r is rule), rule.name)) if rule else UpdatePlan()
+    rule = update.rule
     w = 4 if name == "fp32" else 2
     return Precision(name, w, 4 if fp32_grads else w, w, rule.bytes_per_parameter, rule.state_label,
-                     rule.bytes_of(True) if rule.bytes_of(True) != rule.bytes_per_parameter else None)
+                     rule.bytes_of(True) if rule.bytes_of(True) != rule.bytes_per_parameter else None, update)
+
+
+def precision_of_run(t: TrainConfig) -> Precision:
+    """The :class:`Precision` of a configured run: its number format, gradient buffers and update rule."""
+    return precision("bf16" if t.bf16 else "fp16" if t.fp16 else "fp32",
+                     fp32_grads=bool(t.accumulate_allreduce_grads_in_fp32) and (t.bf16 or t.fp16),
+                     update=UpdatePlan.of_run(t))
 
 
 # The planner's order of a layout's fields: Layout's positional arguments and its to_dict() keys.

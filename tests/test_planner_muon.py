@@ -1,0 +1,101 @@
+"""The planner with Muon (megalite.planner.update_traffic, UpdatePlan): its extra collectives
+equal what a meta dry run of the same command line hands to them, byte for byte.
+
+Each layout is dry-run twice, with AdamW and with Muon (tools/dry_run.py: one fake-process-group
+rank on meta tensors, the collectives counted by group); the difference is Muon's own traffic,
+converted to wire bytes by the collective that carries it (ZeRO's all-gather of U and
+reduce-scatter of the updates, TP's all-gather under ``duplicated``: (n-1)/n of the handed
+tensor; ``distributed``'s Gram all-reduces: twice that). The planner's figure for the same
+layout, with Muon less with AdamW, must be the same number. And ``tools/plan_parallel.py
+--optimizer muon`` plans Muon: 8 bytes per weight-matrix parameter, ZeRO-3 refused, the flags
+printed.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import sys
+import tempfile
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from tools import dry_run, plan_parallel  # noqa: E402
+
+MODEL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-query-groups", "2",
+         "--swiglu", "--seq-length", "32", "--max-position-embeddings", "32", "--vocab-size", "256",
+         "--micro-batch-size", "1", "--global-batch-size", "4", "--bf16", "--mock-data"]
+TP2 = ["--tensor-model-parallel-size", "2", "--sequence-parallel"]
+ZERO1 = ["--zero-stage", "1"]
+MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-size", "2"]
+
+
+@functools.lru_cache(maxsize=None)  # a layout's AdamW run serves each Muon mode's comparison
+def _dry_run(world: int, flags: tuple[str, ...]) -> dict:
+    with tempfile.TemporaryDirectory() as folder:
+        out = os.path.join(folder, "dry_run.json")
+        assert dry_run.main(["--world-size", str(world), "--gpus-per-node", "8", "--json", out] + MODEL + list(flags)) == 0
+        (role,) = json.load(open(out))["roles"]
+    return role
+
+
+def _muon_traffic(world: int, layout: list[str], mode: str) -> tuple[dict, dict]:
+    """Per group: (bytes Muon hands beyond AdamW, the planner's wire bytes beyond AdamW's)."""
+    adam = _dry_run(world, tuple(layout))
+    muon = _dry_run(world, tuple(layout + ["--optimizer", "muon", "--muon-tp-mode", mode]))
+    handed = {k: muon["comm_bytes"][k] - adam["comm_bytes"].get(k, 0) for k in muon["comm_bytes"]}
+    planned = {k: muon["planned_comm_wire_bytes"][k] - adam["planned_comm_wire_bytes"].get(k, 0)
+               for k in muon["planned_comm_wire_bytes"]}
+    return handed, planned
+
+
+def _check(world, layout, mode, ring, tp_wire_per_handed):
+    handed, planned = _muon_traffic(world, layout, mode)
+    for kind, n in ring.items():  # ZeRO: all-gather of U, reduce-scatter of the updates over n ranks
+        assert handed[kind] > 0 and planned[kind] == handed[kind] * (n - 1) / n, (kind, handed, planned)
+    if tp_wire_per_handed:
+        assert handed["tp"] > 0 and planned["tp"] == handed["tp"] * tp_wire_per_handed, (handed, planned)
+    else:
+        assert handed.get("tp", 0) == planned.get("tp", 0) == 0, (handed, planned)
+
+
+def test_muon_zero1_gathers_and_scatters_its_buckets_as_planned():
+    """DP 2 ZeRO-1: U all-gathered and the updates reduce-scattered over the buckets holding matrices."""
+    _check(2, ZERO1, "duplicated", {"dp": 2}, 0)
+
+
+@pytest.mark.parametrize("mode, wire_per_handed", [("distributed", 1.0),
+                                                   pytest.param("duplicated", 0.5, marks=pytest.mark.slow),
+                                                   pytest.param("blockwise", 0, marks=pytest.mark.slow)])
+def test_muon_tensor_parallel_modes_move_what_the_planner_says(mode, wire_per_handed):
+    """TP 2: duplicated all-gathers each matrix (wire (t-1)/t of the gathered tensor); distributed
+    all-reduces k Grams per logical matrix (twice (t-1)/t); blockwise sends nothing."""
+    _check(2, TP2, mode, {}, wire_per_handed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout, world, ring, tp", [(ZERO1 + MOE, 4, {"dp": 4, "edp": 2}, 0),
+                                                     (ZERO1 + TP2, 4, {"dp": 2}, 1.0)])
+def test_muon_with_experts_and_tp_x_zero_as_planned(layout, world, ring, tp):
+    """DP 4 ZeRO-1 with EP 2 (dense buckets over 4 ranks, expert buckets over EDP 2), and TP 2 x DP 2
+    ZeRO-1 with distributed Newton-Schulz (each rank's Grams for the matrices it owns)."""
+    _check(world, layout, "distributed", ring, tp)
+
+
+PLAN = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",
+        "--vocab-size", "32000", "--swiglu", "--global-batch-size", "16", "--gpu-memory-gb", "8", "--gpus-per-node", "4"]
+
+
+def test_plan_parallel_plans_muon(capsys):
+    """--optimizer muon: the explanation counts 8 bytes per weight-matrix parameter, ZeRO-3 is
+    refused by megalite's validation, and the recommended flags train with Muon as planned."""
+    assert plan_parallel.main(PLAN + ["--optimizer", "muon", "--muon-tp-mode", "distributed"]) == 0
+    text = capsys.readouterr().out
+    assert "8 bytes for the 0.05B weight matrices, 12 for the rest" in text
+    assert "--optimizer muon with --zero-stage 3" in text
+    flags = next(line for line in text.splitlines() if line.startswith("  --num-layers"))
+    assert "--optimizer=muon --muon-tp-mode=distributed" in flags
+    assert plan_parallel.main(PLAN) == 0
+    text = capsys.readouterr().out
+    assert "--optimizer" not in text and "x 18 bytes (2 weights + 4 gradients + 12 fp32 master" in text

@@ -233,14 +233,14 @@ def print_muon(shapes: list[dict], dp: dict, args) -> None:
             ns = f"   NS {row['ns_flops_per_step'] / ms / 1e6:6.1f} GFLOP/s" if name == "megalite Muon" else ""
             print(f"    {name:<15} {ms:9.1f} ms   {row['ratio_to_torch_fused'][name]:7.2f}x torch fused{ns}")
     one = dp["DP1"]["median_ms"]
-    print(f"  Muon at shape {args.hidden}x{args.layers}, DP 1 against DP 2 ZeRO-1 (gloo on loopback, "
-          f"{args.threads} thread(s) in all):")
+    print(f"  Muon at shape {args.hidden}x{args.layers}, DP 1 against DP 2 ZeRO-1 (gloo on loopback; the slowest "
+          f"rank's median):")
     for name, row in dp.items():
         flops = row["ns_flops_per_rank"]
         share = " / ".join(f"{f / 1e9:.1f}" for f in flops)
         balance = max(flops) / (sum(flops) / len(flops)) if sum(flops) else 1.0
-        print(f"    {name:<4} {row['median_ms']:9.1f} ms   {row['median_ms'] / one:5.2f}x DP1   NS GFLOP per rank "
-              f"{share} (max/mean {balance:.2f})")
+        print(f"    {name:<4} {row['median_ms']:9.1f} ms   {row['median_ms'] / one:5.2f}x DP1   "
+              f"{row['threads_per_rank']} thread(s) per rank   NS GFLOP per rank {share} (max/mean {balance:.2f})")
 
 
 def parse_shape(text: str) -> tuple[int, int]:

@@ -58,8 +58,8 @@ MUON_SETTINGS = {"optimizer": "muon", "muon_scale_mode": "spectral", "muon_extra
 # does not depend on the scale; these are the settings the AdamW-vs-Muon sweep trains with
 
 
-def build(args, **train):
-    return build_shape(args.hidden, args.layers, **train)
+def build(args):
+    return build_shape(args.hidden, args.layers)
 
 
 def build_shape(hidden: int, layers: int, **train):

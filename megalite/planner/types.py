@@ -27,6 +27,12 @@ class Hardware:
     ib_gbps: float = 50.0  # GB/s per GPU across nodes
     headroom: float = DEFAULT_HEADROOM  # fraction kept free: CUDA context, allocator fragmentation, workspaces
     achieved_tflops: float = 400.0  # per GPU (~40% of an H100's dense bf16): step time (planner_pipeline)
+    # what a step-time model and a calibrated profile add (issue 40); the defaults: an H100 SXM
+    peak_tflops: float = 989.0  # dense bf16 per GPU, the spec sheet's: MFU's denominator
+    hbm_gbps: float = 3350.0  # GB/s of device memory per GPU
+    nvlink_latency_us: float = 10.0  # a collective's fixed cost inside a node (per call)
+    ib_latency_us: float = 20.0  # a collective's fixed cost across nodes (per call)
+    name: str = "h100-sxm"  # the profile these figures come from
 
     @property
     def world_size(self) -> int:

@@ -242,7 +242,7 @@ FLOORS = {
     # re-exports on top
     "megalite.planner.types": 10.0, "megalite.planner.flags": 10.1, "megalite.planner.layers": 10.1,
     "megalite.planner.cp": 10.1, "megalite.planner.documents": 10.1, "megalite.planner.checks": 10.1,
-    "megalite.planner.update_traffic": 10.1,
+    "megalite.planner.update_traffic": 10.1, "megalite.planner.hardware": 10.1,
     "megalite.planner.pipeline": 10.2, "megalite.planner.estimate": 10.3, "megalite.planner.search": 10.4,
     "megalite.planner": 10.5,
     "megalite.train.step": 11, "megalite.observe.step_log": 11, "megalite.train.loop": 11, "megalite.train.pretrain": 11,

@@ -28,6 +28,7 @@ from megalite.moe.settings import moe_layers  # noqa: E402
 from megalite.planner.search import plan  # noqa: E402
 from megalite.planner import DEFAULT_HEADROOM, WIRE_MEASURE, GiB, Hardware, precision, total_parameters  # noqa: E402
 from megalite.planner.cp import CP_COMM_TYPES, cp_type_name  # noqa: E402
+from megalite.planner.hardware import HARDWARE_FLAGS, ProfileError, hardware_from_flags, known_profiles  # noqa: E402
 from megalite.planner.documents import plan_lines as document_lines  # noqa: E402
 from megalite.planner.flags import add_update_flags, grads_in_fp32, pretrain_flags, training_defaults, update_from_args  # noqa: E402
 from megalite.planner.flags import add_model_flags, model_from_args as planned_model  # noqa: E402
@@ -52,17 +53,38 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--document-length", type=int, default=None, metavar="N",
                    help="the typical document length in tokens (with --reset-attention-mask; default: the "
                         "whole sequence); taken as equal documents of N: attention 12 L h N per token")
-    g = p.add_argument_group("hardware")
-    g.add_argument("--gpu-memory-gb", type=float, required=True, help="per GPU, as on the spec sheet (GiB)")
-    g.add_argument("--gpus-per-node", type=int, default=8)
-    g.add_argument("--nodes", type=int, default=1)
-    g.add_argument("--nvlink-gbps", type=float, default=450.0, help="GB/s per GPU inside a node")
-    g.add_argument("--ib-gbps", type=float, default=50.0, help="GB/s per GPU across nodes")
-    g.add_argument("--headroom", type=float, default=DEFAULT_HEADROOM,
-                   help="fraction of GPU memory kept free (CUDA context, fragmentation, workspaces)")
-    g.add_argument("--achieved-tflops", type=float, default=Hardware.achieved_tflops,
+    g = p.add_argument_group("hardware (each flag below wins over --hardware's figure; without --hardware the "
+                             "defaults are an H100 SXM's, megalite.planner.types.Hardware)")
+    g.add_argument("--hardware", default=None, metavar="NAME|FILE",
+                   help=f"a hardware profile: built-in {known_profiles()} (datasheet figures, sources in "
+                        "megalite/planner/hardware.py), or a JSON file tools/calibrate_hardware.py wrote; it fills "
+                        "the flags of this group that are not given")
+    g.add_argument("--gpu-memory-gb", type=float, default=None,
+                   help="per GPU, as on the spec sheet (GiB); required without --hardware")
+    g.add_argument("--gpus-per-node", type=int, default=None, help="default 8, or the profile's")
+    g.add_argument("--nodes", type=int, default=None, help="default 1")
+    g.add_argument("--nvlink-gbps", type=float, default=None, help="GB/s per GPU inside a node, one direction "
+                   f"(default {Hardware.nvlink_gbps:g}, or the profile's)")
+    g.add_argument("--ib-gbps", type=float, default=None,
+                   help=f"GB/s per GPU across nodes (default {Hardware.ib_gbps:g}, or the profile's)")
+    g.add_argument("--headroom", type=float, default=None,
+                   help=f"fraction of GPU memory kept free (CUDA context, fragmentation, workspaces; default "
+                        f"{DEFAULT_HEADROOM:g})")
+    g.add_argument("--achieved-tflops", type=float, default=None,
                    help="TFLOP/s a GPU achieves in training: the compute time that, with the bubble, "
-                        "ranks a layout's pipeline schedules (1f1b, zb-h1, zbv) by step time")
+                        "ranks a layout's pipeline schedules (1f1b, zb-h1, zbv) by step time (default "
+                        f"{Hardware.achieved_tflops:g}, or the profile's)")
+    g.add_argument("--peak-tflops", type=float, default=None,
+                   help=f"dense bf16 TFLOP/s per GPU, MFU's denominator (default {Hardware.peak_tflops:g}, or the "
+                        "profile's)")
+    g.add_argument("--hbm-gbps", type=float, default=None,
+                   help=f"GB/s of device memory per GPU (default {Hardware.hbm_gbps:g}, or the profile's)")
+    g.add_argument("--nvlink-latency-us", type=float, default=None,
+                   help=f"fixed cost of a collective inside a node (default {Hardware.nvlink_latency_us:g}, or the "
+                        "profile's)")
+    g.add_argument("--ib-latency-us", type=float, default=None,
+                   help=f"fixed cost of a collective across nodes (default {Hardware.ib_latency_us:g}, or the "
+                        "profile's)")
     g = p.add_argument_group("update rule: pretrain_gpt.py's flags (the state bytes each keeps; Muon's ZeRO and "
                              "TP collectives in the communication; Muon refuses ZeRO-3)")
     add_update_flags(g)
@@ -192,7 +214,11 @@ def main(argv=None) -> int:
     if a.document_length is not None and not 1 <= a.document_length <= a.seq_length:
         parser.error(f"--document-length ({a.document_length}) must be between 1 and --seq-length ({a.seq_length})")
     m = model_from_args(a)
-    hw = Hardware(a.gpu_memory_gb, a.gpus_per_node, a.nodes, a.nvlink_gbps, a.ib_gbps, a.headroom, a.achieved_tflops)
+    try:  # a profile's figures, then the flags given (explicit flags win)
+        hw = hardware_from_flags(a.hardware, {k: getattr(a, k) for k in HARDWARE_FLAGS})
+    except ProfileError as e:
+        parser.error(str(e))
+    a.gpu_memory_gb, a.gpus_per_node, a.nodes, a.headroom = hw.gpu_memory_gb, hw.gpus_per_node, hw.nodes, hw.headroom
     prec = precision(a.precision, grads_in_fp32(a.precision, a.accumulate), update=update_from_args(a))
     result = plan(m, hw, a.global_batch_size, a.micro_batch_size, prec, a.flash_attention, a.max_context_parallel,
                   a.cp_comm_type, documents=a.reset_attention_mask)

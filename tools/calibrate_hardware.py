@@ -1,0 +1,354 @@
+#!/usr/bin/env python
+"""Measure this machine and write a hardware profile the planner reads (``plan_parallel.py --hardware FILE``).
+
+Three measurements, each timed after a warm-up (CUDA events on a GPU, ``perf_counter`` on a CPU):
+
+1. **Matmul rate** at the GEMM shapes one transformer layer of the given model produces on a rank of
+   tensor-parallel size t (b micro-batch, s sequence, h hidden, a heads, d = h/a; FLOPs = 2 m k n):
+   QKV ``(b s) x h x 3h/t``, the projection ``(b s) x h/t x h``, FC1 ``(b s) x h x 4h/t``, FC2
+   ``(b s) x 4h/t x h``, the scores ``(b a/t) x [s x d x s]`` and the context ``(b a/t) x [s x s x d]``;
+   plus one square GEMM. bf16 on a GPU, fp32 on a CPU (one thread: what one rank process gets).
+   ``achieved_tflops`` = the layer's FLOPs / its GEMMs' time; ``peak_tflops`` = the best rate seen.
+2. **Collectives** per group size n (2, 4, 8 up to the world): all-reduce, all-gather,
+   reduce-scatter, all-to-all and send/recv (a ring: each rank sends to the next, receives from the
+   previous), over message sizes S (the whole tensor), gloo on CPU in forked processes
+   (:func:`megalite.testing.run_world`), NCCL on GPUs under ``torchrun``. A point's time is the slowest
+   rank's mean over the repeats, the best of the trials. Each is fitted by least squares in relative
+   error, ``time = latency + wire / bandwidth``, with the planner's wire bytes per rank
+   (:data:`megalite.planner.WIRE_MEASURE`): ``2 (n-1)/n S`` for an all-reduce, ``(n-1)/n S`` for an
+   all-gather, reduce-scatter or all-to-all, ``S`` for a send. So the bandwidth is the one the planner
+   divides its wire bytes by (nccl-tests calls it bus bandwidth).
+3. **Memory copy** bandwidth: ``dst.copy_(src)`` of a large tensor, bytes read + written per second.
+
+The profile's link figures: ``nvlink_gbps`` / ``nvlink_latency_us`` the median fit of all-reduce,
+all-gather and reduce-scatter at the largest group (``--link-ranks``: another); one machine has no second level, so ``ib_*`` repeat
+them (say so in ``sources``). Every fit and point is kept under ``measured`` for a model that wants more.
+
+    python tools/calibrate_hardware.py --output docs/profiles/cpu-2core.json [--quick] [--max-ranks 8]
+    torchrun --nproc-per-node 8 tools/calibrate_hardware.py --output h100-node.json   # NCCL, one node
+"""
+import argparse
+import datetime
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megalite.planner.hardware import write_profile  # noqa: E402
+from megalite.planner.types import GiB, Hardware  # noqa: E402
+from megalite.testing import run_world  # noqa: E402
+from tools.tool_errors import one_line_errors, positive, writable  # noqa: E402
+
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+LINK_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")  # the ring collectives the planner's links carry
+DEFAULT_SIZES = [2**k for k in range(12, 25, 2)]  # 4 KiB .. 16 MiB
+QUICK_SIZES = [2**10, 2**14, 2**18]
+
+
+def wire_bytes(kind: str, tensor_bytes: int, n: int) -> float:
+    """What one rank sends for one call on a tensor of ``tensor_bytes`` among ``n`` ranks (ring algorithms)."""
+    if kind == "send_recv":
+        return float(tensor_bytes)
+    return (2.0 if kind == "all_reduce" else 1.0) * (n - 1) / n * tensor_bytes
+
+
+def fit_latency_bandwidth(wire: list[float], seconds: list[float]) -> tuple[float, float]:
+    """``(latency_s, bytes_per_s)`` of ``t = latency + wire / bandwidth`` by weighted least squares,
+    ``min sum (fit - t)^2 / t``: between plain least squares (the largest message decides everything,
+    the latency comes out anywhere) and relative error (1/t^2: every size counts alike, so the
+    largest messages, a gradient bucket's, end up fitted worst); on this machine's table 1/t put the
+    largest size's median error at 4% against 14% with 1/t^2, the median over all sizes at 16% against
+    13%. A negative latency is clamped to 0 and the slope refitted through the origin."""
+    w = [1.0 / t for t in seconds]
+    sw, sx, sxx = sum(w), sum(wi * x for wi, x in zip(w, wire)), sum(wi * x * x for wi, x in zip(w, wire))
+    sy, sxy = sum(wi * t for wi, t in zip(w, seconds)), sum(wi * x * t for wi, x, t in zip(w, wire, seconds))
+    det = sw * sxx - sx * sx
+    latency, slope = ((sxx * sy - sx * sxy) / det, (sw * sxy - sx * sy) / det) if det > 0 else (0.0, 0.0)
+    if latency < 0 or det <= 0:
+        latency, slope = 0.0, sxy / sxx
+    slope = max(slope, 1e-18)  # a time that does not grow with the bytes: bandwidth beyond measure
+    return latency, 1.0 / slope
+
+
+def _time(fn, device: torch.device, repeats: int) -> float:
+    """Mean seconds of ``fn()`` over ``repeats`` calls (after the caller's warm-up)."""
+    if device.type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / repeats
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        fn()
+    return (time.perf_counter() - t0) / repeats
+
+
+def _collective_call(kind: str, tensor_bytes: int, n: int, rank: int, group, device, dtype):
+    """A closure running one ``kind`` call among ranks 0..n-1 on a tensor of ``tensor_bytes``."""
+    numel = max(n, tensor_bytes // torch.tensor([], dtype=dtype).element_size() // n * n)
+    x = torch.ones(numel, device=device, dtype=dtype)
+    if kind == "all_reduce":
+        return lambda: dist.all_reduce(x, group=group)
+    if kind == "all_gather":
+        part = torch.ones(numel // n, device=device, dtype=dtype)
+        gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # newer torch's name
+        return lambda: gather(x, part, group=group)
+    if kind == "reduce_scatter":
+        part = torch.empty(numel // n, device=device, dtype=dtype)
+        scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+        return lambda: scatter(part, x, group=group)
+    if kind == "all_to_all":
+        out = torch.empty_like(x)
+        return lambda: dist.all_to_all_single(out, x, group=group)
+    out = torch.empty_like(x)  # send/recv: a ring, each rank to the next (a pipeline's sends)
+
+    def ring():
+        ops = [dist.P2POp(dist.isend, x, (rank + 1) % n, group), dist.P2POp(dist.irecv, out, (rank - 1) % n, group)]
+        for req in dist.batch_isend_irecv(ops):
+            req.wait()
+    return ring
+
+
+def measure_collectives(rank: int, world: int, group_sizes: list[int], sizes: list[int], repeats: int,
+                        trials: int, device_type: str = "cpu") -> dict:
+    """Every collective at every group size and message size, on this rank; rank 0's dict holds the
+    slowest rank's times: ``{kind: {n: [[tensor_bytes, seconds], ...]}}``."""
+    device = torch.device(device_type, int(os.environ.get("LOCAL_RANK", 0)) if device_type == "cuda" else None)
+    dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
+    out: dict = {k: {} for k in COLLECTIVES}
+    for n in group_sizes:
+        group = dist.new_group(list(range(n)))  # every rank creates every group
+        if rank < n:
+            for kind in COLLECTIVES:
+                points = []
+                for size in sizes:
+                    call = _collective_call(kind, size, n, rank, group, device, dtype)
+                    for _ in range(2):  # warm-up: connections, buffers
+                        call()
+                    best = float("inf")
+                    for _ in range(trials):
+                        dist.barrier(group=group)
+                        slowest = torch.tensor([_time(call, device, repeats)], dtype=torch.float64, device=device)
+                        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=group)
+                        best = min(best, slowest.item())
+                    points.append([size, best])
+                out[kind][n] = points
+        dist.barrier()
+    return out
+
+
+def layer_gemms(hidden: int, seq: int, micro_batch: int, heads: int, tp: int) -> list[tuple[str, int, int, int, int]]:
+    """``(name, batch, m, k, n)`` of one layer's forward GEMMs on a rank of tensor-parallel size ``tp``."""
+    tokens, d = micro_batch * seq, hidden // heads
+    return [("qkv", 1, tokens, hidden, 3 * hidden // tp), ("proj", 1, tokens, hidden // tp, hidden),
+            ("fc1", 1, tokens, hidden, 4 * hidden // tp), ("fc2", 1, tokens, 4 * hidden // tp, hidden),
+            ("scores", micro_batch * heads // tp, seq, d, seq), ("context", micro_batch * heads // tp, seq, seq, d)]
+
+
+def measure_matmuls(shapes, device: torch.device, dtype, min_seconds: float) -> list[dict]:
+    """TFLOP/s of each ``(name, batch, m, k, n)``: repeats until ``min_seconds`` of work, after a warm-up."""
+    rows = []
+    for name, batch, m, k, n in shapes:
+        a = torch.randn(batch, m, k, device=device, dtype=dtype)
+        b = torch.randn(batch, k, n, device=device, dtype=dtype)
+        call = (lambda: torch.bmm(a, b)) if batch > 1 else (lambda: torch.mm(a[0], b[0]))
+        call()
+        once = _time(call, device, 1)
+        repeats = max(1, min(1000, int(min_seconds / max(once, 1e-7))))
+        seconds = _time(call, device, repeats)
+        flops = 2.0 * batch * m * k * n
+        rows.append({"name": name, "shape": [batch, m, k, n], "flops": flops, "seconds": seconds,
+                     "tflops": flops / seconds / 1e12})
+    return rows
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, repeats: int) -> float:
+    """Bytes read + written per second by ``dst.copy_(src)`` of ``nbytes``."""
+    src = torch.ones(nbytes // 4, device=device, dtype=torch.float32)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    return 2.0 * nbytes / _time(lambda: dst.copy_(src), device, repeats)
+
+
+def fits_of(raw: dict) -> dict:
+    """The fit of every (collective, group size), with its points: ``[tensor, wire, measured, fitted]`` s."""
+    fits = {}
+    for kind, by_n in raw.items():
+        for n, points in by_n.items():
+            wire = [wire_bytes(kind, s, int(n)) for s, _ in points]
+            seconds = [t for _, t in points]
+            latency, bandwidth = fit_latency_bandwidth(wire, seconds)
+            fits.setdefault(kind, {})[str(n)] = {
+                "latency_us": latency * 1e6, "gbps": bandwidth / 1e9,
+                "points": [[s, w, t, latency + w / bandwidth] for (s, t), w in zip(points, wire)]}
+    return fits
+
+
+def profile_figures(fits: dict, matmuls: list[dict], copy_gbps: float, ranks: int, memory_gib: float,
+                    what: str, link_ranks: int | None = None) -> tuple[dict, dict]:
+    """The Hardware fields of a calibration and where each comes from (links: the fits among
+    ``link_ranks``, default the largest group measured)."""
+    layer = [r for r in matmuls if r["name"] != "square"]
+    achieved = sum(r["flops"] for r in layer) / sum(r["seconds"] for r in layer) / 1e12
+    peak = max(r["tflops"] for r in matmuls)
+    hw = {"gpu_memory_gb": round(memory_gib, 2), "gpus_per_node": ranks, "peak_tflops": peak,
+          "achieved_tflops": achieved, "hbm_gbps": copy_gbps}
+    src = {"gpu_memory_gb": f"{what}: memory per rank", "gpus_per_node": "the ranks measured on this machine",
+           "peak_tflops": f"measured: the best matmul rate of {len(matmuls)} shapes",
+           "achieved_tflops": "measured: one layer's forward GEMMs, total FLOPs / total time",
+           "hbm_gbps": "measured: dst.copy_(src), bytes read + written per second"}
+    largest = str(link_ranks or max((int(n) for n in fits.get("all_reduce", {})), default=0))
+    if largest != "0":
+        gbps = statistics.median(fits[k][largest]["gbps"] for k in LINK_COLLECTIVES)
+        latency = statistics.median(fits[k][largest]["latency_us"] for k in LINK_COLLECTIVES)
+        hw.update(nvlink_gbps=gbps, nvlink_latency_us=max(latency, 0.1), ib_gbps=gbps, ib_latency_us=max(latency, 0.1))
+        fitted = (f"measured: the median fit (time = latency + wire bytes / bandwidth) of all-reduce, all-gather "
+                  f"and reduce-scatter among {largest} ranks")
+        src.update(nvlink_gbps=fitted, nvlink_latency_us=fitted,
+                   ib_gbps="one machine: no second level measured, the same as nvlink_gbps",
+                   ib_latency_us="one machine: no second level measured, the same as nvlink_latency_us")
+    else:
+        default = "not measured (one rank: no collective); Hardware's default"
+        hw.update(nvlink_gbps=Hardware.nvlink_gbps, nvlink_latency_us=Hardware.nvlink_latency_us,
+                  ib_gbps=Hardware.ib_gbps, ib_latency_us=Hardware.ib_latency_us)
+        src.update({k: default for k in ("nvlink_gbps", "nvlink_latency_us", "ib_gbps", "ib_latency_us")})
+    return hw, src
+
+
+def markdown(fits: dict, matmuls: list[dict], hw: dict) -> list[str]:
+    """The measured tables as docs/BENCHMARKS.md shows them (collectives: measured (fitted) ms per size)."""
+    lines = ["| GEMM | batch x m x k x n | ms | TFLOP/s |", "|---|---|---|---|"]
+    lines += [f"| {r['name']} | {' x '.join(map(str, r['shape']))} | {r['seconds'] * 1e3:.3f} | {r['tflops']:.4f} |"
+              for r in matmuls]
+    sizes = sorted({p[0] for by_n in fits.values() for f in by_n.values() for p in f["points"]})
+    if sizes:
+        lines += ["", "| collective | ranks | latency us | GB/s (wire) | "
+                  + " | ".join(f"{s / 1024:g} KiB" for s in sizes) + " |", "|---|---|---|---|" + "---|" * len(sizes)]
+        for kind, by_n in fits.items():
+            for n, f in by_n.items():
+                lines.append(f"| {kind} | {n} | {f['latency_us']:.0f} | {f['gbps']:.3f} | "
+                             + " | ".join(f"{p[2] * 1e3:.3f} ({p[3] * 1e3:.3f})" for p in f["points"]) + " |")
+    lines += ["", "profile: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+                                           for k, v in hw.items())]
+    return lines
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--output", required=True, help="the profile JSON to write (plan_parallel.py --hardware FILE)")
+    p.add_argument("--name", default=None, help="the profile's name (default: cpu-Ncore or the GPU's name)")
+    p.add_argument("--quick", action="store_true", help="small sizes, 2 ranks, few repeats: seconds, not minutes")
+    p.add_argument("--max-ranks", type=int, default=None,
+                   help="CPU: the largest gloo world (group sizes 2, 4, 8 up to it; default 8, 2 with --quick); "
+                        "under torchrun the world is torchrun's")
+    p.add_argument("--link-ranks", type=int, default=None, metavar="N",
+                   help="the group size whose fits fill the profile's link figures (default: the largest measured; "
+                        "every size's fits are kept under 'measured')")
+    p.add_argument("--sizes", type=int, nargs="+", default=None, metavar="BYTES",
+                   help="message sizes (whole tensor) in bytes (default 4 KiB .. 16 MiB by 4x; --quick 1, 16, 256 KiB)")
+    p.add_argument("--repeats", type=int, default=None, help="calls per timed trial (default 5, --quick 2)")
+    p.add_argument("--trials", type=int, default=None, help="timed trials per point, the best kept (default 3, --quick 2)")
+    g = p.add_argument_group("the model whose GEMM shapes are timed (default: h 512, s 512, b 2, 8 heads on a CPU; "
+                             "h 8192, s 4096, b 1, 64 heads on a GPU; --quick: h 64, s 64)")
+    g.add_argument("--hidden-size", type=int, default=None)
+    g.add_argument("--seq-length", type=int, default=None)
+    g.add_argument("--micro-batch-size", type=int, default=None)
+    g.add_argument("--num-attention-heads", type=int, default=None)
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    return p
+
+
+def settings(a, gpu: bool) -> dict:
+    model = (64, 64, 1, 4) if a.quick else (8192, 4096, 1, 64) if gpu else (512, 512, 2, 8)
+    h, s, b, heads = (given if given is not None else default for given, default in
+                      zip((a.hidden_size, a.seq_length, a.micro_batch_size, a.num_attention_heads), model))
+    return {"model": (h, s, b, heads), "sizes": a.sizes or (QUICK_SIZES if a.quick else DEFAULT_SIZES),
+            "repeats": a.repeats or (2 if a.quick else 5), "trials": a.trials or (2 if a.quick else 3),
+            "max_ranks": a.max_ranks or (2 if a.quick else 8), "matmul_seconds": 0.01 if a.quick else 0.3,
+            "square": 256 if a.quick else 8192 if gpu else 1024, "copy_bytes": 2**23 if a.quick else 2**28}
+
+
+def measure_compute(a, c: dict, device: torch.device, gpu: bool) -> tuple[list[dict], float]:
+    """The matmul rows (one layer's GEMMs and a square one) and the copy bandwidth in GB/s."""
+    h, s, b, heads = c["model"]
+    square = c["square"]
+    shapes = layer_gemms(h, s, b, heads, a.tensor_model_parallel_size) + [("square", 1, square, square, square)]
+    matmuls = measure_matmuls(shapes, device, torch.bfloat16 if gpu else torch.float32, c["matmul_seconds"])
+    return matmuls, copy_bandwidth(device, c["copy_bytes"], 3 if a.quick else 10) / 1e9
+
+
+def main(argv=None) -> int:
+    parser = one_line_errors(build_parser())
+    a = parser.parse_args(argv)
+    writable(parser, "--output", a.output)
+    positive(parser, "--sizes", *(a.sizes or [1]))
+    positive(parser, "--max-ranks/--repeats/--trials", *(v for v in (a.max_ranks, a.repeats, a.trials) if v is not None))
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    gpu = torch.cuda.is_available()
+    c = settings(a, gpu)
+    ranks = launched if launched > 1 else 1 if gpu else c["max_ranks"]  # one process per rank
+    groups = [n for n in (2, 4, 8, 16) if n <= ranks]
+    if a.link_ranks is not None and a.link_ranks not in groups:
+        parser.error(f"--link-ranks {a.link_ranks} is not a group size measured here ({groups or 'none'}): "
+                     "give one of those, or raise --max-ranks")
+    h, s, b, heads = c["model"]
+    if h % heads or heads % a.tensor_model_parallel_size or (4 * h) % a.tensor_model_parallel_size:
+        parser.error(f"--hidden-size {h}, --num-attention-heads {heads}, --tensor-model-parallel-size "
+                     f"{a.tensor_model_parallel_size}: heads must divide the hidden size and TP the heads")
+    started, load = time.perf_counter(), os.getloadavg()[0]
+    if launched > 1:  # torchrun: one rank per GPU (NCCL) or per process (gloo)
+        dist.init_process_group("nccl" if gpu else "gloo")
+        rank = dist.get_rank()
+        if gpu:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        raw = measure_collectives(rank, launched, groups, c["sizes"], c["repeats"], c["trials"], "cuda" if gpu else "cpu")
+    else:  # the forked gloo worlds first, before this process runs multi-threaded torch ops (ENV_NOTES)
+        rank = 0
+        raw = (run_world(measure_collectives, ranks, groups, c["sizes"], c["repeats"], c["trials"], timeout=1800)[0]
+               if groups else {})
+    device = torch.device("cuda") if gpu else torch.device("cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # on a CPU a rank is one single-threaded process
+    try:
+        matmuls, copy_gbps = measure_compute(a, c, device, gpu)
+    finally:
+        torch.set_num_threads(threads)
+    if gpu:
+        memory, what = torch.cuda.get_device_properties(device).total_memory / GiB, torch.cuda.get_device_name(device)
+    else:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB / ranks
+        what = f"host memory {memory * ranks:.1f} GiB / {ranks} rank processes"
+    if rank != 0:
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
+    fits = fits_of({k: v for k, v in raw.items() if v})
+    hw, sources = profile_figures(fits, matmuls, copy_gbps, ranks, memory, what, a.link_ranks)
+    name = a.name or (torch.cuda.get_device_name(device).lower().replace(" ", "-") if gpu
+                      else f"cpu-{os.cpu_count()}core")
+    measured = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "device": what if gpu else f"CPU, {os.cpu_count()} cores, gloo", "dtype": "bf16" if gpu else "fp32",
+                "model": dict(zip(("hidden_size", "seq_length", "micro_batch_size", "num_attention_heads"), c["model"]),
+                              tensor_model_parallel_size=a.tensor_model_parallel_size),
+                "load_average": load, "seconds": time.perf_counter() - started,
+                "matmul": matmuls, "copy_gbps": copy_gbps, "collectives": fits}
+    write_profile(a.output, name, hw, sources, measured)
+    print("\n".join(markdown(fits, matmuls, hw)))
+    print(f"profile {name!r} written to {a.output} ({measured['seconds']:.1f} s; load average before "
+          f"{measured['load_average']:.2f})")
+    if launched > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

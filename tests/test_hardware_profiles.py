@@ -1,0 +1,162 @@
+"""Hardware profiles (megalite/planner/hardware.py) and the calibration tool (tools/calibrate_hardware.py).
+
+The built-ins are checked against the datasheets' figures written out here by hand (not read from
+the module), halving NVIDIA's bidirectional NVLink figure and turning InfiniBand's Gb/s into GB/s;
+``plan_parallel.py --hardware`` against the Hardware it hands the planner; the calibration's fit
+against data made from a known latency and bandwidth, and the tool itself on a 2-rank gloo world.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from megalite.planner import Hardware
+from megalite.planner.hardware import (PROFILES, ProfileError, hardware_from_profile, load_profile, read_profile,
+                                       write_profile)
+from tools import calibrate_hardware as cal
+from tools import plan_parallel
+
+# name: (GiB, dense bf16 TFLOP/s, HBM GB/s, NVLink GB/s one direction, InfiniBand GB/s per GPU)
+DATASHEETS = {
+    "h100-sxm": (80, 989, 3350, 900 / 2, 400 / 8),  # 1,979 sparse; 3.35 TB/s; NVLink 900 GB/s; NDR 400 Gb/s
+    "h200": (141, 989, 4800, 900 / 2, 400 / 8),  # 141 GB HBM3e, 4.8 TB/s
+    "a100-80gb": (80, 312, 2039, 600 / 2, 200 / 8),  # 624 sparse; 2,039 GB/s; NVLink 600 GB/s; HDR 200 Gb/s
+    "b200": (1440 / 8, 36000 / 8 / 2, 64000 / 8, 1800 / 2, 400 / 8),  # DGX B200: 1,440 GB, 36 PF sparse, 64 TB/s
+}
+MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "4", "--seq-length", "256",
+         "--vocab-size", "1000", "--global-batch-size", "8"]
+
+
+@pytest.mark.parametrize("name", sorted(DATASHEETS))
+def test_builtin_profile_has_the_datasheet_figures_and_a_source_for_each(name):
+    hw = hardware_from_profile(name)
+    memory, peak, hbm, nvlink, ib = DATASHEETS[name]
+    assert (hw.gpu_memory_gb, hw.peak_tflops, hw.hbm_gbps, hw.nvlink_gbps, hw.ib_gbps) == pytest.approx(
+        (memory, peak, hbm, nvlink, ib))
+    assert hw.gpus_per_node == 8 and hw.nodes == 1 and hw.name == name
+    assert hw.achieved_tflops == pytest.approx(0.40 * peak, abs=0.05)  # Megatron's ~40-47% MFU
+    assert 0 < hw.nvlink_latency_us < hw.ib_latency_us
+    sources = read_profile(name)["sources"]
+    assert all(sources.get(k) for k in load_profile(name) if k != "name"), "every figure names its source"
+    assert "http" in sources["peak_tflops"]
+
+
+def test_profile_names_ignore_case_and_take_the_common_aliases():
+    assert load_profile("H100") == load_profile("h100-sxm") and load_profile("A100") == load_profile("a100-80gb")
+    assert set(PROFILES) == set(DATASHEETS)
+
+
+def planned_hardware(monkeypatch, argv) -> Hardware:
+    """The Hardware plan_parallel.main hands the planner (the search itself is stopped there)."""
+    seen = {}
+
+    def stop(m, hw, *args, **kwargs):
+        seen["hw"] = hw
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(plan_parallel, "plan", stop)
+    with pytest.raises(KeyboardInterrupt):
+        plan_parallel.main(MODEL + argv)
+    return seen["hw"]
+
+
+def test_hardware_flag_fills_the_plans_inputs_and_explicit_flags_win(monkeypatch):
+    h200 = planned_hardware(monkeypatch, ["--hardware", "h200"])
+    assert h200 == Hardware(141, 8, 1, 450, 50, 0.10, 395.6, 989, 4800, 10, 20, "h200")
+    mine = planned_hardware(monkeypatch, ["--hardware", "h200", "--gpu-memory-gb", "100", "--nvlink-gbps", "123",
+                                          "--nodes", "2", "--peak-tflops", "900", "--ib-latency-us", "7"])
+    assert (mine.gpu_memory_gb, mine.nvlink_gbps, mine.nodes, mine.peak_tflops, mine.ib_latency_us) == (100, 123, 2, 900,
+                                                                                                      7)
+    assert mine.hbm_gbps == 4800 and mine.ib_gbps == 50  # the rest still the profile's
+    # without --hardware a command line means what it meant: Hardware's defaults (an H100 SXM)
+    assert planned_hardware(monkeypatch, ["--gpu-memory-gb", "80"]) == Hardware(80, 8)
+
+
+def test_a_profile_file_round_trips(tmp_path, monkeypatch):
+    figures = {"gpu_memory_gb": 12.5, "gpus_per_node": 4, "peak_tflops": 1.5, "achieved_tflops": 0.75,
+               "hbm_gbps": 20, "nvlink_gbps": 2.5, "ib_gbps": 1.25, "nvlink_latency_us": 300, "ib_latency_us": 900}
+    path = tmp_path / "mine.json"
+    write_profile(str(path), "mine", figures, {k: "by hand" for k in figures}, {"note": "kept"})
+    assert load_profile(str(path)) == {"name": "mine", **figures}
+    assert read_profile(str(path))["measured"] == {"note": "kept"}
+    assert planned_hardware(monkeypatch, ["--hardware", str(path)]) == Hardware(**{"name": "mine", **figures})
+    (tmp_path / "h200.json").write_text(json.dumps(PROFILES["h200"]))  # a built-in written out reads the same
+    assert load_profile(str(tmp_path / "h200.json")) == load_profile("h200")
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "is unknown: the built-in ones are a100-80gb, b200, h100-sxm, h200"),
+    ("{not json", "is not valid JSON"),
+    ('{"name": "x"}', "is not a hardware profile: it needs a JSON object with a 'hardware' object"),
+    ('{"hardware": {"gpu_memory_gb": 80}}', "'hardware' lacks gpus_per_node, peak_tflops"),
+    ('{"hardware": {"gpu_memory_gb": 80, "nvlink": 1}}', "unknown field(s) nvlink in 'hardware'"),
+    (json.dumps({"hardware": {**PROFILES["h200"]["hardware"], "hbm_gbps": -1}}), "hbm_gbps must be a positive number"),
+    (json.dumps({"hardware": {**PROFILES["h200"]["hardware"], "nodes": 2}}), "unknown field(s) nodes"),
+    ("missing", "does not exist"),
+])
+def test_bad_profile_is_one_message(tmp_path, capsys, content, message):
+    arg = "h300"
+    if content is not None:
+        arg = str(tmp_path / "bad.json")
+        if content != "missing":
+            (tmp_path / "bad.json").write_text(content)
+    with pytest.raises(ProfileError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_profile(arg)
+    with pytest.raises(SystemExit) as exit_:
+        plan_parallel.main(MODEL + ["--hardware", arg])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and message in err
+
+
+def test_gpu_memory_is_required_only_without_a_profile(capsys):
+    with pytest.raises(SystemExit):
+        plan_parallel.main(MODEL)
+    assert "--gpu-memory-gb is required without --hardware" in capsys.readouterr().err
+
+
+def test_wire_bytes_and_gemm_shapes_by_hand():
+    assert [cal.wire_bytes(k, 1000, 4) for k in cal.COLLECTIVES] == [1500, 750, 750, 750, 1000]
+    # b 2, s 8, h 16, 4 heads (d 4), TP 2: tokens 16
+    assert cal.layer_gemms(16, 8, 2, 4, 2) == [("qkv", 1, 16, 16, 24), ("proj", 1, 16, 8, 16), ("fc1", 1, 16, 16, 32),
+                                               ("fc2", 1, 16, 32, 16), ("scores", 4, 8, 4, 8),
+                                               ("context", 4, 8, 8, 4)]
+
+
+def test_fit_recovers_a_known_latency_and_bandwidth():
+    wire = [1e3, 1e4, 1e5, 1e6, 1e7]
+    latency, bandwidth = cal.fit_latency_bandwidth(wire, [250e-6 + w / 2e9 for w in wire])
+    assert latency == pytest.approx(250e-6, rel=1e-9) and bandwidth == pytest.approx(2e9, rel=1e-9)
+    # the small messages below the line of the large ones would fit a negative latency: clamped to 0,
+    # the slope refitted through the origin (weights 1/t: sum x t / t / sum x^2 / t)
+    wire, seconds = [1e3, 1e6, 2e6], [1e-6, 1e-3, 3e-3]
+    latency, bandwidth = cal.fit_latency_bandwidth(wire, seconds)
+    assert latency == 0 and bandwidth == pytest.approx(sum(x * x / t for x, t in zip(wire, seconds)) / sum(wire))
+    # a time that does not grow with the size: no bandwidth to measure, all latency (the mean, weights 1/t)
+    latency, bandwidth = cal.fit_latency_bandwidth([1e3, 1e6], [2e-3, 1e-3])
+    assert latency == pytest.approx(2 / (1 / 2e-3 + 1 / 1e-3)) and bandwidth >= 1e17
+
+
+@pytest.mark.slow
+def test_calibration_writes_a_profile_whose_fit_reproduces_its_measurements(tmp_path):
+    out = tmp_path / "cpu.json"
+    assert cal.main(["--quick", "--output", str(out), "--sizes", "1024", "65536", "1048576", "--name", "t"]) == 0
+    doc, hw = read_profile(str(out)), hardware_from_profile(str(out))
+    fits = doc["measured"]["collectives"]
+    assert set(fits) == set(cal.COLLECTIVES) and all(set(f) == {"2"} for f in fits.values())
+    assert hw.gpus_per_node == 2 and hw.name == "t" and hw.achieved_tflops <= hw.peak_tflops
+    assert [r["name"] for r in doc["measured"]["matmul"]] == ["qkv", "proj", "fc1", "fc2", "scores", "context",
+                                                              "square"]
+    errors = []
+    for kind, by_n in fits.items():
+        f = by_n["2"]
+        wire = [p[1] for p in f["points"]]
+        assert wire == [cal.wire_bytes(kind, p[0], 2) for p in f["points"]]
+        latency, bandwidth = cal.fit_latency_bandwidth(wire, [p[2] for p in f["points"]])
+        assert (latency * 1e6, bandwidth / 1e9) == pytest.approx((f["latency_us"], f["gbps"]))
+        for _, w, measured, fitted in f["points"]:
+            assert fitted == pytest.approx(latency + w / bandwidth)
+            errors.append(abs(fitted - measured) / measured)
+    assert sorted(errors)[len(errors) // 2] < 0.5, errors  # noisy shared CPU: a generous bound on the median
+    median_link = sorted(fits[k]["2"]["gbps"] for k in cal.LINK_COLLECTIVES)[1]
+    assert hw.nvlink_gbps == pytest.approx(median_link) and hw.ib_gbps == hw.nvlink_gbps

@@ -155,8 +155,9 @@ def layer_gemms(hidden: int, seq: int, micro_batch: int, heads: int, tp: int) ->
             ("scores", micro_batch * heads // tp, seq, d, seq), ("context", micro_batch * heads // tp, seq, seq, d)]
 
 
-def measure_matmuls(shapes, device: torch.device, dtype, min_seconds: float) -> list[dict]:
-    """TFLOP/s of each ``(name, batch, m, k, n)``: repeats until ``min_seconds`` of work, after a warm-up."""
+def measure_matmuls(shapes, device: torch.device, dtype, min_seconds: float, trials: int = 1) -> list[dict]:
+    """TFLOP/s of each ``(name, batch, m, k, n)``: repeats until ``min_seconds`` of work, after a warm-up;
+    the best of ``trials`` such timings (a shared machine's other work only ever slows a trial)."""
     rows = []
     for name, batch, m, k, n in shapes:
         a = torch.randn(batch, m, k, device=device, dtype=dtype)
@@ -165,7 +166,7 @@ def measure_matmuls(shapes, device: torch.device, dtype, min_seconds: float) -> 
         call()
         once = _time(call, device, 1)
         repeats = max(1, min(1000, int(min_seconds / max(once, 1e-7))))
-        seconds = _time(call, device, repeats)
+        seconds = min(_time(call, device, repeats) for _ in range(trials))
         flops = 2.0 * batch * m * k * n
         rows.append({"name": name, "shape": [batch, m, k, n], "flops": flops, "seconds": seconds,
                      "tflops": flops / seconds / 1e12})
@@ -201,9 +202,11 @@ def profile_figures(fits: dict, matmuls: list[dict], copy_gbps: float, ranks: in
     layer = [r for r in matmuls if r["name"] != "square"]
     achieved = sum(r["flops"] for r in layer) / sum(r["seconds"] for r in layer) / 1e12
     peak = max(r["tflops"] for r in matmuls)
-    hw = {"gpu_memory_gb": round(memory_gib, 2), "gpus_per_node": ranks, "peak_tflops": peak,
+    hw = {"gpu_memory_gb": round(memory_gib, 2), "gpus_per_node": link_ranks or ranks, "peak_tflops": peak,
           "achieved_tflops": achieved, "hbm_gbps": copy_gbps}
-    src = {"gpu_memory_gb": f"{what}: memory per rank", "gpus_per_node": "the ranks measured on this machine",
+    src = {"gpu_memory_gb": f"{what}: memory per rank",
+           "gpus_per_node": "the ranks measured on this machine" if not link_ranks else
+                            f"--link-ranks: the group the link figures are of ({ranks} ranks measured)",
            "peak_tflops": f"measured: the best matmul rate of {len(matmuls)} shapes",
            "achieved_tflops": "measured: one layer's forward GEMMs, total FLOPs / total time",
            "hbm_gbps": "measured: dst.copy_(src), bytes read + written per second"}
@@ -283,7 +286,8 @@ def measure_compute(a, c: dict, device: torch.device, gpu: bool) -> tuple[list[d
     h, s, b, heads = c["model"]
     square = c["square"]
     shapes = layer_gemms(h, s, b, heads, a.tensor_model_parallel_size) + [("square", 1, square, square, square)]
-    matmuls = measure_matmuls(shapes, device, torch.bfloat16 if gpu else torch.float32, c["matmul_seconds"])
+    matmuls = measure_matmuls(shapes, device, torch.bfloat16 if gpu else torch.float32, c["matmul_seconds"],
+                              c["trials"])
     return matmuls, copy_bandwidth(device, c["copy_bytes"], 3 if a.quick else 10) / 1e9
 
 
@@ -326,8 +330,9 @@ def main(argv=None) -> int:
     if gpu:
         memory, what = torch.cuda.get_device_properties(device).total_memory / GiB, torch.cuda.get_device_name(device)
     else:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB / ranks
-        what = f"host memory {memory * ranks:.1f} GiB / {ranks} rank processes"
+        per_node = a.link_ranks or ranks  # the rank processes sharing the host memory
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB / per_node
+        what = f"host memory {memory * per_node:.1f} GiB / {per_node} rank processes"
     if rank != 0:
         dist.barrier()
         dist.destroy_process_group()

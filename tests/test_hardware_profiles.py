@@ -12,8 +12,8 @@ import json
 import pytest
 
 from megalite.planner import Hardware
-from megalite.planner.hardware import (PROFILES, ProfileError, hardware_from_profile, load_profile, read_profile,
-                                       write_profile)
+from megalite.planner.hardware import (PROFILES, ProfileError, hardware_from_profile, load_profile,
+                                       measured_collective, read_profile, write_profile)
 from tools import calibrate_hardware as cal
 from tools import plan_parallel
 
@@ -113,6 +113,30 @@ def test_gpu_memory_is_required_only_without_a_profile(capsys):
     with pytest.raises(SystemExit):
         plan_parallel.main(MODEL)
     assert "--gpu-memory-gb is required without --hardware" in capsys.readouterr().err
+
+
+def test_measured_collective_reads_the_nearest_group(tmp_path):
+    fits = {"2": {"latency_us": 300, "gbps": 1.5, "points": []}, "8": {"latency_us": 9000, "gbps": 0.5, "points": []}}
+    path = str(tmp_path / "m.json")
+    write_profile(path, "m", load_profile("h100-sxm"), {}, {"collectives": {"all_reduce": fits}})
+    assert [measured_collective(path, "all_reduce", n)["ranks"] for n in (1, 2, 3, 4, 5, 8, 64)] == [2, 2, 2, 2, 8, 8, 8]
+    assert measured_collective(path, "all_reduce", 8) == {"ranks": 8, "latency_us": 9000, "gbps": 0.5}
+    with pytest.raises(ProfileError, match="has no measured all_to_all"):
+        measured_collective(path, "all_to_all", 2)
+    with pytest.raises(ProfileError, match="has no measured all_reduce"):
+        measured_collective("h200", "all_reduce", 2)
+
+
+def test_one_rank_calibration_keeps_the_default_links_and_says_so(tmp_path, capsys):
+    out = tmp_path / "one.json"
+    assert cal.main(["--quick", "--max-ranks", "1", "--output", str(out)]) == 0  # no world: matmuls and a copy
+    doc, hw = read_profile(str(out)), hardware_from_profile(str(out))
+    assert (hw.nvlink_gbps, hw.ib_gbps, hw.gpus_per_node) == (Hardware.nvlink_gbps, Hardware.ib_gbps, 1)
+    assert doc["sources"]["nvlink_gbps"].startswith("not measured") and doc["measured"]["collectives"] == {}
+    assert 0 < hw.achieved_tflops <= hw.peak_tflops and hw.hbm_gbps > 0
+    with pytest.raises(SystemExit):
+        cal.main(["--quick", "--link-ranks", "4", "--output", str(out)])
+    assert "--link-ranks 4 is not a group size measured here ([2])" in capsys.readouterr().err
 
 
 def test_wire_bytes_and_gemm_shapes_by_hand():

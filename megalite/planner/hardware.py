@@ -203,3 +203,16 @@ def hardware_from_flags(profile: str | None, flags: dict) -> Hardware:
                            f"profile: {known_profiles()}, or a file tools/calibrate_hardware.py wrote)")
     base = load_profile(profile) if profile is not None else {"gpus_per_node": 8}
     return Hardware(**{**base, **given})
+
+
+def measured_collective(name_or_path: str, kind: str, ranks: int) -> dict:
+    """A calibrated profile's fit of one collective (``all_reduce``, ``all_gather``, ``reduce_scatter``,
+    ``all_to_all``, ``send_recv``) among the measured group size nearest ``ranks`` (by ratio):
+    ``{"ranks": n, "latency_us": a, "gbps": B}``, so a call moving ``w`` wire bytes per rank takes
+    ``a + w / B``. The profile's Hardware fields are one such group's; this reads every group's."""
+    fits = read_profile(name_or_path).get("measured", {}).get("collectives", {}).get(kind)
+    if not fits:
+        raise ProfileError(f"hardware profile {name_or_path} has no measured {kind} (the built-in profiles have no "
+                           f"measurements; tools/calibrate_hardware.py writes them)")
+    nearest = min(fits, key=lambda n: (max(int(n), ranks) / min(int(n), ranks), int(n)))
+    return {"ranks": int(nearest), "latency_us": fits[nearest]["latency_us"], "gbps": fits[nearest]["gbps"]}

@@ -66,8 +66,8 @@ def test_hardware_flag_fills_the_plans_inputs_and_explicit_flags_win(monkeypatch
     assert h200 == Hardware(141, 8, 1, 450, 50, 0.10, 395.6, 989, 4800, 10, 20, "h200")
     mine = planned_hardware(monkeypatch, ["--hardware", "h200", "--gpu-memory-gb", "100", "--nvlink-gbps", "123",
                                           "--nodes", "2", "--peak-tflops", "900", "--ib-latency-us", "7"])
-    assert (mine.gpu_memory_gb, mine.nvlink_gbps, mine.nodes, mine.peak_tflops, mine.ib_latency_us) == (100, 123, 2, 900,
-                                                                                                      7)
+    given = (mine.gpu_memory_gb, mine.nvlink_gbps, mine.nodes, mine.peak_tflops, mine.ib_latency_us)
+    assert given == (100, 123, 2, 900, 7)
     assert mine.hbm_gbps == 4800 and mine.ib_gbps == 50  # the rest still the profile's
     # without --hardware a command line means what it meant: Hardware's defaults (an H100 SXM)
     assert planned_hardware(monkeypatch, ["--gpu-memory-gb", "80"]) == Hardware(80, 8)
@@ -119,7 +119,8 @@ def test_measured_collective_reads_the_nearest_group(tmp_path):
     fits = {"2": {"latency_us": 300, "gbps": 1.5, "points": []}, "8": {"latency_us": 9000, "gbps": 0.5, "points": []}}
     path = str(tmp_path / "m.json")
     write_profile(path, "m", load_profile("h100-sxm"), {}, {"collectives": {"all_reduce": fits}})
-    assert [measured_collective(path, "all_reduce", n)["ranks"] for n in (1, 2, 3, 4, 5, 8, 64)] == [2, 2, 2, 2, 8, 8, 8]
+    nearest = [measured_collective(path, "all_reduce", n)["ranks"] for n in (1, 2, 3, 4, 5, 8, 64)]
+    assert nearest == [2, 2, 2, 2, 8, 8, 8]
     assert measured_collective(path, "all_reduce", 8) == {"ranks": 8, "latency_us": 9000, "gbps": 0.5}
     with pytest.raises(ProfileError, match="has no measured all_to_all"):
         measured_collective(path, "all_to_all", 2)

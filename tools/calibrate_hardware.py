@@ -21,8 +21,9 @@ Three measurements, each timed after a warm-up (CUDA events on a GPU, ``perf_cou
 3. **Memory copy** bandwidth: ``dst.copy_(src)`` of a large tensor, bytes read + written per second.
 
 The profile's link figures: ``nvlink_gbps`` / ``nvlink_latency_us`` the median fit of all-reduce,
-all-gather and reduce-scatter at the largest group (``--link-ranks``: another); one machine has no second level, so ``ib_*`` repeat
-them (say so in ``sources``). Every fit and point is kept under ``measured`` for a model that wants more.
+all-gather and reduce-scatter at the largest group (``--link-ranks``: another); one machine has no
+second level, so ``ib_*`` repeat them (``sources`` says so). Every fit and point is kept under
+``measured`` (:func:`megalite.planner.hardware.measured_collective` reads one) for a model that wants more.
 
     python tools/calibrate_hardware.py --output docs/profiles/cpu-2core.json [--quick] [--max-ranks 8]
     torchrun --nproc-per-node 8 tools/calibrate_hardware.py --output h100-node.json   # NCCL, one node
@@ -62,9 +63,9 @@ def fit_latency_bandwidth(wire: list[float], seconds: list[float]) -> tuple[floa
     ``min sum (fit - t)^2 / t``: between plain least squares (the largest message decides everything,
     the latency comes out anywhere) and relative error (1/t^2: every size counts alike, so the
     largest messages, a gradient bucket's, end up fitted worst); on this machine's table (docs/BENCHMARKS.md)
-    1/t put the largest size's median error at 5% against 14% with 1/t^2 (plain: 2%), the median over all
-    sizes at 13% against 14% (plain: 20%). A negative latency is clamped to 0 and the slope refitted through the origin; a time that
-    falls with the size is all latency (the weighted mean time)."""
+    1/t put the largest size's median error at 5% against 14% with 1/t^2 (plain: 2%), the median
+    over all sizes at 13% against 14% (plain: 20%). A negative latency is clamped to 0 and the slope
+    refitted through the origin; a time that falls with the size is all latency (the weighted mean)."""
     w = [1.0 / t for t in seconds]
     sw, sx, sxx = sum(w), sum(wi * x for wi, x in zip(w, wire)), sum(wi * x * x for wi, x in zip(w, wire))
     sy, sxy = sum(wi * t for wi, t in zip(w, seconds)), sum(wi * x * t for wi, x, t in zip(w, wire, seconds))
@@ -260,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes", type=int, nargs="+", default=None, metavar="BYTES",
                    help="message sizes (whole tensor) in bytes (default 4 KiB .. 16 MiB by 4x; --quick 1, 16, 256 KiB)")
     p.add_argument("--repeats", type=int, default=None, help="calls per timed trial (default 5, --quick 2)")
-    p.add_argument("--trials", type=int, default=None, help="timed trials per point, the best kept (default 3, --quick 2)")
+    p.add_argument("--trials", type=int, default=None,
+                   help="timed trials per point, the best kept (default 3, --quick 2)")
     g = p.add_argument_group("the model whose GEMM shapes are timed (default: h 512, s 512, b 2, 8 heads on a CPU; "
                              "h 8192, s 4096, b 1, 64 heads on a GPU; --quick: h 64, s 64)")
     g.add_argument("--hidden-size", type=int, default=None)
@@ -296,7 +298,8 @@ def main(argv=None) -> int:
     a = parser.parse_args(argv)
     writable(parser, "--output", a.output)
     positive(parser, "--sizes", *(a.sizes or [1]))
-    positive(parser, "--max-ranks/--repeats/--trials", *(v for v in (a.max_ranks, a.repeats, a.trials) if v is not None))
+    for flag, value in (("--max-ranks", a.max_ranks), ("--repeats", a.repeats), ("--trials", a.trials)):
+        positive(parser, flag, *([] if value is None else [value]))
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     gpu = torch.cuda.is_available()
     c = settings(a, gpu)
@@ -315,7 +318,8 @@ def main(argv=None) -> int:
         rank = dist.get_rank()
         if gpu:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        raw = measure_collectives(rank, launched, groups, c["sizes"], c["repeats"], c["trials"], "cuda" if gpu else "cpu")
+        raw = measure_collectives(rank, launched, groups, c["sizes"], c["repeats"], c["trials"],
+                                  "cuda" if gpu else "cpu")
     else:  # the forked gloo worlds first, before this process runs multi-threaded torch ops (ENV_NOTES)
         rank = 0
         raw = (run_world(measure_collectives, ranks, groups, c["sizes"], c["repeats"], c["trials"], timeout=1800)[0]

@@ -28,7 +28,8 @@ from megalite.moe.settings import moe_layers  # noqa: E402
 from megalite.planner.search import plan  # noqa: E402
 from megalite.planner import DEFAULT_HEADROOM, WIRE_MEASURE, GiB, Hardware, precision, total_parameters  # noqa: E402
 from megalite.planner.cp import CP_COMM_TYPES, cp_type_name  # noqa: E402
-from megalite.planner.hardware import HARDWARE_FLAGS, ProfileError, hardware_from_flags, known_profiles  # noqa: E402
+from megalite.planner.hardware import (HARDWARE_FLAGS, ProfileError, hardware_from_flags,  # noqa: E402
+                                       known_profiles)
 from megalite.planner.documents import plan_lines as document_lines  # noqa: E402
 from megalite.planner.flags import add_update_flags, grads_in_fp32, pretrain_flags, training_defaults, update_from_args  # noqa: E402
 from megalite.planner.flags import add_model_flags, model_from_args as planned_model  # noqa: E402

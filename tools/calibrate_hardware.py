@@ -240,7 +240,8 @@ def markdown(fits: dict, matmuls: list[dict], hw: dict) -> list[str]:
                   + " | ".join(f"{s / 1024:g} KiB" for s in sizes) + " |", "|---|---|---|---|" + "---|" * len(sizes)]
         for kind, by_n in fits.items():
             for n, f in by_n.items():
-                lines.append(f"| {kind} | {n} | {f['latency_us']:.0f} | {f['gbps']:.3f} | "
+                gbps = f"{f['gbps']:.3f}" if f["gbps"] < 1e6 else "- (no growth with size)"
+                lines.append(f"| {kind} | {n} | {f['latency_us']:.0f} | {gbps} | "
                              + " | ".join(f"{p[2] * 1e3:.3f} ({p[3] * 1e3:.3f})" for p in f["points"]) + " |")
     lines += ["", "profile: " + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
                                            for k, v in hw.items())]

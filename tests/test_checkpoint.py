@@ -44,15 +44,15 @@ def test_resume_after_kill_is_bit_identical(tmp_path, world, layout):
 
 
 def test_kill_during_save_keeps_previous_checkpoint(tmp_path):
-    argv = BASE + ["--train-iters", "20", "--save", str(tmp_path), "--save-interval", "10"]
+    argv = BASE + ["--train-iters", "4", "--save", str(tmp_path), "--save-interval", "2"]
     with pytest.raises(WorldError, match="died"):
-        run_world(_run, 2, argv + ["--inject-fault", "kill-during-save@20"])
-    assert (tmp_path / "latest").read_text() == "10"
-    assert (tmp_path / "iter_0000020.tmp").exists() and not (tmp_path / "iter_0000020").exists()
+        run_world(_run, 2, argv + ["--inject-fault", "kill-during-save@4"])
+    assert (tmp_path / "latest").read_text() == "2"
+    assert (tmp_path / "iter_0000004.tmp").exists() and not (tmp_path / "iter_0000004").exists()
     model = load_serial_model(str(tmp_path))
     assert model(torch.randint(0, 300, (1, 16))).shape == (1, 16, 300)
-    resumed = run_world(_run, 2, BASE + ["--train-iters", "12", "--load", str(tmp_path)])[0]
-    assert [r[0] for r in resumed] == [11, 12]
+    resumed = run_world(_run, 2, BASE + ["--train-iters", "4", "--load", str(tmp_path)])[0]
+    assert [r[0] for r in resumed] == [3, 4]
 
 
 LAYOUTS = {(1, 1): [], (2, 2): ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],

@@ -19,6 +19,7 @@ import pytest
 
 from megalite.train.pretrain import main, pretrain
 from megalite.testing import run_world
+from tests.test_single_message import _check_one_message
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -66,7 +67,8 @@ def test_a_corrupt_file_read_by_rank_1_is_one_message_from_rank_0(tmp_path):
 def test_under_torchrun_the_fault_is_one_message_within_seconds(tmp_path):
     """The whole path: torchrun's agent, rank 1 stopped by SIGTERM (it never prints), the
     message on the console once and in the failure summary once, seconds after start-up
-    rather than after rank 1's 20 s wait."""
+    rather than after rank 1's 20 s wait; and, as for every expected failure under torchrun
+    (tests/test_single_message.py), no traceback but torchrun's own, no path of megalite's files."""
     save, shard = _checkpoint_with_a_corrupt_second_stage(tmp_path)
     start = time.monotonic()
     proc = subprocess.Popen([TORCHRUN, "--standalone", "--nproc_per_node", "2", os.path.join(ROOT, "pretrain_gpt.py"),
@@ -90,3 +92,4 @@ def test_under_torchrun_the_fault_is_one_message_within_seconds(tmp_path):
     others = summary[:summary.index("Root Cause")]
     assert "rank      : 0 (local_rank: 0)" in root and message in root, text  # rank 0 reported it
     assert "rank      : 1 (local_rank: 1)" in others and "(SIGTERM)" in others and message not in others, text
+    _check_one_message(code, text, message)

@@ -381,11 +381,14 @@ def test_tool_bad_input_own_process(tmp_path):
     interpreter, the tool's own imports); every case runs as __main__ in the test above. The
     processes run at once (each is one interpreter starting: on two cores, two at a time). Every
     tool a guide runs is here (the guides' commands run in forks: tests/forked_commands.py),
-    but plot_log.py (its own process above) and preprocess_data.py (tests/test_hf_tokenizer.py)."""
+    but those started in a new interpreter elsewhere: plot_log.py (its own process above),
+    preprocess_data.py (tests/test_hf_tokenizer.py), reshard_checkpoint.py
+    (tests/test_transformer_engine.py, on a TE checkpoint without TE) and dry_run.py (by
+    launch.sh under docs/recipes.md's ``ACTION=dry-run``, tests/test_docs_commands.py)."""
     every = _bad_inputs(tmp_path)
-    # the checkpoint tools, the planner, the dry run, the tokenizer trainer, ZeRO's report, the
-    # pipeline timeline and a benchmark
-    cases = [every[i] for i in (2, 3, 4, 6, 7, 8, 11, 13)]
+    # the HF conversion, the planner, the tokenizer trainer, ZeRO's report, the pipeline
+    # timeline and a benchmark
+    cases = [every[i] for i in (2, 4, 7, 8, 11, 13)]
     procs = [subprocess.Popen([sys.executable, os.path.join(ROOT, "tools", tool), *argv], stdout=subprocess.DEVNULL,
                               stderr=subprocess.PIPE, text=True, cwd=str(tmp_path)) for tool, argv, _ in cases]
     errs = [p.communicate(timeout=300)[1] for p in procs]

@@ -106,6 +106,7 @@ from megalite.pipeline.schedule_kinds import schedule as describe_schedule
 from megalite.planner import cp as planner_cp, documents as planner_documents, pipeline as planner_pipeline
 from megalite.planner.flags import training_defaults
 from megalite.planner.pipeline import stage_activation_bytes
+from megalite.planner.step_time import step_terms
 from megalite.planner.types import Estimate, GiB, Hardware, Layout, Precision
 from megalite.planner.update_traffic import update_traffic
 
@@ -314,8 +315,9 @@ def stage_memory(m: ModelConfig, layout: Layout, stage: int, micro: int, num_mic
 
 def estimate(m: ModelConfig, layout: Layout, global_batch: int, micro: int, prec: Precision, hw: Hardware,
              flash_attention: bool = False, documents: bool = False) -> Estimate:
-    """Memory of the fullest pipeline stage, the bubble and the communication of one layout
-    (``documents``: the batch carries --reset-attention-mask's arrays)."""
+    """Memory of the fullest pipeline stage, the bubble, the communication and the step time's
+    terms (:mod:`megalite.planner.step_time`) of one layout, the latter two for a rank of that
+    stage (``documents``: the batch carries --reset-attention-mask's arrays)."""
     num_micro = global_batch // (micro * layout.dp)
     best = None
     for stage in range(layout.pp):
@@ -325,5 +327,9 @@ def estimate(m: ModelConfig, layout: Layout, global_batch: int, micro: int, prec
             best = (stage, psi, mem, detail)
     stage, psi, mem, detail = best
     comm = communication(m, layout, psi, micro, num_micro, prec, hw, stage)
+    psi_e = stage_expert_parameters(m, layout.tp, layout.pp, stage, layout.ep, layout.schedule)
+    matrices = 0 if prec.matrix_bytes == prec.optimizer_bytes else stage_matrix_parameters(
+        m, layout.tp, layout.pp, stage, layout.ep, layout.schedule)
+    step = step_terms(m, layout, global_batch, num_micro, comm, prec, hw, psi, psi_e, matrices, stage)
     return Estimate(layout, num_micro, stage, psi, mem, planner_pipeline.bubble(layout.schedule, layout.pp, num_micro),
-                    comm, mem["total"] <= hw.usable_bytes, detail["held"], detail["w_inputs"])
+                    comm, mem["total"] <= hw.usable_bytes, detail["held"], detail["w_inputs"], step["compute"], step)

@@ -51,10 +51,13 @@ def test_planner_defaults_are_pretrain_defaults():
     assert grads_in_fp32("bf16") is cfg.train.accumulate_allreduce_grads_in_fp32 is True
     p = plan(plan_parallel.model_from_args(plan_parallel.build_parser().parse_args(TINY)), Hardware(1, 4), 8, 1)
     assert p.precision.grad_bytes == 4 and p.precision.bytes_per_param == 18
-    # A layout at the parser's defaults adds no layout flag: ZeRO stage, recomputation, SP, EP, CP.
+    # A layout at the parser's defaults adds no layout flag: ZeRO stage, recomputation, SP, EP, CP;
+    # with DP > 1 the bucket overlap the step-time model assumes (issue 40): --overlap-grad-reduce.
     flags = pretrain_flags(p.model, type(p.choice.layout)(dp=4), 8, train["micro_batch_size"])
-    assert not [f for f in flags if re.match(r"--(zero|recompute|sequence|expert|context|overlap|hidden-dropout"
+    assert not [f for f in flags if re.match(r"--(zero|recompute|sequence|expert|context|hidden-dropout"
                                              r"|attention-dropout|no-acc)", f)], flags
+    assert "--overlap-grad-reduce" in flags
+    assert not [f for f in pretrain_flags(p.model, type(p.choice.layout)(), 8, 4) if f.startswith("--overlap")]
     # The old --fp32-grads still parses (it is the default now).
     assert plan_parallel.build_parser().parse_args(TINY + ["--fp32-grads"]).accumulate is True
 

@@ -50,15 +50,29 @@ def test_compute_bubble_and_their_sum():
     assert sel["compute"] == pytest.approx(c + 4 * L * H * S * GB * S / (world * 100e12))  # scores' forward
 
 
-def test_ddp_and_zero1_are_exposed_after_the_last_micro_batch():
-    """ZeRO-0/1 reduce after the last micro-batch (the printed flags keep --overlap-grad-reduce off)."""
+def test_ddp_and_zero1_hide_their_buckets_behind_the_last_backward():
+    """ZeRO-0/1 reduce each bucket as the last micro-batch's backward fills it (--overlap-grad-reduce,
+    printed with DP > 1): the last bucket is exposed, and what outlasts that backward."""
+    slow = Hardware(80, 4, 2, nvlink_gbps=100.0, ib_gbps=0.1, achieved_tflops=100.0, hbm_gbps=1000.0,
+                    ib_latency_us=20.0)
     for zero in (0, 1):
-        m, e, t = terms(Layout(tp=1, pp=1, dp=8, zero=zero))
-        psi, n = e.psi, 8
-        wire = (2 * psi * 2 if zero == 0 else psi * (2 + 2)) * (n - 1) / n  # all-reduce; RS + AG
-        assert t["dp"] == pytest.approx(wire / 10e9)  # 8 ranks on 2 nodes of 4: InfiniBand
-        assert t["latency"] == pytest.approx((1 if zero == 0 else 2) * 20e-6)  # one bucket (psi < 40M)
+        m, e, t = terms(Layout(tp=1, pp=1, dp=8, zero=zero), hw=slow)
+        psi, n, M = e.psi, 8, GB // 8
+        reduce = (2 if zero == 0 else 1) * psi * 2 * (n - 1) / n / 0.1e9  # all-reduce; reduce-scatter
+        gather = psi * 2 * (n - 1) / n / 0.1e9 if zero == 1 else 0.0  # 8 ranks on 2 nodes: InfiniBand
+        backward = t["compute"] / M * 2 / 3
+        assert t["dp"] == pytest.approx(reduce + gather)  # one bucket (psi < 40M): all of it the last
+        assert t["latency"] == pytest.approx((1 if zero == 0 else 2) * 20e-6)
         assert t["overlap"] == 0
+    big = ModelConfig(num_layers=8, hidden_size=4096, num_attention_heads=32, vocab_size=V, seq_length=S)
+    hw = Hardware(80, 8, 1, nvlink_gbps=100.0, achieved_tflops=100.0, hbm_gbps=1000.0)
+    e = estimate(big, Layout(dp=8, zero=0), GB, MICRO, BF16, hw, True)
+    k = -(-e.psi // 40_000_000)
+    reduce = 2 * e.psi * 2 * 7 / 8 / 100e9
+    backward = e.step["compute"] / (GB // 8) * 2 / 3
+    shown = reduce / k + max(0.0, reduce - reduce / k - backward)
+    assert k > 1 and e.step["dp"] == pytest.approx(shown) and shown < reduce
+    assert e.step["overlap"] == pytest.approx(OVERLAP_COST * (reduce - shown))
 
 
 def test_zero2_hides_each_micro_batch_reduce_scatter_behind_its_backward():

@@ -12,17 +12,18 @@ node, InfiniBand across: the link :mod:`.estimate` names), lambda its latency pe
                                       recomputation adds the attention's score forward, 4 L h s per token
     bubble     C b / (1 - b)           b: the schedule's idle fraction (:func:`.pipeline.bubble`)
     dp         the gradient reduction over N (and the update rule's own DP collectives, exposed):
-               ZeRO-0    all-reduce 2 Psi g r(N) / B, after the last micro-batch  exposed
-               ZeRO-1    reduce-scatter Psi g r(N) / B + all-gather Psi w r(N) / B  exposed
-               ZeRO-2    per micro-batch a reduce-scatter of Psi g r(N) / B, started bucket by bucket
-                         during that micro-batch's backward (--overlap-grad-reduce, which the planner
-                         prints with ZeRO-2/3): exposed its last bucket plus what outlasts the
+               ZeRO-0    all-reduce 2 Psi g r(N) / B of the buckets, each started as the last
+                         micro-batch's backward fills it (--overlap-grad-reduce, which the planner
+                         prints with DP x CP > 1): exposed the last bucket plus what outlasts that
+                         backward (2/3 of a micro-batch's compute; 3/4 with full recomputation)
+               ZeRO-1    the same with a reduce-scatter, Psi g r(N) / B; then the all-gather of the
+                         updated weights Psi w r(N) / B, exposed
+               ZeRO-2    per micro-batch a reduce-scatter of Psi g r(N) / B, bucket by bucket during
+                         that micro-batch's backward: exposed its last bucket plus what outlasts the
                          backward; then the all-gather of the weights, exposed
                ZeRO-3    per micro-batch the weights gathered per layer before the forward and the
                          backward and the gradients reduce-scattered per layer, prefetched one layer
                          ahead: exposed the first layer of each pass plus what outlasts the compute
-               megalite reduces ZeRO-0/1 buckets after the last micro-batch (--overlap-grad-reduce
-               is off there in the printed flags), so nothing hides them.
     edp        the expert parameters' reduction over EDP, by the same rules
     tp         TP's (SP's) collectives: on the critical path, all exposed
     pp         each micro-batch's activation and gradient sends: exposed at the stage boundaries
@@ -34,14 +35,14 @@ node, InfiniBand across: the link :mod:`.estimate` names), lambda its latency pe
                and written, the gradient read and the weight written, at the HBM bandwidth:
                S (2 o + g + w) / HBM; with Muon also Newton-Schulz's FLOPs at R (per a x b matrix
                block, a <= b, and step: 4 a^2 b + 2 a^3; a rank orthogonalises its share)
-    overlap    OVERLAP_COST (10%) x the link time hidden behind compute (ZeRO-2/3's reductions and
-               gathers, CP's ring): a hidden collective still holds SMs and HBM bandwidth
+    overlap    OVERLAP_COST (10%) x the link time hidden behind compute (the gradient reductions,
+               ZeRO-3's gathers, CP's ring): a hidden collective still holds SMs and HBM bandwidth
     latency    lambda per exposed collective call: TP 4 (6 with full recomputation) per layer and
                micro-batch, twice under SP (gather + scatter) plus SP's backward re-gathers; PP 2 per
-               micro-batch; ZeRO-0/1 one per bucket (two under ZeRO-1); ZeRO-2 one (the last bucket)
-               per micro-batch and one per bucket for the weights' gather; ZeRO-3 two per
-               micro-batch; EP 4 per MoE layer and micro-batch; CP a2a 4 and allgather 2 per layer
-               and micro-batch
+               micro-batch; ZeRO-0/1 one (the last bucket; ZeRO-1 also one per bucket for the
+               weights' gather); ZeRO-2 one (the last bucket) per micro-batch and one per bucket for
+               the weights' gather; ZeRO-3 two per micro-batch; EP 4 per MoE layer and micro-batch;
+               CP a2a 4 and allgather 2 per layer and micro-batch
 
 Step time = the sum. Offload (--offload-optimizer) is not planned, so no host traffic term.
 Not modelled: compute slowing while it shares the GPU with an overlapped collective, two
@@ -107,11 +108,12 @@ def gradient_reduction(psi: int, n: int, zero: int, num_micro: int, prec: Precis
         return 0.0, 0, 0.0
     w, g, M, r = prec.weight_bytes, prec.grad_bytes, num_micro, ring(n)
     k = buckets(psi)
-    if zero == 0:
-        return 2 * psi * g * r / rate, k, 0.0
-    if zero == 1:
-        return psi * (g + w) * r / rate, 2 * k, 0.0
     window = compute_s / M * backward_share(recompute)  # one micro-batch's backward
+    if zero <= 1:  # the buckets' all-reduce (ZeRO-0) or reduce-scatter (ZeRO-1) in the last backward
+        reduce = (2 if zero == 0 else 1) * psi * g * r / rate
+        shown = reduce / k + max(0.0, reduce - reduce / k - window)
+        gather = psi * w * r / rate if zero == 1 else 0.0  # the updated weights, after the step
+        return shown + gather, 1 + (k if zero == 1 else 0), reduce - shown
     if zero == 2:
         scatter = psi * g * r / rate
         last = scatter / k

@@ -56,6 +56,10 @@ RECIPES = {
 # Their dry runs (61 and 48 layers of hundreds of experts on meta: 7 s and 3 s) only in the slow
 # tier; the default run keeps these recipes' layout checks.
 SLOW_DRY_RUNS = {"qwen3-30b-a3b", "deepseek-v3"}
+# Qwen3-30B-A3B at 64 and 1,024 GPUs runs PP 8 and PP 16 (issue 40's ranking): 8 and 16 stages of
+# 128 experts a layer on meta, 90 s and 51 s even with the batch cut, beyond the suite's budget;
+# measured by hand (docs/recipes.md), their layout checks stay in the slow tier.
+UNTESTED_DRY_RUNS = {("qwen3-30b-a3b", 64), ("qwen3-30b-a3b", 1024)}
 SIZES = [(r, g) for r, (sizes, _, _, _) in RECIPES.items() for g in sizes]
 LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                "num_layers_per_virtual_pipeline_stage", "sequence_parallel", "zero_stage", "overlap_grad_reduce",
@@ -257,7 +261,7 @@ def dry_run(recipe: str, gpus: int, tmp_path, capsys) -> tuple[int, list[dict], 
 def _dry_params():
     params = []
     for recipe, (sizes, default, _, _) in RECIPES.items():
-        for gpus in sizes:
+        for gpus in (g for g in sizes if (recipe, g) not in UNTESTED_DRY_RUNS):
             marks = [] if gpus == default and recipe not in SLOW_DRY_RUNS else [pytest.mark.slow]
             params.append(pytest.param(recipe, gpus, marks=marks, id=f"{recipe}-{gpus}"))
     return params

@@ -19,7 +19,7 @@ P the schedules hold at most P (1F1B, ZB-H1 with M >= P) or 2P chunk-micro-batch
 layout whose step has more micro-batches is dry-run with the global batch cut to max(2, P) (ZBV:
 2P) micro-batches per DP rank (the planner is given the same batch, so the comparison is like for like;
 the peak differs from the full batch's only by the step's token arrays, megabytes).
-docs/recipes.md lists the full-batch numbers.
+docs/recipes.md lists these numbers and the estimated steps.
 """
 from __future__ import annotations
 

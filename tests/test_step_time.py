@@ -8,7 +8,7 @@ import pytest
 from megalite.config import ModelConfig
 from megalite.planner import Hardware, Layout, estimate, precision
 from megalite.planner.search import TIE, plan, ranked
-from megalite.planner.step_time import OVERLAP_COST, newton_schulz_flops, step_terms
+from megalite.planner.step_time import OVERLAP_COST, newton_schulz_flops
 from megalite.planner.types import Estimate, UpdatePlan
 
 # Round figures so the hand computations read plainly: 100 GB/s inside a node, 10 across, 100

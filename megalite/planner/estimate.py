@@ -80,15 +80,18 @@ A group runs on NVLink (~450 GB/s) when all its ranks are on one node and on Inf
 (~50 GB/s) otherwise; rank order is megalite's grid, ``rank = tp + TP*(cp + CP*(dp + DP*pp))``.
 Times assume no overlap with compute (an upper bound on what communication can cost).
 
-**Recommendation** (:mod:`megalite.planner.search`): the first layout that fits along the
-practitioners' ladder (see ``RUNGS`` and ``ladder_key`` there): DDP; ZeRO-1; ZeRO-2; TP inside a node (2, 4, 8, with
-sequence parallelism); PP across nodes (TP as large as the node allows); ZeRO-3; then CP
-for sequences whose activations fit no other way (CP 2 climbs the same ladder, then CP 4
-...; the CP types of one layout fastest first; with PP, its schedules 1f1b, zb-h1 and zbv
-fastest first by estimated step time, :mod:`megalite.planner.pipeline`). Within a step, recomputation none before
-selective; full recomputation (about a third more compute: the forward runs twice) only when
-nothing fits without it. The explanation names why each simpler step does not fit, why the
-CP type, and points at a fitting layout with much less communication when there is one.
+**Step time** (:mod:`megalite.planner.step_time`): each estimate carries its step's named terms
+(``Estimate.step``: compute, bubble, the exposed part of each kind of communication above,
+optimizer, latency, the overlap's cost) for a rank of the fullest stage.
+
+**Recommendation** (:mod:`megalite.planner.search`): the layout that fits with the shortest
+estimated step; among those within 1% of it, the first along the practitioners' ladder (see
+``RUNGS`` and ``ladder_key`` there): DDP; ZeRO-1; ZeRO-2; TP inside a node (2, 4, 8, with sequence
+parallelism); PP across nodes (TP as large as the node allows); ZeRO-3; then CP (CP 2 climbs the
+same ladder, then CP 4 ...; the CP types and pipeline schedules of one layout fastest first).
+Within a step, recomputation none before selective; full recomputation last. The explanation
+prints the recommendation's step term by term, tokens/s, MFU, the runner-up and the margin, and
+why each simpler step does not fit or is slower.
 """
 from __future__ import annotations
 

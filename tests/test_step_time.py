@@ -153,9 +153,10 @@ def test_optimizer_step_reads_and_writes_the_shard_at_hbm_bandwidth():
 def test_muon_adds_newton_schulz_flops():
     muon = precision("bf16", fp32_grads=False, update=UpdatePlan("muon"))
     m = model()
-    # per layer (h = 256, no TP): qkv split into three 256 x 256, proj 256 x 256, fc1 1024 x 256, fc2 256 x 1024;
-    # per a x b block (a <= b) and step 4 a^2 b + 2 a^3; five steps. The fused qkv is one 768 x 256 block here.
-    per_layer = sum(4 * a * a * b + 2 * a ** 3 for a, b in ((256, 768), (256, 256), (256, 1024), (256, 1024)))
+    # per layer (h = 256, no TP): qkv split into q, k, v of 256 x 256 (--muon-split-qkv), proj 256 x 256,
+    # fc1 1024 x 256, fc2 256 x 1024; per a x b block (a <= b) and step 4 a^2 b + 2 a^3; five steps
+    blocks = ((256, 256),) * 3 + ((256, 256), (256, 1024), (256, 1024))
+    per_layer = sum(4 * a * a * b + 2 * a ** 3 for a, b in blocks)
     assert newton_schulz_flops(m, Layout(), muon) == 5 * L * per_layer
     e = estimate(m, Layout(dp=8, zero=1), GB, MICRO, muon, HW, True)
     adam = estimate(m, Layout(dp=8, zero=1), GB, MICRO, BF16, HW, True)

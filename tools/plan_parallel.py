@@ -1,6 +1,8 @@
 #!/usr/bin/env python
-"""Plan a parallel layout: memory per GPU, pipeline bubble and communication of every
-candidate (TP, PP, DP, CP, ZeRO stage, recomputation), and a recommendation in plain words.
+"""Plan a parallel layout: memory per GPU, pipeline bubble, communication and estimated step
+time of every candidate (TP, PP, DP, CP, ZeRO stage, recomputation), and a recommendation in
+plain words: the fastest estimated step that fits (megalite/planner/step_time.py), its terms,
+tokens/s, MFU, days to train (--train-tokens) and the runner-up.
 
 The arithmetic (and its sources) is in ``megalite/planner/estimate.py``, the search and the ranking in
 ``megalite/planner/search.py``. Memory per GPU = weights +

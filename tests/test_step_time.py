@@ -140,6 +140,12 @@ def test_expert_all_to_alls_are_exposed():
     m = model(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=128)
     e = estimate(m, Layout(dp=8, ep=4, experts=True), GB, MICRO, BF16, HW, True)
     assert e.step["ep"] == pytest.approx(e.comm["ep"]["seconds"]) and e.step["ep"] > 0
+    # the experts' gradients over EDP = 8 / 4 = 2 ranks, by the DP rules: ZeRO-0, one bucket, all exposed
+    from megalite.planner import stage_expert_parameters
+    psi_e = stage_expert_parameters(m, 1, 1, 0, 4)
+    rate = e.comm["edp"]["bytes"] / e.comm["edp"]["seconds"]
+    assert e.comm["edp"]["bytes"] == 2 * psi_e * 2 * (1 / 2)
+    assert e.step["edp"] == pytest.approx(2 * psi_e * 2 * (1 / 2) / rate) and e.step["edp"] > 0
 
 
 def test_optimizer_step_reads_and_writes_the_shard_at_hbm_bandwidth():

@@ -243,7 +243,7 @@ FLOORS = {
     "megalite.planner.types": 10.0, "megalite.planner.flags": 10.1, "megalite.planner.layers": 10.1,
     "megalite.planner.cp": 10.1, "megalite.planner.documents": 10.1, "megalite.planner.checks": 10.1,
     "megalite.planner.update_traffic": 10.1, "megalite.planner.hardware": 10.1,
-    "megalite.planner.pipeline": 10.2, "megalite.planner.estimate": 10.3, "megalite.planner.search": 10.4,
+    "megalite.planner.pipeline": 10.2, "megalite.planner.step_time": 10.25, "megalite.planner.estimate": 10.3, "megalite.planner.search": 10.4,
     "megalite.planner": 10.5,
     "megalite.train.step": 11, "megalite.observe.step_log": 11, "megalite.train.loop": 11, "megalite.train.pretrain": 11,
     "megalite.testing.reference_step": 11,  # test support: the plain step beside the one it is compared with

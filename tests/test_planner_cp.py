@@ -12,7 +12,7 @@ from megalite.arguments import build_parser as pretrain_parser
 from megalite.arguments import config_from_args
 from megalite.config import ModelConfig, validate
 from megalite.context_parallel.traffic import cp_attention_traffic
-from megalite.planner.search import candidate_layouts, plan
+from megalite.planner.search import candidate_layouts, explain, plan
 from megalite.planner import GiB, Hardware, Layout, communication, estimate, group_spans_nodes, precision
 from megalite.planner.checks import check_layout
 from megalite.planner.cp import transient_bytes
@@ -146,15 +146,31 @@ def _rival(p, kind, inner=1):
                                                             lay.recompute, lay.ep, kind, inner))
 
 
-def test_a2a_is_chosen_inside_a_node():
+def _ladder_choice(p, tp: int, cp: int):
+    """The plan explained as if its choice were the first layout with this TP and CP in the
+    practitioners' order that fits (its CP types follow each other fastest first): the CP type's
+    choice inside one layout. Issue 40 ranks layouts by estimated step, which here prefers another
+    grid (a larger CP, whose ring hides behind attention)."""
+    p.choice = next(e for e in p.estimates if e.fits and (e.layout.tp, e.layout.cp) == (tp, cp))
+    p.reasons = explain(p)
+    return p
+
+
+def test_the_ring_hides_inside_a_node_where_a2a_sends_less():
+    """TP 4 x CP 2 inside a node: a2a sends a third of the ring's bytes, but its all-to-alls are on
+    the critical path while the ring hides behind each block's attention, so p2p has the shorter
+    estimated step (issue 40; it was a2a, by bytes, before); allgather does not fit."""
     p = plan(long_mha(), Hardware(12, 8, 1), 8, 1)
+    assert p.choice.layout.cp_comm_type == "p2p" and p.choice.layout.cp == 4  # the ring, hidden (issue 40)
+    p = _ladder_choice(p, 4, 2)
     lay = p.choice.layout
-    assert (lay.tp, lay.cp, lay.cp_comm_type) == (4, 2, "a2a") and p.choice.comm["cp"]["link"] == "NVLink"
+    assert (lay.tp, lay.cp, lay.cp_comm_type) == (4, 2, "p2p") and p.choice.comm["cp"]["link"] == "NVLink"
     line = _type_line(p)
-    assert line.startswith("CP type a2a: the least CP time of this layout's types that fit")
-    ring, gathered = _rival(p, "p2p"), _rival(p, "allgather")
-    assert ring.fits and ring.comm["cp"]["bytes"] == 3 * p.choice.comm["cp"]["bytes"]  # 12 kv against 4 kv
-    assert f"p2p 0.00 GiB on InfiniBand + {ring.comm['cp']['bytes'] / GiB:.2f} GiB on NVLink" in line
+    assert line.startswith("CP type p2p: the shortest estimated step of this layout's types that fit")
+    a2a, gathered = _rival(p, "a2a"), _rival(p, "allgather")
+    assert a2a.fits and p.choice.comm["cp"]["bytes"] == 3 * a2a.comm["cp"]["bytes"]  # 12 kv against 4 kv
+    assert p.choice.step["cp"] == 0 < a2a.step["cp"] and p.choice.step_seconds < a2a.step_seconds
+    assert f"a2a 0.00 GiB on InfiniBand + {a2a.comm['cp']['bytes'] / GiB:.2f} GiB on NVLink" in line
     extra = transient_bytes(long_mha(), gathered.layout, 1, 2)  # bf16 K/V, fp32 dK/dV and block gradients
     assert extra == 2 * 1 * (long_mha().num_query_groups // 4) * long_mha().seq_length * long_mha().head_dim * (2 + 4 + 4 * 3 / 4)
     assert not gathered.fits and f"{gathered.memory['total'] / GiB:.1f} GiB (with {extra / GiB:.2f} GiB of full-" in line
@@ -180,7 +196,7 @@ def test_across_nodes_the_hierarchical_type_and_the_rule_that_refuses_a2a():
 
 
 def test_across_nodes_the_ring_when_allgather_does_not_fit():
-    p = plan(long_h24(), Hardware(10, 8, 2), 16, 1)
+    p = _ladder_choice(plan(long_h24(), Hardware(10, 8, 2), 16, 1), 8, 2)
     lay = p.choice.layout
     assert (lay.tp, lay.cp, lay.cp_comm_type) == (8, 2, "p2p") and p.choice.comm["cp"]["link"] == "InfiniBand"
     gathered = _rival(p, "allgather")

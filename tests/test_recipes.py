@@ -14,11 +14,12 @@ runs and layout checks, the SFT recipe's prepare step, and the Qwen3-30B-A3B and
 dry runs (``SLOW_DRY_RUNS``: the biggest models, 3-7 s each) are marked slow.
 
 Cost: a meta dry run takes time in proportion to the micro-batches of a step, M = global batch /
-(micro batch x DP). Every recipe has PP 1, so one micro-batch's activations are in flight
-whatever M is; a layout whose step has more than 2 micro-batches is dry-run with the global batch
-cut to 2 micro-batches per DP rank (the planner is given the same batch, so the comparison is like
-for like; the peak differs from the full batch's only by the step's token arrays, megabytes).
-docs/recipes.md lists the full-batch numbers.
+(micro batch x DP). Without PP one micro-batch's activations are in flight whatever M is; with PP
+P the schedules hold at most P (1F1B, ZB-H1 with M >= P) or 2P chunk-micro-batches (ZBV), so a
+layout whose step has more micro-batches is dry-run with the global batch cut to max(2, P) (ZBV:
+2P) micro-batches per DP rank (the planner is given the same batch, so the comparison is like for like;
+the peak differs from the full batch's only by the step's token arrays, megabytes).
+docs/recipes.md lists these numbers and the estimated steps.
 """
 from __future__ import annotations
 
@@ -38,16 +39,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES_DIR = os.path.join(ROOT, "examples", "recipes")
 GPU_MEMORY_GB = 80
 GPUS_PER_NODE = 8
-MAX_MICRO_BATCHES = 2  # per step and DP rank, in the dry runs here (see the module's docstring)
+MAX_MICRO_BATCHES = 2  # per step and DP rank (with PP P at least P, ZBV 2P) in the dry runs here (module docstring)
 
 # recipe: (GPU counts with a layout, the one dry-run in the default run, counts the model does
 # not fit, counts refused for another reason)
 RECIPES = {
     "gpt3-1.3b": ([8, 64, 512], 512, [], []),
-    "gpt3-13b": ([8, 64, 512], 512, [], []),
+    "gpt3-13b": ([8, 64, 512], 8, [], []),  # PP 2 at 8 GPUs: the cheapest pipelined dry run
     "llama3-8b": ([8, 64, 512], 512, [], []),
-    "llama3-70b": ([64, 512], 512, [8], []),
-    "mixtral-8x7b": ([64, 512], 512, [8], []),
+    "llama3-70b": ([64, 512], 64, [8], []),
+    "mixtral-8x7b": ([64, 512], 64, [8], []),
     "llama3-8b-sft": ([8, 64], 64, [], [512]),
     "qwen3-30b-a3b": ([64, 256, 1024], 1024, [], []),
     "deepseek-v3": ([256, 1024], 1024, [64], []),
@@ -55,6 +56,10 @@ RECIPES = {
 # Their dry runs (61 and 48 layers of hundreds of experts on meta: 7 s and 3 s) only in the slow
 # tier; the default run keeps these recipes' layout checks.
 SLOW_DRY_RUNS = {"qwen3-30b-a3b", "deepseek-v3"}
+# Qwen3-30B-A3B at 64 and 1,024 GPUs runs PP 8 and PP 16 (issue 40's ranking): 8 and 16 stages of
+# 128 experts a layer on meta, 90 s and 51 s even with the batch cut, beyond the suite's budget;
+# measured by hand (docs/recipes.md), their layout checks stay in the slow tier.
+UNTESTED_DRY_RUNS = {("qwen3-30b-a3b", 64), ("qwen3-30b-a3b", 1024)}
 SIZES = [(r, g) for r, (sizes, _, _, _) in RECIPES.items() for g in sizes]
 LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
                "num_layers_per_virtual_pipeline_stage", "sequence_parallel", "zero_stage", "overlap_grad_reduce",
@@ -112,7 +117,7 @@ def test_training_flags_parse_and_validate(recipe, gpus):
     config = config_of(train, vocab)
     validate(config, gpus, GPUS_PER_NODE)
     layout = GridLayout.from_config(config.parallel, gpus, experts=bool(config.model.num_experts))
-    assert layout.world_size == gpus and layout.pp == 1  # the micro-batch cut below relies on PP 1
+    assert layout.world_size == gpus
     train_args, dry_args = vars(args), vars(parse(dry))
     differ = {k for k in train_args if train_args[k] != dry_args[k]}
     assert differ <= {"data_path", "split", "tokenizer_type", "tokenizer_model", "save", "load", "save_interval",
@@ -174,7 +179,8 @@ def test_train_launches_torchrun_per_node_with_the_printed_flags(slurm, tmp_path
     printed = subprocess.run(["bash", os.path.join(RECIPES_DIR, "llama3-8b.sh"), "--train-iters", "10"], env=env,
                              capture_output=True, text=True, timeout=60, check=True).stdout
     assert launcher[program + 1:] == shlex.split(printed)
-    assert "--tensor-model-parallel-size" not in printed and "--zero-stage 2" in printed  # the 64-GPU layout
+    assert "--tensor-model-parallel-size" not in printed and "--zero-stage 1" in printed  # the 64-GPU layout
+    assert "--pipeline-model-parallel-size 2" in printed and "--pipeline-schedule zb-h1" in printed
     assert (tmp_path / "logs").is_dir()
 
 
@@ -215,10 +221,10 @@ def test_layout_is_the_planners_recommendation(recipe, gpus, tmp_path, capsys):
     has every layout flag. Where the recipe says the model does not fit, no layout fits.
 
     The search is limited to the recipe's CP size C (--max-context-parallel C, 1 for most: the
-    full search over context-parallel sizes and types takes 3-9 s for Mixtral, 0.3-0.6 s so). Its
-    answer is the full search's when it has no full recomputation: the planner's order puts every
-    layout without full recomputation and CP <= C before any layout with a larger CP, so such a
-    layout that fits is first in both. Where nothing fits, the full search says so."""
+    full search over context-parallel sizes and types takes 3-70 s for the MoE models, 0.1-5 s
+    so): a recipe keeps its CP size, and among those layouts it runs the fastest estimated step
+    that fits (issue 40; a larger CP is sometimes faster still: tools/plan_parallel.py without
+    --max-context-parallel says by how much). Where nothing fits, the full search says so."""
     sizes = RECIPES[recipe][0]
     probe = sizes[0]  # the model and batch flags are the same at every count
     _, flags = dry_run_flags(recipe, gpus if gpus in sizes else probe)
@@ -228,7 +234,7 @@ def test_layout_is_the_planners_recommendation(recipe, gpus, tmp_path, capsys):
         return
     max_cp = str(parse(flags).context_parallel_size)
     rec = recommendation(planner_argv(flags, gpus) + ["--max-context-parallel", max_cp], tmp_path, capsys)
-    assert rec is not None and rec["layout"]["recompute"] != "full", (recipe, gpus, rec and rec["description"])
+    assert rec is not None, (recipe, gpus)
     planned, ours = vars(parse(rec["pretrain_flags"])), vars(parse(flags))
     defaults = vars(parse([]))
     keys = {k for k in planned if planned[k] != defaults[k]} | set(LAYOUT_KEYS)
@@ -243,9 +249,9 @@ def dry_run(recipe: str, gpus: int, tmp_path, capsys) -> tuple[int, list[dict], 
     config = config_of(flags, args.vocab_size)
     layout = GridLayout.from_config(config.parallel, gpus, experts=bool(config.model.num_experts))
     per_dp = args.micro_batch_size * layout.dp
-    if args.global_batch_size > per_dp * MAX_MICRO_BATCHES:
-        assert layout.pp == 1
-        flags = flags + ["--global-batch-size", str(per_dp * MAX_MICRO_BATCHES)]
+    most = max(MAX_MICRO_BATCHES, layout.pp * (2 if args.pipeline_schedule == "zbv" else 1))
+    if args.global_batch_size > per_dp * most:
+        flags = flags + ["--global-batch-size", str(per_dp * most)]
     out = tmp_path / "dry.json"
     code = tool.main(own + flags + ["--json", str(out)])
     text = capsys.readouterr().out
@@ -255,7 +261,7 @@ def dry_run(recipe: str, gpus: int, tmp_path, capsys) -> tuple[int, list[dict], 
 def _dry_params():
     params = []
     for recipe, (sizes, default, _, _) in RECIPES.items():
-        for gpus in sizes:
+        for gpus in (g for g in sizes if (recipe, g) not in UNTESTED_DRY_RUNS):
             marks = [] if gpus == default and recipe not in SLOW_DRY_RUNS else [pytest.mark.slow]
             params.append(pytest.param(recipe, gpus, marks=marks, id=f"{recipe}-{gpus}"))
     return params

@@ -1,6 +1,8 @@
 #!/usr/bin/env python
-"""Plan a parallel layout: memory per GPU, pipeline bubble and communication of every
-candidate (TP, PP, DP, CP, ZeRO stage, recomputation), and a recommendation in plain words.
+"""Plan a parallel layout: memory per GPU, pipeline bubble, communication and estimated step
+time of every candidate (TP, PP, DP, CP, ZeRO stage, recomputation), and a recommendation in
+plain words: the fastest estimated step that fits (megalite/planner/step_time.py), its terms,
+tokens/s, MFU, days to train (--train-tokens) and the runner-up.
 
 The arithmetic (and its sources) is in ``megalite/planner/estimate.py``, the search and the ranking in
 ``megalite/planner/search.py``. Memory per GPU = weights +
@@ -25,7 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.config import ModelConfig  # noqa: E402
 from megalite.moe.settings import moe_layers  # noqa: E402
-from megalite.planner.search import plan  # noqa: E402
+from megalite.planner.search import plan, ranked, runner_up  # noqa: E402
+from megalite.planner.step_time import days_to_train, mfu, tokens_per_second  # noqa: E402
 from megalite.planner import DEFAULT_HEADROOM, WIRE_MEASURE, GiB, Hardware, precision, total_parameters  # noqa: E402
 from megalite.planner.cp import CP_COMM_TYPES, cp_type_name  # noqa: E402
 from megalite.planner.hardware import (HARDWARE_FLAGS, ProfileError, hardware_from_flags,  # noqa: E402
@@ -108,6 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fix the context-parallel type (default: search p2p, a2a, allgather and a2a+p2p with "
                         "every inner size, and pick the fastest that fits)")
     g.add_argument("--top", type=int, default=15, help="rows of the table of layouts that fit")
+    g.add_argument("--train-tokens", type=float, default=None, metavar="N",
+                   help="tokens to train on: the explanation adds the days to train at the estimated step")
     g.add_argument("--json", default=None, help="write the whole plan (every candidate) as JSON")
     g.add_argument("--verify", type=int, default=0, metavar="K",
                    help="dry-run the first K fitting layouts (tools/dry_run.py: one rank per pipeline "
@@ -130,7 +135,8 @@ def table(estimates, usable: float) -> list[str]:
             + (f"{'CP type':>13} " if kinds else "") + f"{'DP':>4} "
             + (f"{'EP':>3} " if experts else "")
             + f"{'ZeRO':>4} {'recompute':>9} | {'total':>6} {'weights':>7} "
-            f"{'grads':>6} {'m+Adam':>6} {'activ':>6} {'bufs':>5} | {'M':>4} {'bubble':>6} | comm ms/step "
+            f"{'grads':>6} {'m+Adam':>6} {'activ':>6} {'bufs':>5} | {'M':>4} {'bubble':>6} | {'step s':>8} "
+            f"{'exposed':>7} | comm ms/step "
             f"(N = NVLink, I = InfiniBand)")
     rows = [head, "-" * len(head)]
     for e in estimates:
@@ -142,10 +148,17 @@ def table(estimates, usable: float) -> list[str]:
                     + f"{lay.zero:>4} {lay.recompute:>9} | "
                     f"{mem['total'] / GiB:>6.1f} {mem['weights'] / GiB:>7.1f} {mem['gradients'] / GiB:>6.1f} "
                     f"{mem['master_and_optimizer'] / GiB:>6.1f} {mem['activations'] / GiB:>6.1f} "
-                    f"{mem['buffers'] / GiB:>5.1f} | {e.num_micro:>4} {e.bubble:>6.1%} | {comm or '-'}")
-    rows.append(f"(GiB per GPU on the fullest pipeline stage; {usable / GiB:.1f} GiB usable; comm: the time of the "
-                f"{WIRE_MEASURE.split(':')[0]} on its link, no overlap)")
+                    f"{mem['buffers'] / GiB:>5.1f} | {e.num_micro:>4} {e.bubble:>6.1%} | {e.step_seconds:>8.4g} "
+                    f"{exposed_ms(e):>5.3g}ms | {comm or '-'}")
+    rows.append(f"(GiB per GPU on the fullest pipeline stage; {usable / GiB:.1f} GiB usable; step s: the estimated "
+                f"step (megalite/planner/step_time.py), exposed: its communication and latency that compute does not "
+                f"hide; comm: the time of the {WIRE_MEASURE.split(':')[0]} on its link, no overlap)")
     return rows
+
+
+def exposed_ms(e) -> float:
+    """The estimated step's communication terms and latency (what nothing hides), in ms."""
+    return 1e3 * sum(v for k, v in e.step.items() if k not in ("compute", "bubble", "optimizer"))
 
 
 def layout_flags(a, m, e) -> list[str]:
@@ -205,6 +218,21 @@ def verify(a, m, estimates) -> list[dict]:
     return out
 
 
+def speed_fields(result, train_tokens) -> dict | None:
+    """The recommendation's estimated step, its terms, tokens/s, MFU, days to train and the runner-up."""
+    e = result.choice
+    if e is None:
+        return None
+    m, gb, step = result.model, result.global_batch, e.step_seconds
+    second = runner_up(result)
+    return {"seconds": step, "terms": e.step, "tokens_per_second": tokens_per_second(m, gb, step),
+            "mfu": mfu(m, gb, step, result.hardware),
+            "days_to_train": days_to_train(m, gb, step, train_tokens) if train_tokens else None,
+            "runner_up": ({"description": second.layout.describe(), "layout": second.layout.to_dict(),
+                           "seconds": second.step_seconds, "margin": second.step_seconds / step - 1}
+                          if second else None)}
+
+
 def main(argv=None) -> int:
     parser = one_line_errors(build_parser())
     a = parser.parse_args(argv)
@@ -222,7 +250,7 @@ def main(argv=None) -> int:
     a.gpu_memory_gb, a.gpus_per_node, a.nodes, a.headroom = hw.gpu_memory_gb, hw.gpus_per_node, hw.nodes, hw.headroom
     prec = precision(a.precision, grads_in_fp32(a.precision, a.accumulate), update=update_from_args(a))
     result = plan(m, hw, a.global_batch_size, a.micro_batch_size, prec, a.flash_attention, a.max_context_parallel,
-                  a.cp_comm_type, documents=a.reset_attention_mask)
+                  a.cp_comm_type, documents=a.reset_attention_mask, train_tokens=a.train_tokens)
     experts = ""
     if m.num_experts:
         experts = (f", {sum(moe_layers(m))} MoE layers x {m.num_experts} experts (FFN {m.moe_ffn_hidden_size}, "
@@ -253,9 +281,10 @@ def main(argv=None) -> int:
         print(f"\nThe recommendation as pretrain_gpt.py flags (every assumption of the estimate; add your data "
               f"flags, or --mock-data):\n  {' '.join(flags)}\nMeasure it first: "
               f"{dry_run_command(a, flags, lay.tp * lay.pp * lay.cp * lay.dp)}")
-    fitting = result.fitting()
+    fitting = ranked(result.fitting())
     print(f"\n{len(fitting)} of {len(result.estimates)} valid layouts fit ({len(result.invalid)} refused by "
-          f"megalite's validation); the first {min(a.top, len(fitting))} in the practitioners' order:")
+          f"megalite's validation); the first {min(a.top, len(fitting))} by estimated step (ties within 1% in the "
+          f"practitioners' order):")
     for row in table(fitting[: a.top], hw.usable_bytes):
         print(row)
     refused = {}  # one example per rule (the message with its numbers taken out)
@@ -276,6 +305,7 @@ def main(argv=None) -> int:
                        "document_length": (a.document_length or m.seq_length) if a.reset_attention_mask else None,
                        "recommendation": ({**result.choice.to_dict(), "pretrain_flags": layout_flags(a, m, result.choice)}
                                           if result.choice else None),
+                       "step_time": speed_fields(result, a.train_tokens),
                        "reasons": result.reasons, "candidates": [e.to_dict() for e in result.estimates],
                        "refused": [{"layout": k.to_dict(), "reason": v} for k, v in result.invalid.items()]},
                       f, indent=1)

@@ -13,8 +13,8 @@
 # head, which megalite shares), about 37B active per token.
 # Batch: 4096 sequences of 4096 = 16.8M tokens per step (DeepSeek-V3 ramped to 15360), micro-batch 1.
 # Layouts (tools/plan_parallel.py's recommendation; planned and measured memory in docs/recipes.md):
-#   GPUS=256   TP 8 (sequence parallel) x CP 2 (a2a) x DP 16, the experts over EP 128, ZeRO-2
-#   GPUS=1024  TP 8 (sequence parallel) x DP 128, the experts over EP 256, ZeRO-1
+#   GPUS=256   TP 2 (SP) x DP 128, EP 256, ZeRO-2, recompute full
+#   GPUS=1024  TP 8 (SP) x DP 128, EP 256, ZeRO-1, recompute none
 #   64 GPUs cannot hold it: its weights, gradients and Adam state alone are 11,249 GiB (18 bytes
 #   per parameter), 4,608 GiB is what 64 GPUs have after the planner's headroom; no layout fits there.
 # Submit from the checkout:   sbatch --nodes 32 examples/recipes/deepseek-v3.sh   (GPUS = nodes x 8)
@@ -52,11 +52,8 @@ MODEL_ARGS=(--num-layers 61 --hidden-size 7168 --num-attention-heads 128 --ffn-h
             --moe-router-enable-expert-bias --moe-router-bias-update-rate 1e-3
             --mtp-num-layers 1 --mtp-loss-scaling-factor 0.1)
 case "$GPUS" in
-    256)  LAYOUT_ARGS=(--tensor-model-parallel-size 8 --sequence-parallel --context-parallel-size 2
-                       --cp-comm-type a2a --expert-model-parallel-size 128
-                       --zero-stage 2 --overlap-grad-reduce) ;;
-    1024) LAYOUT_ARGS=(--tensor-model-parallel-size 8 --sequence-parallel
-                       --expert-model-parallel-size 256 --zero-stage 1) ;;
+    256)  LAYOUT_ARGS=(--tensor-model-parallel-size 2 --zero-stage 2 --expert-model-parallel-size 256 --sequence-parallel --recompute-granularity full --overlap-grad-reduce) ;;
+    1024) LAYOUT_ARGS=(--tensor-model-parallel-size 8 --zero-stage 1 --expert-model-parallel-size 256 --sequence-parallel --overlap-grad-reduce) ;;
     *)    no_layout deepseek-v3 "256 or 1024" "64 GPUs cannot hold the model state" ;;
 esac
 TRAIN_ARGS=(--micro-batch-size 1 --global-batch-size 4096 --bf16

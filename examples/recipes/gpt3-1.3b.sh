@@ -5,9 +5,9 @@
 # Batch: 512 sequences of 2048 = 1M tokens per step (the GPT-3 paper's batch for this size),
 # micro-batch 4.
 # Layouts (tools/plan_parallel.py's recommendation; planned and measured memory in docs/recipes.md):
-#   GPUS=8    DP 8 (DDP)
-#   GPUS=64   DP 64 (DDP)
-#   GPUS=512  TP 4 (sequence parallel) x DP 128
+#   GPUS=8    DP 8, ZeRO-0, recompute none
+#   GPUS=64   DP 64, ZeRO-1, recompute none
+#   GPUS=512  TP 4 (SP) x DP 128, ZeRO-3, recompute none
 # Submit from the checkout:   sbatch --nodes 8 examples/recipes/gpt3-1.3b.sh   (GPUS = nodes x 8)
 # By hand, on every node:     NNODES=8 MASTER_ADDR=node0 bash examples/recipes/gpt3-1.3b.sh
 # Measure first (CPU, meta):  ACTION=dry-run GPUS=64 bash examples/recipes/gpt3-1.3b.sh
@@ -30,9 +30,9 @@ VOCAB_SIZE=50257
 MODEL_ARGS=(--num-layers 24 --hidden-size 2048 --num-attention-heads 16 --seq-length 2048
             --max-position-embeddings 2048 --hidden-dropout 0.1 --attention-dropout 0.1)
 case "$GPUS" in
-    8)   LAYOUT_ARGS=() ;;
-    64)  LAYOUT_ARGS=() ;;
-    512) LAYOUT_ARGS=(--tensor-model-parallel-size 4 --sequence-parallel) ;;
+    8)   LAYOUT_ARGS=(--overlap-grad-reduce) ;;
+    64)  LAYOUT_ARGS=(--zero-stage 1 --overlap-grad-reduce) ;;
+    512) LAYOUT_ARGS=(--tensor-model-parallel-size 4 --zero-stage 3 --sequence-parallel --overlap-grad-reduce) ;;
     *)   no_layout gpt3-1.3b "8, 64 or 512" ;;
 esac
 TRAIN_ARGS=(--micro-batch-size 4 --global-batch-size 512 --bf16

@@ -11,7 +11,7 @@ parameter forward (a multiply-add), 3 x for forward and backward (backward is tw
 forward one). For GPT's softmax attention ``attended_flops`` = 4 h (Q K^T and P V), which gives
 the usual ``6 N + 12 L h s``. ``length``: the positions a token attends to, s, or with packed
 documents the mean over tokens of their document's length (:func:`megalite.observe.monitor.attended_length`).
-Full recomputation runs the forward again: 4/3 of this (:func:`megalite.planner_pipeline.compute_seconds`).
+Full recomputation runs the forward again: 4/3 of this (:func:`megalite.planner.step_time.compute`).
 
 **Multi-token prediction** (``--mtp-num-layers`` D, :mod:`megalite.model.mtp`): each depth adds
 its parameters (three norms, ``eh_proj`` 2h x h split over TP, a transformer layer of the last

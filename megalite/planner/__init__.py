@@ -7,10 +7,11 @@ Floors inside the package, each importing only those below it:
 2. :mod:`.flags` (pretrain_gpt.py's defaults, a model and a layout as flags), :mod:`.layers` (one layer's
    activations), :mod:`.cp` (CP types), :mod:`.documents` (packed documents), :mod:`.checks`
    (megalite's validation of a layout), :mod:`.update_traffic` (the update rule's own collectives: Muon's);
-3. :mod:`.pipeline` (schedules: bubble, micro-batches held, step time);
+3. :mod:`.pipeline` (schedules: bubble, micro-batches held), then :mod:`.step_time` (one step's
+   time in named terms: compute, bubble, exposed communication, optimizer, latency);
 4. :mod:`.estimate` (parameters, model state, communication, one layout's estimate; the math
    is in its docstring);
-5. :mod:`.search` (every candidate layout, ranked, with the reasons).
+5. :mod:`.search` (every candidate layout; the fastest estimated step that fits recommended, with the reasons).
 
 This module only re-exports what callers import from ``megalite.planner``.
 """

@@ -152,8 +152,8 @@ def explain_cp_type(p: Plan) -> list[str]:
     if p.cp_comm_type:
         head = f"CP type {name}: fixed by --cp-comm-type {p.cp_comm_type}"
     else:
-        head = (f"CP type {name}: the least CP time of this layout's types that fit (their attention "
-                f"FLOPs are equal, so the step differs by the CP exchange)")
+        head = (f"CP type {name}: the shortest estimated step of this layout's types that fit (their attention "
+                f"FLOPs are equal; the ring hides behind attention, the all-to-alls and gathers do not)")
     parts = [f"{name} {_links(chosen)}, {chosen.memory['total'] / GiB:.1f} GiB"]
     for e in rivals:
         extra = transient_bytes(p.model, e.layout, p.micro, p.precision.act_bytes)

@@ -80,15 +80,18 @@ A group runs on NVLink (~450 GB/s) when all its ranks are on one node and on Inf
 (~50 GB/s) otherwise; rank order is megalite's grid, ``rank = tp + TP*(cp + CP*(dp + DP*pp))``.
 Times assume no overlap with compute (an upper bound on what communication can cost).
 
-**Recommendation** (:mod:`megalite.planner.search`): the first layout that fits along the
-practitioners' ladder (see ``RUNGS`` and ``ladder_key`` there): DDP; ZeRO-1; ZeRO-2; TP inside a node (2, 4, 8, with
-sequence parallelism); PP across nodes (TP as large as the node allows); ZeRO-3; then CP
-for sequences whose activations fit no other way (CP 2 climbs the same ladder, then CP 4
-...; the CP types of one layout fastest first; with PP, its schedules 1f1b, zb-h1 and zbv
-fastest first by estimated step time, :mod:`megalite.planner.pipeline`). Within a step, recomputation none before
-selective; full recomputation (about a third more compute: the forward runs twice) only when
-nothing fits without it. The explanation names why each simpler step does not fit, why the
-CP type, and points at a fitting layout with much less communication when there is one.
+**Step time** (:mod:`megalite.planner.step_time`): each estimate carries its step's named terms
+(``Estimate.step``: compute, bubble, the exposed part of each kind of communication above,
+optimizer, latency, the overlap's cost) for a rank of the fullest stage.
+
+**Recommendation** (:mod:`megalite.planner.search`): the layout that fits with the shortest
+estimated step; among those within 1% of it, the first along the practitioners' ladder (see
+``RUNGS`` and ``ladder_key`` there): DDP; ZeRO-1; ZeRO-2; TP inside a node (2, 4, 8, with sequence
+parallelism); PP across nodes (TP as large as the node allows); ZeRO-3; then CP (CP 2 climbs the
+same ladder, then CP 4 ...; the CP types and pipeline schedules of one layout fastest first).
+Within a step, recomputation none before selective; full recomputation last. The explanation
+prints the recommendation's step term by term, tokens/s, MFU, the runner-up and the margin, and
+why each simpler step does not fit or is slower.
 """
 from __future__ import annotations
 
@@ -106,6 +109,7 @@ from megalite.pipeline.schedule_kinds import schedule as describe_schedule
 from megalite.planner import cp as planner_cp, documents as planner_documents, pipeline as planner_pipeline
 from megalite.planner.flags import training_defaults
 from megalite.planner.pipeline import stage_activation_bytes
+from megalite.planner.step_time import step_terms
 from megalite.planner.types import Estimate, GiB, Hardware, Layout, Precision
 from megalite.planner.update_traffic import update_traffic
 
@@ -314,8 +318,9 @@ def stage_memory(m: ModelConfig, layout: Layout, stage: int, micro: int, num_mic
 
 def estimate(m: ModelConfig, layout: Layout, global_batch: int, micro: int, prec: Precision, hw: Hardware,
              flash_attention: bool = False, documents: bool = False) -> Estimate:
-    """Memory of the fullest pipeline stage, the bubble and the communication of one layout
-    (``documents``: the batch carries --reset-attention-mask's arrays)."""
+    """Memory of the fullest pipeline stage, the bubble, the communication and the step time's
+    terms (:mod:`megalite.planner.step_time`) of one layout, the latter two for a rank of that
+    stage (``documents``: the batch carries --reset-attention-mask's arrays)."""
     num_micro = global_batch // (micro * layout.dp)
     best = None
     for stage in range(layout.pp):
@@ -325,5 +330,9 @@ def estimate(m: ModelConfig, layout: Layout, global_batch: int, micro: int, prec
             best = (stage, psi, mem, detail)
     stage, psi, mem, detail = best
     comm = communication(m, layout, psi, micro, num_micro, prec, hw, stage)
+    psi_e = stage_expert_parameters(m, layout.tp, layout.pp, stage, layout.ep, layout.schedule)
+    matrices = 0 if prec.matrix_bytes == prec.optimizer_bytes else stage_matrix_parameters(
+        m, layout.tp, layout.pp, stage, layout.ep, layout.schedule)
+    step = step_terms(m, layout, global_batch, num_micro, comm, prec, hw, psi, psi_e, matrices, stage)
     return Estimate(layout, num_micro, stage, psi, mem, planner_pipeline.bubble(layout.schedule, layout.pp, num_micro),
-                    comm, mem["total"] <= hw.usable_bytes, detail["held"], detail["w_inputs"])
+                    comm, mem["total"] <= hw.usable_bytes, detail["held"], detail["w_inputs"], step["compute"], step)

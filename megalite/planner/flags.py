@@ -9,8 +9,8 @@ every flag printed is named by the setting's own mark (``megalite.arguments.flag
 ``tools/plan_parallel.py --verify`` dry-runs nothing else.
 
 Beyond the parser's defaults the planner assumes, and prints in the flags:
-``--sequence-parallel`` with TP > 1 (Megatron practice); ``--overlap-grad-reduce`` under ZeRO-2/3
-(without it megalite's ZeRO-2/3 stage every bucket's gradients until the end of the step, a full
+``--sequence-parallel`` with TP > 1 (Megatron practice); ``--overlap-grad-reduce`` with DP x CP > 1
+(the step-time model hides the buckets behind backward; without it megalite's ZeRO-2/3 stage every bucket's gradients until the end of the step, a full
 gradient more than the one bucket the planner counts); ``--attention-dropout 0`` under CP (no
 CP type has attention dropout); the CP type (``--cp-comm-type``, and for a2a+p2p
 ``--hierarchical-context-parallel-sizes A B``) when CP > 1 and it is not the default p2p; the
@@ -295,7 +295,7 @@ def pretrain_flags(m: ModelConfig, layout, global_batch: int, micro: int, precis
         flags.append(_flag("sequence_parallel"))
     if layout.recompute != (d["recompute_granularity"] or "none"):
         flags.append(f"{_flag('recompute_granularity')}={layout.recompute}")
-    if layout.zero >= 2 and not d["overlap_grad_reduce"]:
+    if (layout.zero >= 2 or layout.dp * layout.cp > 1) and not d["overlap_grad_reduce"]:  # step_time's overlap
         flags.append(_flag("overlap_grad_reduce"))
     if layout.cp > 1 and m.attention_dropout > 0:
         flags.append(f"{_flag('attention_dropout')}=0")

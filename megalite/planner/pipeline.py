@@ -53,12 +53,10 @@ Its "communication" at the peak is, beyond 1F1B's 0.03 GiB, the row-parallel lin
 gradients that W keeps (all-gathered over TP under SP, so made inside a collective): part of
 W_c. The p2p buffers themselves (one message held per link) are not modelled: 0.1% of the peak.
 
-**Step time**, to compare the schedules of one layout: ``compute / (1 - bubble) + communication``
-with compute = model FLOPs per token x tokens per step / (GPUs x achieved FLOP/s)
-(:attr:`megalite.planner.Hardware.achieved_tflops`), 4/3 of it under full recomputation (the
-forward runs twice). The communication is the planner's, no overlap; ZBV's middle ranks send
-each micro-batch's activation and gradient twice (down the V and back): 2x 1F1B's PP traffic
-for P > 2.
+**Step time** (:mod:`megalite.planner.step_time`, a floor above) orders the schedules of one
+layout, as every layout: the bubble costs compute x b / (1 - b); ZBV's middle ranks send each
+micro-batch's activation and gradient twice (down the V and back): 2x 1F1B's PP traffic for
+P > 2 (:func:`p2p_factor`).
 """
 from __future__ import annotations
 
@@ -75,7 +73,7 @@ from megalite.pipeline.schedule_kinds import DEFAULT_SCHEDULE, PLANNED_SCHEDULES
 from megalite.planner.layers import (chunk_moe_flags, layer_activation_bytes, w_gradient_chunk_bytes,  # noqa: F401
                                      w_input_chunk_bytes, w_input_layer_bytes)
 from megalite.planner import cp as planner_cp
-from megalite.planner.types import Estimate, Hardware, Layout, Plan, Precision
+from megalite.planner.types import Estimate, Layout, Plan, Precision
 
 GiB = 2**30
 SCHEDULES = PLANNED_SCHEDULES  # 1f1b, zb-h1, zbv (megalite.pipeline.schedule_kinds)
@@ -284,11 +282,6 @@ def _stage_activations(m: ModelConfig, layout: Layout, stage: int, micro: int, n
 
 
 # -- time -----------------------------------------------------------------------------------------
-
-def compute_seconds(flops_per_token: float, tokens: int, gpus: int, recompute: str, hw: Hardware) -> float:
-    """One step's compute per GPU at the achieved rate (module docstring)."""
-    return flops_per_token * tokens * (4 / 3 if recompute == "full" else 1) / (gpus * hw.achieved_tflops * 1e12)
-
 
 def p2p_factor(schedule: str, P: int) -> int:
     """PP traffic of the busiest rank relative to 1F1B's: 2 for ZBV with P > 2 (module docstring)."""

@@ -1,11 +1,14 @@
-"""Layout search: every candidate layout of a model on a machine, ranked the way the field's
-guides teach (data parallel first, then tensor parallel inside a node, then pipeline, then
-ZeRO, recomputation and context parallelism), with the reasons in words. Each CP layout comes
-in every CP type (:mod:`megalite.planner.cp`) and each PP layout with every pipeline schedule
-(:mod:`megalite.planner.pipeline`: 1f1b, zb-h1, zbv), ordered by estimated step time: the first
-that fits is the fastest that fits.
+"""Layout search: every candidate layout of a model on a machine, and the recommendation: the
+layout that fits with the shortest estimated step (:mod:`megalite.planner.step_time`: compute,
+bubble, the exposed part of each communication, the optimizer step, latency). The field's guides'
+order (data parallel first, then tensor parallel inside a node, then pipeline, then ZeRO,
+recomputation and context parallelism: :func:`ladder_key`) only breaks ties: among the layouts
+within ``TIE`` (1%) of the fastest, the first in that order is recommended, and the explanation
+names the runner-up and the margin. Each CP layout comes in every CP type
+(:mod:`megalite.planner.cp`) and each PP layout with every pipeline schedule
+(:mod:`megalite.planner.pipeline`: 1f1b, zb-h1, zbv).
 
-The arithmetic of one layout (memory per GPU, bubble, communication) is in
+The arithmetic of one layout (memory per GPU, bubble, communication, step time) is in
 :mod:`megalite.planner`; ``tools/plan_parallel.py`` is the command line.
 """
 from __future__ import annotations
@@ -13,14 +16,14 @@ from __future__ import annotations
 import dataclasses
 
 from megalite.config import ModelConfig
-from megalite.model.counting import cache_bytes_per_token, flops_per_token
+from megalite.model.counting import cache_bytes_per_token
 from megalite.planner.checks import check_layout
 from megalite.planner.cp import cp_variants, explain_cp_type
 from megalite.planner.estimate import (estimate, format_communication, model_state_bytes, stage_matrix_parameters,
                                        stage_parameters, total_parameters)
 from megalite.planner.flags import grads_in_fp32
-from megalite.planner.pipeline import (compute_seconds, explain_schedule, held_words, same_layout,
-                                       schedules)
+from megalite.planner.pipeline import explain_schedule, held_words, same_layout, schedules
+from megalite.planner.step_time import days_to_train, mfu, tokens_per_second
 from megalite.planner.types import RECOMPUTE, Estimate, GiB, Hardware, Layout, Plan, Precision, describe_cp, precision
 
 
@@ -89,8 +92,10 @@ def ladder_key(layout: Layout) -> tuple:
 
 def plan(m: ModelConfig, hw: Hardware, global_batch: int, micro: int, prec: Precision | None = None,
          flash_attention: bool = True, max_cp: int = 8, cp_comm_type: str | None = None,
-         documents: bool = False) -> Plan:
-    """Every valid layout, estimated, in ladder order, and the recommendation. The defaults are
+         documents: bool = False, train_tokens: float | None = None) -> Plan:
+    """Every valid layout, estimated, in ladder order, and the recommendation: the fastest estimated
+    step that fits, ties (``TIE``) to the ladder (:func:`ranked`); ``train_tokens``: the
+    explanation says the days to train on them. The defaults are
     training's: bf16 with gradients accumulated in fp32 (``pretrain_gpt.py``'s default under
     --bf16) and attention that never stores the s x s scores (what ``--attention-backend auto``
     runs on a GPU, and what the meta dry run measures). The CP types of one layout follow each
@@ -101,7 +106,6 @@ def plan(m: ModelConfig, hw: Hardware, global_batch: int, micro: int, prec: Prec
     one minus the bubble, plus communication; :mod:`megalite.planner.pipeline`)."""
     prec = prec or precision("bf16", grads_in_fp32("bf16"))
     checked: dict[tuple, str | None] = {}
-    flops, tokens = flops_per_token(m), global_batch * m.seq_length
     estimates, invalid = [], {}
     for layout in sorted(candidate_layouts(m, hw, max_cp, cp_comm_type), key=ladder_key):
         key = (layout.tp, layout.pp, layout.cp, layout.zero, layout.ep, layout.cp_comm_type, layout.cp_inner)
@@ -110,15 +114,76 @@ def plan(m: ModelConfig, hw: Hardware, global_batch: int, micro: int, prec: Prec
         if checked[key]:
             invalid[layout] = checked[key]
             continue
-        e = estimate(m, layout, global_batch, micro, prec, hw, flash_attention, documents)
-        e.compute_seconds = compute_seconds(flops, tokens, hw.world_size, layout.recompute, hw)
-        estimates.append(e)
+        estimates.append(estimate(m, layout, global_batch, micro, prec, hw, flash_attention, documents))
     estimates.sort(key=lambda e: (ladder_key(e.layout), e.step_seconds))  # stable: only CP types, schedules move
-    result = Plan(m, hw, prec, global_batch, micro, estimates, invalid, cp_comm_type=cp_comm_type)
-    fitting = result.fitting()
-    result.choice = fitting[0] if fitting else None
+    result = Plan(m, hw, prec, global_batch, micro, estimates, invalid, cp_comm_type=cp_comm_type,
+                  train_tokens=train_tokens)
+    ranking = ranked(result.fitting())
+    result.choice = ranking[0] if ranking else None
     result.reasons = explain(result)
     return result
+
+
+TIE = 0.01  # layouts whose estimated steps are within 1% of the fastest's tie: the ladder picks among them
+
+
+def ranked(fitting: list[Estimate]) -> list[Estimate]:
+    """The layouts that fit, the recommendation first (the first in the practitioners' order,
+    which ``fitting`` is in, of those within ``TIE`` of the fastest step), then by estimated step."""
+    if not fitting:
+        return []
+    fastest = min(e.step_seconds for e in fitting)
+    choice = next(e for e in fitting if e.step_seconds <= fastest * (1 + TIE))
+    return [choice] + sorted((e for e in fitting if e is not choice), key=lambda e: e.step_seconds)
+
+
+def runner_up(p: Plan) -> Estimate | None:
+    """The fastest layout that fits after the recommendation, other than its own schedules and CP types."""
+    chosen = p.choice
+    others = [e for e in ranked(p.fitting()) if chosen is not None and e is not chosen
+              and not same_layout(e.layout, chosen.layout)
+              and (e.layout.cp == 1 or (e.layout.tp, e.layout.pp, e.layout.dp, e.layout.cp, e.layout.zero,
+                                        e.layout.recompute, e.layout.ep)
+                   != (chosen.layout.tp, chosen.layout.pp, chosen.layout.dp, chosen.layout.cp, chosen.layout.zero,
+                       chosen.layout.recompute, chosen.layout.ep))]
+    return min(others, key=lambda e: e.step_seconds) if others else None
+
+
+TERM_WORDS = {"overlap": "hidden collectives' cost", "compute": "compute", "bubble": "pipeline bubble", "dp": "DP/ZeRO gradients (exposed)",
+              "edp": "expert gradients (exposed)", "tp": "TP collectives", "pp": "PP sends", "cp": "CP (exposed)",
+              "ep": "EP all-to-alls", "optimizer": "optimizer step", "latency": "collective latency"}
+
+
+def format_step(e: Estimate) -> str:
+    """The recommendation's step time term by term, in ms (nonzero terms)."""
+    return " + ".join(f"{TERM_WORDS[k]} {v * 1e3:,.0f} ms" if v >= 1e-3 else f"{TERM_WORDS[k]} {v * 1e3:.2f} ms"
+                      for k, v in e.step.items() if v > 0)
+
+
+def explain_speed(p: Plan) -> list[str]:
+    """The recommendation's estimated step, term by term, its throughput, MFU, days to train
+    (``Plan.train_tokens``) and the runner-up with the margin."""
+    chosen, m, hw = p.choice, p.model, p.hardware
+    if chosen is None or not chosen.step:
+        return []
+    step = chosen.step_seconds
+    lines = [f"Estimated step {seconds(step)} ({hw.name}: {hw.achieved_tflops:g} TFLOP/s achieved, "
+             f"{hw.peak_tflops:g} peak) = {format_step(chosen)}; {tokens_per_second(m, p.global_batch, step):,.0f} "
+             f"tokens/s, MFU {mfu(m, p.global_batch, step, hw):.1%}"
+             + (f", {days_to_train(m, p.global_batch, step, p.train_tokens):.1f} days for {p.train_tokens:.3g} tokens"
+                if p.train_tokens else "") + "."]
+    second = runner_up(p)
+    if second is not None:
+        margin = second.step_seconds / step - 1
+        tie = (f" (faster, but within the {TIE:.0%} tie: the practitioners' order picks)" if margin < 0 else "")
+        lines.append(f"Runner-up: {second.layout.describe()}, step {seconds(second.step_seconds)}, {margin:+.1%}"
+                     f"{tie} = {format_step(second)}.")
+    return lines
+
+
+def seconds(x: float) -> str:
+    """A step time in words: '53.949 s', '7.12 ms'."""
+    return f"{x:.3f} s" if x >= 1 else f"{x * 1e3:.3g} ms"
 
 
 def _gib(x: float) -> str:
@@ -159,10 +224,16 @@ def _simpler_layouts(p: Plan) -> list[str]:
     for e in order:
         steps.setdefault(_step(e.layout), []).append(e)
     before = steps.pop(_step(chosen.layout), []) if chosen is not None else []
-    before = [e for e in before if not same_layout(e.layout, chosen.layout)]  # its schedules: explain_schedule
+    before = [e for e in before if not same_layout(e.layout, chosen.layout)  # its schedules: explain_schedule
+              and not e.fits]  # those that fit are slower (the ranking)
     lines = []
     for step, tried in steps.items():
         best = min(tried, key=lambda e: e.memory["total"])
+        if best.fits:  # a faster layout won over it (explain_speed names the runner-up)
+            fastest = min((e for e in tried if e.fits), key=lambda e: e.step_seconds)
+            lines.append(f"{_step_name(step)} fits but is slower: {fastest.layout.describe()}, step "
+                         f"{seconds(fastest.step_seconds)} against {seconds(chosen.step_seconds)}.")
+            continue
         lines.append(f"Not {_step_name(step)}: {best.layout.describe()} needs {_gib(best.memory['total'])} > "
                      f"{_gib(usable)} usable ({_breakdown(best)}).")
     if before:
@@ -237,12 +308,7 @@ def explain(p: Plan) -> list[str]:
         lines.append("Why: " + "; ".join(why) + ".")
     comm = format_communication(chosen.comm)  # GiB of wire bytes: the dry run's 'wire' column
     lines.append(f"Communication per step per GPU (no overlap): {comm or 'none'}.")
+    lines += explain_speed(p)
     lines += explain_cp_type(p)
     lines += explain_schedule(p)
-    comparable = [e for e in p.fitting() if RECOMPUTE.index(e.layout.recompute) <= RECOMPUTE.index(lay.recompute)]
-    cheaper = min(comparable, key=lambda e: e.comm_seconds)
-    if cheaper.comm_seconds < 0.5 * chosen.comm_seconds:
-        lines.append(f"Less communication among the layouts that fit: {cheaper.layout.describe()} "
-                     f"({cheaper.comm_seconds * 1e3:.0f} ms against {chosen.comm_seconds * 1e3:.0f} ms per step, "
-                     f"{_gib(cheaper.memory['total'])} per GPU, bubble {cheaper.bubble:.1%}): worth measuring.")
     return lines

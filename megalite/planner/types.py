@@ -195,13 +195,17 @@ class Estimate:
     held: tuple = ()  # (micro-batches of activations, of W inputs) per chunk at that stage's peak
     w_inputs: float = 0.0  # bytes of W inputs held then (part of memory["activations"])
     compute_seconds: float = 0.0  # per step at Hardware.achieved_tflops (:func:`megalite.planner.search.plan` sets it)
+    step: dict = field(default_factory=dict)  # the step time's named terms, seconds (megalite.planner.step_time)
 
     @property
     def comm_seconds(self) -> float:
         return sum(c["seconds"] for c in self.comm.values())
 
     @property
-    def step_seconds(self) -> float:  # compute / (1 - bubble) + communication (no overlap)
+    def step_seconds(self) -> float:
+        """The step-time model's sum of terms; without them compute / (1 - bubble) + communication."""
+        if self.step:
+            return sum(self.step.values())
         return self.compute_seconds / (1 - self.bubble) + self.comm_seconds
 
     def to_dict(self) -> dict:
@@ -221,6 +225,7 @@ class Plan:
     choice: Estimate | None = None
     reasons: list[str] = field(default_factory=list)
     cp_comm_type: str | None = None  # the CP type the user fixed (None: every type searched)
+    train_tokens: float | None = None  # tokens to train on: the explanation's days to train
 
     def fitting(self) -> list[Estimate]:
         return [e for e in self.estimates if e.fits]

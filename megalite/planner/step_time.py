@@ -1,0 +1,244 @@
+"""The step-time model: one training step of a layout, in seconds, as a sum of named terms a user
+can read (issue 40). Part of the planner (:mod:`megalite.planner`), on the floor between
+:mod:`.pipeline` (the bubble) and :mod:`.estimate` (whose wire bytes per kind it times:
+:func:`megalite.planner.estimate.communication`). Every term is the time a rank *waits* for that
+thing; what hides behind compute is not counted. Notation: T tokens per step (global batch x s),
+G GPUs, F the model FLOPs per token (:func:`megalite.model.counting.flops_per_token`), R the
+achieved FLOP/s per GPU (``Hardware.achieved_tflops``), M micro-batches per step, N = DP x CP the
+ranks reducing one shard's gradients, r(n) = (n-1)/n, B the link's bandwidth (NVLink inside a
+node, InfiniBand across: the link :mod:`.estimate` names), lambda its latency per call::
+
+    compute    C = F T k / (G R)       k = 4/3 with full recomputation (the forward twice); selective
+                                      recomputation adds the attention's score forward, 4 L h s per token
+    bubble     C b / (1 - b)           b: the schedule's idle fraction (:func:`.pipeline.bubble`)
+    dp         the gradient reduction over N (and the update rule's own DP collectives, exposed):
+               ZeRO-0    all-reduce 2 Psi g r(N) / B of the buckets, each started as the last
+                         micro-batch's backward fills it (--overlap-grad-reduce, which the planner
+                         prints with DP x CP > 1): exposed the last bucket plus what outlasts that
+                         backward (2/3 of a micro-batch's compute; 3/4 with full recomputation)
+               ZeRO-1    the same with a reduce-scatter, Psi g r(N) / B; then the all-gather of the
+                         updated weights Psi w r(N) / B, exposed
+               ZeRO-2    per micro-batch a reduce-scatter of Psi g r(N) / B, bucket by bucket during
+                         that micro-batch's backward: exposed its last bucket plus what outlasts the
+                         backward; then the all-gather of the weights, exposed
+               ZeRO-3    per micro-batch the weights gathered per layer before the forward and the
+                         backward and the gradients reduce-scattered per layer, prefetched one layer
+                         ahead: exposed the first layer of each pass plus what outlasts the compute
+    edp        the expert parameters' reduction over EDP, by the same rules
+    tp         TP's (SP's) collectives: on the critical path, all exposed
+    pp         each micro-batch's activation and gradient sends: exposed at the stage boundaries
+    cp         p2p (the ring, and a2a+p2p's outer ring): hidden behind each block's attention when
+               that is longer: max(0, ring time - attention compute); a2a, allgather and the inner
+               level of a2a+p2p: exposed
+    ep         the MoE all-to-alls (dispatch, combine; forward and backward): exposed
+    optimizer  the step on the rank's shard S (Psi, / N under ZeRO >= 1): master + state bytes read
+               and written, the gradient read and the weight written, at the HBM bandwidth:
+               S (2 o + g + w) / HBM; with Muon also Newton-Schulz's FLOPs at R (per a x b matrix
+               block, a <= b, and step: 4 a^2 b + 2 a^3; a rank orthogonalises its share)
+    overlap    OVERLAP_COST (10%) x the link time hidden behind compute (the gradient reductions,
+               ZeRO-3's gathers, CP's ring): a hidden collective still holds SMs and HBM bandwidth
+    latency    lambda per exposed collective call: TP 4 (6 with full recomputation) per layer and
+               micro-batch, twice under SP (gather + scatter) plus SP's backward re-gathers; PP 2 per
+               micro-batch; ZeRO-0/1 one (the last bucket; ZeRO-1 also one per bucket for the
+               weights' gather); ZeRO-2 one (the last bucket) per micro-batch and one per bucket for
+               the weights' gather; ZeRO-3 two per micro-batch; EP 4 per MoE layer and micro-batch;
+               CP a2a 4 and allgather 2 per layer and micro-batch
+
+Step time = the sum. Offload (--offload-optimizer) is not planned, so no host traffic term.
+Not modelled: compute slowing while it shares the GPU with an overlapped collective, two
+collectives sharing one link, and GEMM efficiency changing with the shapes a layout produces
+(``achieved_tflops`` is one figure; a calibrated profile can set it).
+"""
+from __future__ import annotations
+
+import math
+
+from megalite.config import ModelConfig
+from megalite.context_parallel.comm_types import cp_comm_type
+from megalite.model.counting import attended_flops, flops_per_token
+from megalite.planner import pipeline as planner_pipeline
+from megalite.planner.flags import training_defaults
+from megalite.planner.types import Hardware, Layout, Precision
+from megalite.planner.update_traffic import logical_matrices, ring, tensor_parallel_linears, update_traffic
+
+BUCKET = training_defaults()["ddp_bucket_size"]  # elements per gradient bucket, pretrain_gpt.py's default
+TERMS = ("compute", "bubble", "dp", "edp", "tp", "pp", "cp", "ep", "optimizer", "latency", "overlap")
+# What a collective hidden behind compute still costs, per second of its link time: its kernels hold
+# SMs (NCCL's channels) and HBM bandwidth the matmuls would use. An assumption (10%), not a measurement.
+OVERLAP_COST = 0.10
+
+
+def link_rate(hw: Hardware, link: str) -> tuple[float, float]:
+    """(bytes per second, seconds per call) of a link named as :mod:`.estimate` names it."""
+    if link == "InfiniBand":
+        return hw.ib_gbps * 1e9, hw.ib_latency_us * 1e-6
+    return hw.nvlink_gbps * 1e9, hw.nvlink_latency_us * 1e-6
+
+
+def backward_share(recompute: str) -> float:
+    """The backward's share of a micro-batch's compute (B = 2F; full recomputation adds F to it)."""
+    return 3 / 4 if recompute == "full" else 2 / 3
+
+
+def compute(m: ModelConfig, layout: Layout, global_batch: int, hw: Hardware) -> float:
+    """C = F T k / (G R), plus selective recomputation's score forward (module docstring)."""
+    tokens = global_batch * m.seq_length
+    flops = flops_per_token(m) * (4 / 3 if layout.recompute == "full" else 1)
+    if layout.recompute == "selective":
+        flops += attended_flops(m) * m.seq_length
+    return flops * tokens / (layout.world_size * hw.achieved_tflops * 1e12)
+
+
+def bubble(compute_s: float, idle: float) -> float:
+    """The pipeline's idle time: C b / (1 - b), b the schedule's bubble fraction."""
+    return compute_s * idle / (1 - idle)
+
+
+def buckets(psi: int) -> int:
+    """Gradient buckets of ``psi`` parameters at pretrain_gpt.py's --ddp-bucket-size."""
+    return max(1, math.ceil(psi / BUCKET))
+
+
+def gradient_reduction(psi: int, n: int, zero: int, num_micro: int, prec: Precision, compute_s: float,
+                       recompute: str, rate: float, layers: int = 1) -> tuple[float, int, float]:
+    """(exposed seconds, exposed calls, hidden seconds) of reducing ``psi`` parameters' gradients over ``n`` ranks
+    (module docstring, 'dp'); ``rate`` bytes/s of the link, ``compute_s`` the step's compute,
+    ``layers`` the rank's layers (ZeRO-3 gathers one at a time)."""
+    if n <= 1 or not psi:
+        return 0.0, 0, 0.0
+    w, g, M, r = prec.weight_bytes, prec.grad_bytes, num_micro, ring(n)
+    k = buckets(psi)
+    window = compute_s / M * backward_share(recompute)  # one micro-batch's backward
+    if zero <= 1:  # the buckets' all-reduce (ZeRO-0) or reduce-scatter (ZeRO-1) in the last backward
+        reduce = (2 if zero == 0 else 1) * psi * g * r / rate
+        shown = reduce / k + max(0.0, reduce - reduce / k - window)
+        gather = psi * w * r / rate if zero == 1 else 0.0  # the updated weights, after the step
+        return shown + gather, 1 + (k if zero == 1 else 0), reduce - shown
+    if zero == 2:
+        scatter = psi * g * r / rate
+        last = scatter / k
+        shown = last + max(0.0, scatter - last - window)
+        return M * shown + psi * w * r / rate, M + k, M * (scatter - shown)
+    per_micro = psi * (g + 2 * w) * r / rate
+    first = psi * 2 * w * r / rate / max(1, layers)  # ZeRO-3: the first layer's gathers, forward and backward
+    shown = first + max(0.0, per_micro - first - compute_s / M)
+    return M * shown, 2 * M, M * (per_micro - shown)
+
+
+def exposed(comm: dict, kind: str) -> float:
+    """The link time of a kind of traffic that nothing hides."""
+    return comm[kind]["seconds"] if kind in comm else 0.0
+
+
+def attention_seconds(m: ModelConfig, layout: Layout, global_batch: int, hw: Hardware) -> float:
+    """The step's attention-score compute per rank (forward and backward, 3 x 4 L h s per token)."""
+    return 3 * attended_flops(m) * m.seq_length * global_batch * m.seq_length / (layout.world_size
+                                                                                  * hw.achieved_tflops * 1e12)
+
+
+def context_parallel(m: ModelConfig, layout: Layout, comm: dict, global_batch: int,
+                     hw: Hardware) -> tuple[float, float]:
+    """CP's (exposed, hidden) time: a ring (p2p, a2a+p2p's outer level) behind the attention it feeds when
+    that is longer; all-to-alls and allgather's gathers exposed (module docstring)."""
+    if layout.cp == 1:
+        return 0.0, 0.0
+    ring_kinds = ("cp",) if layout.cp_comm_type == "p2p" else ("cp_outer",)
+    hidden = sum(exposed(comm, k) for k in ring_kinds)
+    shown = sum(exposed(comm, k) for k in ("cp", "cp_inner", "cp_outer") if k not in ring_kinds)
+    behind = min(hidden, attention_seconds(m, layout, global_batch, hw))
+    return shown + hidden - behind, behind
+
+
+def optimizer(m: ModelConfig, layout: Layout, psi: int, matrices: int, prec: Precision, hw: Hardware,
+              stage: int = 0) -> float:
+    """The optimizer step on the rank's shard: S (2 o + g + w) / HBM, Muon's Newton-Schulz FLOPs at R."""
+    n = layout.dp * layout.cp
+    share = 1 / n if layout.zero >= 1 else 1.0
+    o, g, w = prec.optimizer_bytes, prec.grad_bytes, prec.weight_bytes
+    state = (psi - matrices) * o + matrices * prec.matrix_bytes
+    seconds = share * (2 * state + psi * (g + w)) / (hw.hbm_gbps * 1e9)
+    if prec.update.muon:
+        seconds += share * newton_schulz_flops(m, layout, prec, stage) / (hw.achieved_tflops * 1e12)
+    return seconds
+
+
+def newton_schulz_flops(m: ModelConfig, layout: Layout, prec: Precision, stage: int = 0) -> float:
+    """Muon's Newton-Schulz FLOPs on one rank's TP blocks of the stage's attention and dense MLP
+    matrices, each linear cut into its logical matrices (q, k, v under --muon-split-qkv; SwiGLU's
+    gate and up: :func:`megalite.planner.update_traffic.logical_matrices`): 4 a^2 b + 2 a^3 per
+    step for an a x b block, a <= b (experts are not counted)."""
+    t, update, total = layout.tp, prec.update, 0.0
+    for linear in tensor_parallel_linears(m, layout.pp, stage):
+        pieces = logical_matrices(linear, m, update.muon_split_qkv)
+        out_f, in_f = linear.out_features // pieces, linear.in_features
+        out_f, in_f = (out_f // t, in_f) if linear.column else (out_f, in_f // t)
+        a, b = sorted((out_f, in_f))
+        total += pieces * update.muon_num_ns_steps * (4 * a * a * b + 2 * a ** 3)
+    return total
+
+
+def exposed_calls(m: ModelConfig, layout: Layout, num_micro: int, comm: dict, stage: int = 0) -> dict[str, int]:
+    """Exposed collective calls per kind of traffic but the gradients' (module docstring, 'latency')."""
+    M, layers = num_micro, m.num_layers // layout.pp
+    passes = 6 if layout.recompute == "full" else 4
+    calls = {}
+    if "tp" in comm:
+        calls["tp"] = M * layers * (passes * (2 if layout.sp else 1) + (1 if layout.sp else 0))
+    if "pp" in comm:
+        calls["pp"] = 2 * M * planner_pipeline.p2p_factor(layout.schedule, layout.pp)
+    if "ep" in comm:
+        calls["ep"] = 4 * M * planner_pipeline.moe_layers_on_rank(m, layout.schedule, layout.pp, stage)
+    if layout.cp > 1:
+        kind = cp_comm_type(layout.cp_comm_type)
+        per_layer = 2 if layout.cp_comm_type == "allgather" else 4 if (kind.hierarchical or
+                                                                       layout.cp_comm_type == "a2a") else 0
+        calls["cp_inner" if kind.hierarchical else "cp"] = M * layers * per_layer
+    return calls
+
+
+def step_terms(m: ModelConfig, layout: Layout, global_batch: int, num_micro: int, comm: dict, prec: Precision,
+               hw: Hardware, psi: int, psi_expert: int = 0, matrices: int = 0, stage: int = 0) -> dict[str, float]:
+    """The named terms (seconds, :data:`TERMS`) of one step of ``layout`` for a rank of pipeline
+    stage ``stage`` holding ``psi`` parameters (``psi_expert`` of them experts; ``matrices`` in
+    the update rule's matrix class), given :func:`megalite.planner.estimate.communication`'s
+    ``comm`` for that rank."""
+    c = compute(m, layout, global_batch, hw)
+    terms = dict.fromkeys(TERMS, 0.0)
+    terms["compute"] = c
+    terms["bubble"] = bubble(c, planner_pipeline.bubble(layout.schedule, layout.pp, num_micro))
+    latency = hidden = 0.0
+    for kind, group_psi, n in (("dp", psi - psi_expert, layout.dp * layout.cp), ("edp", psi_expert, layout.edp)):
+        if kind not in comm:
+            continue
+        rate, lam = link_rate(hw, comm[kind]["link"])
+        seconds, calls, behind = gradient_reduction(group_psi, n, layout.zero, num_micro, prec, c, layout.recompute, rate,
+                                            m.num_layers // layout.pp)
+        own = update_traffic(m, layout, prec, stage, BUCKET).get(kind, 0.0)  # Muon's gathers: after backward
+        own_calls = 2 * buckets(group_psi) if own else 0
+        terms[kind] = seconds + own / rate
+        latency += (calls + own_calls) * lam
+        hidden += behind
+    for kind in ("tp", "pp", "ep"):
+        terms[kind] = exposed(comm, kind)
+    terms["cp"], behind = context_parallel(m, layout, comm, global_batch, hw)
+    for kind, calls in exposed_calls(m, layout, num_micro, comm, stage).items():
+        latency += calls * link_rate(hw, comm[kind]["link"])[1] if kind in comm else 0.0
+    terms["optimizer"] = optimizer(m, layout, psi, matrices, prec, hw, stage)
+    terms["latency"] = latency
+    terms["overlap"] = OVERLAP_COST * (hidden + behind)
+    return terms
+
+
+def tokens_per_second(m: ModelConfig, global_batch: int, step_seconds: float) -> float:
+    """The whole machine's training throughput."""
+    return global_batch * m.seq_length / step_seconds
+
+
+def mfu(m: ModelConfig, global_batch: int, step_seconds: float, hw: Hardware) -> float:
+    """Model FLOPs utilisation: F T / (step time x peak x G), F without recomputation."""
+    return flops_per_token(m) * global_batch * m.seq_length / (step_seconds * hw.peak_tflops * 1e12 * hw.world_size)
+
+
+def days_to_train(m: ModelConfig, global_batch: int, step_seconds: float, train_tokens: float) -> float:
+    """Days to see ``train_tokens`` tokens at this step time."""
+    return train_tokens / tokens_per_second(m, global_batch, step_seconds) / 86400

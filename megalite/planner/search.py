@@ -138,14 +138,13 @@ def ranked(fitting: list[Estimate]) -> list[Estimate]:
 
 
 def runner_up(p: Plan) -> Estimate | None:
-    """The fastest layout that fits after the recommendation, other than its own schedules and CP types."""
+    """The fastest layout that fits after the recommendation with another grid or ZeRO stage (its
+    own recomputations, schedules and CP types are variants of it, not alternatives)."""
     chosen = p.choice
-    others = [e for e in ranked(p.fitting()) if chosen is not None and e is not chosen
-              and not same_layout(e.layout, chosen.layout)
-              and (e.layout.cp == 1 or (e.layout.tp, e.layout.pp, e.layout.dp, e.layout.cp, e.layout.zero,
-                                        e.layout.recompute, e.layout.ep)
-                   != (chosen.layout.tp, chosen.layout.pp, chosen.layout.dp, chosen.layout.cp, chosen.layout.zero,
-                       chosen.layout.recompute, chosen.layout.ep))]
+    if chosen is None:
+        return None
+    grid = lambda lay: (lay.tp, lay.pp, lay.dp, lay.cp, lay.ep, lay.zero)  # noqa: E731
+    others = [e for e in p.fitting() if grid(e.layout) != grid(chosen.layout)]
     return min(others, key=lambda e: e.step_seconds) if others else None
 
 

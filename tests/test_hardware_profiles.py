@@ -185,3 +185,25 @@ def test_calibration_writes_a_profile_whose_fit_reproduces_its_measurements(tmp_
     assert sorted(errors)[len(errors) // 2] < 0.5, errors  # noisy shared CPU: a generous bound on the median
     median_link = sorted(fits[k]["2"]["gbps"] for k in cal.LINK_COLLECTIVES)[1]
     assert hw.nvlink_gbps == pytest.approx(median_link) and hw.ib_gbps == hw.nvlink_gbps
+
+
+def test_achieved_rate_is_a_training_steps_model_flops_over_its_time():
+    """measure_training times a real GPT's forward and backward and counts the planner's model
+    FLOPs (flops_per_token x tokens); the profile's achieved rate is that one, said so, while the
+    GEMMs' rate stays the peak's source (--training-layers 0: the GEMMs' rate, as before)."""
+    import torch
+    from megalite.config import ModelConfig
+    from megalite.model.counting import flops_per_token
+
+    run = cal.measure_training((32, 16, 2, 4), 1, 64, torch.device("cpu"), False, repeats=1, trials=1)
+    cfg = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=16,
+                      max_position_embeddings=16, vocab_size=64)
+    assert run["flops"] == flops_per_token(cfg) * 2 * 16 and run["tokens"] == 32
+    assert run["tflops"] == pytest.approx(run["flops"] / run["seconds"] / 1e12)
+    gemms = [{"name": "qkv", "flops": 2e12, "seconds": 1.0, "tflops": 2.0},
+             {"name": "square", "flops": 3e12, "seconds": 1.0, "tflops": 3.0}]
+    hw, sources = cal.profile_figures({}, gemms, 10.0, 1, 8.0, "test", training={**run, "tflops": 0.5})
+    assert hw["achieved_tflops"] == 0.5 and hw["peak_tflops"] == 3.0
+    assert "forward + backward" in sources["achieved_tflops"]
+    hw, sources = cal.profile_figures({}, gemms, 10.0, 1, 8.0, "test")
+    assert hw["achieved_tflops"] == 2.0 and "GEMMs" in sources["achieved_tflops"]

@@ -8,7 +8,12 @@ Three measurements, each timed after a warm-up (CUDA events on a GPU, ``perf_cou
    QKV ``(b s) x h x 3h/t``, the projection ``(b s) x h/t x h``, FC1 ``(b s) x h x 4h/t``, FC2
    ``(b s) x 4h/t x h``, the scores ``(b a/t) x [s x d x s]`` and the context ``(b a/t) x [s x s x d]``;
    plus one square GEMM. bf16 on a GPU, fp32 on a CPU (one thread: what one rank process gets).
-   ``achieved_tflops`` = the layer's FLOPs / its GEMMs' time; ``peak_tflops`` = the best rate seen.
+   ``peak_tflops`` = the best rate seen. ``achieved_tflops``: the rate a **training step** achieves,
+   a ``--training-layers``-layer megalite GPT of that shape through forward and backward on one
+   rank (no optimizer step), its model FLOPs (:func:`megalite.model.counting.flops_per_token`: what
+   the planner's compute term counts) over the time: the norms, softmax, loss, autograd and Python
+   around the GEMMs included (on a CPU a whole step runs at about 0.7x the bare GEMMs' rate).
+   ``--training-layers 0``: the layer's GEMM FLOPs over their time instead.
 2. **Collectives** per group size n (2, 4, 8 up to the world): all-reduce, all-gather,
    reduce-scatter, all-to-all and send/recv (a ring: each rank sends to the next, receives from the
    previous), over message sizes S (the whole tensor), gloo on CPU in forked processes
@@ -40,6 +45,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from megalite.config import ModelConfig  # noqa: E402
+from megalite.model.counting import flops_per_token  # noqa: E402
+from megalite.model.gpt import GPTModel  # noqa: E402
 from megalite.planner.hardware import write_profile  # noqa: E402
 from megalite.planner.types import GiB, Hardware  # noqa: E402
 from megalite.testing import run_world  # noqa: E402
@@ -174,6 +182,30 @@ def measure_matmuls(shapes, device: torch.device, dtype, min_seconds: float, tri
     return rows
 
 
+def measure_training(model: tuple, layers: int, vocab: int, device: torch.device, gpu: bool, repeats: int,
+                     trials: int) -> dict:
+    """One rank's forward and backward of a ``layers``-layer GPT of ``model`` = (h, s, b, heads)
+    (bf16 autocast on a GPU, fp32 on a CPU; dropout off): model FLOPs per step over the best trial's
+    mean time (module docstring, 1)."""
+    h, s, b, heads = model
+    cfg = ModelConfig(num_layers=layers, hidden_size=h, num_attention_heads=heads, seq_length=s,
+                      max_position_embeddings=s, vocab_size=vocab, hidden_dropout=0.0, attention_dropout=0.0)
+    gpt = GPTModel(cfg).to(device)
+    gpt.init_weights(0)
+    tokens = torch.randint(0, vocab, (b, s), generator=torch.Generator().manual_seed(0)).to(device)
+
+    def step():
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=gpu):
+            loss = gpt(tokens, labels=tokens).float().mean()
+        loss.backward()
+
+    step()  # warm-up
+    seconds = min(_time(step, device, repeats) for _ in range(trials))
+    flops = flops_per_token(cfg) * b * s
+    return {"layers": layers, "vocab_size": vocab, "tokens": b * s, "seconds": seconds, "flops": flops,
+            "tflops": flops / seconds / 1e12}
+
+
 def copy_bandwidth(device: torch.device, nbytes: int, repeats: int) -> float:
     """Bytes read + written per second by ``dst.copy_(src)`` of ``nbytes``."""
     src = torch.ones(nbytes // 4, device=device, dtype=torch.float32)
@@ -197,11 +229,13 @@ def fits_of(raw: dict) -> dict:
 
 
 def profile_figures(fits: dict, matmuls: list[dict], copy_gbps: float, ranks: int, memory_gib: float,
-                    what: str, link_ranks: int | None = None) -> tuple[dict, dict]:
+                    what: str, link_ranks: int | None = None, training: dict | None = None) -> tuple[dict, dict]:
     """The Hardware fields of a calibration and where each comes from (links: the fits among
-    ``link_ranks``, default the largest group measured)."""
+    ``link_ranks``, default the largest group measured; the achieved rate: ``training``'s, a
+    :func:`measure_training` result, else the layer's GEMMs')."""
     layer = [r for r in matmuls if r["name"] != "square"]
-    achieved = sum(r["flops"] for r in layer) / sum(r["seconds"] for r in layer) / 1e12
+    achieved = (training["tflops"] if training else
+                sum(r["flops"] for r in layer) / sum(r["seconds"] for r in layer) / 1e12)
     peak = max(r["tflops"] for r in matmuls)
     hw = {"gpu_memory_gb": round(memory_gib, 2), "gpus_per_node": link_ranks or ranks, "peak_tflops": peak,
           "achieved_tflops": achieved, "hbm_gbps": copy_gbps}
@@ -209,7 +243,8 @@ def profile_figures(fits: dict, matmuls: list[dict], copy_gbps: float, ranks: in
            "gpus_per_node": "the ranks measured on this machine" if not link_ranks else
                             f"--link-ranks: the group the link figures are of ({ranks} ranks measured)",
            "peak_tflops": f"measured: the best matmul rate of {len(matmuls)} shapes",
-           "achieved_tflops": "measured: one layer's forward GEMMs, total FLOPs / total time",
+           "achieved_tflops": (f"measured: a {training['layers']}-layer GPT's forward + backward on one rank, model "
+                               f"FLOPs / time" if training else "measured: one layer's forward GEMMs, total FLOPs / total time"),
            "hbm_gbps": "measured: dst.copy_(src), bytes read + written per second"}
     largest = str(link_ranks or max((int(n) for n in fits.get("all_reduce", {})), default=0))
     if largest != "0":
@@ -271,6 +306,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--micro-batch-size", type=int, default=None)
     g.add_argument("--num-attention-heads", type=int, default=None)
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--training-layers", type=int, default=None, metavar="L",
+                   help="layers of the GPT whose forward + backward gives the achieved rate (default 2, --quick 1; "
+                        "0: the GEMMs' rate instead)")
+    g.add_argument("--vocab-size", type=int, default=None, help="that GPT's vocabulary (default 4096, --quick 256)")
     return p
 
 
@@ -284,14 +323,19 @@ def settings(a, gpu: bool) -> dict:
             "square": 256 if a.quick else 8192 if gpu else 1024, "copy_bytes": 2**23 if a.quick else 2**28}
 
 
-def measure_compute(a, c: dict, device: torch.device, gpu: bool) -> tuple[list[dict], float]:
-    """The matmul rows (one layer's GEMMs and a square one) and the copy bandwidth in GB/s."""
+def measure_compute(a, c: dict, device: torch.device, gpu: bool) -> tuple[list[dict], float, dict | None]:
+    """The matmul rows (one layer's GEMMs and a square one), the copy bandwidth in GB/s and the
+    training step's rate (None with ``--training-layers 0``)."""
     h, s, b, heads = c["model"]
     square = c["square"]
     shapes = layer_gemms(h, s, b, heads, a.tensor_model_parallel_size) + [("square", 1, square, square, square)]
     matmuls = measure_matmuls(shapes, device, torch.bfloat16 if gpu else torch.float32, c["matmul_seconds"],
                               c["trials"])
-    return matmuls, copy_bandwidth(device, c["copy_bytes"], 3 if a.quick else 10) / 1e9
+    layers = 1 if a.quick and a.training_layers is None else 2 if a.training_layers is None else a.training_layers
+    vocab = a.vocab_size or (256 if a.quick else 4096)
+    training = (measure_training(c["model"], layers, vocab, device, gpu, c["repeats"], c["trials"]) if layers > 0
+                else None)
+    return matmuls, copy_bandwidth(device, c["copy_bytes"], 3 if a.quick else 10) / 1e9, training
 
 
 def main(argv=None) -> int:
@@ -301,6 +345,8 @@ def main(argv=None) -> int:
     positive(parser, "--sizes", *(a.sizes or [1]))
     for flag, value in (("--max-ranks", a.max_ranks), ("--repeats", a.repeats), ("--trials", a.trials)):
         positive(parser, flag, *([] if value is None else [value]))
+    if a.training_layers is not None and a.training_layers < 0:
+        parser.error(f"--training-layers takes 0 (the GEMMs' rate) or more layers, got {a.training_layers}")
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     gpu = torch.cuda.is_available()
     c = settings(a, gpu)
@@ -329,7 +375,7 @@ def main(argv=None) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # on a CPU a rank is one single-threaded process
     try:
-        matmuls, copy_gbps = measure_compute(a, c, device, gpu)
+        matmuls, copy_gbps, training = measure_compute(a, c, device, gpu)
     finally:
         torch.set_num_threads(threads)
     if gpu:
@@ -343,7 +389,7 @@ def main(argv=None) -> int:
         dist.destroy_process_group()
         return 0
     fits = fits_of({k: v for k, v in raw.items() if v})
-    hw, sources = profile_figures(fits, matmuls, copy_gbps, ranks, memory, what, a.link_ranks)
+    hw, sources = profile_figures(fits, matmuls, copy_gbps, ranks, memory, what, a.link_ranks, training)
     name = a.name or (torch.cuda.get_device_name(device).lower().replace(" ", "-") if gpu
                       else f"cpu-{os.cpu_count()}core")
     measured = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -351,7 +397,7 @@ def main(argv=None) -> int:
                 "model": dict(zip(("hidden_size", "seq_length", "micro_batch_size", "num_attention_heads"), c["model"]),
                               tensor_model_parallel_size=a.tensor_model_parallel_size),
                 "load_average": load, "seconds": time.perf_counter() - started,
-                "matmul": matmuls, "copy_gbps": copy_gbps, "collectives": fits}
+                "matmul": matmuls, "training": training, "copy_gbps": copy_gbps, "collectives": fits}
     write_profile(a.output, name, hw, sources, measured)
     print("\n".join(markdown(fits, matmuls, hw)))
     print(f"profile {name!r} written to {a.output} ({measured['seconds']:.1f} s; load average before "

@@ -47,7 +47,6 @@ MODEL = ["--num-layers", "4", "--hidden-size", "256", "--num-attention-heads", "
          "--attention-dropout", "0"]
 MOE = ["--num-experts", "4", "--moe-router-topk", "2"]
 GLOBAL_BATCH, MICRO = 8, 1
-VOCAB = 4096
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,19 +89,21 @@ CASES = [
 QUICK = ("1 rank", "DP 2 ZeRO-1", "PP 2 1F1B")
 
 
-def model_config(case: Case):
-    return config_from_args(build_parser().parse_args(MODEL + list(case.model) + ["--mock-data"]), VOCAB).model
+def model_config(case: Case, model: tuple = tuple(MODEL)):
+    """The case's ModelConfig: ``model``'s flags (the sweep's GPT) and the case's own (MoE)."""
+    args = build_parser().parse_args(list(model) + list(case.model) + ["--mock-data"])
+    return config_from_args(args, args.vocab_size).model
 
 
-def flags_of(case: Case) -> list[str]:
+def flags_of(case: Case, model: tuple = tuple(MODEL)) -> list[str]:
     """The layout's pretrain_gpt.py flags as the planner writes them (fp32: this is a CPU)."""
-    return (pretrain_flags(model_config(case), case.layout, GLOBAL_BATCH, MICRO, "fp32", update=case.update)
+    return (pretrain_flags(model_config(case, model), case.layout, GLOBAL_BATCH, MICRO, "fp32", update=case.update)
             + ["--mock-data", "--lr", "1e-4", "--lr-warmup-iters", "0"])
 
 
-def predict(case: Case, hw) -> tuple[float, dict]:
+def predict(case: Case, hw, model: tuple = tuple(MODEL)) -> tuple[float, dict]:
     """The planner's step seconds for the case's layout, and its terms."""
-    e = estimate(model_config(case), case.layout, GLOBAL_BATCH, MICRO, precision("fp32", update=case.update), hw)
+    e = estimate(model_config(case, model), case.layout, GLOBAL_BATCH, MICRO, precision("fp32", update=case.update), hw)
     return e.step_seconds, dict(e.step)
 
 
@@ -115,9 +116,9 @@ def _train(rank, world, flags, iters):
     return [r["elapsed_ms"] / 1e3 for r in records]
 
 
-def measure(case: Case, iters: int, warmup: int) -> float:
+def measure(case: Case, iters: int, warmup: int, model: tuple = tuple(MODEL)) -> float:
     """The median seconds of the iterations after ``warmup`` of them, on rank 0."""
-    times = run_world(_train, case.world, flags_of(case), iters, timeout=900.0)[0]
+    times = run_world(_train, case.world, flags_of(case, model), iters, timeout=900.0)[0]
     return statistics.median(times[warmup:])
 
 

@@ -75,9 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"fraction of GPU memory kept free (CUDA context, fragmentation, workspaces; default "
                         f"{DEFAULT_HEADROOM:g})")
     g.add_argument("--achieved-tflops", type=float, default=None,
-                   help="TFLOP/s a GPU achieves in training: the compute time that, with the bubble, "
-                        "ranks a layout's pipeline schedules (1f1b, zb-h1, zbv) by step time (default "
-                        f"{Hardware.achieved_tflops:g}, or the profile's)")
+                   help="TFLOP/s a GPU achieves in training: the step-time model's compute term, which "
+                        "with the bubble and the exposed communication ranks every layout that fits (default "
+                        f"{Hardware.achieved_tflops:g}, or the profile's; tools/calibrate_hardware.py measures it)")
     g.add_argument("--peak-tflops", type=float, default=None,
                    help=f"dense bf16 TFLOP/s per GPU, MFU's denominator (default {Hardware.peak_tflops:g}, or the "
                         "profile's)")

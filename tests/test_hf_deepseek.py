@@ -20,6 +20,7 @@ from megalite.checkpoint.hf_deepseek import (halves_from_pairs, model_config_fro
                                              pairs_from_halves)
 from megalite.checkpoint.hf_llama import UnsupportedModel  # noqa: E402
 from megalite.testing import run_world  # noqa: E402
+from tests.hf_checkpoints import export_round_trip, saved_model_settings  # noqa: E402
 from tests.test_hf_llama import _hf_greedy, assert_same_logits  # noqa: E402
 
 YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
@@ -50,30 +51,21 @@ def deepseek(tmp_path, **kw):
     return model
 
 
-def _model_settings(ckpt):
-    return json.load(open(next(ckpt.glob("iter_*/metadata.json"))))["config"]["model"]
+# every config key but these comes back from an export (scoring_func / topk_method: transformers'
+# fixed values, which megalite's settings do not record)
+CONFIG_IGNORE = {"transformers_version", "_name_or_path", "dtype", "torch_dtype", "scoring_func", "topk_method"}
 
 
 def _round_trip(model, tmp_path):
     """Export bit-equal to the original tensors, and config.json giving the same configuration."""
-    export_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"))
-    back = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "out").eval()
-    original = model.state_dict()
-    assert set(back.state_dict()) == set(original)
-    for name, tensor in back.state_dict().items():
-        assert torch.equal(tensor, original[name]), name
-    ignore = {"transformers_version", "_name_or_path", "dtype", "torch_dtype", "scoring_func", "topk_method"}
-    want = {k: v for k, v in model.config.to_dict().items() if k not in ignore}
-    got = {k: v for k, v in back.config.to_dict().items() if k not in ignore}
-    assert got == want, {k: (got.get(k), want.get(k)) for k in set(got) | set(want) if got.get(k) != want.get(k)}
-    return json.load(open(tmp_path / "out" / "config.json"))
+    return export_round_trip(model, transformers.DeepseekV3ForCausalLM, tmp_path, CONFIG_IGNORE)
 
 
 @pytest.mark.parametrize("q_lora_rank", [24, None], ids=["query-latent", "query-matrix"])
 def test_deepseek_v3_logits_and_round_trip(tmp_path, q_lora_rank):
     model = deepseek(tmp_path, q_lora_rank=q_lora_rank)
     import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
-    cfg = _model_settings(tmp_path / "ckpt")
+    cfg = saved_model_settings(tmp_path / "ckpt")
     assert (cfg["multi_latent_attention"], cfg["q_lora_rank"], cfg["kv_lora_rank"], cfg["qk_head_dim"],
             cfg["qk_pos_emb_head_dim"], cfg["v_head_dim"]) == (True, q_lora_rank, 16, 16, 8, 12)
     assert (cfg["moe_layer_freq"], cfg["num_experts"], cfg["moe_router_topk"], cfg["moe_ffn_hidden_size"],
@@ -99,7 +91,7 @@ def test_stacked_names_and_plain_rope(tmp_path):
     config = json.load(open(tmp_path / "hf" / "config.json"))
     json.dump(config, open(tmp_path / "stacked" / "config.json", "w"))
     import_hf(str(tmp_path / "stacked"), str(tmp_path / "ckpt"), progress=False)
-    assert _model_settings(tmp_path / "ckpt")["rope_scaling"] is None
+    assert saved_model_settings(tmp_path / "ckpt")["rope_scaling"] is None
     assert_same_logits(model, tmp_path / "ckpt")
     assert _round_trip(model, tmp_path)["rope_interleave"] is False
 
@@ -221,7 +213,7 @@ def test_load_takes_the_router_settings_from_the_checkpoint(tmp_path):
     deepseek(tmp_path)
     import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), progress=False)
     run = ModelConfig(vocab_size=1000)
-    adopt_checkpoint_model(run, _model_settings(tmp_path / "ckpt"), set(), 1000, str(tmp_path / "ckpt"))
+    adopt_checkpoint_model(run, saved_model_settings(tmp_path / "ckpt"), set(), 1000, str(tmp_path / "ckpt"))
     assert (run.num_experts, run.moe_router_score_function, run.moe_router_num_groups,
             run.moe_router_topk_scaling_factor, run.moe_router_enable_expert_bias) == (8, "sigmoid", 4, 2.5, True)
 

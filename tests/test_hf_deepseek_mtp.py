@@ -40,7 +40,8 @@ from megalite.checkpoint.serial import _checkpoint_dir  # noqa: E402
 from megalite.model.mtp import with_mtp_targets  # noqa: E402
 from megalite.testing import run_world  # noqa: E402
 from megalite.train.step import stage_loss  # noqa: E402
-from tests.test_hf_deepseek import _finetune_worker, _model_settings, _round_trip, deepseek  # noqa: E402
+from tests.hf_checkpoints import saved_model_settings  # noqa: E402
+from tests.test_hf_deepseek import _finetune_worker, _round_trip, deepseek  # noqa: E402
 from tests.test_hf_llama import _hf_greedy  # noqa: E402
 
 D, N, S, EPS = 2, 3, 16, 1e-6  # depths, main layers (SHAPE's), sequence, rms_norm_eps
@@ -136,7 +137,7 @@ def test_mtp_layers_come_in_with_the_reference_loss_and_go_out_bit_equal(tmp_pat
     capsys.readouterr()
     import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"), progress=False)
     assert "note" not in capsys.readouterr().err
-    assert _model_settings(tmp_path / "ckpt")["mtp_num_layers"] == D
+    assert saved_model_settings(tmp_path / "ckpt")["mtp_num_layers"] == D
 
     megalite = load_serial_model(str(tmp_path / "ckpt"))
     stream = torch.randint(0, 1000, (2, S + 1), generator=torch.Generator().manual_seed(4))
@@ -181,7 +182,7 @@ def test_what_megalite_cannot_hold_is_refused_before_anything_is_written(tmp_pat
     import_hf(str(tmp_path / "hf"), str(tmp_path / "plain"), progress=False)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "num_nextn_predict_layers 1 but the files hold no model.layers.3.*" in err[0], err
-    assert _model_settings(tmp_path / "plain")["mtp_num_layers"] is None
+    assert saved_model_settings(tmp_path / "plain")["mtp_num_layers"] is None
 
     good = add_mtp_layers(model, tmp_path / "hf", depths=1)
     tensors = load_file(str(tmp_path / "hf" / "model.safetensors"))

@@ -16,6 +16,7 @@ from convert_hf import main as convert_main  # noqa: E402
 from megalite.checkpoint import CheckpointError, load_serial_model  # noqa: E402
 from megalite.checkpoint.convert import export_hf, import_hf  # noqa: E402
 from megalite.checkpoint.hf_llama import UnsupportedModel  # noqa: E402
+from tests.hf_checkpoints import saved_model_settings  # noqa: E402
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 16}  # short, so positions < 64 feel the scaling
@@ -89,7 +90,7 @@ def test_rope_scaling_matters(tmp_path):
 def test_qwen2_with_qkv_bias_and_tied_embeddings(tmp_path):
     model = qwen2(tmp_path)
     import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
-    cfg = json.load(open(next((tmp_path / "ckpt").glob("iter_*/metadata.json"))))["config"]["model"]
+    cfg = saved_model_settings(tmp_path / "ckpt")
     assert cfg["add_qkv_bias"] and not cfg["add_bias_linear"] and not cfg["untie_embeddings_and_output_weights"]
     assert_same_logits(model, tmp_path / "ckpt")
     export_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"))

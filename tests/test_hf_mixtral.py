@@ -11,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 from megalite.checkpoint.convert import export_hf, import_hf  # noqa: E402
 from megalite.checkpoint.hf_llama import UnsupportedModel  # noqa: E402
 from megalite.testing import run_world  # noqa: E402
+from tests.hf_checkpoints import saved_model_settings  # noqa: E402
 from tests.test_hf_llama import assert_same_logits  # noqa: E402
 
 
@@ -31,7 +32,7 @@ def mixtral(tmp_path, **kw):
 def test_mixtral_import_gives_the_same_logits_and_exports_bit_equal(tmp_path):
     model = mixtral(tmp_path)
     import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
-    cfg = json.load(open(next((tmp_path / "ckpt").glob("iter_*/metadata.json"))))["config"]["model"]
+    cfg = saved_model_settings(tmp_path / "ckpt")
     assert (cfg["num_experts"], cfg["moe_router_topk"], cfg["moe_ffn_hidden_size"]) == (4, 2, 96)
     assert cfg["moe_expert_capacity_factor"] is None  # dropless, as Mixtral
     print(f"Mixtral import: logits {assert_same_logits(model, tmp_path / 'ckpt'):.1e} from transformers'")

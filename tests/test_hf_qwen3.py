@@ -13,9 +13,10 @@ transformers = pytest.importorskip("transformers")
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tools"))
 
-from megalite.checkpoint.convert import export_hf, import_hf  # noqa: E402
+from megalite.checkpoint.convert import import_hf  # noqa: E402
 from megalite.checkpoint.hf_llama import UnsupportedModel, model_config_from_hf_llama  # noqa: E402
 from megalite.testing import run_world  # noqa: E402
+from tests.hf_checkpoints import export_round_trip, saved_model_settings  # noqa: E402
 from tests.test_hf_llama import _hf_greedy, assert_same_logits  # noqa: E402
 
 SHAPE = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1000,
@@ -53,29 +54,15 @@ def qwen3_moe(tmp_path, **kw):
     return model
 
 
-def _model_settings(ckpt):
-    return json.load(open(next(ckpt.glob("iter_*/metadata.json"))))["config"]["model"]
-
-
-def _round_trip(model, cls, tmp_path):
-    export_hf(str(tmp_path / "ckpt"), str(tmp_path / "out"))
-    back = cls.from_pretrained(tmp_path / "out").eval()
-    original = model.state_dict()
-    assert set(back.state_dict()) == set(original)
-    for name, tensor in back.state_dict().items():
-        assert torch.equal(tensor, original[name]), name
-    return json.load(open(tmp_path / "out" / "config.json"))
-
-
 def test_qwen3_logits_round_trip_and_greedy_generation(tmp_path, capsys):
     import generate as generate_tool
 
     model = qwen3(tmp_path)
     import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
-    cfg = _model_settings(tmp_path / "ckpt")
+    cfg = saved_model_settings(tmp_path / "ckpt")
     assert cfg["qk_layernorm"] and cfg["kv_channels"] == 16 and cfg["hidden_size"] == 32
     print(f"Qwen3 import: logits {assert_same_logits(model, tmp_path / 'ckpt'):.1e} from transformers'")
-    config = _round_trip(model, transformers.Qwen3ForCausalLM, tmp_path)
+    config = export_round_trip(model, transformers.Qwen3ForCausalLM, tmp_path)
     assert config["model_type"] == "qwen3" and config["head_dim"] == 16
     prompt = [5, 17, 42, 7, 300]
     want = _hf_greedy(model, prompt, 12)
@@ -90,12 +77,12 @@ def test_qwen3_moe_logits_round_trip_and_greedy_generation(tmp_path, capsys):
 
     model = qwen3_moe(tmp_path)
     import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
-    cfg = _model_settings(tmp_path / "ckpt")
+    cfg = saved_model_settings(tmp_path / "ckpt")
     assert (cfg["num_experts"], cfg["moe_router_topk"], cfg["moe_ffn_hidden_size"], cfg["ffn_hidden_size"]) == \
         (8, 2, 24, 48)
     assert cfg["moe_layer_freq"] == [1, 0, 1] and cfg["moe_shared_expert_intermediate_size"] is None
     print(f"Qwen3-MoE import: logits {assert_same_logits(model, tmp_path / 'ckpt'):.1e} from transformers'")
-    config = _round_trip(model, transformers.Qwen3MoeForCausalLM, tmp_path)
+    config = export_round_trip(model, transformers.Qwen3MoeForCausalLM, tmp_path)
     assert config["model_type"] == "qwen3_moe" and config["mlp_only_layers"] == [1] and config["norm_topk_prob"]
     prompt = [3, 99, 12, 640]
     want = _hf_greedy(model, prompt, 10)

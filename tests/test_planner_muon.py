@@ -99,3 +99,16 @@ def test_plan_parallel_plans_muon(capsys):
     assert plan_parallel.main(PLAN) == 0
     text = capsys.readouterr().out
     assert "--optimizer" not in text and "x 18 bytes (2 weights + 4 gradients + 12 fp32 master" in text
+
+
+def test_update_flags_read_back_as_the_same_update_plan():
+    """Every UpdatePlan setting the planner prints is read back by pretrain_gpt.py's parser as that
+    setting (--muon-no-split-qkv turns the split off; defaults are left out)."""
+    from megalite.arguments import build_parser, config_from_args
+    from megalite.planner.flags import update_flags
+    from megalite.planner.types import UpdatePlan
+
+    for update in (UpdatePlan(), UpdatePlan("muon", "distributed", 3, False), UpdatePlan("muon", "duplicated")):
+        args = build_parser().parse_args(MODEL + update_flags(update))
+        assert UpdatePlan.of_run(config_from_args(args, 256).train) == update, update
+    assert update_flags(UpdatePlan()) == []

@@ -138,7 +138,12 @@ def _write_rope_scaling(value: dict | None) -> list[str]:
 
 
 # Settings set by flags of another shape: value -> the flags that make pretrain_gpt.py read it back.
-WRITERS = {"add_bias_linear": _write_bias, "rope_scaling": _write_rope_scaling}
+def _write_split_qkv(value: bool) -> list[str]:
+    """muon_split_qkv = not --muon-no-split-qkv."""
+    return [] if value else [one.option for one in flags_of_field(_TRAIN_FIELDS["muon_split_qkv"])]
+
+
+WRITERS = {"add_bias_linear": _write_bias, "rope_scaling": _write_rope_scaling, "muon_split_qkv": _write_split_qkv}
 
 _FIELDS = {f.name: f for f, _ in settings_of(ModelConfig)}
 
@@ -267,12 +272,8 @@ def update_flags(update: UpdatePlan) -> list[str]:
     out = []
     for name in UPDATE_SETTINGS:
         f, value = _TRAIN_FIELDS[name], getattr(update, name)
-        if value == f.default:
-            continue
-        if name == "muon_split_qkv":  # a switch that turns the setting off
-            out += [one.option for one in flags_of_field(f)]
-        else:
-            out += _write_one(f, value)
+        if value != f.default:
+            out += WRITERS[name](value) if name in WRITERS else _write_one(f, value)
     return out
 
 

@@ -370,12 +370,10 @@ class DistributedOptimizer:
     def scale_rows(self, factors: dict) -> None:
         """QK-clip (megalite.model.qk_clip): multiply each given parameter's rows (dim 0) by its
         (rows,) device ``factors`` in the fp32 masters, wherever ZeRO put them, then publish."""
-        for master, b in zip(self.master, self.sync.buckets):
-            lo, hi = b.shard
-            for p, (start, numel) in zip(b.params, b.offsets):
-                a, z = max(start, lo), min(start + numel, hi)
-                if a < z and p in factors:
-                    rows = factors[p]
-                    per_row = rows[:, None].expand(-1, numel // rows.numel()).reshape(-1)
-                    master[a - lo: z - lo].mul_(per_row[a - start: z - start])
+        for place in self.places:  # each parameter's piece of each shard
+            rows = factors.get(place.param)
+            if rows is not None:
+                per_row = rows[:, None].expand(-1, place.param.numel() // rows.numel()).reshape(-1)
+                self.master[place.shard][place.start: place.stop].mul_(
+                    per_row[place.first: place.first + place.stop - place.start])
         self.publish()

@@ -24,7 +24,9 @@ measured-best (the issue's goals: <= 15%, >= 0.8, within 10%). ``--json`` writes
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import statistics
@@ -38,6 +40,7 @@ from megalite.planner.flags import pretrain_flags  # noqa: E402
 from megalite.planner.hardware import hardware_from_profile  # noqa: E402
 from megalite.planner.types import Layout, UpdatePlan, precision  # noqa: E402
 from megalite.testing import run_world  # noqa: E402
+from megalite.train.pretrain import pretrain  # noqa: E402
 from tools.tool_errors import one_line_errors, positive, writable  # noqa: E402
 
 # The model: small enough that twenty layouts train in minutes on two cores, large enough that its
@@ -108,9 +111,6 @@ def predict(case: Case, hw, model: tuple = tuple(MODEL)) -> tuple[float, dict]:
 
 
 def _train(rank, world, flags, iters):
-    import contextlib
-    import io
-    from megalite.train.pretrain import pretrain
     with contextlib.redirect_stdout(io.StringIO()):  # the per-iteration log lines: the table says it
         records = pretrain(flags + ["--train-iters", str(iters), "--log-interval", "1", "--lr-decay-iters", str(iters)])
     return [r["elapsed_ms"] / 1e3 for r in records]

@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import bench_optimizer  # noqa: E402
 import compare_optimizers  # noqa: E402
-from megalite.data_parallel.muon import newton_schulz  # noqa: E402
+from megalite.data_parallel.muon import matrix_ns_flops, newton_schulz  # noqa: E402
 
 
 @pytest.mark.parametrize("rows,cols", [(24, 40), (40, 24), (32, 32)])
@@ -22,7 +22,7 @@ def test_ns_flops_counts_the_iterations_matmuls(rows, cols):
     transposed first: the same count either way)."""
     with FlopCounterMode(display=False) as counter:
         newton_schulz(torch.randn(rows, cols), 5)
-    assert bench_optimizer.ns_flops(rows, cols, 5) == counter.get_total_flops()
+    assert matrix_ns_flops(rows, cols, 5) == counter.get_total_flops()
 
 
 def test_matrix_flops_per_logical_matrix():
@@ -30,7 +30,7 @@ def test_matrix_flops_per_logical_matrix():
     embeddings and the output layer count nothing."""
     cfg, t, model, _ = bench_optimizer.build_shape(16, 1, **bench_optimizer.MUON_SETTINGS)
     per = {n: bench_optimizer.matrix_flops(n, p, cfg, t) for n, p in model.named_parameters()}
-    square, wide = bench_optimizer.ns_flops(16, 16, 5), bench_optimizer.ns_flops(64, 16, 5)
+    square, wide = matrix_ns_flops(16, 16, 5), matrix_ns_flops(64, 16, 5)
     qkv = next(n for n in per if n.endswith("qkv.weight"))
     assert per[qkv] == 3 * square
     assert sum(per.values()) == 4 * square + 2 * wide

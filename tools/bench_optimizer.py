@@ -23,7 +23,7 @@ default 512x8 is the 29.4M-parameter shape above, 1024x8 a 109M one):
 - ``torch fused`` and ``megalite AdamW`` as above (fused AdamW), beside
 - ``megalite Muon``: ``DistributedOptimizer.step`` with the ``muon`` rule (one process; the
   rule's AdamW part over embeddings, output layer, norms and biases included), its Newton-Schulz
-  FLOPs per step in the table (:func:`ns_flops`, summed over the logical matrices);
+  FLOPs per step in the table (:func:`megalite.data_parallel.muon.matrix_ns_flops`, summed over the logical matrices);
 
 then Muon's step at DP 1 against DP 2 ZeRO-1 (gloo worlds on loopback, ``--threads`` split over
 the ranks), where each rank orthogonalises only the matrices it owns: the per-step time and each
@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from megalite.config import ModelConfig, ParallelConfig, TrainConfig  # noqa: E402
-from megalite.data_parallel.muon import logical_pieces, takes_muon  # noqa: E402
+from megalite.data_parallel.muon import logical_pieces, matrix_ns_flops, takes_muon  # noqa: E402
 from megalite.data_parallel.update_rule import ADAMW, rule_named  # noqa: E402
 from megalite.data_parallel.zero import DistributedOptimizer  # noqa: E402
 from megalite.model.gpt import GPTModel  # noqa: E402
@@ -150,15 +150,6 @@ def timed(variants: dict, rounds: int, warmup: int) -> dict:
 
 
 # -- Muon (issue 39) ------------------------------------------------------------------------------
-def ns_flops(rows: int, cols: int, steps: int) -> int:
-    """Newton-Schulz FLOPs of one logical matrix. With m = min(rows, cols) and n = max (the
-    iteration runs on the wide orientation, so its Gram is the small m x m one), each of the
-    ``steps`` iterations multiplies A = X X^T (m x n by n x m: 2 m^2 n), A A (2 m^3) and
-    (b A + c A A) X (m x m by m x n: 2 m^2 n); the elementwise terms and the norm are O(m n)."""
-    m, n = min(rows, cols), max(rows, cols)
-    return steps * (4 * m * m * n + 2 * m ** 3)
-
-
 def matrix_flops(name: str, p, cfg, t) -> int:
     """NS FLOPs per step of parameter ``p``: the sum over its logical matrices (a fused QKV per
     q, k, v; a [gate; up] per half; experts per expert: megalite.data_parallel.muon.logical_pieces)."""
@@ -167,7 +158,7 @@ def matrix_flops(name: str, p, cfg, t) -> int:
     total = 0
     for select in logical_pieces(name, p, tuple(p.shape), cfg, t.muon_split_qkv):
         piece = select(p.detach())
-        total += ns_flops(piece.numel() // piece.shape[-1], piece.shape[-1], t.muon_num_ns_steps)
+        total += matrix_ns_flops(piece.numel() // piece.shape[-1], piece.shape[-1], t.muon_num_ns_steps)
     return total
 
 

@@ -179,6 +179,16 @@ def matmul_precision(precision: str):
         torch.set_float32_matmul_precision(before)
 
 
+def matrix_ns_flops(rows: int, cols: int, steps: int) -> int:
+    """Newton-Schulz FLOPs of one ``rows x cols`` matrix (:func:`newton_schulz`): with m = min and
+    n = max (the iteration runs on the wide orientation, so its Gram is the small m x m one), each
+    of ``steps`` iterations multiplies A = X X^T (2 m^2 n), A A (2 m^3) and (b A + c A A) X
+    (2 m^2 n); the elementwise terms and the norm are O(m n). The planner's step time and
+    tools/bench_optimizer.py count with it."""
+    m, n = min(rows, cols), max(rows, cols)
+    return steps * (4 * m * m * n + 2 * m ** 3)
+
+
 def ns_cost(param) -> int:
     """Newton-Schulz work of a parameter, ~ m n min(m, n) per matrix (ZeRO ownership balances it)."""
     *stack, m, n = param.shape

@@ -55,6 +55,7 @@ import math
 
 from megalite.config import ModelConfig
 from megalite.context_parallel.comm_types import cp_comm_type
+from megalite.data_parallel.muon import matrix_ns_flops
 from megalite.model.counting import attended_flops, flops_per_token
 from megalite.planner import pipeline as planner_pipeline
 from megalite.planner.flags import training_defaults
@@ -165,15 +166,15 @@ def optimizer(m: ModelConfig, layout: Layout, psi: int, matrices: int, prec: Pre
 def newton_schulz_flops(m: ModelConfig, layout: Layout, prec: Precision, stage: int = 0) -> float:
     """Muon's Newton-Schulz FLOPs on one rank's TP blocks of the stage's attention and dense MLP
     matrices, each linear cut into its logical matrices (q, k, v under --muon-split-qkv; SwiGLU's
-    gate and up: :func:`megalite.planner.update_traffic.logical_matrices`): 4 a^2 b + 2 a^3 per
-    step for an a x b block, a <= b (experts are not counted)."""
+    gate and up: :func:`megalite.planner.update_traffic.logical_matrices`), each
+    :func:`megalite.data_parallel.muon.matrix_ns_flops` (4 a^2 b + 2 a^3 per step for an a x b block,
+    a <= b); experts are not counted."""
     t, update, total = layout.tp, prec.update, 0.0
     for linear in tensor_parallel_linears(m, layout.pp, stage):
         pieces = logical_matrices(linear, m, update.muon_split_qkv)
         out_f, in_f = linear.out_features // pieces, linear.in_features
         out_f, in_f = (out_f // t, in_f) if linear.column else (out_f, in_f // t)
-        a, b = sorted((out_f, in_f))
-        total += pieces * update.muon_num_ns_steps * (4 * a * a * b + 2 * a ** 3)
+        total += pieces * matrix_ns_flops(out_f, in_f, update.muon_num_ns_steps)
     return total
 
 

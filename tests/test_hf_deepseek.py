@@ -20,8 +20,8 @@ from megalite.checkpoint.hf_deepseek import (halves_from_pairs, model_config_fro
                                              pairs_from_halves)
 from megalite.checkpoint.hf_llama import UnsupportedModel  # noqa: E402
 from megalite.testing import run_world  # noqa: E402
-from tests.hf_checkpoints import export_round_trip, saved_model_settings  # noqa: E402
-from tests.test_hf_llama import _hf_greedy, assert_same_logits  # noqa: E402
+from tests.hf_checkpoints import assert_greedy_equals_transformers, export_round_trip, saved_model_settings  # noqa: E402,E501
+from tests.test_hf_llama import assert_same_logits  # noqa: E402
 
 YARN = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
         "mscale": 1.0, "mscale_all_dim": 1.0}
@@ -219,16 +219,9 @@ def test_load_takes_the_router_settings_from_the_checkpoint(tmp_path):
 
 
 def test_greedy_generation_equals_transformers(tmp_path, capsys):
-    import generate as generate_tool
-
     model = deepseek(tmp_path)
     import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
-    prompt = [5, 17, 42, 7, 300]
-    want = _hf_greedy(model, prompt, 12)
-    capsys.readouterr()
-    assert generate_tool.main(["--load", str(tmp_path / "ckpt"), "--prompt-ids", ",".join(map(str, prompt)),
-                               "--max-new-tokens", "12", "--greedy", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["ids"] == want
+    assert_greedy_equals_transformers(model, tmp_path / "ckpt", [5, 17, 42, 7, 300], 12, capsys)
 
 
 def _finetune_worker(rank, world, ckpt, layouts):

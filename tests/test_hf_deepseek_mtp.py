@@ -40,9 +40,8 @@ from megalite.checkpoint.serial import _checkpoint_dir  # noqa: E402
 from megalite.model.mtp import with_mtp_targets  # noqa: E402
 from megalite.testing import run_world  # noqa: E402
 from megalite.train.step import stage_loss  # noqa: E402
-from tests.hf_checkpoints import saved_model_settings  # noqa: E402
+from tests.hf_checkpoints import assert_greedy_equals_transformers, saved_model_settings  # noqa: E402
 from tests.test_hf_deepseek import _finetune_worker, _round_trip, deepseek  # noqa: E402
-from tests.test_hf_llama import _hf_greedy  # noqa: E402
 
 D, N, S, EPS = 2, 3, 16, 1e-6  # depths, main layers (SHAPE's), sequence, rms_norm_eps
 
@@ -154,11 +153,8 @@ def test_mtp_layers_come_in_with_the_reference_loss_and_go_out_bit_equal(tmp_pat
     print(f"MTP import vs float64 reference: loss {loss_error:.1e} relative, per-token depth losses {token_error:.1e}")
     assert loss_error < 1e-6 and token_error < 1e-5, (loss.item(), want.item(), token_error)
 
-    import generate as generate_tool  # generation reads the main model only: transformers' tokens
-    capsys.readouterr()
-    assert generate_tool.main(["--load", str(tmp_path / "ckpt"), "--prompt-ids", "5,17,42", "--max-new-tokens", "6",
-                               "--greedy", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["ids"] == _hf_greedy(model, [5, 17, 42], 6)
+    # generation reads the main model only: transformers' tokens
+    assert_greedy_equals_transformers(model, tmp_path / "ckpt", [5, 17, 42], 6, capsys)
 
     config = _round_trip(model, tmp_path)  # the main model's tensors and config, through transformers
     assert config["num_nextn_predict_layers"] == D

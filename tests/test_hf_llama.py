@@ -16,7 +16,7 @@ from convert_hf import main as convert_main  # noqa: E402
 from megalite.checkpoint import CheckpointError, load_serial_model  # noqa: E402
 from megalite.checkpoint.convert import export_hf, import_hf  # noqa: E402
 from megalite.checkpoint.hf_llama import UnsupportedModel  # noqa: E402
-from tests.hf_checkpoints import saved_model_settings  # noqa: E402
+from tests.hf_checkpoints import assert_greedy_equals_transformers, saved_model_settings  # noqa: E402
 
 LLAMA3_SCALING = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                   "original_max_position_embeddings": 16}  # short, so positions < 64 feel the scaling
@@ -167,26 +167,15 @@ def test_kv_cache_decoding_equals_full_forward(tmp_path):
         torch.testing.assert_close(torch.cat(parts, dim=1), full, rtol=1e-5, atol=1e-5)
 
 
-def _hf_greedy(model, prompt, n):
-    out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                         eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
 def test_generate_greedy_equals_transformers_and_any_layout(tmp_path, capsys):
-    import generate as generate_tool
     from reshard_checkpoint import reshard
 
     model = llama(tmp_path)
     import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
-    prompt = [5, 17, 42, 7, 300]
-    want = _hf_greedy(model, prompt, 20)
     for ckpt in (tmp_path / "ckpt", tmp_path / "tp2"):
         if ckpt.name == "tp2":  # the same weights, saved as tensor-parallel pieces of 2 ranks
             reshard(str(tmp_path / "ckpt"), str(ckpt), tp=2, pp=1, vp_layers=None, dp=1, zero=0)
-        assert generate_tool.main(["--load", str(ckpt), "--prompt-ids", ",".join(map(str, prompt)),
-                                   "--max-new-tokens", "20", "--greedy", "--json"]) == 0
-        assert json.loads(capsys.readouterr().out)["ids"] == want, ckpt.name
+        assert_greedy_equals_transformers(model, ckpt, [5, 17, 42, 7, 300], 20, capsys)
 
 
 def test_sampling_is_seeded_and_respects_top_k():

@@ -16,8 +16,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 from megalite.checkpoint.convert import import_hf  # noqa: E402
 from megalite.checkpoint.hf_llama import UnsupportedModel, model_config_from_hf_llama  # noqa: E402
 from megalite.testing import run_world  # noqa: E402
-from tests.hf_checkpoints import export_round_trip, saved_model_settings  # noqa: E402
-from tests.test_hf_llama import _hf_greedy, assert_same_logits  # noqa: E402
+from tests.hf_checkpoints import assert_greedy_equals_transformers, export_round_trip, saved_model_settings  # noqa: E402,E501
+from tests.test_hf_llama import assert_same_logits  # noqa: E402
 
 SHAPE = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=1000,
              max_position_embeddings=128, rms_norm_eps=1e-6, tie_word_embeddings=False)  # width 64 != 32
@@ -55,8 +55,6 @@ def qwen3_moe(tmp_path, **kw):
 
 
 def test_qwen3_logits_round_trip_and_greedy_generation(tmp_path, capsys):
-    import generate as generate_tool
-
     model = qwen3(tmp_path)
     import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
     cfg = saved_model_settings(tmp_path / "ckpt")
@@ -64,17 +62,10 @@ def test_qwen3_logits_round_trip_and_greedy_generation(tmp_path, capsys):
     print(f"Qwen3 import: logits {assert_same_logits(model, tmp_path / 'ckpt'):.1e} from transformers'")
     config = export_round_trip(model, transformers.Qwen3ForCausalLM, tmp_path)
     assert config["model_type"] == "qwen3" and config["head_dim"] == 16
-    prompt = [5, 17, 42, 7, 300]
-    want = _hf_greedy(model, prompt, 12)
-    capsys.readouterr()
-    assert generate_tool.main(["--load", str(tmp_path / "ckpt"), "--prompt-ids", ",".join(map(str, prompt)),
-                               "--max-new-tokens", "12", "--greedy", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["ids"] == want
+    assert_greedy_equals_transformers(model, tmp_path / "ckpt", [5, 17, 42, 7, 300], 12, capsys)
 
 
 def test_qwen3_moe_logits_round_trip_and_greedy_generation(tmp_path, capsys):
-    import generate as generate_tool
-
     model = qwen3_moe(tmp_path)
     import_hf(str(tmp_path / "hf"), str(tmp_path / "ckpt"))
     cfg = saved_model_settings(tmp_path / "ckpt")
@@ -84,12 +75,7 @@ def test_qwen3_moe_logits_round_trip_and_greedy_generation(tmp_path, capsys):
     print(f"Qwen3-MoE import: logits {assert_same_logits(model, tmp_path / 'ckpt'):.1e} from transformers'")
     config = export_round_trip(model, transformers.Qwen3MoeForCausalLM, tmp_path)
     assert config["model_type"] == "qwen3_moe" and config["mlp_only_layers"] == [1] and config["norm_topk_prob"]
-    prompt = [3, 99, 12, 640]
-    want = _hf_greedy(model, prompt, 10)
-    capsys.readouterr()
-    assert generate_tool.main(["--load", str(tmp_path / "ckpt"), "--prompt-ids", ",".join(map(str, prompt)),
-                               "--max-new-tokens", "10", "--greedy", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["ids"] == want
+    assert_greedy_equals_transformers(model, tmp_path / "ckpt", [3, 99, 12, 640], 10, capsys)
 
 
 def test_transformers_5_stacked_expert_names_import_the_same(tmp_path):

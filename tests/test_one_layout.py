@@ -34,7 +34,7 @@ def test_the_planner_layout_is_the_grid_layout():
     assert isinstance(layout, GridLayout)
     grid_fields = {f.name for f in dataclasses.fields(GridLayout)}
     own = [f.name for f in dataclasses.fields(Layout) if f.name not in grid_fields]
-    assert own == ["zero", "recompute", "cp_comm_type", "schedule"]  # nothing of the grid copied
+    assert own == ["zero", "recompute", "cp_comm_type", "schedule", "virtual"]  # nothing of the grid copied
     grid = GridLayout(**layout.grid_sizes())
     assert grid.groups("cp_inner") == layout.groups("cp_inner") and layout.world_size == 64
     assert layout.edp == grid.edp == 2 * 4 * 4 // 2
@@ -59,6 +59,18 @@ def test_the_dry_runs_layout_is_the_planners():
     for f in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
               "sequence_parallel", "hierarchical_context_parallel_sizes", "expert_model_parallel_size"):
         assert getattr(parallel, f) == getattr(config.parallel, f), f
+
+
+def test_an_interleaved_runs_layout_is_the_planners():
+    """--num-layers-per-virtual-pipeline-stage k -> Layout.of_run's V = L / (PP k) -> the same k back."""
+    model = ModelConfig(num_layers=8, hidden_size=64, num_attention_heads=8, seq_length=64)
+    parallel = ParallelConfig(pipeline_model_parallel_size=2, num_layers_per_virtual_pipeline_stage=2)
+    grid = GridLayout.from_config(parallel, 4)
+    layout = Layout.of_run(grid, model, TrainConfig(), parallel.num_layers_per_virtual_pipeline_stage)
+    assert (layout.pp, layout.virtual, layout.schedule_label) == (2, 2, "i1f1b/2")
+    assert layout.parallel_config(model.num_layers).num_layers_per_virtual_pipeline_stage == 2
+    assert Layout.of_run(grid, model, TrainConfig()).virtual == 1 and Layout(pp=2).parallel_config(8) \
+        .num_layers_per_virtual_pipeline_stage is None
 
 
 def test_one_table_of_cp_types():

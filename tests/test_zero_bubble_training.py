@@ -166,6 +166,9 @@ def test_fp16_overflow_skips_the_same_steps_under_zero_bubble_as_one_process():
 # -- slow tier ----------------------------------------------------------------------------------
 RUNS4 = {
     "pp2 dp2 zbv zero-2 overlap": PP2 + ["--pipeline-schedule", "zbv", "--zero-stage", "2", "--overlap-grad-reduce"],
+    # the interleaved 1F1B's buckets reduce-scattered in the order its operation list completes them
+    "pp2 dp2 interleaved zero-2 overlap": PP2 + ["--num-layers-per-virtual-pipeline-stage", "1", "--zero-stage", "2",
+                                                 "--overlap-grad-reduce"],
     "pp2 cp2 zbv full recompute": PP2 + ["--pipeline-schedule", "zbv", "--context-parallel-size", "2",
                                          "--recompute-granularity", "full"],
     "pp2 dp2 zb-h1 full recompute": PP2 + ["--pipeline-schedule", "zb-h1", "--recompute-granularity", "full"],

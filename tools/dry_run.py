@@ -136,7 +136,7 @@ def run_role(flags: list[str], world: int, rank: int, gpus_per_node: int, device
 def _plan_inputs(config, layout: GridLayout):
     t, m = config.train, config.model
     prec = precision_of_run(t)  # its number format, gradient buffers and update rule
-    plan_layout = Layout.of_run(layout, m, t)
+    plan_layout = Layout.of_run(layout, m, t, config.parallel.num_layers_per_virtual_pipeline_stage)
     num_micro = t.global_batch_size // (t.micro_batch_size * layout.dp)
     return m, plan_layout, t.micro_batch_size, num_micro, prec
 

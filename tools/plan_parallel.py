@@ -130,7 +130,7 @@ def table(estimates, usable: float) -> list[str]:
     kinds = any(e.layout.cp > 1 for e in estimates)  # a column for the CP type
     kind = lambda lay: f"{cp_type_name(lay) if lay.cp > 1 else '-':>13} "  # noqa: E731
     pipelined = any(e.layout.pp > 1 for e in estimates)  # a column for the pipeline schedule
-    sched = lambda lay: f"{lay.schedule if lay.pp > 1 else '-':>8} "  # noqa: E731
+    sched = lambda lay: f"{lay.schedule_label if lay.pp > 1 else '-':>8} "  # noqa: E731
     head = (f"{'TP':>3} {'PP':>3} " + (f"{'schedule':>8} " if pipelined else "") + f"{'CP':>3} "
             + (f"{'CP type':>13} " if kinds else "") + f"{'DP':>4} "
             + (f"{'EP':>3} " if experts else "")

@@ -193,15 +193,18 @@ class DistributedOptimizer:
             self.sharded.begin_step()
 
     def _arrival_order(self, num_micro: int):
-        """Under a zero-bubble schedule with ZeRO-2 and overlap: the (bucket, micro-batch)
-        reductions in the order the rank's operation list completes them (a bucket's gradients
-        of micro-batch j are complete after the last B or W that makes one of them), the same on
-        every rank of the group (they run the same list). ZBV runs the W's of its two chunks
-        out of micro-batch order, so the default order, every bucket of micro-batch j before
-        any of j + 1, would keep several micro-batches' staging buffers waiting. None: the
-        default order."""
+        """Under a zero-bubble schedule or several chunks per rank (ZBV, the interleaved 1F1B) with
+        ZeRO-2 and overlap: the (bucket, micro-batch) reductions in the order the rank's operation
+        list completes them (a bucket's gradients of micro-batch j are complete after the last B
+        or W, or fused BW, that makes one of them), the same on every rank of the group (they run
+        the same list). ZBV runs the W's of its two chunks out of micro-batch order and the
+        interleaved 1F1B the backwards of its V chunks (micro-batch j of the last chunk long
+        before j of the first), so the default order, every bucket of micro-batch j before any of
+        j + 1, would keep several micro-batches' staging buffers waiting (under the interleaved
+        1F1B as much as the whole gradient). None: the default order."""
         grid, t = self.grid, self.t
-        if not schedule_kind(t.pipeline_schedule).split_backward or self.stage < 2 or not self.sync.overlap or grid is None:
+        out_of_order = schedule_kind(t.pipeline_schedule).split_backward or len(self.chunks) > 1
+        if not out_of_order or self.stage < 2 or not self.sync.overlap or grid is None:
             return None
         if num_micro in self._orders:  # the same every step: computed once per M
             return self._orders[num_micro]

@@ -19,7 +19,9 @@ def check_layout(m: ModelConfig, layout: Layout, global_batch: int, micro: int, 
     two CP rules here (sequence in 2 CP chunks; under SP, s/CP divisible by TP) and megalite's
     rules of the CP type (:func:`check_context_parallel`: a2a needs the heads per TP rank
     divisible by CP, a2a+p2p by its inner size A), with the attention dropout the planned flags
-    set under CP (0). ``update``: the update rule the run trains with (Muon refuses ZeRO-3)."""
+    set under CP (0). ``update``: the update rule the run trains with (Muon refuses ZeRO-3). An
+    interleaved layout is checked with its --num-layers-per-virtual-pipeline-stage (the layers
+    divide into PP x V chunks, the micro-batches into groups of PP)."""
     s, cp, tp = m.seq_length, layout.cp, layout.tp
     if cp > 1 and s % (2 * cp):
         return (f"--seq-length ({s}) must be divisible by 2 * --context-parallel-size ({2 * cp}): the "
@@ -39,7 +41,7 @@ def check_layout(m: ModelConfig, layout: Layout, global_batch: int, micro: int, 
                     f"ranks of one pipeline stage, TP*CP*DP = {tp * cp * layout.dp}.")
         ep = 1
     model = dataclasses.replace(m, attention_backend="torch", fused_kernels=False)
-    folded = dataclasses.replace(layout.parallel_config(), context_parallel_size=1,  # CP folded into the world
+    folded = dataclasses.replace(layout.parallel_config(m.num_layers), context_parallel_size=1,  # CP folded into the world
                                  hierarchical_context_parallel_sizes=None, expert_model_parallel_size=ep)
     cfg = Config(model, folded,
                  TrainConfig(micro_batch_size=micro, global_batch_size=global_batch, zero_stage=layout.zero,

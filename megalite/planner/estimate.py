@@ -138,18 +138,21 @@ def _per_model(count):
 
 
 def stage_parameters(m: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0, ep: int = 1,
-                     schedule: str = "1f1b") -> int:
+                     schedule: str = "1f1b", virtual: int = 1) -> int:
     """Psi of one rank on pipeline stage ``stage``: what its weights and gradients hold
     (with experts: its dense parameters and its E/EP experts, :mod:`megalite.moe.planning`).
-    ZBV: chunks p and 2P-1-p of 2P; rank 0 holds embedding and output layer (tied: both copies)."""
-    return _stage_parameters(m, tp, pp, stage, ep, schedule)
+    ZBV: chunks p and 2P-1-p of 2P; rank 0 holds embedding and output layer (tied: both copies);
+    interleaved (``virtual`` V > 1): chunks c P + p of P V."""
+    return _stage_parameters(m, tp, pp, stage, ep, schedule, virtual)
 
 
 @_per_model
-def _stage_parameters(m: ModelConfig, tp: int, pp: int, stage: int, ep: int, schedule: str) -> int:
+def _stage_parameters(m: ModelConfig, tp: int, pp: int, stage: int, ep: int, schedule: str,
+                      virtual: int = 1) -> int:
     kind = describe_schedule(schedule)
-    if kind.v_shape:  # each of the rank's chunks as a stage of a pipeline of 2P chunks
-        return sum(stage_parameters(m, tp, kind.pipeline_chunks(pp), g, ep) for g in kind.local_chunks(pp, stage))
+    if kind.chunks_per_rank(virtual) > 1:  # each of the rank's chunks as a stage of a pipeline of P V chunks
+        return sum(stage_parameters(m, tp, kind.pipeline_chunks(pp, virtual), g, ep)
+                   for g in kind.local_chunks(pp, stage, virtual))
     split, replicated = layer_parameters(m, tp)
     psi = (m.num_layers // pp) * (split + replicated)
     if m.num_experts:
@@ -172,39 +175,41 @@ def _stage_parameters(m: ModelConfig, tp: int, pp: int, stage: int, ep: int, sch
 
 
 def stage_expert_parameters(m: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0, ep: int = 1,
-                            schedule: str = "1f1b") -> int:
+                            schedule: str = "1f1b", virtual: int = 1) -> int:
     """The part of :func:`stage_parameters` that is experts (reduced over expert-data-parallel ranks)."""
-    return _stage_expert_parameters(m, tp, pp, stage, ep, schedule)
+    return _stage_expert_parameters(m, tp, pp, stage, ep, schedule, virtual)
 
 
 @_per_model
-def _stage_expert_parameters(m: ModelConfig, tp: int, pp: int, stage: int, ep: int, schedule: str) -> int:
+def _stage_expert_parameters(m: ModelConfig, tp: int, pp: int, stage: int, ep: int, schedule: str,
+                      virtual: int = 1) -> int:
     if not m.num_experts:
         return 0
     kind = describe_schedule(schedule)
-    if kind.v_shape:
-        return sum(stage_expert_parameters(m, tp, kind.pipeline_chunks(pp), g, ep)
-                   for g in kind.local_chunks(pp, stage))
+    if kind.chunks_per_rank(virtual) > 1:
+        return sum(stage_expert_parameters(m, tp, kind.pipeline_chunks(pp, virtual), g, ep)
+                   for g in kind.local_chunks(pp, stage, virtual))
     layers = moe_planning.stage_layers(m, pp, stage)
     mtp = mtp_parameters(m, tp, ep)[1] if stage == pp - 1 else 0
     return moe_planning.layers_parameters(m, layer_parameters(m, tp), tp, ep, layers)[1] + mtp
 
 
 def stage_matrix_parameters(m: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0, ep: int = 1,
-                            schedule: str = "1f1b") -> int:
+                            schedule: str = "1f1b", virtual: int = 1) -> int:
     """The part of :func:`stage_parameters` that is weight matrices of the layers (attention and
     MLP linears, MLA's projections, stacked experts, MTP's ``eh_proj`` and layer): what an update
     rule's matrix class takes (Muon), counted from the parts' ``matrix_counts``; embeddings, the
     output layer, norms, biases and routers are the rest."""
-    return _stage_matrix_parameters(m, tp, pp, stage, ep, schedule)
+    return _stage_matrix_parameters(m, tp, pp, stage, ep, schedule, virtual)
 
 
 @_per_model
-def _stage_matrix_parameters(m: ModelConfig, tp: int, pp: int, stage: int, ep: int, schedule: str) -> int:
+def _stage_matrix_parameters(m: ModelConfig, tp: int, pp: int, stage: int, ep: int, schedule: str,
+                      virtual: int = 1) -> int:
     kind = describe_schedule(schedule)
-    if kind.v_shape:
-        return sum(stage_matrix_parameters(m, tp, kind.pipeline_chunks(pp), g, ep)
-                   for g in kind.local_chunks(pp, stage))
+    if kind.chunks_per_rank(virtual) > 1:
+        return sum(stage_matrix_parameters(m, tp, kind.pipeline_chunks(pp, virtual), g, ep)
+                   for g in kind.local_chunks(pp, stage, virtual))
     layers = moe_planning.stage_layers(m, pp, stage)
     mtp = sum(mtp_matrix_parameters(m, tp, ep)) if stage == pp - 1 else 0
     return sum(moe_planning.layers_matrix_parameters(m, layer_matrix_parameters(m, tp), tp, ep, layers)) + mtp
@@ -251,8 +256,8 @@ def communication(m: ModelConfig, layout: Layout, psi: int, micro: int, num_micr
     With experts (``stage``: whose MoE layers and experts; :mod:`megalite.moe.planning`), the
     expert part of ``psi`` is reduced over EDP ('edp') and tokens travel over EP ('ep')."""
     n, t, M = layout.dp * layout.cp, layout.tp, num_micro
-    psi_e = stage_expert_parameters(m, t, layout.pp, stage, layout.ep, layout.schedule)
-    psi, n_moe = psi - psi_e, planner_pipeline.moe_layers_on_rank(m, layout.schedule, layout.pp, stage)
+    psi_e = stage_expert_parameters(m, t, layout.pp, stage, layout.ep, layout.schedule, layout.virtual)
+    psi, n_moe = psi - psi_e, planner_pipeline.moe_layers_on_rank(m, layout.schedule, layout.pp, stage, layout.virtual)
     dp = moe_planning.gradient_reduction_bytes(psi, n, layout.zero, M, prec.weight_bytes, prec.grad_bytes)
     layers = m.num_layers // layout.pp
     bsh = micro * m.seq_length / layout.cp * m.hidden_size * prec.act_bytes
@@ -264,8 +269,8 @@ def communication(m: ModelConfig, layout: Layout, psi: int, micro: int, num_micr
     ep = moe_planning.all_to_all_bytes(m, micro, M, n_moe, t, layout.sp, layout.cp, layout.ep, prec.act_bytes,
                                        layout.recompute)
     edp = moe_planning.gradient_reduction_bytes(psi_e, layout.edp, layout.zero, M, prec.weight_bytes, prec.grad_bytes)
-    pp = 2 * M * bsh / (t if layout.sp else 1) * planner_pipeline.p2p_factor(layout.schedule, layout.pp) \
-        if layout.pp > 1 else 0.0
+    sends = planner_pipeline.p2p_factor(layout.schedule, layout.pp, layout.virtual)  # ZBV 2, interleaved V
+    pp = 2 * M * bsh / (t if layout.sp else 1) * sends if layout.pp > 1 else 0.0
     update = update_traffic(m, layout, prec, stage, DEFAULT_BUCKET)  # the update rule's own (Muon's)
     dp, tp, edp = dp + update.get("dp", 0.0), tp + update.get("tp", 0.0), edp + update.get("edp", 0.0)
     spans = functools.partial(group_spans_nodes, layout, gpus_per_node=hw.gpus_per_node)
@@ -290,11 +295,11 @@ def stage_memory(m: ModelConfig, layout: Layout, stage: int, micro: int, num_mic
     """(parameters, memory by kind in bytes) of one rank of pipeline stage ``stage``; "data" is
     the step's micro-batches on the device (``documents``: with --reset-attention-mask's arrays;
     :func:`megalite.planner.documents.batch_bytes`); ``detail``: :func:`stage_activation_bytes`'s."""
-    psi = stage_parameters(m, layout.tp, layout.pp, stage, layout.ep, layout.schedule)
+    psi = stage_parameters(m, layout.tp, layout.pp, stage, layout.ep, layout.schedule, layout.virtual)
     matrices = 0 if prec.matrix_bytes == prec.optimizer_bytes else stage_matrix_parameters(  # Muon's 8 bytes
-        m, layout.tp, layout.pp, stage, layout.ep, layout.schedule)
+        m, layout.tp, layout.pp, stage, layout.ep, layout.schedule, layout.virtual)
     mem = model_state_bytes(psi, layout.dp * layout.cp, layout.zero, prec, matrices)
-    psi_e = stage_expert_parameters(m, layout.tp, layout.pp, stage, layout.ep, layout.schedule)
+    psi_e = stage_expert_parameters(m, layout.tp, layout.pp, stage, layout.ep, layout.schedule, layout.virtual)
     if psi_e:  # expert parameters (all matrices): the ZeRO arithmetic over the expert-data-parallel group
         mem = moe_planning.model_state_bytes(psi - psi_e, psi_e, layout.dp * layout.cp, layout.edp, layout.zero,
                                              prec.weight_bytes, prec.grad_bytes, prec.optimizer_bytes,
@@ -330,9 +335,10 @@ def estimate(m: ModelConfig, layout: Layout, global_batch: int, micro: int, prec
             best = (stage, psi, mem, detail)
     stage, psi, mem, detail = best
     comm = communication(m, layout, psi, micro, num_micro, prec, hw, stage)
-    psi_e = stage_expert_parameters(m, layout.tp, layout.pp, stage, layout.ep, layout.schedule)
+    psi_e = stage_expert_parameters(m, layout.tp, layout.pp, stage, layout.ep, layout.schedule, layout.virtual)
     matrices = 0 if prec.matrix_bytes == prec.optimizer_bytes else stage_matrix_parameters(
-        m, layout.tp, layout.pp, stage, layout.ep, layout.schedule)
+        m, layout.tp, layout.pp, stage, layout.ep, layout.schedule, layout.virtual)
     step = step_terms(m, layout, global_batch, num_micro, comm, prec, hw, psi, psi_e, matrices, stage)
-    return Estimate(layout, num_micro, stage, psi, mem, planner_pipeline.bubble(layout.schedule, layout.pp, num_micro),
+    bubble = planner_pipeline.bubble(layout.schedule, layout.pp, num_micro, layout.virtual)
+    return Estimate(layout, num_micro, stage, psi, mem, bubble,
                     comm, mem["total"] <= hw.usable_bytes, detail["held"], detail["w_inputs"], step["compute"], step)

@@ -18,7 +18,8 @@ precision flag (``--bf16`` by default); Megatron's packed-document flags ``--res
 and ``--reset-attention-mask`` when the planner was asked with them (the batch then carries the
 documents' arrays, which the estimate counts: :mod:`megalite.planner_documents`); the pipeline
 schedule (``--pipeline-schedule zb-h1`` or ``zbv``, :mod:`megalite.planner_pipeline`) when PP > 1
-and it is not the parser's default.
+and it is not the parser's default, and an interleaved 1F1B's
+``--num-layers-per-virtual-pipeline-stage L/(P V)``.
 
 **The model's flags** (:func:`model_flags`), derived from the settings' marks, never a list of
 names: a ModelConfig setting is printed when its value differs from what ``pretrain_gpt.py``
@@ -292,6 +293,8 @@ def pretrain_flags(m: ModelConfig, layout, global_batch: int, micro: int, precis
                                              ("expert_model_parallel_size", layout.ep)) if v != d[k]]
     if layout.pp > 1 and layout.schedule != d["pipeline_schedule"]:
         flags.append(f"{_flag('pipeline_schedule')}={layout.schedule}")
+    if layout.pp > 1 and layout.virtual > 1:  # the interleaved 1F1B: V chunks of L / (P V) layers per rank
+        flags.append(f"{_flag('num_layers_per_virtual_pipeline_stage')}={layout.layers_per_virtual_stage(m.num_layers)}")
     if layout.sp and not d["sequence_parallel"]:
         flags.append(_flag("sequence_parallel"))
     if layout.recompute != (d["recompute_granularity"] or "none"):

@@ -13,13 +13,17 @@ so the dry run of a 13B at TP 2 x PP 2 x DP 8 with --overlap-grad-reduce holds u
 gradients 1F1B holds (1.73 and 2.01 GiB against 1.73 and 2.20) and under zbv 2.07 and 1.66
 (rank 0 keeps both tied copies of the embedding, each a bucket of its own); the planner counts
 one bucket being filled, as for 1F1B. ZeRO-3 (weights gathered per layer) is not planned with
-them. The interleaved 1F1B (virtual stages) is not planned. With PP = 1 there is one
-schedule, no bubble.
+them. The **interleaved 1F1B** (``1f1b`` with --num-layers-per-virtual-pipeline-stage: V chunks
+per rank, rank p holding global chunks c P + p; :func:`virtual_stages`) is planned for every V > 1
+whose chunks hold whole layers (L divisible by P V), at any ZeRO stage megalite accepts with
+PP, and only where the micro-batches go round the ring in groups of P (M divisible by P:
+megalite's validation refuses the rest). With PP = 1 there is one schedule, no bubble.
 
 **Bubble** (idle fraction of a step with F = B = W, averaged over ranks:
 :func:`megalite.pipeline.op_lists.theory_bubble`, cached per (schedule, P, M))::
 
     1F1B   (P-1) / (M+P-1)          each rank idles (P-1)(F+B+W)
+    interleaved, V chunks per rank  (P-1) / (V M+P-1): the warm-up and cool-down are V times shorter
     ZB-H1  (P-1) / (3M+P-1), M >= P  each rank idles (P-1)(F+B-W): a third of 1F1B's
     ZBV    the simulation of its greedy order (P = 4: M = 4 0.111, 8 0.059, 16 0.030)
 
@@ -39,6 +43,9 @@ the W inputs) and r_c = 1 while a W of the chunk runs. From the simulated order
 (:func:`held_states`)::
 
     1F1B   n = min(P-p, M), w = 0                 stage 0: P A
+    interleaved  the simulated order of megalite's interleaved 1F1B (F and fused BW per chunk):
+           rank 0 holds (V-1) P + 2 (P-1) + 1 chunk activations of L / (P V) layers each, about
+           P A (1 + (P-1) / (P V)) with A one micro-batch of a stage's L / P layers
     ZB-H1  after F (P-p) A + p W; during the W that follows each B (P-p-1) A + (p+1) W + G
            (M >= P): (P-p) A + p W when W + G <= A; with W > A (large TP: the row-parallel
            linears' output gradients are not split) the last stage's P W + G is the peak
@@ -56,11 +63,14 @@ W_c. The p2p buffers themselves (one message held per link) are not modelled: 0.
 **Step time** (:mod:`megalite.planner.step_time`, a floor above) orders the schedules of one
 layout, as every layout: the bubble costs compute x b / (1 - b); ZBV's middle ranks send each
 micro-batch's activation and gradient twice (down the V and back): 2x 1F1B's PP traffic for
-P > 2 (:func:`p2p_factor`).
+P > 2; the interleaved 1F1B sends them at each of a rank's V chunks: V x 1F1B's, V times the
+calls (:func:`p2p_factor`). Its smaller bubble against its sends and their latency is what
+picks V.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 from functools import lru_cache
 
 from megalite.config import ModelConfig, ParallelConfig, TrainConfig
@@ -98,6 +108,21 @@ def _allowed(num_layers: int, transformer_impl: str, pp: int, schedule: str) -> 
     return True
 
 
+def runs_as(schedule: str, virtual: int = 1):
+    """The table row (:mod:`megalite.pipeline.schedule_kinds`) of the schedule that runs: 1f1b
+    with ``virtual`` > 1 chunks per rank runs the interleaved order."""
+    return describe(describe(schedule).run_name(virtual))
+
+
+def virtual_stages(m: ModelConfig, pp: int, schedule: str = DEFAULT_SCHEDULE) -> tuple[int, ...]:
+    """The V (model chunks per rank) the planner considers for ``schedule`` at PP = ``pp``: 1, and
+    for a schedule that interleaves (1f1b) every V > 1 whose P V chunks hold whole layers."""
+    if pp == 1 or not describe(schedule).interleaves:
+        return (1,)
+    per_rank = m.num_layers // pp
+    return (1,) + tuple(v for v in range(2, per_rank + 1) if per_rank % v == 0)
+
+
 def schedules(m: ModelConfig, pp: int, zero: int = 0) -> tuple[str, ...]:
     """The schedules the planner considers for PP = ``pp`` and ZeRO stage ``zero``: 1f1b alone
     for pp = 1 or zero > ``ZERO_BUBBLE_MAX_ZERO``, else those of ``SCHEDULES`` megalite's
@@ -112,15 +137,25 @@ def in_flight(pp: int, stage: int, num_micro: int) -> int:
     return min(pp - stage, num_micro)
 
 
-def pipeline_bubble(pp: int, num_micro: int) -> float:
-    """Idle fraction of a 1F1B or GPipe step: (P - 1) / (M + P - 1)."""
-    return (pp - 1) / (num_micro + pp - 1)
+def pipeline_bubble(pp: int, num_micro: int, virtual: int = 1) -> float:
+    """Idle fraction of a 1F1B or GPipe step: (P - 1) / (V M + P - 1), V = 1 unless interleaved."""
+    return (pp - 1) / (virtual * num_micro + pp - 1)
 
 
 @lru_cache(maxsize=256)
-def simulation(schedule: str, P: int, M: int) -> Simulation:
-    """:func:`megalite.pipeline.op_lists.simulate` with F = B = W, once per (schedule, P, M)."""
-    return simulate(schedule, P, M)
+def simulation(schedule: str, P: int, M: int, virtual: int = 1) -> Simulation:
+    """:func:`megalite.pipeline.op_lists.simulate` with F = B = W, once per (schedule, P, M, V)."""
+    return simulate(schedule, P, M, virtual=virtual)
+
+
+def _simulated_micro(schedule: str, P: int, M: int, virtual: int = 1) -> int:
+    """M, or the most micro-batches simulated for the micro-batches held: :func:`simulated_micro_max`;
+    2P for the interleaved 1F1B (micro-batches in groups of P), whose warm-up, (V-1) P + 2 (P-1)
+    chunk-micro-batches on rank 0, ends within 2P V: from there on its counts repeat
+    (tests/test_planner_schedules.py holds 2P equal to 5P)."""
+    if runs_as(schedule, virtual).micro_groups:
+        return min(M, 2 * P)
+    return min(M, simulated_micro_max(P))
 
 
 def _idle_fraction(sim: Simulation) -> float:
@@ -130,15 +165,15 @@ def _idle_fraction(sim: Simulation) -> float:
 
 
 @lru_cache(maxsize=4096)
-def bubble(schedule: str, P: int, M: int) -> float:
+def bubble(schedule: str, P: int, M: int, virtual: int = 1) -> float:
     """The schedule's bubble with F = B = W (module docstring): theory_bubble up to
     ``simulated_micro_max(P)`` micro-batches, the steady-state forms beyond."""
     if P == 1:
         return 0.0
     cap = simulated_micro_max(P)
-    kind = describe(schedule)
-    if kind.fused_1f1b:
-        return theory_bubble(schedule, P, M)
+    kind = runs_as(schedule, virtual)
+    if kind.closed_bubble:  # 1F1B, the interleaved 1F1B: (P-1)/(V M+P-1)
+        return theory_bubble(schedule, P, M, virtual)
     if kind.one_chunk_split and M >= P:  # the simulation's, exactly (tests/test_planner_schedules.py)
         return (P - 1) / (3 * M + P - 1)
     if M <= cap:
@@ -148,41 +183,43 @@ def bubble(schedule: str, P: int, M: int) -> float:
     return idle / (6 * M + idle)
 
 
-def num_chunks(schedule: str, P: int) -> int:
-    """Model chunks of the whole pipeline: 2P under ZBV, else P (one per stage)."""
-    return describe(schedule).pipeline_chunks(P)
+def num_chunks(schedule: str, P: int, virtual: int = 1) -> int:
+    """Model chunks of the whole pipeline: 2P under ZBV, P V interleaved, else P (one per stage)."""
+    return describe(schedule).pipeline_chunks(P, virtual)
 
 
-def local_chunks(schedule: str, P: int, rank: int) -> tuple[int, ...]:
+def local_chunks(schedule: str, P: int, rank: int, virtual: int = 1) -> tuple[int, ...]:
     """The global chunks (0 = embedding ... last = loss) a rank holds, in local order."""
-    return describe(schedule).local_chunks(P, rank)
+    return describe(schedule).local_chunks(P, rank, virtual)
 
 
-def moe_layers_on_rank(m: ModelConfig, schedule: str, P: int, rank: int) -> int:
+def moe_layers_on_rank(m: ModelConfig, schedule: str, P: int, rank: int, virtual: int = 1) -> int:
     """MoE layers among the rank's chunks (0 for a dense model)."""
     if not m.num_experts:
         return 0
-    chunks = num_chunks(schedule, P)
-    return sum(sum(chunk_moe_flags(m, chunks, g)) for g in local_chunks(schedule, P, rank))
+    chunks = num_chunks(schedule, P, virtual)
+    return sum(sum(chunk_moe_flags(m, chunks, g)) for g in local_chunks(schedule, P, rank, virtual))
 
 
 @lru_cache(maxsize=4096)
-def held_states(schedule: str, P: int, M: int, rank: int) -> tuple[tuple[tuple[int, ...], ...], ...]:
+def held_states(schedule: str, P: int, M: int, rank: int, virtual: int = 1) -> tuple[tuple[tuple[int, ...], ...], ...]:
     """The (n_c, w_c, r_c) per local chunk right after each F and each B and while each W runs
     (r_c = 1 for the chunk whose W runs: :func:`w_gradient_chunk_bytes` held besides) in the rank's
     simulated order (module docstring), dominated ones left out: the candidates for its peak."""
-    kind = describe(schedule)
+    kind = runs_as(schedule, virtual)
     if kind.fused_1f1b or P == 1:
         return (((in_flight(P, rank, M),), (0,), (0,)),)
     if kind.one_chunk_split and M >= P:  # after F; W(m-p) right after B(m) (the simulation's, tested)
         return (((P - rank - 1,), (rank + 1,), (1,)), ((P - rank,), (rank,), (0,)))
-    sim = simulation(schedule, P, min(M, simulated_micro_max(P)))
-    chunks = len(local_chunks(schedule, P, rank))
+    sim = simulation(schedule, P, _simulated_micro(schedule, P, M, virtual), virtual)
+    chunks = len(local_chunks(schedule, P, rank, virtual))
     n, w, states = [0] * chunks, [0] * chunks, set()
     for op, _, _ in sim.timed[rank]:
         running = [0] * chunks
         if op.kind == "F":
             n[op.chunk] += 1
+        elif op.kind == "BW":  # a fused backward frees the micro-batch's activations of the chunk
+            n[op.chunk] -= 1
         elif op.kind == "B":
             n[op.chunk], w[op.chunk] = n[op.chunk] - 1, w[op.chunk] + 1
         elif op.kind == "W":  # its inputs still held, its weight gradients made
@@ -200,14 +237,14 @@ def held_states(schedule: str, P: int, M: int, rank: int) -> tuple[tuple[tuple[i
 
 
 def held_bytes(schedule: str, P: int, M: int, rank: int, activations: list[float], w_inputs: list[float],
-               w_gradients: list[float] | None = None, during_w: bool = True) -> tuple[float, tuple]:
+               w_gradients: list[float] | None = None, during_w: bool = True, virtual: int = 1) -> tuple[float, tuple]:
     """(bytes, the state (n_c, w_c, r_c) at the peak) of a rank's activations, W inputs and what
     a running W adds, given one micro-batch's activations and W inputs of each of its local
     chunks and what a W of each adds (``w_gradients``: :func:`w_gradient_chunk_bytes`; none by
     default); ``during_w=False``: the peak over the moments after an F or a B only."""
     weights = list(activations) + list(w_inputs) + list(w_gradients or [0.0] * len(activations))
     return max(((sum(x * y for x, y in zip(sum(state, ()), weights)), state)
-                for state in held_states(schedule, P, M, rank) if during_w or not any(state[2])),
+                for state in held_states(schedule, P, M, rank, virtual) if during_w or not any(state[2])),
                key=lambda x: x[0])
 
 
@@ -239,7 +276,8 @@ def _stage_activations(m: ModelConfig, layout: Layout, stage: int, micro: int, n
     t, sp, cp = layout.tp, layout.sp, layout.cp
     args = dict(micro=micro, tp=t, sp=sp, cp=cp, act_bytes=prec.act_bytes, flash_attention=flash_attention)
     per_layer = layer_activation_bytes(m, recompute=layout.recompute, **args)
-    chunks, mine = num_chunks(layout.schedule, layout.pp), local_chunks(layout.schedule, layout.pp, stage)
+    chunks = num_chunks(layout.schedule, layout.pp, layout.virtual)
+    mine = local_chunks(layout.schedule, layout.pp, stage, layout.virtual)
     flags = [chunk_moe_flags(m, chunks, g) for g in mine]  # which of each chunk's layers are MoE
     moe_flags = [f for chunk in flags for f in chunk]
     moe = dict(micro=micro, tp=t, sp=sp, cp=cp, ep=layout.ep, act_bytes=prec.act_bytes)
@@ -251,14 +289,15 @@ def _stage_activations(m: ModelConfig, layout: Layout, stage: int, micro: int, n
     acts = [len(f) * per_layer + sum(f) * delta + first * (g == 0) + last * (g == chunks - 1)  # routed tokens
             for g, f in zip(mine, flags)]                                                  # for the dense MLP
     wis, dws = [0.0] * len(mine), [0.0] * len(mine)
-    fused_1f1b = describe(layout.schedule).fused_1f1b
-    if not fused_1f1b:  # W inputs; what a running W adds to them
+    split = runs_as(layout.schedule, layout.virtual).split_backward
+    if split:  # W inputs; what a running W adds to them
         wis = [w_input_chunk_bytes(m, chunks, g, micro, t, sp, cp, prec.act_bytes) for g in mine]
         dws = [w_gradient_chunk_bytes(m, chunks, g, micro, t, cp, layout.ep, prec, wi) for g, wi in zip(mine, wis)]
     # F's and B's transients (recomputation, CP, MoE, below) add to the most held right after an F
     # or a B, not to what a running W holds (no F or B runs then)
-    in_w, w_state = held_bytes(layout.schedule, layout.pp, num_micro, stage, acts, wis, dws)
-    total, state = held_bytes(layout.schedule, layout.pp, num_micro, stage, acts, wis, during_w=False)
+    peak = functools.partial(held_bytes, layout.schedule, layout.pp, num_micro, stage, virtual=layout.virtual)
+    in_w, w_state = peak(acts, wis, dws)
+    total, state = peak(acts, wis, during_w=False)
     others = total - acts[0]  # what the rank holds besides one micro-batch of its first chunk
     recomputed = 0.0
     if layout.recompute == "full":  # the layer being recomputed during backward (the larger kind)
@@ -275,7 +314,7 @@ def _stage_activations(m: ModelConfig, layout: Layout, stage: int, micro: int, n
         upto = max(i for i, f in enumerate(moe_flags) if f) + 1
         held = others + first + upto * per_layer + sum(moe_flags[:upto]) * delta + recomputed
         forward, backward = moe_planning.transient_bytes(m, **moe, weight_bytes=prec.weight_bytes)
-        total = max(total, held + (max(forward, backward) if fused_1f1b else forward))
+        total = max(total, held + (forward if split else max(forward, backward)))
     if in_w > total:
         total, state = in_w, w_state
     return total, state, sum(w * b for w, b in zip(state[1], wis))
@@ -283,9 +322,13 @@ def _stage_activations(m: ModelConfig, layout: Layout, stage: int, micro: int, n
 
 # -- time -----------------------------------------------------------------------------------------
 
-def p2p_factor(schedule: str, P: int) -> int:
-    """PP traffic of the busiest rank relative to 1F1B's: 2 for ZBV with P > 2 (module docstring)."""
-    return 2 if describe(schedule).v_shape and P > 2 else 1
+def p2p_factor(schedule: str, P: int, virtual: int = 1) -> int:
+    """PP traffic (and sends) of the busiest rank relative to 1F1B's: 2 for ZBV with P > 2, V for
+    the interleaved 1F1B (each of a middle rank's V chunks sends every micro-batch's activation
+    and gradient on: module docstring)."""
+    if describe(schedule).v_shape:
+        return 2 if P > 2 else 1
+    return virtual
 
 
 # -- words ----------------------------------------------------------------------------------------
@@ -317,7 +360,7 @@ def explain_schedule(p: Plan) -> list[str]:
         fit = "fits" if e.fits else f"does not fit ({e.memory['total'] / GiB:.1f} > {usable / GiB:.1f} GiB usable)"
         mem = f"{e.memory['total'] / GiB:.1f} GiB" if e.fits else ""
         held = f", W inputs {e.w_inputs / GiB:.1f} GiB" if e.w_inputs else ""
-        parts.append(f"{e.layout.schedule} bubble {e.bubble:.1%}, step ~{e.step_seconds:.2f} s"
+        parts.append(f"{e.layout.schedule_label} bubble {e.bubble:.1%}, step ~{e.step_seconds:.2f} s"
                      + (f", {mem} on stage {e.stage}{held}, {fit}" if e.fits else f"{held}, {fit}"))
     missing = [describe(s) for s in SCHEDULES if s not in {e.layout.schedule for e in same}]
     # the one-chunk split (zb-h1) needs what every zero-bubble schedule needs; the V adds its chunks
@@ -331,8 +374,19 @@ def explain_schedule(p: Plan) -> list[str]:
             parts.append(f"{s.name} not considered: {p.model.num_layers} layers do not divide into "
                          f"2 x PP = {s.pipeline_chunks(lay.pp)} chunks")
     fastest = ", the fastest of this layout's schedules that fits" if len(same) > 1 else ""
-    return [f"Pipeline schedule {lay.schedule} (--pipeline-schedule {lay.schedule}){fastest} with M = "
-            f"{chosen.num_micro}, P = {lay.pp}: " + "; ".join(parts) + "."]
+    k = lay.layers_per_virtual_stage(p.model.num_layers)
+    name = f"{lay.schedule} (--pipeline-schedule {lay.schedule})"
+    if k:
+        name = (f"interleaved {lay.schedule} with V = {lay.virtual} chunks of {k} layer{'s' if k > 1 else ''} per "
+                f"rank (--num-layers-per-virtual-pipeline-stage {k})")
+    if not any(e.layout.virtual > 1 for e in same):  # why the interleaved 1F1B is missing
+        if len(virtual_stages(p.model, lay.pp)) == 1:
+            parts.append(f"interleaved 1f1b not considered: a rank's {p.model.num_layers // lay.pp} layers do not "
+                         f"split into V > 1 equal chunks")
+        elif chosen.num_micro % lay.pp:
+            parts.append(f"interleaved 1f1b not considered: M = {chosen.num_micro} micro-batches do not go round "
+                         f"the ring in groups of P = {lay.pp}")
+    return [f"Pipeline schedule {name}{fastest} with M = {chosen.num_micro}, P = {lay.pp}: " + "; ".join(parts) + "."]
 
 
 def same_layout(a: Layout, b: Layout) -> bool:

@@ -22,7 +22,7 @@ from megalite.planner.cp import cp_variants, explain_cp_type
 from megalite.planner.estimate import (estimate, format_communication, model_state_bytes, stage_matrix_parameters,
                                        stage_parameters, total_parameters)
 from megalite.planner.flags import grads_in_fp32
-from megalite.planner.pipeline import explain_schedule, held_words, same_layout, schedules
+from megalite.planner.pipeline import explain_schedule, held_words, same_layout, schedules, virtual_stages
 from megalite.planner.step_time import days_to_train, mfu, tokens_per_second
 from megalite.planner.types import RECOMPUTE, Estimate, GiB, Hardware, Layout, Plan, Precision, describe_cp, precision
 
@@ -44,7 +44,7 @@ def candidate_layouts(m: ModelConfig, hw: Hardware, max_cp: int = 8, cp_comm_typ
     with experts, every EP dividing E and TP*CP*DP; with CP, every CP type
     (:func:`megalite.planner.cp.cp_variants`: p2p, a2a, allgather, a2a+p2p for each inner size),
     or only ``cp_comm_type``; with PP, every schedule megalite accepts (:func:`schedules`: the
-    zero-bubble ones with ZeRO-0/1)."""
+    zero-bubble ones with ZeRO-0 to 2), 1f1b also interleaved with every V of :func:`virtual_stages`."""
     world, out = hw.world_size, []
     for tp in (d for d in _divisors(hw.gpus_per_node) if d <= 8):
         for cp in (c for c in (1, 2, 4, 8, 16, 32) if c <= max_cp):
@@ -55,9 +55,10 @@ def candidate_layouts(m: ModelConfig, hw: Hardware, max_cp: int = 8, cp_comm_typ
                 for zero in range(4 if dp * cp > 1 else 1):  # nothing to shard over one rank
                     for rc in RECOMPUTE:
                         for ep in expert_parallel_sizes(m, tp * cp * dp):
-                            out += [Layout(tp, pp, dp, cp, zero, rc, ep, kind, inner, schedule)
+                            out += [Layout(tp, pp, dp, cp, zero, rc, ep, kind, inner, schedule, v)
                                     for kind, inner in cp_variants(cp, cp_comm_type)
-                                    for schedule in schedules(m, pp, zero)]
+                                    for schedule in schedules(m, pp, zero)
+                                    for v in virtual_stages(m, pp, schedule)]
     return out
 
 
@@ -108,7 +109,8 @@ def plan(m: ModelConfig, hw: Hardware, global_batch: int, micro: int, prec: Prec
     checked: dict[tuple, str | None] = {}
     estimates, invalid = [], {}
     for layout in sorted(candidate_layouts(m, hw, max_cp, cp_comm_type), key=ladder_key):
-        key = (layout.tp, layout.pp, layout.cp, layout.zero, layout.ep, layout.cp_comm_type, layout.cp_inner)
+        key = (layout.tp, layout.pp, layout.cp, layout.zero, layout.ep, layout.cp_comm_type, layout.cp_inner,
+               layout.virtual)
         if key not in checked:
             checked[key] = check_layout(m, layout, global_batch, micro, hw, prec.update)
         if checked[key]:
@@ -288,7 +290,7 @@ def explain(p: Plan) -> list[str]:
         why.append(f"TP {lay.tp} splits every layer inside a node, its per-layer all-reduces on "
                    f"{chosen.comm['tp']['link']}")
     if lay.pp > 1:
-        why.append(f"PP {lay.pp} cuts the layers into stages (p2p on {chosen.comm['pp']['link']}); {lay.schedule} "
+        why.append(f"PP {lay.pp} cuts the layers into stages (p2p on {chosen.comm['pp']['link']}); {lay.schedule_label} "
                    f"bubble {chosen.bubble:.1%} with M = {chosen.num_micro}")
     if lay.zero == 3:
         why.append("ZeRO-3 shards the weights too, gathering each layer before use (1.5x DDP traffic)")

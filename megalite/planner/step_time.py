@@ -27,6 +27,7 @@ node, InfiniBand across: the link :mod:`.estimate` names), lambda its latency pe
     edp        the expert parameters' reduction over EDP, by the same rules
     tp         TP's (SP's) collectives: on the critical path, all exposed
     pp         each micro-batch's activation and gradient sends: exposed at the stage boundaries
+               (ZBV's middle ranks send twice, the interleaved 1F1B at each of its V chunks)
     cp         p2p (the ring, and a2a+p2p's outer ring): hidden behind each block's attention when
                that is longer: max(0, ring time - attention compute); a2a, allgather and the inner
                level of a2a+p2p: exposed
@@ -39,7 +40,7 @@ node, InfiniBand across: the link :mod:`.estimate` names), lambda its latency pe
                ZeRO-3's gathers, CP's ring): a hidden collective still holds SMs and HBM bandwidth
     latency    lambda per exposed collective call: TP 4 (6 with full recomputation) per layer and
                micro-batch, twice under SP (gather + scatter) plus SP's backward re-gathers; PP 2 per
-               micro-batch; ZeRO-0/1 one (the last bucket; ZeRO-1 also one per bucket for the
+               micro-batch (and V chunks: :func:`.pipeline.p2p_factor`); ZeRO-0/1 one (the last bucket; ZeRO-1 also one per bucket for the
                weights' gather); ZeRO-2 one (the last bucket) per micro-batch and one per bucket for
                the weights' gather; ZeRO-3 two per micro-batch; EP 4 per MoE layer and micro-batch;
                CP a2a 4 and allgather 2 per layer and micro-batch
@@ -186,9 +187,10 @@ def exposed_calls(m: ModelConfig, layout: Layout, num_micro: int, comm: dict, st
     if "tp" in comm:
         calls["tp"] = M * layers * (passes * (2 if layout.sp else 1) + (1 if layout.sp else 0))
     if "pp" in comm:
-        calls["pp"] = 2 * M * planner_pipeline.p2p_factor(layout.schedule, layout.pp)
+        calls["pp"] = 2 * M * planner_pipeline.p2p_factor(layout.schedule, layout.pp, layout.virtual)
     if "ep" in comm:
-        calls["ep"] = 4 * M * planner_pipeline.moe_layers_on_rank(m, layout.schedule, layout.pp, stage)
+        calls["ep"] = 4 * M * planner_pipeline.moe_layers_on_rank(m, layout.schedule, layout.pp, stage,
+                                                                  layout.virtual)
     if layout.cp > 1:
         kind = cp_comm_type(layout.cp_comm_type)
         per_layer = 2 if layout.cp_comm_type == "allgather" else 4 if (kind.hierarchical or
@@ -206,7 +208,7 @@ def step_terms(m: ModelConfig, layout: Layout, global_batch: int, num_micro: int
     c = compute(m, layout, global_batch, hw)
     terms = dict.fromkeys(TERMS, 0.0)
     terms["compute"] = c
-    terms["bubble"] = bubble(c, planner_pipeline.bubble(layout.schedule, layout.pp, num_micro))
+    terms["bubble"] = bubble(c, planner_pipeline.bubble(layout.schedule, layout.pp, num_micro, layout.virtual))
     latency = hidden = 0.0
     for kind, group_psi, n in (("dp", psi - psi_expert, layout.dp * layout.cp), ("edp", psi_expert, layout.edp)):
         if kind not in comm:

@@ -110,7 +110,8 @@ def precision_of_run(t: TrainConfig) -> Precision:
 
 
 # The planner's order of a layout's fields: Layout's positional arguments and its to_dict() keys.
-PLANNED_FIELDS = ("tp", "pp", "dp", "cp", "zero", "recompute", "ep", "cp_comm_type", "cp_inner", "schedule")
+PLANNED_FIELDS = ("tp", "pp", "dp", "cp", "zero", "recompute", "ep", "cp_comm_type", "cp_inner", "schedule",
+                  "virtual")
 
 
 @dataclass(frozen=True, init=False)
@@ -119,28 +120,42 @@ class Layout(GridLayout):
     rank order (:class:`megalite.parallel.grid.GridLayout`: tp, cp, dp, pp, ep, cp_inner, whose
     ``groups`` say which links a kind of traffic crosses) plus the run's choices that change
     memory, time and flags but no rank's coordinate: the ZeRO stage, recomputation, the CP type
-    and the pipeline schedule. Positional arguments in the order of :data:`PLANNED_FIELDS`."""
+    and the pipeline schedule with its virtual stages. Positional arguments in the order of
+    :data:`PLANNED_FIELDS`."""
 
     zero: int = 0
     recompute: str = "none"
     cp_comm_type: str = DEFAULT_CP_COMM_TYPE  # --cp-comm-type (:mod:`megalite.planner.cp`); p2p without CP
     schedule: str = "1f1b"  # --pipeline-schedule with PP > 1 (:mod:`megalite.planner.pipeline`)
+    virtual: int = 1  # model chunks per rank of the interleaved 1F1B (V); 1: not interleaved
 
     def __init__(self, tp: int = 1, pp: int = 1, dp: int = 1, cp: int = 1, zero: int = 0, recompute: str = "none",
                  ep: int = 1, cp_comm_type: str = DEFAULT_CP_COMM_TYPE, cp_inner: int = 1, schedule: str = "1f1b",
-                 experts: bool = False):
+                 virtual: int = 1, experts: bool = False):
         super().__init__(tp=tp, cp=cp, dp=dp, pp=pp, ep=ep, experts=experts, cp_inner=cp_inner)
         for name, value in (("zero", zero), ("recompute", recompute), ("cp_comm_type", cp_comm_type),
-                            ("schedule", schedule)):
+                            ("schedule", schedule), ("virtual", virtual)):
             object.__setattr__(self, name, value)
 
     @classmethod
-    def of_run(cls, grid: GridLayout, model: ModelConfig, train: TrainConfig) -> Layout:
+    def of_run(cls, grid: GridLayout, model: ModelConfig, train: TrainConfig,
+               layers_per_virtual_stage: int | None = None) -> Layout:
         """The layout of a configured run: its grid with the run's ZeRO stage, recomputation, CP
-        type (p2p without CP, as the planner writes it) and pipeline schedule."""
+        type (p2p without CP, as the planner writes it), pipeline schedule and, with
+        ``layers_per_virtual_stage`` (--num-layers-per-virtual-pipeline-stage k), its V = L / (PP k)."""
+        virtual = model.num_layers // (grid.pp * layers_per_virtual_stage) if layers_per_virtual_stage else 1
         return cls(**grid.grid_sizes(), zero=train.zero_stage, recompute=model.recompute_granularity or "none",
                    cp_comm_type=model.cp_comm_type if grid.cp > 1 else DEFAULT_CP_COMM_TYPE,
-                   schedule=train.pipeline_schedule)
+                   schedule=train.pipeline_schedule, virtual=virtual)
+
+    def layers_per_virtual_stage(self, num_layers: int) -> int | None:
+        """--num-layers-per-virtual-pipeline-stage of an interleaved layout (L / (PP V)), else None."""
+        return num_layers // (self.pp * self.virtual) if self.virtual > 1 else None
+
+    @property
+    def schedule_label(self) -> str:
+        """The schedule as tables print it: '1f1b', 'zb-h1', 'zbv', 'i1f1b/2' (interleaved, V = 2)."""
+        return f"i{self.schedule}/{self.virtual}" if self.virtual > 1 else self.schedule
 
     @property
     def sp(self) -> bool:  # sequence parallelism always accompanies TP here (Megatron practice)
@@ -151,12 +166,15 @@ class Layout(GridLayout):
         """--hierarchical-context-parallel-sizes A B of a hierarchical CP type, else None."""
         return (self.cp_inner, self.cp // self.cp_inner) if cp_comm_type(self.cp_comm_type).hierarchical else None
 
-    def parallel_config(self) -> ParallelConfig:
-        """The layout's ``ParallelConfig`` (what ``GridLayout.from_config`` reads back)."""
+    def parallel_config(self, num_layers: int | None = None) -> ParallelConfig:
+        """The layout's ``ParallelConfig`` (what ``GridLayout.from_config`` reads back); with the
+        model's ``num_layers``, an interleaved layout's layers per virtual stage too."""
         return ParallelConfig(tensor_model_parallel_size=self.tp, pipeline_model_parallel_size=self.pp,
                               context_parallel_size=self.cp, sequence_parallel=self.sp,
                               hierarchical_context_parallel_sizes=self.cp_sizes,
-                              expert_model_parallel_size=self.ep)
+                              expert_model_parallel_size=self.ep,
+                              num_layers_per_virtual_pipeline_stage=self.layers_per_virtual_stage(num_layers)
+                              if num_layers else None)
 
     def to_dict(self) -> dict:
         """The planned fields, in the planner's order (tools/plan_parallel.py --json)."""
@@ -165,7 +183,8 @@ class Layout(GridLayout):
     def describe(self) -> str:
         parts = [f"TP {self.tp}" + (" (SP)" if self.sp else "")] if self.tp > 1 else []
         parts += [describe_cp(self)] if self.cp > 1 else []
-        parts += [f"PP {self.pp} ({self.schedule})"] if self.pp > 1 else []
+        schedule = f"interleaved {self.schedule}, V {self.virtual}" if self.virtual > 1 else self.schedule
+        parts += [f"PP {self.pp} ({schedule})"] if self.pp > 1 else []
         parts.append(f"DP {self.dp}")
         ep = f", EP {self.ep}" if self.ep > 1 else ""
         return " x ".join(parts) + f"{ep}, ZeRO-{self.zero}, recompute {self.recompute}"

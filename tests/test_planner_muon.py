@@ -8,7 +8,10 @@ reduce-scatter of the updates, TP's all-gather under ``duplicated``: (n-1)/n of 
 tensor; ``distributed``'s Gram all-reduces: twice that). The planner's figure for the same
 layout, with Muon less with AdamW, must be the same number. And ``tools/plan_parallel.py
 --optimizer muon`` plans Muon: 8 bytes per weight-matrix parameter, ZeRO-3 refused, the flags
-printed.
+printed. The TP cases cover GQA, MLA and an MoE layer's shared expert (TP-split like a dense MLP,
+which the planner once left out); the planner's TP-split matrices are the pieces Muon cuts the
+built model into (one table of fused linears, megalite.layers.logical_matrices), shape for shape,
+and its Newton-Schulz FLOPs give each of q, k and v its own rows (GQA: k and v are smaller).
 """
 from __future__ import annotations
 
@@ -32,26 +35,27 @@ MOE = ["--num-experts", "4", "--moe-router-topk", "2", "--expert-model-parallel-
 
 
 @functools.lru_cache(maxsize=None)  # a layout's AdamW run serves each Muon mode's comparison
-def _dry_run(world: int, flags: tuple[str, ...]) -> dict:
+def _dry_run(world: int, flags: tuple[str, ...], model: tuple[str, ...] = tuple(MODEL)) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         out = os.path.join(folder, "dry_run.json")
-        assert dry_run.main(["--world-size", str(world), "--gpus-per-node", "8", "--json", out] + MODEL + list(flags)) == 0
+        assert dry_run.main(["--world-size", str(world), "--gpus-per-node", "8", "--json", out] + list(model)
+                            + list(flags)) == 0
         (role,) = json.load(open(out))["roles"]
     return role
 
 
-def _muon_traffic(world: int, layout: list[str], mode: str) -> tuple[dict, dict]:
+def _muon_traffic(world: int, layout: list[str], mode: str, model: tuple[str, ...] = tuple(MODEL)) -> tuple[dict, dict]:
     """Per group: (bytes Muon hands beyond AdamW, the planner's wire bytes beyond AdamW's)."""
-    adam = _dry_run(world, tuple(layout))
-    muon = _dry_run(world, tuple(layout + ["--optimizer", "muon", "--muon-tp-mode", mode]))
+    adam = _dry_run(world, tuple(layout), model)
+    muon = _dry_run(world, tuple(layout + ["--optimizer", "muon", "--muon-tp-mode", mode]), model)
     handed = {k: muon["comm_bytes"][k] - adam["comm_bytes"].get(k, 0) for k in muon["comm_bytes"]}
     planned = {k: muon["planned_comm_wire_bytes"][k] - adam["planned_comm_wire_bytes"].get(k, 0)
                for k in muon["planned_comm_wire_bytes"]}
     return handed, planned
 
 
-def _check(world, layout, mode, ring, tp_wire_per_handed):
-    handed, planned = _muon_traffic(world, layout, mode)
+def _check(world, layout, mode, ring, tp_wire_per_handed, model=tuple(MODEL)):
+    handed, planned = _muon_traffic(world, layout, mode, model)
     for kind, n in ring.items():  # ZeRO: all-gather of U, reduce-scatter of the updates over n ranks
         assert handed[kind] > 0 and planned[kind] == handed[kind] * (n - 1) / n, (kind, handed, planned)
     if tp_wire_per_handed:
@@ -81,6 +85,56 @@ def test_muon_with_experts_and_tp_x_zero_as_planned(layout, world, ring, tp):
     """DP 4 ZeRO-1 with EP 2 (dense buckets over 4 ranks, expert buckets over EDP 2), and TP 2 x DP 2
     ZeRO-1 with distributed Newton-Schulz (each rank's Grams for the matrices it owns)."""
     _check(world, layout, "distributed", ring, tp)
+
+
+MLA_MODEL = tuple(MODEL[:MODEL.index("--num-query-groups")] + MODEL[MODEL.index("--num-query-groups") + 2:] + [
+    "--multi-latent-attention", "--q-lora-rank", "16", "--kv-lora-rank", "16", "--qk-head-dim", "16",
+    "--qk-pos-emb-head-dim", "8", "--v-head-dim", "16", "--normalization", "RMSNorm", "--position-embedding-type", "rope"])
+SHARED_EXPERT = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-shared-expert-intermediate-size", "64"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model, layout", [(MLA_MODEL, TP2), (tuple(MODEL), TP2 + SHARED_EXPERT)],
+                         ids=["mla", "moe_shared_expert"])
+def test_muon_distributed_grams_of_mla_and_a_shared_expert_as_planned(model, layout):
+    """TP 2, distributed Newton-Schulz: MLA's split up-projections (one matrix each) and an MoE
+    layer's shared expert (TP-split as a dense MLP: SwiGLU's gate and up, then fc2; its routed
+    experts are not split) all-reduce the Grams the planner counts."""
+    _check(2, layout, "distributed", {}, 1.0, model)
+
+
+@pytest.mark.parametrize("flags", [MODEL, list(MLA_MODEL), MODEL + SHARED_EXPERT], ids=["gqa", "mla", "moe_shared_expert"])
+def test_the_planner_counts_the_matrices_muon_cuts(flags):
+    """The planner's TP-split matrices (tensor_parallel_linears' logical shapes) are the pieces
+    Muon cuts the built model's TP-split weights into (muon.logical_pieces), shape for shape."""
+    from megalite.arguments import build_parser, config_from_args
+    from megalite.data_parallel.muon import logical_pieces, takes_muon
+    from megalite.model.gpt import GPTModel
+    from megalite.planner.update_traffic import tensor_parallel_linears
+
+    m = config_from_args(build_parser().parse_args(flags), 256).model
+    planned = sorted(shape for linear in tensor_parallel_linears(m, 1, 0) for shape in linear.logical_shapes(m))
+    cut = sorted(tuple(select(p).reshape(-1, p.shape[-1]).shape) for name, p in GPTModel(m).named_parameters()
+                 if takes_muon(name, p) and p.ndim == 2 and hasattr(p, "tp_split")
+                 for select in logical_pieces(name, p, tuple(p.shape), m, True))
+    assert planned == cut
+
+
+def test_newton_schulz_flops_take_each_logical_matrix_its_own_rows():
+    """GQA (4 heads of d 16 in 2 KV groups, h 64) on TP 2: a rank's qkv block holds one group, so
+    its q is 32 x 64, its k and v 16 x 64 each (not a third of its 64 rows each); proj 64 x 32;
+    SwiGLU's gate and up (ffn 192: 96 x 64 each on a rank), fc2 64 x 96. Per a x b block (a <= b)
+    and step 4 a^2 b + 2 a^3, five steps, two layers."""
+    from megalite.arguments import build_parser, config_from_args
+    from megalite.planner.step_time import newton_schulz_flops
+    from megalite.planner.types import Layout, UpdatePlan, precision
+
+    m = config_from_args(build_parser().parse_args(MODEL), 256).model
+    assert (m.head_dim, m.ffn_hidden_size) == (16, 192)
+    blocks = [(32, 64), (16, 64), (16, 64), (32, 64), (64, 96), (64, 96), (64, 96)]
+    per_layer = sum(4 * a * a * b + 2 * a ** 3 for a, b in blocks)
+    prec = precision("bf16", update=UpdatePlan("muon"))
+    assert newton_schulz_flops(m, Layout(tp=2, pp=1), prec) == 5 * 2 * per_layer
 
 
 PLAN = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",

@@ -11,13 +11,17 @@ Fast:
   logit planted at a masked pair is not seen;
 - below the threshold QK-clip changes nothing (bit-identical to a run without it), and the step
   with QK-clip reads nothing on the host (the value is read with the log line's one transfer);
-- bad input refused in one message each.
+- bad input refused in one message each;
+- the rescale republishes only the buckets holding the qkv weights (stage 0, small buckets: every
+  master moved, only those buckets' parameters take theirs).
 
 Slow (one gloo world per size): TP 2, DP 2 ZeRO-1 (small buckets: the shards cut the fused qkv
 weights), ZeRO-3, CP 2 (p2p, a2a and allgather) and PP 2 with a threshold low enough that the first steps
 clip equal one process (losses, gradient norms 1e-6 relative, the logged max logit 1e-6; the saved
 fp32 weights), and so do MLA under TP 2 and ZeRO-1; a resume from a clipped checkpoint is
-bit-identical; Muon + QK-clip (MuonClip) runs and clips.
+bit-identical; Muon + QK-clip (MuonClip) runs and clips. Under DP 2 ZeRO-1 the rescale's
+all-gather carries the bytes of the buckets holding the scaled linears (qkv; MLA's q_up and
+kv_up), counted by name, not the whole model's.
 """
 from __future__ import annotations
 
@@ -36,6 +40,7 @@ from megalite.layers.documents import documents_from_lengths
 from megalite.model import qk_clip
 from megalite.observe.host_syncs import count_host_syncs
 from megalite.observe.step_values import LossScaler, resolve_steps
+from megalite.parallel import comm
 from megalite.parallel.grid import build_grid
 from megalite.pipeline.partition import build_model_chunks
 from megalite.testing import run_world
@@ -145,6 +150,35 @@ def test_mla_rescale_equals_kimis_rule(q_lora):
         assert torch.allclose(q.weight.double(), wq.view(q.weight.shape), rtol=1e-6, atol=0)
         assert torch.allclose(p.kv_up.weight.double(), wkv.view(p.kv_up.weight.shape), rtol=1e-6, atol=0)
         assert torch.equal(p.kv_down.weight, wdown)
+
+
+# -- the republish: only the buckets holding the scaled weights ----------------------------------
+def scaled_bucket_flags(opt, chunks, scaled=("qkv",)) -> list[bool]:
+    """Per bucket: does it hold a parameter whose name names a scaled linear (by name, not by the
+    optimizer's own lookup)?"""
+    names = {p: n for c in chunks for n, p in c.named_parameters()}
+    return [any(any(f".{s}." in names[p] for s in scaled) for p in b.params) for b in opt.sync.buckets]
+
+
+def test_the_rescale_republishes_only_the_buckets_holding_the_query_and_key_weights():
+    """Stage 0, small buckets: every master moved, then a rescale by 1 (no head clipped): the
+    parameters of the buckets holding qkv take their masters, every other keeps its old weight."""
+    config = make_config(qk_clip=True, qk_clip_threshold=1e6)
+    chunks = build_model_chunks(config, build_grid(config.parallel, 1, 0))
+    for c in chunks:
+        c.init_weights(7)
+    opt = DistributedOptimizer(chunks, config.train, None, stage=0, bucket_size=700)
+    held = scaled_bucket_flags(opt, chunks)
+    assert any(held) and not all(held)
+    before = [[p.detach().clone() for p in b.params] for b in opt.sync.buckets]
+    for m in opt.master:
+        m.add_(1.0)
+    for part in qk_clip.attention_parts(chunks):
+        part.logit_max = torch.ones(part.local_heads)
+    qk_clip.after_step(chunks, opt, None, config.train)
+    for b, was, republished in zip(opt.sync.buckets, before, held):
+        for p, w in zip(b.params, was):
+            assert torch.equal(p.detach(), w + 1.0 if republished else w)
 
 
 # -- the max each backend reports ----------------------------------------------------------------
@@ -292,11 +326,32 @@ MLA_LAYOUTS = {"mla_tp2": ["--tensor-model-parallel-size", "2"], "mla_zero1": ["
                                                                               "--ddp-bucket-size", "300"]}
 
 
+def _republish_bytes(rank, world, mla):
+    """DP 2 ZeRO-1, small buckets, a planted statistic above tau: (bytes the rescale's publish
+    hands the all-gather, the scaled linears' buckets' bytes, one full publish's bytes)."""
+    config = make_config(mla, qk_clip=True, qk_clip_threshold=0.5)
+    grid = build_grid(config.parallel, world, rank)
+    chunks = build_model_chunks(config, grid)
+    for c in chunks:
+        c.init_weights(7)
+    opt = DistributedOptimizer(chunks, config.train, grid, stage=1, bucket_size=300 if mla else 700)
+    for part in qk_clip.attention_parts(chunks):
+        part.logit_max = torch.full((part.local_heads,), 4.0)
+    with comm.count_collectives() as rescale:
+        qk_clip.after_step(chunks, opt, grid, config.train)
+    with comm.count_collectives() as full:
+        opt.publish()
+    held = scaled_bucket_flags(opt, chunks, ("q_up", "kv_up") if mla else ("qkv",))
+    scaled = sum(b.numel * 4 for b, h in zip(opt.sync.buckets, held) if h)  # fp32 weights here
+    return rescale["all_gather"]["bytes"], scaled, full["all_gather"]["bytes"]
+
+
 def _two_ranks(rank, world, root):
+    republish = {"gqa": _republish_bytes(rank, world, None), "mla": _republish_bytes(rank, world, MLA)}
     runs = {name: _pretrain(BASE + extra + ["--save", f"{root}/{name}"]) for name, extra in LAYOUTS.items()}
     runs.update({name: _pretrain(MLA_BASE + extra + ["--save", f"{root}/{name}"])
                  for name, extra in MLA_LAYOUTS.items()})
-    return runs
+    return runs, republish
 
 
 def _weights(path) -> dict[str, torch.Tensor]:
@@ -324,7 +379,7 @@ def test_every_layout_with_qk_clip_equals_one_process(tmp_path):
     assert all(torch.equal(w, clipped[n]) for n, w in _weights(tmp_path / "resumed").items())
     muon, muon_plain = _weights(tmp_path / "muon"), _weights(tmp_path / "muon_noclip")  # MuonClip clips
     assert any(not torch.equal(muon[n], muon_plain[n]) for n in muon if "qkv" in n)
-    runs = run_world(_two_ranks, 2, str(tmp_path))[0]
+    runs, republish = run_world(_two_ranks, 2, str(tmp_path))[0]
     assert serial["mla"][0][3] > 0.01  # MLA clips too (its threshold 0.01)
     mla = _weights(tmp_path / "mla")
     for name, baseline, weights in [(n, serial["serial"], clipped) for n in LAYOUTS] + [
@@ -334,3 +389,5 @@ def test_every_layout_with_qk_clip_equals_one_process(tmp_path):
         assert saved.keys() == weights.keys()
         worst = max(((saved[n] - weights[n]).abs().max() / weights[n].abs().max()).item() for n in saved)
         assert worst < WEIGHT_TOL, (name, worst)
+    for kind, (handed, scaled, everything) in republish.items():  # the rescale's all-gather: those buckets
+        assert 0 < handed == scaled < everything, (kind, handed, scaled, everything)

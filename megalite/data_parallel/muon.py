@@ -21,12 +21,13 @@ the update's RMS matches AdamW's, so AdamW's learning rate and weight decay carr
 products run under ``torch.set_float32_matmul_precision(--muon-fp32-matmul-prec)``.
 
 **Logical matrices, not storage.** NS is applied per matrix the model multiplies by, with
-``(m, n)`` its shape (its full, TP=1 shape, in every TP mode):
+``(m, n)`` its shape (its full, TP=1 shape, in every TP mode), the fused weights cut by the one
+table the planner counts by too (:mod:`megalite.layers.logical_matrices`, by linear name):
 
 - a fused QKV weight (rows by KV group: heads-per-group query heads, one key, one value head)
   per q, k and v (each gathered over the groups, as Megatron's split QKV); ``--muon-no-split-qkv``:
   as one matrix;
-- a weight TP-split in sections (SwiGLU's fused [gate; up] fc1: ``TPSplit(0, 2)``) per section;
+- SwiGLU's fused [gate; up] fc1 (TP-split in sections: ``TPSplit(0, 2)``) per half;
 - stacked MoE experts (E, rows, cols) per expert, and per [gate; up] half of a SwiGLU w1.
 
 **Which parameters** (:func:`takes_muon`): the 2-D weights of the transformer layers (attention
@@ -83,6 +84,7 @@ import torch
 
 from megalite.data_parallel.adamw import FlatAdamW
 from megalite.data_parallel.rule_types import ADAMW, BucketLayout, DeviceStepCount, StateLayout, UpdateRule
+from megalite.layers.logical_matrices import linear_name, row_block
 from megalite.parallel import comm
 from megalite.parallel.sharding import gather_full, is_expert, shard_tensor
 
@@ -132,22 +134,21 @@ def takes_muon(name: str, param) -> bool:
 
 def logical_pieces(name: str, param, shape: tuple, model, split_qkv: bool) -> list:
     """Selectors of the logical matrices of a tensor of ``shape`` (the parameter's full or local
-    shape): functions tensor -> a view whose last dim is the matrix's columns."""
-    if param.ndim == 3:  # stacked experts: per expert, per [gate; up] half of a SwiGLU w1
-        halves = 2 if (model is not None and model.swiglu and name.endswith("w1")) else 1
-        rows = shape[1] // halves
-        return [(lambda t, e=e, h=h, r=rows: t[e, h * r:(h + 1) * r]) for e in range(shape[0]) for h in range(halves)]
-    if split_qkv and name.endswith("qkv.weight") and model is not None:
-        per_group = model.num_attention_heads // model.num_query_groups
-        d, cols = model.head_dim, shape[1]
-        groups = shape[0] // ((per_group + 2) * d)
-        grouped = lambda t: t.view(groups, per_group + 2, d, cols)  # noqa: E731
-        return [lambda t: grouped(t)[:, :per_group], lambda t: grouped(t)[:, per_group],
-                lambda t: grouped(t)[:, per_group + 1]]
-    split = getattr(param, "tp_split", None)
-    sections = split.sections if split is not None and split.dim == 0 else 1
-    rows = shape[0] // sections
-    return [(lambda t, k=k, r=rows: t[k * r:(k + 1) * r]) for k in range(sections)]
+    shape): functions tensor -> a view whose last dim is the matrix's columns. Stacked experts
+    (E, rows, cols) per expert, then each weight's rows cut by the one table of fused linears
+    (:func:`megalite.layers.logical_matrices.row_block`: q, k, v of a split qkv; SwiGLU's gate and up)."""
+    rows, cols = shape[-2], shape[-1]
+    block = row_block(linear_name(name), model, rows, split_qkv)
+    size, starts = sum(block), [sum(block[:k]) for k in range(len(block))]
+    experts = range(shape[0]) if param.ndim == 3 else [None]
+
+    def select(e, a, w):
+        def piece(t):
+            matrix = t if e is None else t[e]
+            return matrix.view(rows // size, size, cols)[:, a:a + w]
+        return piece
+
+    return [select(e, a, w) for e in experts for a, w in zip(starts, block)]
 
 
 def newton_schulz_distributed(u: torch.Tensor, steps: int, split_dim: int, group) -> torch.Tensor:

@@ -322,12 +322,16 @@ class DistributedOptimizer:
         return host.to(self.device, non_blocking=True)
 
     @torch.no_grad()
-    def publish(self) -> None:
-        """Make the model's weights equal to the master weights (cast to the model dtype)."""
+    def publish(self, buckets=None) -> None:
+        """Make the model's weights equal to the master weights (cast to the model dtype): every
+        bucket, or only the indices in ``buckets`` (QK-clip's republish, :meth:`scale_rows`), so
+        that under ZeRO 1-2 the all-gather carries those buckets' bytes alone. Stage 3 keeps only
+        the shards, so it copies them all, locally, either way."""
         if self.stage == 3:
             self.sharded.load_shards([self._weight_shard(i) for i in range(len(self.master))])
             return
-        for i, b in enumerate(self.sync.buckets):
+        for i in range(len(self.sync.buckets)) if buckets is None else buckets:
+            b = self.sync.buckets[i]
             shard = self._weight_shard(i)
             if self.stage == 0 or b.size == 1:
                 full = shard
@@ -372,11 +376,20 @@ class DistributedOptimizer:
     @torch.no_grad()
     def scale_rows(self, factors: dict) -> None:
         """QK-clip (megalite.model.qk_clip): multiply each given parameter's rows (dim 0) by its
-        (rows,) device ``factors`` in the fp32 masters, wherever ZeRO put them, then publish."""
+        (rows,) device ``factors`` in the fp32 masters, wherever ZeRO put them, then publish the
+        buckets holding those parameters, and only them (:meth:`buckets_holding`): under ZeRO 1-2
+        one all-gather of those buckets' weights (model dtype), not of the whole model's. The
+        factors stay on the device, so the host does not know whether anything was clipped:
+        those buckets are published every step."""
         for place in self.places:  # each parameter's piece of each shard
             rows = factors.get(place.param)
             if rows is not None:
                 per_row = rows[:, None].expand(-1, place.param.numel() // rows.numel()).reshape(-1)
                 self.master[place.shard][place.start: place.stop].mul_(
                     per_row[place.first: place.first + place.stop - place.start])
-        self.publish()
+        self.publish(self.buckets_holding(factors))
+
+    def buckets_holding(self, params) -> list[int]:
+        """The indices, ascending, of the buckets that hold any of ``params``."""
+        wanted = {id(p) for p in params}
+        return [i for i, b in enumerate(self.sync.buckets) if any(id(p) in wanted for p in b.params)]

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megalite.layers.logical_matrices import row_block
+
 
 @dataclass(frozen=True)
 class LinearShape:
@@ -56,6 +58,15 @@ class LinearShape:
         """Elements of the weight and bias on one TP rank, in registration order."""
         bias = [self.out_features // tp if self.column else self.out_features] if self.bias else []
         return [self.weight // tp] + bias
+
+    def logical_shapes(self, m, tp: int = 1, split_qkv: bool = True) -> list[tuple[int, int]]:
+        """(rows, cols) of each matrix the weight holds (:mod:`megalite.layers.logical_matrices`:
+        q, k, v of a split qkv; SwiGLU's gate and up), as one TP rank holds it: a column-parallel
+        linear's rows divided by t, a row-parallel one's columns."""
+        rows, cols = (self.out_features // tp, self.in_features) if self.column else (
+            self.out_features, self.in_features // tp)
+        block = row_block(self.name, m, rows, split_qkv)
+        return [(rows // sum(block) * width, cols) for width in block]
 
     def w_inputs_per_token(self, tp: int, sp: bool) -> tuple[float, float]:
         """(x, dy) elements per token its deferred weight gradient keeps: a column linear's input

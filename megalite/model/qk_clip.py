@@ -43,10 +43,13 @@ shared by every head, so k_r stays and the head's RoPE query takes all of eta:
 (:func:`mla_row_factors`).
 
 **Where it lands.** The factors multiply the fp32 master weights in the optimizer's flat
-shards, wherever ZeRO put each row (``DistributedOptimizer.scale_rows``), and the weights are
-published again (a copy without ZeRO, one more all-gather of the weight shards per step under
-ZeRO 1-2): the model's weights are the masters cast, as after any step, so checkpoints and
-resumes stay exact. It is an independent post-step, so it works after AdamW and after Muon.
+shards, wherever ZeRO put each row (``DistributedOptimizer.scale_rows``), and the buckets holding
+the scaled parameters (the qkv weights and biases; MLA's query and key/value up-projections) are
+published again, the others not: a copy without ZeRO; under ZeRO 1-2 one more all-gather per step
+of those buckets' weights, in the model dtype, (n - 1)/n of their bytes on the wire per rank,
+every step (the factors stay on the device, so whether anything was clipped is not known on the
+host). The model's weights are the masters cast, as after any step, so checkpoints and resumes
+stay exact. It is an independent post-step, so it works after AdamW and after Muon.
 
 Refused (``megalite.config``'s ``_check_qk_clip``): QK-norm (the norm undoes any scale of the
 projection), transformer-engine attention and flash-attn (neither gives

@@ -61,7 +61,7 @@ from megalite.model.counting import attended_flops, flops_per_token
 from megalite.planner import pipeline as planner_pipeline
 from megalite.planner.flags import training_defaults
 from megalite.planner.types import Hardware, Layout, Precision
-from megalite.planner.update_traffic import logical_matrices, ring, tensor_parallel_linears, update_traffic
+from megalite.planner.update_traffic import ring, tensor_parallel_linears, update_traffic
 
 BUCKET = training_defaults()["ddp_bucket_size"]  # elements per gradient bucket, pretrain_gpt.py's default
 TERMS = ("compute", "bubble", "dp", "edp", "tp", "pp", "cp", "ep", "optimizer", "latency", "overlap")
@@ -166,17 +166,14 @@ def optimizer(m: ModelConfig, layout: Layout, psi: int, matrices: int, prec: Pre
 
 def newton_schulz_flops(m: ModelConfig, layout: Layout, prec: Precision, stage: int = 0) -> float:
     """Muon's Newton-Schulz FLOPs on one rank's TP blocks of the stage's attention and dense MLP
-    matrices, each linear cut into its logical matrices (q, k, v under --muon-split-qkv; SwiGLU's
-    gate and up: :func:`megalite.planner.update_traffic.logical_matrices`), each
-    :func:`megalite.data_parallel.muon.matrix_ns_flops` (4 a^2 b + 2 a^3 per step for an a x b block,
-    a <= b); experts are not counted."""
-    t, update, total = layout.tp, prec.update, 0.0
-    for linear in tensor_parallel_linears(m, layout.pp, stage):
-        pieces = logical_matrices(linear, m, update.muon_split_qkv)
-        out_f, in_f = linear.out_features // pieces, linear.in_features
-        out_f, in_f = (out_f // t, in_f) if linear.column else (out_f, in_f // t)
-        total += pieces * matrix_ns_flops(out_f, in_f, update.muon_num_ns_steps)
-    return total
+    matrices, each linear cut into its logical matrices as a TP rank holds them (q, k, v under
+    --muon-split-qkv; SwiGLU's gate and up: :meth:`~megalite.layers.part_shape.LinearShape.logical_shapes`),
+    each :func:`megalite.data_parallel.muon.matrix_ns_flops` (4 a^2 b + 2 a^3 per step for an a x b
+    block, a <= b); routed experts are not counted."""
+    update = prec.update
+    return sum(matrix_ns_flops(rows, cols, update.muon_num_ns_steps)
+               for linear in tensor_parallel_linears(m, layout.pp, stage)
+               for rows, cols in linear.logical_shapes(m, layout.tp, update.muon_split_qkv))
 
 
 def exposed_calls(m: ModelConfig, layout: Layout, num_micro: int, comm: dict, stage: int = 0) -> dict[str, int]:

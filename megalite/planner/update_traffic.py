@@ -14,19 +14,19 @@ and the owners' updates reduce-scattered, both of the whole bucket in fp32:
 bucket size; a tied embedding's bucket holds no matrix and moves nothing). Without ZeRO a
 rank holds every matrix whole and sends nothing.
 
-**Tensor parallelism** (``--muon-tp-mode``; TP-split linears of the layers' attention and dense
-MLP, from the parts' :class:`~megalite.layers.part_shape.LinearShape`; a rank orthogonalises
+**Tensor parallelism** (``--muon-tp-mode``; TP-split linears of the layers' attention, dense
+MLP and MoE shared expert, from the parts' :class:`~megalite.layers.part_shape.LinearShape`; a rank orthogonalises
 every matrix it holds, or under ZeRO about 1/n of them, the NS work balanced by ownership):
 
 - ``blockwise``: nothing (each rank orthogonalises its own block);
 - ``duplicated``: an all-gather of each matrix's U, 4 bytes x its full elements x (t - 1)/t;
-- ``distributed``: per logical matrix (q, k, v apart under split QKV; SwiGLU's gate and up) and
+- ``distributed``: per logical matrix (q, k, v apart under split QKV; SwiGLU's gate and up: the
+  one table of fused linears, :mod:`megalite.layers.logical_matrices`, that Muon cuts by) and
   Newton-Schulz step, an all-reduce of the Gram over the uncut dimension d (the input features of
   a column-parallel linear, the output features of a row-parallel one): 2 x 4 d^2 x (t - 1)/t per
   step, and one scalar for the Frobenius norm.
 
-Not counted: the MTP depths' matrices under TP, an MoE layer's shared expert under TP (small
-beside its attention), the padding of a bucket to a multiple of n.
+Not counted: the MTP depths' matrices under TP, the padding of a bucket to a multiple of n.
 """
 from __future__ import annotations
 
@@ -43,24 +43,14 @@ def ring(n: int) -> float:
     return (n - 1) / n if n > 1 else 0.0
 
 
-def logical_matrices(linear, m: ModelConfig, split_qkv: bool) -> int:
-    """How many matrices Muon orthogonalises in one linear (as
-    :func:`megalite.data_parallel.muon.logical_pieces` cuts the fused weights)."""
-    if linear.name == "qkv":
-        return 3 if split_qkv else 1
-    if linear.name == "fc1" and m.swiglu:
-        return 2
-    return 1
-
-
 def tensor_parallel_linears(m: ModelConfig, pp: int, stage: int) -> list:
-    """The TP-split linears of the stage's layers: every attention's, and the MLP's of a dense layer."""
+    """The TP-split linears of the stage's layers: every attention's, the MLP's of a dense layer
+    and an MoE layer's shared expert's (its routed experts are not split over TP)."""
     out = []
     for layer in moe_planning.stage_layers(m, pp, stage):
         spec = layer_spec(m, layer)
         out += spec.attention.linears(m)
-        if not spec.moe:
-            out += spec.mlp.linears(m)
+        out += spec.mlp.linears(m, m.moe_shared_expert_intermediate_size or 0) if spec.moe else spec.mlp.linears(m)
     return out
 
 
@@ -85,6 +75,6 @@ def update_traffic(m: ModelConfig, layout: Layout, prec: Precision, stage: int, 
                 out["tp"] += owned * FP32 * linear.weight * ring(t)
             else:
                 d = linear.in_features if linear.column else linear.out_features  # the uncut dimension
-                grams = logical_matrices(linear, m, update.muon_split_qkv)
+                grams = len(linear.logical_shapes(m, t, update.muon_split_qkv))
                 out["tp"] += owned * grams * 2 * FP32 * (update.muon_num_ns_steps * d * d + 1) * ring(t)
     return {kind: volume for kind, volume in out.items() if volume > 0}

@@ -79,6 +79,7 @@ CASES = [
     Case("TP 2 + SP, full recompute", Layout(tp=2, recompute="full")),
     Case("TP 2 + SP, Muon distributed", Layout(tp=2), update=UpdatePlan("muon", muon_tp_mode="distributed")),
     Case("PP 2 1F1B", Layout(pp=2, schedule="1f1b")),
+    Case("PP 2 interleaved, V 2", Layout(pp=2, schedule="1f1b", virtual=2)),
     Case("PP 2 zbv", Layout(pp=2, schedule="zbv")),
     Case("PP 2 gpipe", Layout(pp=2, schedule="gpipe")),
     Case("PP 2 zb-h1", Layout(pp=2, schedule="zb-h1")),

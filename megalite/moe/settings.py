@@ -5,6 +5,7 @@ exists); each rule raises :class:`ConfigError` naming the values, the rule and a
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -138,10 +139,18 @@ def moe_layers(cfg) -> list[bool]:
     """For each layer (global index), whether its MLP is a mixture of experts."""
     if not cfg.num_experts:
         return [False] * cfg.num_layers
-    freq = parse_layer_freq(cfg.moe_layer_freq)
+    freq = cfg.moe_layer_freq
+    return list(_moe_pattern(cfg.num_layers, tuple(freq) if isinstance(freq, list) else freq))
+
+
+@functools.lru_cache(maxsize=256)
+def _moe_pattern(num_layers: int, freq) -> tuple[bool, ...]:
+    """:func:`moe_layers` of a --moe-layer-freq value, once per value (the planner asks per layer,
+    hundreds of thousands of times a search)."""
+    freq = parse_layer_freq(list(freq) if isinstance(freq, tuple) else freq)
     if isinstance(freq, list):
-        return [bool(v) for v in freq]
-    return [i % freq == 0 for i in range(cfg.num_layers)]
+        return tuple(bool(v) for v in freq)
+    return tuple(i % freq == 0 for i in range(num_layers))
 
 
 def validate_moe(m, p, t, world_size: int) -> None:

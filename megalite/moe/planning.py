@@ -244,8 +244,10 @@ def stage_parameter_list(m, tp: int, ep: int, pp: int, stage: int,
     head, tail = stage_ends(m, tp, pp, stage)
     flags = moe_layers(m)
     out = [StageParameter(n, isolated=iso) for n, iso in head]
+    layer = {moe: [p._replace(of_layer=True) for p in _layer_parameter_list(m, tp, ep, moe, attention)]
+             for moe in {flags[i] for i in stage_layers(m, pp, stage)}}  # a dense layer's, an MoE layer's
     for i in stage_layers(m, pp, stage):
-        out += [p._replace(of_layer=True) for p in _layer_parameter_list(m, tp, ep, flags[i], attention)]
+        out += layer[flags[i]]
     out += [StageParameter(n, isolated=iso) for n, iso in tail]
     if stage == pp - 1:
         out += [p._replace(of_layer=True) for p in _mtp_parameter_list(m, tp, ep, attention)]

@@ -59,6 +59,17 @@ def tensor_parallel_linears(m: ModelConfig, pp: int, stage: int) -> list:
     return out
 
 
+_REMEMBERED: dict = {}  # answers per model object and layout (the entry holds the model: a reused id misses)
+
+
+def _remember(key: tuple, m: ModelConfig, answer) -> tuple:
+    """Keep ``answer`` for ``key`` (a search asks for each ZeRO stage and recomputation of one grid)."""
+    if len(_REMEMBERED) > 4096:
+        _REMEMBERED.clear()
+    _REMEMBERED[key] = (m, answer)
+    return _REMEMBERED[key]
+
+
 def gram_wire_bytes(m: ModelConfig, linear: LinearShape, t: int, update: UpdatePlan) -> float:
     """Wire bytes per rank of one TP-split weight's update collectives over TP (module docstring):
     ``duplicated``'s all-gather of U, or ``distributed``'s Gram and norm all-reduces per logical
@@ -81,11 +92,11 @@ def tp_bytes_by_dp_rank(m: ModelConfig, layout: Layout, update: UpdatePlan, stag
     matrices' NS costs at their shapes on the rank, the load carried over a group's buckets (the
     dense buckets' DP x CP group; the expert buckets' EDP group, the same communicator, so one load,
     when EP = TP); without ZeRO every rank orthogonalises every matrix."""
-    key = (id(m), layout.tp, layout.ep, layout.pp, stage, layout.dp * layout.cp, layout.edp, layout.zero >= 1,
-           update, bucket_size)
-    hit = _BY_RANK.get(key)
+    key = ("by rank", id(m), layout.tp, layout.ep, layout.pp, stage, layout.dp * layout.cp, layout.edp,
+           layout.zero >= 1, update, bucket_size)
+    hit = _REMEMBERED.get(key)
     if hit is not None and hit[0] is m:
-        return hit[1]
+        return list(hit[1])
     n, t = layout.dp * layout.cp, layout.tp
     sizes = {False: n, True: layout.edp}  # the group of a dense / an expert bucket
     loads = {}  # per communicator: NS cost per rank, carried over its buckets
@@ -105,13 +116,8 @@ def tp_bytes_by_dp_rank(m: ModelConfig, layout: Layout, update: UpdatePlan, stag
             volume = gram_wire_bytes(m, p.linear, t, update)
             for r in range(n) if rank is None else [rank]:
                 out[r] += volume
-    if len(_BY_RANK) > 4096:
-        _BY_RANK.clear()
-    _BY_RANK[key] = (m, out)
-    return out
-
-
-_BY_RANK: dict = {}  # tp_bytes_by_dp_rank's answers per model object (held, so a reused id misses)
+    _remember(key, m, out)
+    return list(out)
 
 
 def update_traffic(m: ModelConfig, layout: Layout, prec: Precision, stage: int, bucket_size: int) -> dict[str, float]:
@@ -122,6 +128,16 @@ def update_traffic(m: ModelConfig, layout: Layout, prec: Precision, stage: int, 
     update = prec.update
     if not update.muon:
         return {}
+    key = ("traffic", id(m), layout.tp, layout.ep, layout.pp, stage, layout.dp * layout.cp, layout.edp,
+           layout.zero >= 1, update, bucket_size)
+    hit = _REMEMBERED.get(key)
+    if hit is None or hit[0] is not m:
+        hit = _remember(key, m, _update_traffic(m, layout, update, stage, bucket_size))
+    return dict(hit[1])
+
+
+def _update_traffic(m: ModelConfig, layout: Layout, update: UpdatePlan, stage: int, bucket_size: int) -> dict[str, float]:
+    """:func:`update_traffic`, computed."""
     n, t = layout.dp * layout.cp, layout.tp
     buckets = moe_planning.gradient_buckets(m, t, layout.ep, layout.pp, stage, bucket_size, attention_part(m))
     out = {"dp": 0.0, "edp": 0.0, "tp": 0.0}

@@ -12,6 +12,9 @@ printed. The TP cases cover GQA, MLA and an MoE layer's shared expert (TP-split 
 which the planner once left out); the planner's TP-split matrices are the pieces Muon cuts the
 built model into (one table of fused linears, megalite.layers.logical_matrices), shape for shape,
 and its Newton-Schulz FLOPs give each of q, k and v its own rows (GQA: k and v are smaller).
+Under ZeRO 1-2 a DP rank sends the Grams of the matrices it owns: the planner runs the
+optimizer's own assignment (muon.assign_owners) on its buckets, which equal megalite's member by
+member, and each DP rank's bytes equal the dry run of that rank; the plan counts the busiest.
 """
 from __future__ import annotations
 
@@ -119,26 +122,29 @@ def _dp_rank_tp_bytes(world: int, layout: list[str]) -> tuple[list[float], list[
 
     muon = MODEL + layout + ["--optimizer", "muon", "--muon-tp-mode", "distributed"]
     config = config_from_args(build_parser().parse_args(muon), world)
-    grid = GridLayout.from_config(config.parallel, world)
+    grid = GridLayout.from_config(config.parallel, world, experts=bool(config.model.num_experts))
     measured = []
     for dp in range(grid.dp):
         handed = [dry_run.run_role(flags, world, grid.rank_of(dp=dp), 8, "meta",
                                    dry_run.flagless_settings(config))["comm_bytes_by_group"].get("tp", 0)
                   for flags in (MODEL + layout, muon)]
         measured.append((handed[1] - handed[0]) * 2 * (grid.tp - 1) / grid.tp)  # all-reduces: twice (t-1)/t
-    plan_layout = Layout(tp=grid.tp, dp=grid.dp, zero=config.train.zero_stage)
+    plan_layout = Layout(**grid.grid_sizes(), zero=config.train.zero_stage)
     return measured, tp_bytes_by_dp_rank(config.model, plan_layout, UpdatePlan.of_run(config.train), 0, DEFAULT_BUCKET)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world, layout", [(4, TP2 + ZERO1 + SHARED_EXPERT), (8, TP2 + ZERO1)],
-                         ids=["tp2_dp2_moe_shared_expert", "tp2_dp4_gqa"])
+@pytest.mark.parametrize("world, layout", [(4, TP2 + ZERO1 + SHARED_EXPERT), (8, TP2 + ZERO1),
+                                           (8, TP2 + ZERO1 + SHARED_EXPERT + ["--expert-model-parallel-size", "2"])],
+                         ids=["tp2_dp2_moe_shared_expert", "tp2_dp4_gqa", "tp2_dp4_ep2_one_load"])
 def test_each_dp_rank_all_reduces_the_grams_of_the_matrices_it_owns(world, layout):
     """ZeRO-1 with distributed Newton-Schulz: a DP rank runs NS, and so all-reduces Grams over
     TP, for the matrices the optimizer assigns it (muon.assign_owners, balancing NS cost
     m n min(m, n), not Gram bytes), not for 1/n of them. Measured at every DP position of TP 2 x
-    DP 2 with an MoE shared expert and of TP 2 x DP 4 (GQA): the planner's bytes per DP rank are
-    the dry run's, byte for byte; the ranks differ, and the plan counts the busiest."""
+    DP 2 with an MoE shared expert, of TP 2 x DP 4 (GQA) and of TP 2 x DP 4 with EP 2 (EP = TP:
+    the expert buckets' EDP group is the DP group's communicator, so the experts' NS cost loads
+    the same ranks): the planner's bytes per DP rank are the dry run's, byte for byte; the ranks
+    differ, and the plan counts the busiest."""
     measured, planned = _dp_rank_tp_bytes(world, layout)
     assert planned == measured and len(set(measured)) > 1, (planned, measured)
     _, plan = _muon_traffic(world, layout, "distributed")

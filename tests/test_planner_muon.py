@@ -12,6 +12,9 @@ printed. The TP cases cover GQA, MLA and an MoE layer's shared expert (TP-split 
 which the planner once left out); the planner's TP-split matrices are the pieces Muon cuts the
 built model into (one table of fused linears, megalite.layers.logical_matrices), shape for shape,
 and its Newton-Schulz FLOPs give each of q, k and v its own rows (GQA: k and v are smaller).
+Under ZeRO 1-2 a DP rank sends the Grams of the matrices it owns: the planner runs the
+optimizer's own assignment (muon.assign_owners) on its buckets, which equal megalite's member by
+member, and each DP rank's bytes equal the dry run of that rank; the plan counts the busiest.
 """
 from __future__ import annotations
 
@@ -93,14 +96,88 @@ MLA_MODEL = tuple(MODEL[:MODEL.index("--num-query-groups")] + MODEL[MODEL.index(
 SHARED_EXPERT = ["--num-experts", "4", "--moe-router-topk", "2", "--moe-shared-expert-intermediate-size", "64"]
 
 
+MTP_MODEL = tuple(MODEL + ["--mtp-num-layers", "1", "--position-embedding-type", "rope"])
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("model, layout", [(MLA_MODEL, TP2), (tuple(MODEL), TP2 + SHARED_EXPERT)],
-                         ids=["mla", "moe_shared_expert"])
+@pytest.mark.parametrize("model, layout", [(MLA_MODEL, TP2), (tuple(MODEL), TP2 + SHARED_EXPERT), (MTP_MODEL, TP2)],
+                         ids=["mla", "moe_shared_expert", "mtp"])
 def test_muon_distributed_grams_of_mla_and_a_shared_expert_as_planned(model, layout):
-    """TP 2, distributed Newton-Schulz: MLA's split up-projections (one matrix each) and an MoE
+    """TP 2, distributed Newton-Schulz: MLA's split up-projections (one matrix each), an MoE
     layer's shared expert (TP-split as a dense MLP: SwiGLU's gate and up, then fc2; its routed
-    experts are not split) all-reduce the Grams the planner counts."""
+    experts are not split) and an MTP depth (its column-parallel eh_proj and its layer's linears,
+    which the planner once left out) all-reduce the Grams the planner counts."""
     _check(2, layout, "distributed", {}, 1.0, model)
+
+
+def _dp_rank_tp_bytes(world: int, layout: list[str]) -> tuple[list[float], list[float]]:
+    """Per DP position (the rank at TP 0, stage 0 of each): (the wire bytes of the Gram
+    all-reduces Muon's distributed Newton-Schulz hands beyond AdamW's, measured by a meta dry
+    run of that rank; the planner's :func:`~megalite.planner.update_traffic.tp_bytes_by_dp_rank`)."""
+    from megalite.arguments import build_parser, config_from_args
+    from megalite.parallel.grid_layout import GridLayout
+    from megalite.planner.estimate import DEFAULT_BUCKET
+    from megalite.planner.types import Layout, UpdatePlan
+    from megalite.planner.update_traffic import tp_bytes_by_dp_rank
+
+    muon = MODEL + layout + ["--optimizer", "muon", "--muon-tp-mode", "distributed"]
+    config = config_from_args(build_parser().parse_args(muon), world)
+    grid = GridLayout.from_config(config.parallel, world, experts=bool(config.model.num_experts))
+    measured = []
+    for dp in range(grid.dp):
+        handed = [dry_run.run_role(flags, world, grid.rank_of(dp=dp), 8, "meta",
+                                   dry_run.flagless_settings(config))["comm_bytes_by_group"].get("tp", 0)
+                  for flags in (MODEL + layout, muon)]
+        measured.append((handed[1] - handed[0]) * 2 * (grid.tp - 1) / grid.tp)  # all-reduces: twice (t-1)/t
+    plan_layout = Layout(**grid.grid_sizes(), zero=config.train.zero_stage)
+    return measured, tp_bytes_by_dp_rank(config.model, plan_layout, UpdatePlan.of_run(config.train), 0, DEFAULT_BUCKET)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, layout", [(4, TP2 + ZERO1 + SHARED_EXPERT), (8, TP2 + ZERO1),
+                                           (8, TP2 + ZERO1 + SHARED_EXPERT + ["--expert-model-parallel-size", "2"])],
+                         ids=["tp2_dp2_moe_shared_expert", "tp2_dp4_gqa", "tp2_dp4_ep2_one_load"])
+def test_each_dp_rank_all_reduces_the_grams_of_the_matrices_it_owns(world, layout):
+    """ZeRO-1 with distributed Newton-Schulz: a DP rank runs NS, and so all-reduces Grams over
+    TP, for the matrices the optimizer assigns it (muon.assign_owners, balancing NS cost
+    m n min(m, n), not Gram bytes), not for 1/n of them. Measured at every DP position of TP 2 x
+    DP 2 with an MoE shared expert, of TP 2 x DP 4 (GQA) and of TP 2 x DP 4 with EP 2 (EP = TP:
+    the expert buckets' EDP group is the DP group's communicator, so the experts' NS cost loads
+    the same ranks): the planner's bytes per DP rank are the dry run's, byte for byte; the ranks
+    differ, and the plan counts the busiest."""
+    measured, planned = _dp_rank_tp_bytes(world, layout)
+    assert planned == measured and len(set(measured)) > 1, (planned, measured)
+    _, plan = _muon_traffic(world, layout, "distributed")
+    assert plan["tp"] == max(measured), (plan, measured)
+
+
+def test_the_planner_buckets_hold_the_matrices_megalite_buckets_hold():
+    """The planner's buckets (moe.planning.stage_buckets), member by member, against those megalite
+    builds from the model (ddp.group_by_size, split_by_domain): elements, expert or dense, the Muon
+    matrices' shapes on the rank (what assign_owners weighs) and which are TP-split (what sends
+    Grams): MLA (replicated down-projections), a shared expert, the MTP depths, TP 2 x PP 2 x EP 4."""
+    from megalite.arguments import build_parser, config_from_args
+    from megalite.data_parallel.ddp import group_by_size, split_by_domain
+    from megalite.data_parallel.muon import takes_muon
+    from megalite.moe import planning
+    from megalite.model.parts import attention_part
+    from tests.test_moe_planning import MODELS, rank_chunks
+
+    mla = config_from_args(build_parser().parse_args(list(MLA_MODEL)), 256).model
+    for m in (mla, MODELS["mtp-untied-moe-depths"], MODELS["every-other-layer-shared"]):
+        for tp, pp, ep, bucket in ((2, 2, 4, 3_000), (2, 1, 2, 10**9)):
+            for stage in range(pp):
+                chunks = rank_chunks(m, tp, pp, ep, stage, 0, 0)
+                names = {p: n for c in chunks for n, p in c.named_parameters()}
+                params = [p for c in reversed(chunks) for p in reversed(list(c.parameters()))]
+                real = [[(p.numel(), bool(getattr(p, "expert_parallel", False)),
+                          tuple(p.shape) if takes_muon(names[p], p) else None,
+                          takes_muon(names[p], p) and getattr(p, "tp_split", None) is not None) for p in group]
+                        for group in split_by_domain(group_by_size(params, bucket, lambda p: getattr(
+                            p, "tied_embedding", False)))]
+                planned = [[(p.elements, p.expert, p.shape, p.linear is not None) for p in group]
+                           for group in planning.stage_buckets(m, tp, ep, pp, stage, bucket, attention_part(m))]
+                assert planned == real, (m.num_layers, tp, pp, ep, stage)
 
 
 @pytest.mark.parametrize("flags", [MODEL, list(MLA_MODEL), MODEL + SHARED_EXPERT], ids=["gqa", "mla", "moe_shared_expert"])

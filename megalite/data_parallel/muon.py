@@ -190,22 +190,36 @@ def matrix_ns_flops(rows: int, cols: int, steps: int) -> int:
     return steps * (4 * m * m * n + 2 * m ** 3)
 
 
-def ns_cost(param) -> int:
-    """Newton-Schulz work of a parameter, ~ m n min(m, n) per matrix (ZeRO ownership balances it)."""
-    *stack, m, n = param.shape
+def matrix_cost(shape: tuple) -> int:
+    """Newton-Schulz work of a weight of ``shape`` ((stack,) m, n), ~ m n min(m, n) per matrix:
+    what ZeRO ownership balances (:func:`assign_owners`), for a built parameter or the planner's
+    shape of one."""
+    *stack, m, n = shape
     return math.prod(stack) * m * n * min(m, n)
+
+
+def ns_cost(param) -> int:
+    """Newton-Schulz work of a parameter (:func:`matrix_cost` of its shape on this rank)."""
+    return matrix_cost(tuple(param.shape))
+
+
+def assign_owners(costs: list[int], load: list) -> list[int]:
+    """The rank of the group that orthogonalises each of a bucket's Muon matrices, given their
+    ``costs`` (:func:`matrix_cost`) in the bucket's member order: the costliest first (ties: the
+    earlier member), each to the least loaded rank (ties: the lower rank); ``load`` (NS cost per
+    rank of the group) is updated, so it carries over the group's buckets. One rule, which the
+    optimizer (:func:`owners`) and the planner (:mod:`megalite.planner.update_traffic`) both call."""
+    owner = [0] * len(costs)
+    for k in sorted(range(len(costs)), key=lambda k: (-costs[k], k)):
+        owner[k] = min(range(len(load)), key=lambda r: (load[r], r))
+        load[owner[k]] += costs[k]
+    return owner
 
 
 def owners(members: list, load: list) -> list[int]:
     """The DP rank that orthogonalises each of ``members`` ((name, param, start), the Muon
-    matrices of one bucket): the costliest first, each to the least loaded rank (ties: the
-    lower rank), ``load`` (NS cost per rank of the group) carried over the group's buckets; the
-    same on every rank."""
-    owner = [0] * len(members)
-    for k in sorted(range(len(members)), key=lambda k: (-ns_cost(members[k][1]), k)):
-        owner[k] = min(range(len(load)), key=lambda r: (load[r], r))
-        load[owner[k]] += ns_cost(members[k][1])
-    return owner
+    matrices of one bucket), by :func:`assign_owners` on their NS costs; the same on every rank."""
+    return assign_owners([ns_cost(member[1]) for member in members], load)
 
 
 class FlatMuon(DeviceStepCount):

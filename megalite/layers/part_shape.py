@@ -59,12 +59,16 @@ class LinearShape:
         bias = [self.out_features // tp if self.column else self.out_features] if self.bias else []
         return [self.weight // tp] + bias
 
+    def local_shape(self, tp: int = 1) -> tuple[int, int]:
+        """(rows, cols) of the weight on one TP rank: a column-parallel linear's rows divided by
+        t, a row-parallel one's columns."""
+        return (self.out_features // tp, self.in_features) if self.column else (self.out_features, self.in_features // tp)
+
     def logical_shapes(self, m, tp: int = 1, split_qkv: bool = True) -> list[tuple[int, int]]:
         """(rows, cols) of each matrix the weight holds (:mod:`megalite.layers.logical_matrices`:
         q, k, v of a split qkv; SwiGLU's gate and up), as one TP rank holds it: a column-parallel
         linear's rows divided by t, a row-parallel one's columns."""
-        rows, cols = (self.out_features // tp, self.in_features) if self.column else (
-            self.out_features, self.in_features // tp)
+        rows, cols = self.local_shape(tp)
         block = row_block(self.name, m, rows, split_qkv)
         return [(rows // sum(block) * width, cols) for width in block]
 
@@ -101,8 +105,15 @@ class PartShape:
 
     @classmethod
     def extra_matrices(cls, m) -> tuple[int, int]:
-        """(split over TP, replicated) elements of the weight matrices among ``extra_parameters``."""
-        return 0, 0
+        """(split over TP, replicated) elements of the weight matrices among ``extra_parameters``:
+        the replicated ones of :meth:`extra_matrix_shapes`."""
+        return 0, sum(rows * cols for rows, cols in cls.extra_matrix_shapes(m))
+
+    @classmethod
+    def extra_matrix_shapes(cls, m) -> list[tuple[int, int]]:
+        """(rows, cols) of the replicated weight matrices among the extra parameters, which
+        :meth:`parameter_list` registers first among them (none by default)."""
+        return []
 
     @classmethod
     def matrix_counts(cls, m, *size) -> tuple[int, int]:
@@ -285,10 +296,11 @@ class MLAShape(PartShape):
         return 0, sum(cls.replicated_list(m))
 
     @classmethod
-    def extra_matrices(cls, m) -> tuple[int, int]:
-        """The down-projections q_down (with a query latent) and kv_down, replicated."""
+    def extra_matrix_shapes(cls, m) -> list[tuple[int, int]]:
+        """The down-projections q_down (r_q x h, with a query latent) and kv_down ((r_kv + d_r) x h),
+        replicated, the first of :meth:`replicated_list`."""
         h, rq = m.hidden_size, m.q_lora_rank
-        return 0, (h * rq if rq else 0) + h * (m.kv_lora_rank + m.qk_pos_emb_head_dim)
+        return ([(rq, h)] if rq else []) + [(m.kv_lora_rank + m.qk_pos_emb_head_dim, h)]
 
     @classmethod
     def parameter_list(cls, m, tp: int, *size) -> list[int]:

@@ -93,6 +93,8 @@ def test_a_profile_file_round_trips(tmp_path, monkeypatch):
     ('{"hardware": {"gpu_memory_gb": 80, "nvlink": 1}}', "unknown field(s) nvlink in 'hardware'"),
     (json.dumps({"hardware": {**PROFILES["h200"]["hardware"], "hbm_gbps": -1}}), "hbm_gbps must be a positive number"),
     (json.dumps({"hardware": {**PROFILES["h200"]["hardware"], "nodes": 2}}), "unknown field(s) nodes"),
+    (json.dumps({"hardware": {**PROFILES["h200"]["hardware"], "overlap_cost": 1.5}}),
+     "overlap_cost must be a number from 0 to 1"),
     ("missing", "does not exist"),
 ])
 def test_bad_profile_is_one_message(tmp_path, capsys, content, message):
@@ -185,6 +187,37 @@ def test_calibration_writes_a_profile_whose_fit_reproduces_its_measurements(tmp_
     assert sorted(errors)[len(errors) // 2] < 0.5, errors  # noisy shared CPU: a generous bound on the median
     median_link = sorted(fits[k]["2"]["gbps"] for k in cal.LINK_COLLECTIVES)[1]
     assert hw.nvlink_gbps == pytest.approx(median_link) and hw.ib_gbps == hw.nvlink_gbps
+    overlap = doc["measured"]["overlap"]["2"]  # GEMMs with an all-reduce in flight: 5 rounds' median
+    assert hw.overlap_cost == overlap["overlap_cost"] and 0 <= hw.overlap_cost <= 1 and len(overlap["rounds"]) == 5
+
+
+def test_overlap_cost_loads_from_0_to_1_and_older_profiles_keep_the_default(tmp_path):
+    """A profile may state the overlap cost (0 to 1, 0 allowed: a collective that costs compute
+    nothing); one without it (the built-ins, docs/profiles/*.json of before) takes Hardware's 0.10."""
+    import glob
+    import os
+    for path in glob.glob(os.path.join(os.path.dirname(__file__), "..", "docs", "profiles", "*.json")):
+        assert hardware_from_profile(path).overlap_cost == Hardware.overlap_cost == 0.10
+    assert all(hardware_from_profile(name).overlap_cost == 0.10 for name in PROFILES)
+    for cost in (0, 0.35, 1):
+        path = tmp_path / f"o{cost}.json"
+        path.write_text(json.dumps({"hardware": {**PROFILES["h200"]["hardware"], "overlap_cost": cost}}))
+        assert hardware_from_profile(str(path)).overlap_cost == cost
+
+
+def test_overlap_cost_by_hand():
+    """(together - GEMMs) / all-reduce, clipped to [0, 1]; the profile takes the link group's median
+    over rounds (measure_overlap) and says where it comes from."""
+    assert cal.overlap_cost_of(10.0, 4.0, 13.0) == 0.75
+    assert cal.overlap_cost_of(10.0, 4.0, 10.0) == 0  # hidden entirely: the GEMMs took no longer
+    assert cal.overlap_cost_of(10.0, 4.0, 9.0) == 0 and cal.overlap_cost_of(10.0, 4.0, 20.0) == 1  # noise: clipped
+    fits = {k: {"2": {"gbps": 1.0, "latency_us": 100.0}} for k in cal.LINK_COLLECTIVES}
+    gemms = [{"name": "qkv", "flops": 2e12, "seconds": 1.0, "tflops": 2.0}]
+    overlap = {"2": {"tensor_bytes": 1024, "overlap_cost": 0.6}}
+    hw, sources = cal.profile_figures(fits, gemms, 10.0, 2, 8.0, "test", overlap=overlap)
+    assert hw["overlap_cost"] == 0.6 and "all-reduce of 1024 bytes in flight" in sources["overlap_cost"]
+    hw, sources = cal.profile_figures(fits, gemms, 10.0, 2, 8.0, "test")
+    assert "overlap_cost" not in hw  # not measured: the planner keeps Hardware's default
 
 
 def test_achieved_rate_is_a_training_steps_model_flops_over_its_time():

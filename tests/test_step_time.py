@@ -116,8 +116,55 @@ def test_tensor_and_pipeline_traffic_are_exposed_with_a_latency_per_call():
     assert t["pp"] == pytest.approx(pp / e.comm["pp"]["bytes"] * e.comm["pp"]["seconds"])
     assert e.comm["pp"]["link"] == "InfiniBand"  # PP 2 spans the two nodes of 4
     lam_dp = 20e-6 if e.comm["dp"]["link"] == "InfiniBand" else 10e-6
-    calls_tp = M * layers * (4 * 2 + 1)  # gather + scatter per all-reduce equivalent, plus re-gathers
+    # per layer 2 x (4 + 1): a gather and a scatter per all-reduce equivalent, the re-gathers one each;
+    # and the output layer's 5 (the last stage's, the pipeline's slowest: more than the embedding's 2)
+    calls_tp = M * (layers * 2 * (4 + 1) + 5)
     assert t["latency"] == pytest.approx(calls_tp * 10e-6 + 2 * M * 20e-6 + 1 * lam_dp)
+
+
+def test_collective_calls_are_the_counts_a_step_makes():
+    """The latency term's calls per layer and micro-batch as counted in runs of the sweep's GPT
+    (tools/step_time_sweep.py's "TP 2 + SP": 216 all-gathers, 144 reduce-scatters and 16 loss
+    all-reduces in 8 micro-batches of 4 layers; "CP 2 a2a": 256 all-to-alls; "CP 2 allgather": 64
+    all-gathers and 32 reduce-scatters; "MoE, DP 2 x EP 2": 80 all-to-alls in 4 micro-batches)."""
+    from megalite.planner.step_time import exposed_calls, tp_calls
+    m = model()
+    assert tp_calls(m, Layout(tp=2), L) == L * 10 + 2 + 5  # (216 + 144 + 16) / 8 = 47
+    assert tp_calls(m, Layout(tp=2, recompute="full"), L) == L * 13 + 7  # counted: 280 + 176 + 16 = 8 x 59
+    assert tp_calls(m, Layout(tp=2, recompute="selective"), L) == L * 10 + 7
+    # a pipeline at its slowest stage's pace: 1F1B's last stage (the output layer's 5), ZBV's first (7)
+    assert tp_calls(m, Layout(tp=2, pp=2), L // 2, 0) == tp_calls(m, Layout(tp=2, pp=2), L // 2, 1) == 2 * 10 + 5
+    assert tp_calls(m, Layout(tp=2, pp=2, schedule="zbv"), L // 2, 1) == 2 * 10 + 7
+    moe = model(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=128)
+    assert tp_calls(moe, Layout(tp=2), L) == L * 10 - L * 5 + 7  # an MoE MLP: no TP collective
+    M = 8
+    for cp_type, per_layer in (("a2a", 8), ("allgather", 3), ("p2p", 0)):
+        calls = exposed_calls(m, Layout(cp=2, cp_comm_type=cp_type), M, {"cp": {}})
+        assert calls == {"cp": M * L * per_layer}, cp_type
+    ep = exposed_calls(moe, Layout(dp=2, ep=2, experts=True), 4, {"ep": {}})
+    assert ep == {"ep": 4 * L * 5}  # dispatch, combine, forward and backward, and the counts' exchange
+    _, e, t = terms(Layout(cp=2, dp=4, cp_comm_type="a2a"), hw=Hardware(80, 8, 1, nvlink_gbps=100.0,
+                                                                         achieved_tflops=100.0, hbm_gbps=1000.0))
+    M = GB // 4
+    assert t["latency"] == pytest.approx((M * L * 8 + 1) * 10e-6)  # + the gradients' one all-reduce
+
+
+def test_overlap_cost_is_the_profiles():
+    """The hidden link time is charged at ``Hardware.overlap_cost``: 0.10 where no profile measured
+    it (OVERLAP_COST), 1 on a machine whose collectives take the compute's cores."""
+    assert OVERLAP_COST == 0.10 == Hardware(80, 8).overlap_cost
+    hw = dict(nvlink_gbps=100.0, achieved_tflops=100.0, hbm_gbps=1000.0)
+    _, e, t = terms(Layout(dp=8, zero=3), hw=Hardware(80, 8, 1, **hw))
+    _, e1, t1 = terms(Layout(dp=8, zero=3), hw=Hardware(80, 8, 1, overlap_cost=1.0, **hw))
+    psi, M, r = e.psi, GB // 8, 7 / 8
+    per_micro = psi * (2 + 2 * 2) * r / 100e9
+    first = psi * 2 * 2 * r / 100e9 / L
+    hidden = M * (per_micro - first - max(0.0, per_micro - first - t["compute"] / M))
+    assert hidden > 0
+    assert t["overlap"] == pytest.approx(0.10 * hidden) and t1["overlap"] == pytest.approx(hidden)
+    assert e1.step_seconds - e.step_seconds == pytest.approx(0.9 * hidden)
+    _, _, free = terms(Layout(dp=8, zero=3), hw=Hardware(80, 8, 1, overlap_cost=0.0, **hw))
+    assert free["overlap"] == 0
 
 
 def test_context_parallel_ring_hides_behind_attention_and_a2a_does_not():

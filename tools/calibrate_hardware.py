@@ -24,6 +24,12 @@ Three measurements, each timed after a warm-up (CUDA events on a GPU, ``perf_cou
    all-gather, reduce-scatter or all-to-all, ``S`` for a send. So the bandwidth is the one the planner
    divides its wire bytes by (nccl-tests calls it bus bandwidth).
 3. **Memory copy** bandwidth: ``dst.copy_(src)`` of a large tensor, bytes read + written per second.
+4. **Overlap cost** per group size (:func:`measure_overlap`): square GEMMs for about twice an
+   all-reduce of the largest message, timed alone (C), the all-reduce alone (A), and the GEMMs with
+   the all-reduce started before them and waited after (T); ``overlap_cost = (T - C) / A`` in
+   [0, 1], what a collective hidden behind compute still costs per second of its own time (the
+   planner's "overlap" term): near 0 where the two share nothing, near 1 where the collective's
+   work runs on the compute's own cores (gloo's threads on a CPU), between on a GPU (NCCL's SMs).
 
 The profile's link figures: ``nvlink_gbps`` / ``nvlink_latency_us`` the median fit of all-reduce,
 all-gather and reduce-scatter at the largest group (``--link-ranks``: another); one machine has no
@@ -134,7 +140,7 @@ def measure_collectives(rank: int, world: int, group_sizes: list[int], sizes: li
     slowest rank's times: ``{kind: {n: [[tensor_bytes, seconds], ...]}}``."""
     device = torch.device(device_type, int(os.environ.get("LOCAL_RANK", 0)) if device_type == "cuda" else None)
     dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
-    out: dict = {k: {} for k in COLLECTIVES}
+    out: dict = {k: {} for k in COLLECTIVES + ("overlap",)}
     for n in group_sizes:
         group = dist.new_group(list(range(n)))  # every rank creates every group
         if rank < n:
@@ -152,8 +158,48 @@ def measure_collectives(rank: int, world: int, group_sizes: list[int], sizes: li
                         best = min(best, slowest.item())
                     points.append([size, best])
                 out[kind][n] = points
+            out["overlap"][n] = measure_overlap(group, max(sizes), trials, device, dtype)
         dist.barrier()
     return out
+
+
+def overlap_cost_of(compute_s: float, collective_s: float, together_s: float) -> float:
+    """``(T - C) / A`` clipped to [0, 1] (module docstring, 4): the share of a collective's own
+    time A that the compute C, with the collective in flight behind it, still took longer (T)."""
+    return min(1.0, max(0.0, (together_s - compute_s) / collective_s))
+
+
+def measure_overlap(group, tensor_bytes: int, trials: int, device, dtype) -> dict:
+    """Seconds of square GEMMs alone (C), an all-reduce of ``tensor_bytes`` alone (A) and the two
+    together (T: the all-reduce started before the GEMMs, waited after), the slowest rank's each;
+    the three are timed back to back in each of ``max(trials, 5)`` rounds, and the overlap cost is
+    the median of the rounds' :func:`overlap_cost_of` (a shared machine's load changes between
+    rounds, less within one). The GEMMs: enough for about twice the all-reduce."""
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # a rank's one core (this process is a forked rank or torchrun's)
+    numel = max(1, tensor_bytes // torch.tensor([], dtype=dtype).element_size())
+    x = torch.ones(numel, device=device, dtype=dtype)
+    side = 4096 if device.type == "cuda" else 256
+    a = torch.randn(side, side, device=device, dtype=dtype)
+
+    def slowest(fn, repeats=1):
+        dist.barrier(group=group)
+        seconds = torch.tensor([_time(fn, device, repeats)], dtype=torch.float64, device=device)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
+        return seconds.item()
+
+    reduce = lambda: dist.all_reduce(x, group=group)  # noqa: E731
+    reduce(), torch.mm(a, a)  # warm-up
+    count = max(1, round(2 * min(slowest(reduce) for _ in range(3)) / slowest(lambda: torch.mm(a, a), 10)))
+    compute = lambda: [torch.mm(a, a) for _ in range(count)]  # noqa: E731
+
+    def together():
+        work = dist.all_reduce(x, group=group, async_op=True)
+        compute()
+        work.wait()
+    rounds = [(slowest(compute), slowest(reduce), slowest(together)) for _ in range(max(trials, 5))]
+    return {"tensor_bytes": tensor_bytes, "gemms": count, "rounds": rounds,
+            "overlap_cost": statistics.median(overlap_cost_of(*r) for r in rounds)}
 
 
 def layer_gemms(hidden: int, seq: int, micro_batch: int, heads: int, tp: int) -> list[tuple[str, int, int, int, int]]:
@@ -229,10 +275,11 @@ def fits_of(raw: dict) -> dict:
 
 
 def profile_figures(fits: dict, matmuls: list[dict], copy_gbps: float, ranks: int, memory_gib: float,
-                    what: str, link_ranks: int | None = None, training: dict | None = None) -> tuple[dict, dict]:
-    """The Hardware fields of a calibration and where each comes from (links: the fits among
-    ``link_ranks``, default the largest group measured; the achieved rate: ``training``'s, a
-    :func:`measure_training` result, else the layer's GEMMs')."""
+                    what: str, link_ranks: int | None = None, training: dict | None = None,
+                    overlap: dict | None = None) -> tuple[dict, dict]:
+    """The Hardware fields of a calibration and where each comes from (links and the overlap cost:
+    the fits and :func:`measure_overlap` among ``link_ranks``, default the largest group measured;
+    the achieved rate: ``training``'s, a :func:`measure_training` result, else the layer's GEMMs')."""
     layer = [r for r in matmuls if r["name"] != "square"]
     achieved = (training["tflops"] if training else
                 sum(r["flops"] for r in layer) / sum(r["seconds"] for r in layer) / 1e12)
@@ -251,6 +298,11 @@ def profile_figures(fits: dict, matmuls: list[dict], copy_gbps: float, ranks: in
         gbps = statistics.median(fits[k][largest]["gbps"] for k in LINK_COLLECTIVES)
         latency = statistics.median(fits[k][largest]["latency_us"] for k in LINK_COLLECTIVES)
         hw.update(nvlink_gbps=gbps, nvlink_latency_us=max(latency, 0.1), ib_gbps=gbps, ib_latency_us=max(latency, 0.1))
+        if overlap and largest in overlap:
+            o = overlap[largest]
+            hw["overlap_cost"] = o["overlap_cost"]
+            src["overlap_cost"] = (f"measured among {largest} ranks: GEMMs with an all-reduce of {o['tensor_bytes']} "
+                                   f"bytes in flight against each alone, (together - GEMMs) / all-reduce")
         fitted = (f"measured: the median fit (time = latency + wire bytes / bandwidth) of all-reduce, all-gather "
                   f"and reduce-scatter among {largest} ranks")
         src.update(nvlink_gbps=fitted, nvlink_latency_us=fitted,
@@ -388,8 +440,9 @@ def main(argv=None) -> int:
         dist.barrier()
         dist.destroy_process_group()
         return 0
+    overlap = {str(n): o for n, o in raw.pop("overlap", {}).items()}
     fits = fits_of({k: v for k, v in raw.items() if v})
-    hw, sources = profile_figures(fits, matmuls, copy_gbps, ranks, memory, what, a.link_ranks, training)
+    hw, sources = profile_figures(fits, matmuls, copy_gbps, ranks, memory, what, a.link_ranks, training, overlap)
     name = a.name or (torch.cuda.get_device_name(device).lower().replace(" ", "-") if gpu
                       else f"cpu-{os.cpu_count()}core")
     measured = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -397,7 +450,8 @@ def main(argv=None) -> int:
                 "model": dict(zip(("hidden_size", "seq_length", "micro_batch_size", "num_attention_heads"), c["model"]),
                               tensor_model_parallel_size=a.tensor_model_parallel_size),
                 "load_average": load, "seconds": time.perf_counter() - started,
-                "matmul": matmuls, "training": training, "copy_gbps": copy_gbps, "collectives": fits}
+                "matmul": matmuls, "training": training, "copy_gbps": copy_gbps, "collectives": fits,
+                "overlap": overlap}
     write_profile(a.output, name, hw, sources, measured)
     print("\n".join(markdown(fits, matmuls, hw)))
     print(f"profile {name!r} written to {a.output} ({measured['seconds']:.1f} s; load average before "

@@ -220,6 +220,24 @@ def test_overlap_cost_by_hand():
     assert "overlap_cost" not in hw  # not measured: the planner keeps Hardware's default
 
 
+def test_cp_blocks_by_hand():
+    """A causal CP 2 rank holds chunks r and 3 - r of 4 and attends every key chunk not after its query
+    chunk: the 10 such pairs split 5 and 5; the rate counts the planner's attention FLOPs of a rank
+    (3 x 4 b heads d s^2 / CP) over the blocks' time, and the profile takes it."""
+    import torch
+    assert cal.cp_block_pairs(0, 2) == [(0, 0, True), (3, 0, False), (3, 3, True), (3, 1, False), (3, 2, False)]
+    assert cal.cp_block_pairs(1, 2) == [(1, 0, False), (2, 0, False), (1, 1, True), (2, 1, False), (2, 2, True)]
+    pairs = cal.cp_block_pairs(0, 4) + cal.cp_block_pairs(1, 4) + cal.cp_block_pairs(2, 4) + cal.cp_block_pairs(3, 4)
+    assert sorted((q, k) for q, k, _ in pairs) == [(q, k) for q in range(8) for k in range(q + 1)]
+    run = cal.measure_cp_blocks((32, 16, 2, 4), torch.device("cpu"), torch.float32, 1, 1)
+    assert run["backend"] == "torch" and run["flops"] == 3 * 4 * 2 * 4 * 8 * 16 * 16 / 2
+    assert run["tflops"] == pytest.approx(run["flops"] / run["blocks_s"] / 1e12) and run["fused_s"] > 0
+    gemms = [{"name": "qkv", "flops": 2e12, "seconds": 1.0, "tflops": 2.0}]
+    hw, sources = cal.profile_figures({}, gemms, 10.0, 1, 8.0, "test", cp_blocks=run)
+    assert hw["cp_block_tflops"] == run["tflops"] and "CP 2 rank's torch attention blocks" in sources["cp_block_tflops"]
+    assert "cp_block_tflops" not in cal.profile_figures({}, gemms, 10.0, 1, 8.0, "test")[0]
+
+
 def test_achieved_rate_is_a_training_steps_model_flops_over_its_time():
     """measure_training times a real GPT's forward and backward and counts the planner's model
     FLOPs (flops_per_token x tokens); the profile's achieved rate is that one, said so, while the

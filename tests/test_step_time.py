@@ -183,6 +183,31 @@ def test_context_parallel_ring_hides_behind_attention_and_a2a_does_not():
     assert late.step["cp"] == pytest.approx(late.comm["cp"]["seconds"] - attention)
 
 
+def test_context_parallel_blocks_run_at_their_calibrated_rate():
+    """p2p and allgather attend block by block: the rank's attention A (at R) takes A R / R_b at the
+    blocks' rate R_b (Hardware.cp_block_tflops), + A (R / R_b - 1) in 'cp', and the ring hides
+    behind that longer time; a2a attends with the fused kernel: unchanged; no R_b: as before."""
+    long = dict(seq_length=4096)
+    m = ModelConfig(num_layers=L, hidden_size=H, num_attention_heads=4, vocab_size=V, **long)
+    links = dict(nvlink_gbps=100.0, achieved_tflops=100.0, hbm_gbps=1000.0)
+    attention = 3 * 4 * L * H * 4096 * GB * 4096 / (8 * 100e12)  # the rank's, at R
+    for cp_type in ("p2p", "allgather", "a2a"):
+        base = estimate(m, Layout(cp=2, dp=4, cp_comm_type=cp_type), GB, MICRO, BF16, Hardware(80, 8, 1, **links), True)
+        slow = estimate(m, Layout(cp=2, dp=4, cp_comm_type=cp_type), GB, MICRO, BF16,
+                        Hardware(80, 8, 1, cp_block_tflops=25.0, **links), True)
+        extra = attention * (100 / 25 - 1) if cp_type != "a2a" else 0.0
+        wire = base.comm["cp"]["seconds"]
+        if cp_type == "p2p":  # the ring hidden behind the attention both times (it is shorter than A)
+            assert wire < attention and base.step["cp"] == 0
+        else:
+            assert base.step["cp"] == pytest.approx(wire)
+        assert slow.step["cp"] == pytest.approx(base.step["cp"] + extra), cp_type
+        assert slow.step["compute"] == base.step["compute"] and slow.step["overlap"] == base.step["overlap"]
+    slow_ring = Hardware(80, 8, 1, nvlink_gbps=0.01, achieved_tflops=100.0, hbm_gbps=1000.0, cp_block_tflops=25.0)
+    late = estimate(m, Layout(cp=2, dp=4, cp_comm_type="p2p"), GB, MICRO, BF16, slow_ring, True)
+    assert late.step["cp"] == pytest.approx(late.comm["cp"]["seconds"] - 4 * attention + 3 * attention)
+
+
 def test_expert_all_to_alls_are_exposed():
     m = model(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=128)
     e = estimate(m, Layout(dp=8, ep=4, experts=True), GB, MICRO, BF16, HW, True)

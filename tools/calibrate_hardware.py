@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Measure this machine and write a hardware profile the planner reads (``plan_parallel.py --hardware FILE``).
 
-Three measurements, each timed after a warm-up (CUDA events on a GPU, ``perf_counter`` on a CPU):
+Five measurements, each timed after a warm-up (CUDA events on a GPU, ``perf_counter`` on a CPU):
 
 1. **Matmul rate** at the GEMM shapes one transformer layer of the given model produces on a rank of
    tensor-parallel size t (b micro-batch, s sequence, h hidden, a heads, d = h/a; FLOPs = 2 m k n):
@@ -24,7 +24,12 @@ Three measurements, each timed after a warm-up (CUDA events on a GPU, ``perf_cou
    all-gather, reduce-scatter or all-to-all, ``S`` for a send. So the bandwidth is the one the planner
    divides its wire bytes by (nccl-tests calls it bus bandwidth).
 3. **Memory copy** bandwidth: ``dst.copy_(src)`` of a large tensor, bytes read + written per second.
-4. **Overlap cost** per group size (:func:`measure_overlap`): square GEMMs for about twice an
+4. **CP blocks**: a context-parallel rank's attention blocks (CP 2, causal, load-balanced: the
+   ring's and allgather's block functions on this device, Triton's on a GPU, torch's reference on
+   a CPU) forward and backward at the layer's shape, the ranks' mean: ``cp_block_tflops`` = the
+   planner's attention FLOPs of a rank (3 x 4 b heads d s^2 / CP, as ``step_time.attention_seconds``
+   counts them) over that time; the fused attention (SDPA) over the whole sequence is timed beside.
+5. **Overlap cost** per group size (:func:`measure_overlap`): square GEMMs for about twice an
    all-reduce of the largest message, timed alone (C), the all-reduce alone (A), and the GEMMs with
    the all-reduce started before them and waited after (T); ``overlap_cost = (T - C) / A`` in
    [0, 1], what a collective hidden behind compute still costs per second of its own time (the
@@ -33,8 +38,9 @@ Three measurements, each timed after a warm-up (CUDA events on a GPU, ``perf_cou
 
 The profile's link figures: ``nvlink_gbps`` / ``nvlink_latency_us`` the median fit of all-reduce,
 all-gather and reduce-scatter at the largest group (``--link-ranks``: another); one machine has no
-second level, so ``ib_*`` repeat them (``sources`` says so). Every fit and point is kept under
-``measured`` (:func:`megalite.planner.hardware.measured_collective` reads one) for a model that wants more.
+second level, so ``ib_*`` repeat them (``sources`` says so); ``overlap_cost`` that group's measurement.
+Every fit and point is kept under ``measured`` (:func:`megalite.planner.hardware.measured_collective`
+reads one) for a model that wants more.
 
     python tools/calibrate_hardware.py --output docs/profiles/cpu-2core.json [--quick] [--max-ranks 8]
     torchrun --nproc-per-node 8 tools/calibrate_hardware.py --output h100-node.json   # NCCL, one node
@@ -50,8 +56,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from megalite.config import ModelConfig  # noqa: E402
+from megalite.context_parallel.ring_attention import block_ops, local_chunk_ids  # noqa: E402
 from megalite.model.counting import flops_per_token  # noqa: E402
 from megalite.model.gpt import GPTModel  # noqa: E402
 from megalite.planner.hardware import write_profile  # noqa: E402
@@ -252,6 +260,45 @@ def measure_training(model: tuple, layers: int, vocab: int, device: torch.device
             "tflops": flops / seconds / 1e12}
 
 
+def cp_block_pairs(rank: int, size: int) -> list[tuple[int, int, bool]]:
+    """(query chunk, key chunk, diagonal?) of the blocks a rank of a causal, load-balanced CP group of
+    ``size`` attends: its chunks r and 2 size - 1 - r against every rank's, keys not after queries."""
+    mine = local_chunk_ids(rank, size, True)
+    return [(qa, ka, qa == ka) for src in range(size) for qa in mine
+            for ka in local_chunk_ids(src, size, True) if ka <= qa]
+
+
+def measure_cp_blocks(model: tuple, device: torch.device, dtype, repeats: int, trials: int, size: int = 2) -> dict:
+    """Seconds of the fused causal attention's forward + backward over the whole sequence (SDPA on
+    b x heads x s x d of ``model`` = (h, s, b, heads)) and of a CP rank's blocks (:func:`cp_block_pairs`,
+    each block forward, then backward with its delta), the mean over the ``size`` ranks, each the
+    best of ``trials``; ``tflops``: the planner's attention FLOPs of a rank over the blocks' time
+    (module docstring, 4)."""
+    h, s, b, heads = model
+    d, c = h // heads, s // (2 * size)
+    q, k, v = (torch.randn(b, heads, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+
+    def fused():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.backward(torch.ones_like(out))
+    qc, kc, vc, dout = (torch.randn(b, heads, c, d, device=device, dtype=dtype) for _ in range(4))
+    ops = block_ops("auto", qc)
+
+    def blocks(rank):
+        for _, _, diag in cp_block_pairs(rank, size):
+            out, lse = ops.forward(qc, kc, vc, causal=diag)
+            ops.backward(qc, kc, vc, out, dout, lse, causal=diag, delta=ops.delta(out, dout))
+
+    def best(fn):
+        fn()  # warm-up
+        return min(_time(fn, device, repeats) for _ in range(trials))
+    fused_s = best(fused)
+    blocks_s = sum(best(lambda: blocks(r)) for r in range(size)) / size
+    flops = 3 * 4 * b * heads * d * s * s / size  # forward + backward, the planner's (non-causal) count
+    return {"backend": ops.name, "shape": [b, heads, s, d], "cp": size, "fused_s": fused_s, "blocks_s": blocks_s,
+            "flops": flops, "tflops": flops / blocks_s / 1e12}
+
+
 def copy_bandwidth(device: torch.device, nbytes: int, repeats: int) -> float:
     """Bytes read + written per second by ``dst.copy_(src)`` of ``nbytes``."""
     src = torch.ones(nbytes // 4, device=device, dtype=torch.float32)
@@ -276,7 +323,7 @@ def fits_of(raw: dict) -> dict:
 
 def profile_figures(fits: dict, matmuls: list[dict], copy_gbps: float, ranks: int, memory_gib: float,
                     what: str, link_ranks: int | None = None, training: dict | None = None,
-                    overlap: dict | None = None) -> tuple[dict, dict]:
+                    overlap: dict | None = None, cp_blocks: dict | None = None) -> tuple[dict, dict]:
     """The Hardware fields of a calibration and where each comes from (links and the overlap cost:
     the fits and :func:`measure_overlap` among ``link_ranks``, default the largest group measured;
     the achieved rate: ``training``'s, a :func:`measure_training` result, else the layer's GEMMs')."""
@@ -293,6 +340,10 @@ def profile_figures(fits: dict, matmuls: list[dict], copy_gbps: float, ranks: in
            "achieved_tflops": (f"measured: a {training['layers']}-layer GPT's forward + backward on one rank, model "
                                f"FLOPs / time" if training else "measured: one layer's forward GEMMs, total FLOPs / total time"),
            "hbm_gbps": "measured: dst.copy_(src), bytes read + written per second"}
+    if cp_blocks:
+        hw["cp_block_tflops"] = cp_blocks["tflops"]
+        src["cp_block_tflops"] = (f"measured: a CP {cp_blocks['cp']} rank's {cp_blocks['backend']} attention blocks, "
+                                  f"forward + backward, the planner's attention FLOPs / time")
     largest = str(link_ranks or max((int(n) for n in fits.get("all_reduce", {})), default=0))
     if largest != "0":
         gbps = statistics.median(fits[k][largest]["gbps"] for k in LINK_COLLECTIVES)
@@ -375,9 +426,9 @@ def settings(a, gpu: bool) -> dict:
             "square": 256 if a.quick else 8192 if gpu else 1024, "copy_bytes": 2**23 if a.quick else 2**28}
 
 
-def measure_compute(a, c: dict, device: torch.device, gpu: bool) -> tuple[list[dict], float, dict | None]:
-    """The matmul rows (one layer's GEMMs and a square one), the copy bandwidth in GB/s and the
-    training step's rate (None with ``--training-layers 0``)."""
+def measure_compute(a, c: dict, device: torch.device, gpu: bool) -> tuple[list[dict], float, dict | None, dict]:
+    """The matmul rows (one layer's GEMMs and a square one), the copy bandwidth in GB/s, the
+    training step's rate (None with ``--training-layers 0``) and the CP blocks' (:func:`measure_cp_blocks`)."""
     h, s, b, heads = c["model"]
     square = c["square"]
     shapes = layer_gemms(h, s, b, heads, a.tensor_model_parallel_size) + [("square", 1, square, square, square)]
@@ -387,7 +438,9 @@ def measure_compute(a, c: dict, device: torch.device, gpu: bool) -> tuple[list[d
     vocab = a.vocab_size or (256 if a.quick else 4096)
     training = (measure_training(c["model"], layers, vocab, device, gpu, c["repeats"], c["trials"]) if layers > 0
                 else None)
-    return matmuls, copy_bandwidth(device, c["copy_bytes"], 3 if a.quick else 10) / 1e9, training
+    rank_shape = (h, s, b, heads // a.tensor_model_parallel_size)  # a TP rank's heads
+    cp_blocks = measure_cp_blocks(rank_shape, device, torch.bfloat16 if gpu else torch.float32, c["repeats"], c["trials"])
+    return matmuls, copy_bandwidth(device, c["copy_bytes"], 3 if a.quick else 10) / 1e9, training, cp_blocks
 
 
 def main(argv=None) -> int:
@@ -427,7 +480,7 @@ def main(argv=None) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # on a CPU a rank is one single-threaded process
     try:
-        matmuls, copy_gbps, training = measure_compute(a, c, device, gpu)
+        matmuls, copy_gbps, training, cp_blocks = measure_compute(a, c, device, gpu)
     finally:
         torch.set_num_threads(threads)
     if gpu:
@@ -442,7 +495,8 @@ def main(argv=None) -> int:
         return 0
     overlap = {str(n): o for n, o in raw.pop("overlap", {}).items()}
     fits = fits_of({k: v for k, v in raw.items() if v})
-    hw, sources = profile_figures(fits, matmuls, copy_gbps, ranks, memory, what, a.link_ranks, training, overlap)
+    hw, sources = profile_figures(fits, matmuls, copy_gbps, ranks, memory, what, a.link_ranks, training, overlap,
+                                  cp_blocks)
     name = a.name or (torch.cuda.get_device_name(device).lower().replace(" ", "-") if gpu
                       else f"cpu-{os.cpu_count()}core")
     measured = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -451,7 +505,7 @@ def main(argv=None) -> int:
                               tensor_model_parallel_size=a.tensor_model_parallel_size),
                 "load_average": load, "seconds": time.perf_counter() - started,
                 "matmul": matmuls, "training": training, "copy_gbps": copy_gbps, "collectives": fits,
-                "overlap": overlap}
+                "overlap": overlap, "cp_blocks": cp_blocks}
     write_profile(a.output, name, hw, sources, measured)
     print("\n".join(markdown(fits, matmuls, hw)))
     print(f"profile {name!r} written to {a.output} ({measured['seconds']:.1f} s; load average before "

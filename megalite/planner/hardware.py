@@ -29,7 +29,11 @@ The figures' meaning, as the planner uses them:
   of its link time (:mod:`.step_time`'s "overlap"). No datasheet states it: the built-ins and an
   older profile without it take Hardware's 0.10; ``tools/calibrate_hardware.py`` measures it (GEMMs
   with a collective in flight against each alone: 0 where the two share nothing, 1 where the
-  collective's work takes the compute's own cores, as gloo's threads do on a CPU).
+  collective's work takes the compute's own cores, as gloo's threads do on a CPU);
+- ``cp_block_tflops`` (optional): the rate of context parallelism's attention blocks (the ring's and
+  allgather's: Triton's on a GPU, torch's reference on a CPU), the planner's attention FLOPs over
+  their time; without it the blocks run at ``achieved_tflops``. ``tools/calibrate_hardware.py``
+  measures it at the layer's shape.
 
 A profile leaves out the cluster's own choices (``nodes``, ``headroom``): the caller gives those.
 """

@@ -29,7 +29,11 @@ node, InfiniBand across: the link :mod:`.estimate` names), lambda its latency pe
     pp         each micro-batch's activation and gradient sends: exposed at the stage boundaries
     cp         p2p (the ring, and a2a+p2p's outer ring): hidden behind each block's attention when
                that is longer: max(0, ring time - attention compute); a2a, allgather and the inner
-               level of a2a+p2p: exposed
+               level of a2a+p2p: exposed. The types that attend block by block (p2p, allgather,
+               a2a+p2p) run the rank's attention at the blocks' rate R_b, not R: + A (R / R_b - 1),
+               A the rank's attention at R (:func:`attention_seconds`), R_b = ``Hardware.cp_block_tflops``
+               (R where no profile measured it: the Triton blocks on a GPU, torch's reference blocks
+               on a CPU, 0.019 TFLOP/s against R = 0.064 here); the ring hides behind A R / R_b
     ep         the MoE all-to-alls (dispatch, combine; forward and backward): exposed
     optimizer  the step on the rank's shard S (Psi, / N under ZeRO >= 1): master + state bytes read
                and written, the gradient read and the weight written, at the HBM bandwidth:
@@ -157,14 +161,18 @@ def attention_seconds(m: ModelConfig, layout: Layout, global_batch: int, hw: Har
 def context_parallel(m: ModelConfig, layout: Layout, comm: dict, global_batch: int,
                      hw: Hardware) -> tuple[float, float]:
     """CP's (exposed, hidden) time: a ring (p2p, a2a+p2p's outer level) behind the attention it feeds when
-    that is longer; all-to-alls and allgather's gathers exposed (module docstring)."""
+    that is longer; all-to-alls and allgather's gathers exposed; the blocks' slower rate,
+    A (R / R_b - 1), for the types attending block by block (all but a2a; module docstring)."""
     if layout.cp == 1:
         return 0.0, 0.0
     ring_kinds = ("cp",) if layout.cp_comm_type == "p2p" else ("cp_outer",)
     hidden = sum(exposed(comm, k) for k in ring_kinds)
     shown = sum(exposed(comm, k) for k in ("cp", "cp_inner", "cp_outer") if k not in ring_kinds)
-    behind = min(hidden, attention_seconds(m, layout, global_batch, hw))
-    return shown + hidden - behind, behind
+    attention = attention_seconds(m, layout, global_batch, hw)
+    rate = hw.cp_block_tflops if hw.cp_block_tflops and layout.cp_comm_type != "a2a" else hw.achieved_tflops
+    blocks = attention * hw.achieved_tflops / rate
+    behind = min(hidden, blocks)
+    return shown + hidden - behind + blocks - attention, behind
 
 
 def optimizer(m: ModelConfig, layout: Layout, psi: int, matrices: int, prec: Precision, hw: Hardware,

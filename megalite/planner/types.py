@@ -36,6 +36,9 @@ class Hardware:
     # what a collective hidden behind compute still costs, per second of its link time (step_time.py's
     # "overlap"); 0.10 an assumption for a GPU, a calibrated profile measures it (calibrate_hardware.py)
     overlap_cost: float = 0.10
+    # TFLOP/s of the CP attention blocks (ring, allgather: Triton's on a GPU, torch's reference on a CPU),
+    # the planner's attention FLOPs over their time; None: achieved_tflops (step_time.py's "cp")
+    cp_block_tflops: float | None = None
 
     @property
     def world_size(self) -> int:

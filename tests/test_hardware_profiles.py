@@ -188,6 +188,9 @@ def test_calibration_writes_a_profile_whose_fit_reproduces_its_measurements(tmp_
     median_link = sorted(fits[k]["2"]["gbps"] for k in cal.LINK_COLLECTIVES)[1]
     assert hw.nvlink_gbps == pytest.approx(median_link) and hw.ib_gbps == hw.nvlink_gbps
     overlap = doc["measured"]["overlap"]["2"]  # GEMMs with an all-reduce in flight: 5 rounds' median
+    after = doc["measured"]["after_compute"]["2"]  # the latency: a call after compute, less its wire time
+    assert len(after["rounds"]) == 5 and after["seconds"] == sorted(after["rounds"])[2]
+    assert hw.nvlink_latency_us == pytest.approx(max(0.1, (after["seconds"] - 2048 / (hw.nvlink_gbps * 1e9)) * 1e6))
     assert hw.overlap_cost == overlap["overlap_cost"] and 0 <= hw.overlap_cost <= 1 and len(overlap["rounds"]) == 5
 
 
@@ -218,6 +221,18 @@ def test_overlap_cost_by_hand():
     assert hw["overlap_cost"] == 0.6 and "all-reduce of 1024 bytes in flight" in sources["overlap_cost"]
     hw, sources = cal.profile_figures(fits, gemms, 10.0, 2, 8.0, "test")
     assert "overlap_cost" not in hw  # not measured: the planner keeps Hardware's default
+    assert hw["nvlink_latency_us"] == 100.0 and sources["nvlink_latency_us"].startswith("measured: the median fit")
+
+
+def test_latency_is_a_call_after_compute_less_its_wire_time():
+    """The profile's latency: the all-gather issued after compute (measure_call_after_compute's
+    median), less its wire bytes at the fitted bandwidth; the fits' intercept said beside it."""
+    fits = {k: {"2": {"gbps": 1.0, "latency_us": 100.0}} for k in cal.LINK_COLLECTIVES}
+    gemms = [{"name": "qkv", "flops": 2e12, "seconds": 1.0, "tflops": 2.0}]
+    after = {"2": {"tensor_bytes": 4096, "rounds": [3e-3, 2e-3, 1e-3, 2e-3, 9e-3], "seconds": 2e-3}}
+    hw, sources = cal.profile_figures(fits, gemms, 10.0, 2, 8.0, "test", after_compute=after)
+    assert hw["nvlink_latency_us"] == hw["ib_latency_us"] == pytest.approx((2e-3 - 2048 / 1e9) * 1e6)
+    assert "issued after compute" in sources["nvlink_latency_us"] and "(100 us)" in sources["nvlink_latency_us"]
 
 
 def test_cp_blocks_by_hand():

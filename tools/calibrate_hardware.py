@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Measure this machine and write a hardware profile the planner reads (``plan_parallel.py --hardware FILE``).
 
-Five measurements, each timed after a warm-up (CUDA events on a GPU, ``perf_counter`` on a CPU):
+Six measurements, each timed after a warm-up (CUDA events on a GPU, ``perf_counter`` on a CPU):
 
 1. **Matmul rate** at the GEMM shapes one transformer layer of the given model produces on a rank of
    tensor-parallel size t (b micro-batch, s sequence, h hidden, a heads, d = h/a; FLOPs = 2 m k n):
@@ -29,7 +29,12 @@ Five measurements, each timed after a warm-up (CUDA events on a GPU, ``perf_coun
    a CPU) forward and backward at the layer's shape, the ranks' mean: ``cp_block_tflops`` = the
    planner's attention FLOPs of a rank (3 x 4 b heads d s^2 / CP, as ``step_time.attention_seconds``
    counts them) over that time; the fused attention (SDPA) over the whole sequence is timed beside.
-5. **Overlap cost** per group size (:func:`measure_overlap`): square GEMMs for about twice an
+5. **A call after compute** per group size (:func:`measure_call_after_compute`): a 4 KiB all-gather
+   issued after untimed GEMMs, as a step issues its calls (the transport's threads asleep, caches
+   cold), not back to back as the table above times them: on this project's CPU 1.3-2.5 ms a call
+   against 0.2-1.3 ms back to back, under load. The rank arriving last waits for nobody, so its time
+   is the call's own; the median over rounds, less the wire time, is the profile's latency.
+6. **Overlap cost** per group size (:func:`measure_overlap`): square GEMMs for about twice an
    all-reduce of the largest message, timed alone (C), the all-reduce alone (A), and the GEMMs with
    the all-reduce started before them and waited after (T); ``overlap_cost = (T - C) / A`` in
    [0, 1], what a collective hidden behind compute still costs per second of its own time (the
@@ -148,7 +153,7 @@ def measure_collectives(rank: int, world: int, group_sizes: list[int], sizes: li
     slowest rank's times: ``{kind: {n: [[tensor_bytes, seconds], ...]}}``."""
     device = torch.device(device_type, int(os.environ.get("LOCAL_RANK", 0)) if device_type == "cuda" else None)
     dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
-    out: dict = {k: {} for k in COLLECTIVES + ("overlap",)}
+    out: dict = {k: {} for k in COLLECTIVES + ("overlap", "after_compute")}
     for n in group_sizes:
         group = dist.new_group(list(range(n)))  # every rank creates every group
         if rank < n:
@@ -167,8 +172,37 @@ def measure_collectives(rank: int, world: int, group_sizes: list[int], sizes: li
                     points.append([size, best])
                 out[kind][n] = points
             out["overlap"][n] = measure_overlap(group, max(sizes), trials, device, dtype)
+            out["after_compute"][n] = measure_call_after_compute(rank, n, group, repeats, trials, device, dtype)
         dist.barrier()
     return out
+
+
+AFTER_COMPUTE_BYTES = 4096  # the all-gather whose call after compute gives the profile's latency
+
+
+def measure_call_after_compute(rank: int, n: int, group, repeats: int, trials: int, device, dtype) -> dict:
+    """Seconds of one all-gather of :data:`AFTER_COMPUTE_BYTES` issued after three untimed square
+    GEMMs, each rank's mean over ``4 x repeats`` calls; per round the least over the ranks (the rank
+    arriving last: its time is the call's, not a wait for a peer), over ``max(trials, 5)`` rounds
+    (module docstring, 5). ``seconds``: the rounds' median."""
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    call = _collective_call("all_gather", AFTER_COMPUTE_BYTES, n, rank, group, device, dtype)
+    side = 4096 if device.type == "cuda" else 256
+    a = torch.randn(side, side, device=device, dtype=dtype)
+    call(), torch.mm(a, a)  # warm-up
+    rounds = []
+    for _ in range(max(trials, 5)):
+        dist.barrier(group=group)
+        seconds = 0.0
+        for _ in range(4 * repeats):
+            for _ in range(3):
+                torch.mm(a, a)
+            seconds += _time(call, device, 1)
+        mine = torch.tensor([seconds / (4 * repeats)], dtype=torch.float64, device=device)
+        dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=group)
+        rounds.append(mine.item())
+    return {"tensor_bytes": AFTER_COMPUTE_BYTES, "rounds": rounds, "seconds": statistics.median(rounds)}
 
 
 def overlap_cost_of(compute_s: float, collective_s: float, together_s: float) -> float:
@@ -323,10 +357,13 @@ def fits_of(raw: dict) -> dict:
 
 def profile_figures(fits: dict, matmuls: list[dict], copy_gbps: float, ranks: int, memory_gib: float,
                     what: str, link_ranks: int | None = None, training: dict | None = None,
-                    overlap: dict | None = None, cp_blocks: dict | None = None) -> tuple[dict, dict]:
+                    overlap: dict | None = None, cp_blocks: dict | None = None,
+                    after_compute: dict | None = None) -> tuple[dict, dict]:
     """The Hardware fields of a calibration and where each comes from (links and the overlap cost:
-    the fits and :func:`measure_overlap` among ``link_ranks``, default the largest group measured;
-    the achieved rate: ``training``'s, a :func:`measure_training` result, else the layer's GEMMs')."""
+    the fits, :func:`measure_overlap` and ``after_compute`` (:func:`measure_call_after_compute`: the
+    latency, less its wire time; without it the fits' intercept) among ``link_ranks``, default the
+    largest group measured; the achieved rate: ``training``'s, a :func:`measure_training` result,
+    else the layer's GEMMs')."""
     layer = [r for r in matmuls if r["name"] != "square"]
     achieved = (training["tflops"] if training else
                 sum(r["flops"] for r in layer) / sum(r["seconds"] for r in layer) / 1e12)
@@ -356,7 +393,17 @@ def profile_figures(fits: dict, matmuls: list[dict], copy_gbps: float, ranks: in
                                    f"bytes in flight against each alone, (together - GEMMs) / all-reduce")
         fitted = (f"measured: the median fit (time = latency + wire bytes / bandwidth) of all-reduce, all-gather "
                   f"and reduce-scatter among {largest} ranks")
-        src.update(nvlink_gbps=fitted, nvlink_latency_us=fitted,
+        after = (after_compute or {}).get(largest)
+        if after:
+            wire = wire_bytes("all_gather", after["tensor_bytes"], int(largest)) / (gbps * 1e9)
+            latency = max((after["seconds"] - wire) * 1e6, 0.1)
+            hw.update(nvlink_latency_us=latency, ib_latency_us=latency)
+        src.update(nvlink_gbps=fitted, nvlink_latency_us=fitted if not after else (
+                       f"measured: a {after['tensor_bytes']}-byte all-gather issued after compute among {largest} "
+                       f"ranks, as a step issues its calls (the last-arriving rank's mean, the median of "
+                       f"{len(after['rounds'])} rounds), less its wire time; the fits' intercept "
+                       f"({statistics.median(fits[k][largest]['latency_us'] for k in LINK_COLLECTIVES):.0f} us) "
+                       f"is the back-to-back figure"),
                    ib_gbps="one machine: no second level measured, the same as nvlink_gbps",
                    ib_latency_us="one machine: no second level measured, the same as nvlink_latency_us")
     else:
@@ -494,9 +541,10 @@ def main(argv=None) -> int:
         dist.destroy_process_group()
         return 0
     overlap = {str(n): o for n, o in raw.pop("overlap", {}).items()}
+    after_compute = {str(n): o for n, o in raw.pop("after_compute", {}).items()}
     fits = fits_of({k: v for k, v in raw.items() if v})
     hw, sources = profile_figures(fits, matmuls, copy_gbps, ranks, memory, what, a.link_ranks, training, overlap,
-                                  cp_blocks)
+                                  cp_blocks, after_compute)
     name = a.name or (torch.cuda.get_device_name(device).lower().replace(" ", "-") if gpu
                       else f"cpu-{os.cpu_count()}core")
     measured = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -505,7 +553,8 @@ def main(argv=None) -> int:
                               tensor_model_parallel_size=a.tensor_model_parallel_size),
                 "load_average": load, "seconds": time.perf_counter() - started,
                 "matmul": matmuls, "training": training, "copy_gbps": copy_gbps, "collectives": fits,
-                "overlap": overlap, "cp_blocks": cp_blocks}
+                "overlap": overlap, "cp_blocks": cp_blocks,
+                "after_compute": after_compute}
     write_profile(a.output, name, hw, sources, measured)
     print("\n".join(markdown(fits, matmuls, hw)))
     print(f"profile {name!r} written to {a.output} ({measured['seconds']:.1f} s; load average before "

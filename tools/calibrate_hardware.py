@@ -486,7 +486,8 @@ def measure_compute(a, c: dict, device: torch.device, gpu: bool) -> tuple[list[d
     training = (measure_training(c["model"], layers, vocab, device, gpu, c["repeats"], c["trials"]) if layers > 0
                 else None)
     rank_shape = (h, s, b, heads // a.tensor_model_parallel_size)  # a TP rank's heads
-    cp_blocks = measure_cp_blocks(rank_shape, device, torch.bfloat16 if gpu else torch.float32, c["repeats"], c["trials"])
+    dtype = torch.bfloat16 if gpu else torch.float32
+    cp_blocks = measure_cp_blocks(rank_shape, device, dtype, c["repeats"], c["trials"])
     return matmuls, copy_bandwidth(device, c["copy_bytes"], 3 if a.quick else 10) / 1e9, training, cp_blocks
 
 

@@ -33,7 +33,7 @@ node, InfiniBand across: the link :mod:`.estimate` names), lambda its latency pe
                a2a+p2p) run the rank's attention at the blocks' rate R_b, not R: + A (R / R_b - 1),
                A the rank's attention at R (:func:`attention_seconds`), R_b = ``Hardware.cp_block_tflops``
                (R where no profile measured it: the Triton blocks on a GPU, torch's reference blocks
-               on a CPU, 0.019 TFLOP/s against R = 0.064 here); the ring hides behind A R / R_b
+               on a CPU, 0.014-0.019 TFLOP/s against R = 0.064 here); the ring hides behind A R / R_b
     ep         the MoE all-to-alls (dispatch, combine; forward and backward): exposed
     optimizer  the step on the rank's shard S (Psi, / N under ZeRO >= 1): master + state bytes read
                and written, the gradient read and the weight written, at the HBM bandwidth:
@@ -48,11 +48,12 @@ node, InfiniBand across: the link :mod:`.estimate` names), lambda its latency pe
     latency    lambda per exposed collective call (:func:`exposed_calls`, the counts a step makes,
                checked by counting a run's calls): TP with SP 10 per layer and micro-batch (13 with
                full recomputation), the embedding's 2 and the output layer's 5 as the slowest
-               stage holds them (:func:`tp_calls`); PP 2 per micro-batch; ZeRO-0/1 one (the last bucket; ZeRO-1
-               also one per bucket for the weights' gather); ZeRO-2 one (the last bucket) per
-               micro-batch and one per bucket for the weights' gather; ZeRO-3 two per micro-batch;
-               EP 5 per MoE layer and micro-batch; CP a2a 8 and allgather 3 per layer and micro-batch
-               (:func:`cp_calls_per_layer`)
+               stage holds them (:func:`tp_calls`); PP 2 per micro-batch; ZeRO-0/1 one (the last
+               bucket; ZeRO-1 also one per bucket for the weights' gather); ZeRO-2 one (the last
+               bucket) per micro-batch and one per bucket for the weights' gather; ZeRO-3 two per
+               micro-batch; EP 5 per MoE layer and micro-batch; CP a2a 8 and allgather 3 per layer
+               and micro-batch (:func:`cp_calls_per_layer`). A calibrated profile's lambda is a call
+               issued after compute, as a step issues them (tools/calibrate_hardware.py)
 
 Step time = the sum. Offload (--offload-optimizer) is not planned, so no host traffic term.
 Not modelled: two collectives sharing one link, and GEMM efficiency changing with the shapes a

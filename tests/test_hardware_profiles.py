@@ -188,10 +188,15 @@ def test_calibration_writes_a_profile_whose_fit_reproduces_its_measurements(tmp_
     median_link = sorted(fits[k]["2"]["gbps"] for k in cal.LINK_COLLECTIVES)[1]
     assert hw.nvlink_gbps == pytest.approx(median_link) and hw.ib_gbps == hw.nvlink_gbps
     overlap = doc["measured"]["overlap"]["2"]  # GEMMs with an all-reduce in flight: 5 rounds' median
-    after = doc["measured"]["after_compute"]["2"]  # the latency: a call after compute, less its wire time
+    after = doc["measured"]["after_compute"]["2"]  # a call after compute: measured, the latency only if asked
     assert len(after["rounds"]) == 5 and after["seconds"] == sorted(after["rounds"])[2]
-    assert hw.nvlink_latency_us == pytest.approx(max(0.1, (after["seconds"] - 2048 / (hw.nvlink_gbps * 1e9)) * 1e6))
+    median_latency = sorted(fits[k]["2"]["latency_us"] for k in cal.LINK_COLLECTIVES)[1]
+    assert hw.nvlink_latency_us == pytest.approx(max(median_latency, 0.1))  # --latency fit, the default
     assert hw.overlap_cost == overlap["overlap_cost"] and 0 <= hw.overlap_cost <= 1 and len(overlap["rounds"]) == 5
+    assert cal.main(["--quick", "--output", str(out), "--sizes", "1024", "65536", "--latency", "after-compute"]) == 0
+    doc, hw = read_profile(str(out)), hardware_from_profile(str(out))
+    after = doc["measured"]["after_compute"]["2"]
+    assert hw.nvlink_latency_us == pytest.approx(max(0.1, (after["seconds"] - 2048 / (hw.nvlink_gbps * 1e9)) * 1e6))
 
 
 def test_overlap_cost_loads_from_0_to_1_and_older_profiles_keep_the_default(tmp_path):

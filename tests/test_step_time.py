@@ -203,6 +203,9 @@ def test_context_parallel_blocks_run_at_their_calibrated_rate():
             assert base.step["cp"] == pytest.approx(wire)
         assert slow.step["cp"] == pytest.approx(base.step["cp"] + extra), cp_type
         assert slow.step["compute"] == base.step["compute"] and slow.step["overlap"] == base.step["overlap"]
+    fast = estimate(m, Layout(cp=2, dp=4, cp_comm_type="allgather"), GB, MICRO, BF16,
+                    Hardware(80, 8, 1, cp_block_tflops=400.0, **links), True)
+    assert fast.step["cp"] == pytest.approx(fast.comm["cp"]["seconds"])  # blocks faster than R: no negative term
     slow_ring = Hardware(80, 8, 1, nvlink_gbps=0.01, achieved_tflops=100.0, hbm_gbps=1000.0, cp_block_tflops=25.0)
     late = estimate(m, Layout(cp=2, dp=4, cp_comm_type="p2p"), GB, MICRO, BF16, slow_ring, True)
     assert late.step["cp"] == pytest.approx(late.comm["cp"]["seconds"] - 4 * attention + 3 * attention)

@@ -31,9 +31,11 @@ Six measurements, each timed after a warm-up (CUDA events on a GPU, ``perf_count
    counts them) over that time; the fused attention (SDPA) over the whole sequence is timed beside.
 5. **A call after compute** per group size (:func:`measure_call_after_compute`): a 4 KiB all-gather
    issued after untimed GEMMs, as a step issues its calls (the transport's threads asleep, caches
-   cold), not back to back as the table above times them: on this project's CPU 1.3-2.5 ms a call
-   against 0.2-1.3 ms back to back, under load. The rank arriving last waits for nobody, so its time
-   is the call's own; the median over rounds, less the wire time, is the profile's latency.
+   cold), not back to back as the table above times them: on this project's CPU 1.2-3.5 ms a call
+   against 0.2-1.3 ms back to back, under load (a loaded machine wakes the threads late: calibrate
+   an idle one). The rank arriving last waits for nobody, so its time is the call's own; the median
+   over rounds, less the wire time, is the profile's latency with ``--latency after-compute``
+   (default ``fit``: the fits' intercept, as before; the measurement is kept under ``measured``).
 6. **Overlap cost** per group size (:func:`measure_overlap`): square GEMMs for about twice an
    all-reduce of the largest message, timed alone (C), the all-reduce alone (A), and the GEMMs with
    the all-reduce started before them and waited after (T); ``overlap_cost = (T - C) / A`` in
@@ -449,6 +451,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=None, help="calls per timed trial (default 5, --quick 2)")
     p.add_argument("--trials", type=int, default=None,
                    help="timed trials per point, the best kept (default 3, --quick 2)")
+    p.add_argument("--latency", choices=("fit", "after-compute"), default="fit",
+                   help="the profile's latency per call: the back-to-back fits' intercept (fit, the default), or a "
+                        "small all-gather issued after compute, as a step issues its calls (after-compute)")
     g = p.add_argument_group("the model whose GEMM shapes are timed (default: h 512, s 512, b 2, 8 heads on a CPU; "
                              "h 8192, s 4096, b 1, 64 heads on a GPU; --quick: h 64, s 64)")
     g.add_argument("--hidden-size", type=int, default=None)
@@ -545,7 +550,7 @@ def main(argv=None) -> int:
     after_compute = {str(n): o for n, o in raw.pop("after_compute", {}).items()}
     fits = fits_of({k: v for k, v in raw.items() if v})
     hw, sources = profile_figures(fits, matmuls, copy_gbps, ranks, memory, what, a.link_ranks, training, overlap,
-                                  cp_blocks, after_compute)
+                                  cp_blocks, after_compute if a.latency == "after-compute" else None)
     name = a.name or (torch.cuda.get_device_name(device).lower().replace(" ", "-") if gpu
                       else f"cpu-{os.cpu_count()}core")
     measured = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -23,9 +23,9 @@ The figures' meaning, as the planner uses them:
   as Gb/s per adapter, one adapter per GPU (400 Gb/s NDR = 50 GB/s);
 - ``nvlink_latency_us`` / ``ib_latency_us``: the fixed cost of one collective call. No datasheet
   states it: the built-ins take the order of a small NCCL all-reduce (tens of microseconds); a
-  calibrated profile measures it as a step meets it, a small all-gather issued after compute (less
-  its wire time; the back-to-back fit's intercept, time = latency + wire bytes / bandwidth, is kept
-  under ``measured``);
+  calibrated profile fits it (time = latency + wire bytes / bandwidth), or with ``--latency
+  after-compute`` measures it as a step meets it, a small all-gather issued after compute (less its
+  wire time; both kept under ``measured``);
 - ``gpu_memory_gb``: per GPU, as the datasheet states it; ``gpus_per_node``: an HGX/DGX board's 8;
 - ``overlap_cost`` (optional, 0 to 1): what a collective hidden behind compute still costs per second
   of its link time (:mod:`.step_time`'s "overlap"). No datasheet states it: the built-ins and an

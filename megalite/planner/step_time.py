@@ -32,7 +32,7 @@ node, InfiniBand across: the link :mod:`.estimate` names), lambda its latency pe
                level of a2a+p2p: exposed. The types that attend block by block (p2p, allgather,
                a2a+p2p) run the rank's attention at the blocks' rate R_b, not R: + A (R / R_b - 1),
                A the rank's attention at R (:func:`attention_seconds`), R_b = ``Hardware.cp_block_tflops``
-               (R where no profile measured it: the Triton blocks on a GPU, torch's reference blocks
+               (at most R; R where no profile measured it: the Triton blocks on a GPU, torch's reference blocks
                on a CPU, 0.014-0.019 TFLOP/s against R = 0.064 here); the ring hides behind A R / R_b
     ep         the MoE all-to-alls (dispatch, combine; forward and backward): exposed
     optimizer  the step on the rank's shard S (Psi, / N under ZeRO >= 1): master + state bytes read
@@ -52,8 +52,9 @@ node, InfiniBand across: the link :mod:`.estimate` names), lambda its latency pe
                bucket; ZeRO-1 also one per bucket for the weights' gather); ZeRO-2 one (the last
                bucket) per micro-batch and one per bucket for the weights' gather; ZeRO-3 two per
                micro-batch; EP 5 per MoE layer and micro-batch; CP a2a 8 and allgather 3 per layer
-               and micro-batch (:func:`cp_calls_per_layer`). A calibrated profile's lambda is a call
-               issued after compute, as a step issues them (tools/calibrate_hardware.py)
+               and micro-batch (:func:`cp_calls_per_layer`). A calibrated profile's lambda: its fits'
+               intercept, or a call issued after compute as a step issues them (calibrate_hardware.py
+               --latency after-compute)
 
 Step time = the sum. Offload (--offload-optimizer) is not planned, so no host traffic term.
 Not modelled: two collectives sharing one link, and GEMM efficiency changing with the shapes a
@@ -170,7 +171,8 @@ def context_parallel(m: ModelConfig, layout: Layout, comm: dict, global_batch: i
     hidden = sum(exposed(comm, k) for k in ring_kinds)
     shown = sum(exposed(comm, k) for k in ("cp", "cp_inner", "cp_outer") if k not in ring_kinds)
     attention = attention_seconds(m, layout, global_batch, hw)
-    rate = hw.cp_block_tflops if hw.cp_block_tflops and layout.cp_comm_type != "a2a" else hw.achieved_tflops
+    blocked = hw.cp_block_tflops and layout.cp_comm_type != "a2a"  # never faster than R: a term is a wait
+    rate = min(hw.cp_block_tflops, hw.achieved_tflops) if blocked else hw.achieved_tflops
     blocks = attention * hw.achieved_tflops / rate
     behind = min(hidden, blocks)
     return shown + hidden - behind + blocks - attention, behind

@@ -327,3 +327,63 @@ def test_13b_recommendation_dry_run_fits(tmp_path, capsys):
     for role in json.loads(dry.read_text())["roles"]:
         assert role["fits"] and role["measured_bytes"] <= 72 * 2**30, role["role"]
         assert abs(role["difference"]) < 0.05, (role["role"], role["measured_bytes"], role["planned_bytes"])
+
+
+SMALL = ("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+         "--max-position-embeddings", "64", "--vocab-size", "256", "--hidden-dropout", "0", "--attention-dropout", "0")
+
+
+def _calls_of_a_step(rank, world, runs):
+    """Per run (pretrain flags), the collectives the second step records, by kind (comm._record:
+    every TP/SP, CP and EP collective goes through it), counted between the step log's flushes."""
+    import collections
+    import contextlib
+    import io
+
+    from megalite.observe import step_log
+    from megalite.parallel import comm
+    from megalite.train.pretrain import pretrain
+
+    seen, marks = collections.Counter(), []
+    record, flush = comm._record, step_log.StepLog.flush
+    comm._record = lambda kind, *a, **k: (seen.update([kind]), record(kind, *a, **k))[1]
+    step_log.StepLog.flush = lambda self: (flush(self), marks.append(dict(seen)))[0]
+    out = []
+    try:
+        for flags in runs:
+            seen.clear(), marks.clear()
+            with contextlib.redirect_stdout(io.StringIO()):
+                pretrain(flags + ["--train-iters", "2", "--log-interval", "1", "--lr-decay-iters", "2"])
+            out.append({k: marks[1].get(k, 0) - marks[0].get(k, 0) for k in marks[1]})
+    finally:
+        comm._record, step_log.StepLog.flush = record, flush
+    return out
+
+
+@pytest.mark.slow
+def test_the_latency_terms_calls_are_the_calls_a_step_makes():
+    """exposed_calls' counts against a real step's (two gloo ranks, a 2-layer GPT, the planner's own
+    flags as tools/step_time_sweep.py writes them): TP 2 + SP's all-gathers and reduce-scatters and
+    the loss's all-reduces, CP a2a's and allgather's collectives, EP's all-to-alls."""
+    from megalite.planner.step_time import exposed_calls, tp_calls
+    from megalite.testing import run_world
+    from tools import step_time_sweep as sweep
+
+    moe = ("--num-experts", "4", "--moe-router-topk", "2")
+    cases = [sweep.Case("tp", Layout(tp=2)), sweep.Case("tp full", Layout(tp=2, recompute="full")),
+             sweep.Case("a2a", Layout(cp=2, cp_comm_type="a2a")),
+             sweep.Case("allgather", Layout(cp=2, cp_comm_type="allgather")),
+             sweep.Case("ep", Layout(dp=2, ep=2), model=moe)]
+    counted = run_world(_calls_of_a_step, 2, [sweep.flags_of(c, SMALL) for c in cases], timeout=600)[0]
+    layers, M = 2, sweep.GLOBAL_BATCH // sweep.MICRO
+    for case, calls in zip(cases[:2], counted[:2]):
+        m = sweep.model_config(case, SMALL)
+        per_micro = tp_calls(m, case.layout, layers)
+        assert calls["all_gather"] + calls["reduce_scatter"] == M * (per_micro - 2), (case.label, calls)
+        assert 2 * M <= calls["all_reduce"] <= 2 * M + 3, (case.label, calls)  # the loss's 2 + the step's own
+    for case, calls in zip(cases[2:4], counted[2:4]):
+        want = exposed_calls(sweep.model_config(case, SMALL), case.layout, M, {"cp": {}})["cp"]
+        assert sum(v for k, v in calls.items() if k != "all_reduce") == want, (case.label, calls)
+    ep = cases[4]
+    want = exposed_calls(sweep.model_config(ep, SMALL), Layout(dp=2, ep=2, experts=True), M // 2, {"ep": {}})["ep"]
+    assert counted[4]["all_to_all"] == want, counted[4]

@@ -93,6 +93,8 @@ def test_a_profile_file_round_trips(tmp_path, monkeypatch):
     ('{"hardware": {"gpu_memory_gb": 80, "nvlink": 1}}', "unknown field(s) nvlink in 'hardware'"),
     (json.dumps({"hardware": {**PROFILES["h200"]["hardware"], "hbm_gbps": -1}}), "hbm_gbps must be a positive number"),
     (json.dumps({"hardware": {**PROFILES["h200"]["hardware"], "nodes": 2}}), "unknown field(s) nodes"),
+    (json.dumps({"hardware": {**PROFILES["h200"]["hardware"], "overlap_cost": 1.5}}),
+     "overlap_cost must be a number from 0 to 1"),
     ("missing", "does not exist"),
 ])
 def test_bad_profile_is_one_message(tmp_path, capsys, content, message):
@@ -185,6 +187,75 @@ def test_calibration_writes_a_profile_whose_fit_reproduces_its_measurements(tmp_
     assert sorted(errors)[len(errors) // 2] < 0.5, errors  # noisy shared CPU: a generous bound on the median
     median_link = sorted(fits[k]["2"]["gbps"] for k in cal.LINK_COLLECTIVES)[1]
     assert hw.nvlink_gbps == pytest.approx(median_link) and hw.ib_gbps == hw.nvlink_gbps
+    overlap = doc["measured"]["overlap"]["2"]  # GEMMs with an all-reduce in flight: 5 rounds' median
+    after = doc["measured"]["after_compute"]["2"]  # a call after compute: measured, the latency only if asked
+    assert len(after["rounds"]) == 5 and after["seconds"] == sorted(after["rounds"])[2]
+    median_latency = sorted(fits[k]["2"]["latency_us"] for k in cal.LINK_COLLECTIVES)[1]
+    assert hw.nvlink_latency_us == pytest.approx(max(median_latency, 0.1))  # --latency fit, the default
+    assert hw.overlap_cost == overlap["overlap_cost"] and 0 <= hw.overlap_cost <= 1 and len(overlap["rounds"]) == 5
+    assert cal.main(["--quick", "--output", str(out), "--sizes", "1024", "65536", "--latency", "after-compute"]) == 0
+    doc, hw = read_profile(str(out)), hardware_from_profile(str(out))
+    after = doc["measured"]["after_compute"]["2"]
+    assert hw.nvlink_latency_us == pytest.approx(max(0.1, (after["seconds"] - 2048 / (hw.nvlink_gbps * 1e9)) * 1e6))
+
+
+def test_overlap_cost_loads_from_0_to_1_and_older_profiles_keep_the_default(tmp_path):
+    """A profile may state the overlap cost (0 to 1, 0 allowed: a collective that costs compute
+    nothing); one without it (the built-ins, docs/profiles/*.json of before) takes Hardware's 0.10."""
+    import glob
+    import os
+    for path in glob.glob(os.path.join(os.path.dirname(__file__), "..", "docs", "profiles", "*.json")):
+        assert hardware_from_profile(path).overlap_cost == Hardware.overlap_cost == 0.10
+    assert all(hardware_from_profile(name).overlap_cost == 0.10 for name in PROFILES)
+    for cost in (0, 0.35, 1):
+        path = tmp_path / f"o{cost}.json"
+        path.write_text(json.dumps({"hardware": {**PROFILES["h200"]["hardware"], "overlap_cost": cost}}))
+        assert hardware_from_profile(str(path)).overlap_cost == cost
+
+
+def test_overlap_cost_by_hand():
+    """(together - GEMMs) / all-reduce, clipped to [0, 1]; the profile takes the link group's median
+    over rounds (measure_overlap) and says where it comes from."""
+    assert cal.overlap_cost_of(10.0, 4.0, 13.0) == 0.75
+    assert cal.overlap_cost_of(10.0, 4.0, 10.0) == 0  # hidden entirely: the GEMMs took no longer
+    assert cal.overlap_cost_of(10.0, 4.0, 9.0) == 0 and cal.overlap_cost_of(10.0, 4.0, 20.0) == 1  # noise: clipped
+    fits = {k: {"2": {"gbps": 1.0, "latency_us": 100.0}} for k in cal.LINK_COLLECTIVES}
+    gemms = [{"name": "qkv", "flops": 2e12, "seconds": 1.0, "tflops": 2.0}]
+    overlap = {"2": {"tensor_bytes": 1024, "overlap_cost": 0.6}}
+    hw, sources = cal.profile_figures(fits, gemms, 10.0, 2, 8.0, "test", overlap=overlap)
+    assert hw["overlap_cost"] == 0.6 and "all-reduce of 1024 bytes in flight" in sources["overlap_cost"]
+    hw, sources = cal.profile_figures(fits, gemms, 10.0, 2, 8.0, "test")
+    assert "overlap_cost" not in hw  # not measured: the planner keeps Hardware's default
+    assert hw["nvlink_latency_us"] == 100.0 and sources["nvlink_latency_us"].startswith("measured: the median fit")
+
+
+def test_latency_is_a_call_after_compute_less_its_wire_time():
+    """The profile's latency: the all-gather issued after compute (measure_call_after_compute's
+    median), less its wire bytes at the fitted bandwidth; the fits' intercept said beside it."""
+    fits = {k: {"2": {"gbps": 1.0, "latency_us": 100.0}} for k in cal.LINK_COLLECTIVES}
+    gemms = [{"name": "qkv", "flops": 2e12, "seconds": 1.0, "tflops": 2.0}]
+    after = {"2": {"tensor_bytes": 4096, "rounds": [3e-3, 2e-3, 1e-3, 2e-3, 9e-3], "seconds": 2e-3}}
+    hw, sources = cal.profile_figures(fits, gemms, 10.0, 2, 8.0, "test", after_compute=after)
+    assert hw["nvlink_latency_us"] == hw["ib_latency_us"] == pytest.approx((2e-3 - 2048 / 1e9) * 1e6)
+    assert "issued after compute" in sources["nvlink_latency_us"] and "(100 us)" in sources["nvlink_latency_us"]
+
+
+def test_cp_blocks_by_hand():
+    """A causal CP 2 rank holds chunks r and 3 - r of 4 and attends every key chunk not after its query
+    chunk: the 10 such pairs split 5 and 5; the rate counts the planner's attention FLOPs of a rank
+    (3 x 4 b heads d s^2 / CP) over the blocks' time, and the profile takes it."""
+    import torch
+    assert cal.cp_block_pairs(0, 2) == [(0, 0, True), (3, 0, False), (3, 3, True), (3, 1, False), (3, 2, False)]
+    assert cal.cp_block_pairs(1, 2) == [(1, 0, False), (2, 0, False), (1, 1, True), (2, 1, False), (2, 2, True)]
+    pairs = cal.cp_block_pairs(0, 4) + cal.cp_block_pairs(1, 4) + cal.cp_block_pairs(2, 4) + cal.cp_block_pairs(3, 4)
+    assert sorted((q, k) for q, k, _ in pairs) == [(q, k) for q in range(8) for k in range(q + 1)]
+    run = cal.measure_cp_blocks((32, 16, 2, 4), torch.device("cpu"), torch.float32, 1, 1)
+    assert run["backend"] == "torch" and run["flops"] == 3 * 4 * 2 * 4 * 8 * 16 * 16 / 2
+    assert run["tflops"] == pytest.approx(run["flops"] / run["blocks_s"] / 1e12) and run["fused_s"] > 0
+    gemms = [{"name": "qkv", "flops": 2e12, "seconds": 1.0, "tflops": 2.0}]
+    hw, sources = cal.profile_figures({}, gemms, 10.0, 1, 8.0, "test", cp_blocks=run)
+    assert hw["cp_block_tflops"] == run["tflops"] and "CP 2 rank's torch attention blocks" in sources["cp_block_tflops"]
+    assert "cp_block_tflops" not in cal.profile_figures({}, gemms, 10.0, 1, 8.0, "test")[0]
 
 
 def test_achieved_rate_is_a_training_steps_model_flops_over_its_time():

@@ -116,8 +116,55 @@ def test_tensor_and_pipeline_traffic_are_exposed_with_a_latency_per_call():
     assert t["pp"] == pytest.approx(pp / e.comm["pp"]["bytes"] * e.comm["pp"]["seconds"])
     assert e.comm["pp"]["link"] == "InfiniBand"  # PP 2 spans the two nodes of 4
     lam_dp = 20e-6 if e.comm["dp"]["link"] == "InfiniBand" else 10e-6
-    calls_tp = M * layers * (4 * 2 + 1)  # gather + scatter per all-reduce equivalent, plus re-gathers
+    # per layer 2 x (4 + 1): a gather and a scatter per all-reduce equivalent, the re-gathers one each;
+    # and the output layer's 5 (the last stage's, the pipeline's slowest: more than the embedding's 2)
+    calls_tp = M * (layers * 2 * (4 + 1) + 5)
     assert t["latency"] == pytest.approx(calls_tp * 10e-6 + 2 * M * 20e-6 + 1 * lam_dp)
+
+
+def test_collective_calls_are_the_counts_a_step_makes():
+    """The latency term's calls per layer and micro-batch as counted in runs of the sweep's GPT
+    (tools/step_time_sweep.py's "TP 2 + SP": 216 all-gathers, 144 reduce-scatters and 16 loss
+    all-reduces in 8 micro-batches of 4 layers; "CP 2 a2a": 256 all-to-alls; "CP 2 allgather": 64
+    all-gathers and 32 reduce-scatters; "MoE, DP 2 x EP 2": 80 all-to-alls in 4 micro-batches)."""
+    from megalite.planner.step_time import exposed_calls, tp_calls
+    m = model()
+    assert tp_calls(m, Layout(tp=2), L) == L * 10 + 2 + 5  # (216 + 144 + 16) / 8 = 47
+    assert tp_calls(m, Layout(tp=2, recompute="full"), L) == L * 13 + 7  # counted: 280 + 176 + 16 = 8 x 59
+    assert tp_calls(m, Layout(tp=2, recompute="selective"), L) == L * 10 + 7
+    # a pipeline at its slowest stage's pace: 1F1B's last stage (the output layer's 5), ZBV's first (7)
+    assert tp_calls(m, Layout(tp=2, pp=2), L // 2, 0) == tp_calls(m, Layout(tp=2, pp=2), L // 2, 1) == 2 * 10 + 5
+    assert tp_calls(m, Layout(tp=2, pp=2, schedule="zbv"), L // 2, 1) == 2 * 10 + 7
+    moe = model(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=128)
+    assert tp_calls(moe, Layout(tp=2), L) == L * 10 - L * 5 + 7  # an MoE MLP: no TP collective
+    M = 8
+    for cp_type, per_layer in (("a2a", 8), ("allgather", 3), ("p2p", 0)):
+        calls = exposed_calls(m, Layout(cp=2, cp_comm_type=cp_type), M, {"cp": {}})
+        assert calls == {"cp": M * L * per_layer}, cp_type
+    ep = exposed_calls(moe, Layout(dp=2, ep=2, experts=True), 4, {"ep": {}})
+    assert ep == {"ep": 4 * L * 5}  # dispatch, combine, forward and backward, and the counts' exchange
+    _, e, t = terms(Layout(cp=2, dp=4, cp_comm_type="a2a"), hw=Hardware(80, 8, 1, nvlink_gbps=100.0,
+                                                                         achieved_tflops=100.0, hbm_gbps=1000.0))
+    M = GB // 4
+    assert t["latency"] == pytest.approx((M * L * 8 + 1) * 10e-6)  # + the gradients' one all-reduce
+
+
+def test_overlap_cost_is_the_profiles():
+    """The hidden link time is charged at ``Hardware.overlap_cost``: 0.10 where no profile measured
+    it (OVERLAP_COST), 1 on a machine whose collectives take the compute's cores."""
+    assert OVERLAP_COST == 0.10 == Hardware(80, 8).overlap_cost
+    hw = dict(nvlink_gbps=100.0, achieved_tflops=100.0, hbm_gbps=1000.0)
+    _, e, t = terms(Layout(dp=8, zero=3), hw=Hardware(80, 8, 1, **hw))
+    _, e1, t1 = terms(Layout(dp=8, zero=3), hw=Hardware(80, 8, 1, overlap_cost=1.0, **hw))
+    psi, M, r = e.psi, GB // 8, 7 / 8
+    per_micro = psi * (2 + 2 * 2) * r / 100e9
+    first = psi * 2 * 2 * r / 100e9 / L
+    hidden = M * (per_micro - first - max(0.0, per_micro - first - t["compute"] / M))
+    assert hidden > 0
+    assert t["overlap"] == pytest.approx(0.10 * hidden) and t1["overlap"] == pytest.approx(hidden)
+    assert e1.step_seconds - e.step_seconds == pytest.approx(0.9 * hidden)
+    _, _, free = terms(Layout(dp=8, zero=3), hw=Hardware(80, 8, 1, overlap_cost=0.0, **hw))
+    assert free["overlap"] == 0
 
 
 def test_context_parallel_ring_hides_behind_attention_and_a2a_does_not():
@@ -134,6 +181,34 @@ def test_context_parallel_ring_hides_behind_attention_and_a2a_does_not():
     slow = Hardware(80, 8, 1, nvlink_gbps=0.01, achieved_tflops=100.0, hbm_gbps=1000.0)  # a ring longer than it
     late = estimate(m, Layout(cp=2, dp=4, cp_comm_type="p2p"), GB, MICRO, BF16, slow, True)
     assert late.step["cp"] == pytest.approx(late.comm["cp"]["seconds"] - attention)
+
+
+def test_context_parallel_blocks_run_at_their_calibrated_rate():
+    """p2p and allgather attend block by block: the rank's attention A (at R) takes A R / R_b at the
+    blocks' rate R_b (Hardware.cp_block_tflops), + A (R / R_b - 1) in 'cp', and the ring hides
+    behind that longer time; a2a attends with the fused kernel: unchanged; no R_b: as before."""
+    long = dict(seq_length=4096)
+    m = ModelConfig(num_layers=L, hidden_size=H, num_attention_heads=4, vocab_size=V, **long)
+    links = dict(nvlink_gbps=100.0, achieved_tflops=100.0, hbm_gbps=1000.0)
+    attention = 3 * 4 * L * H * 4096 * GB * 4096 / (8 * 100e12)  # the rank's, at R
+    for cp_type in ("p2p", "allgather", "a2a"):
+        base = estimate(m, Layout(cp=2, dp=4, cp_comm_type=cp_type), GB, MICRO, BF16, Hardware(80, 8, 1, **links), True)
+        slow = estimate(m, Layout(cp=2, dp=4, cp_comm_type=cp_type), GB, MICRO, BF16,
+                        Hardware(80, 8, 1, cp_block_tflops=25.0, **links), True)
+        extra = attention * (100 / 25 - 1) if cp_type != "a2a" else 0.0
+        wire = base.comm["cp"]["seconds"]
+        if cp_type == "p2p":  # the ring hidden behind the attention both times (it is shorter than A)
+            assert wire < attention and base.step["cp"] == 0
+        else:
+            assert base.step["cp"] == pytest.approx(wire)
+        assert slow.step["cp"] == pytest.approx(base.step["cp"] + extra), cp_type
+        assert slow.step["compute"] == base.step["compute"] and slow.step["overlap"] == base.step["overlap"]
+    fast = estimate(m, Layout(cp=2, dp=4, cp_comm_type="allgather"), GB, MICRO, BF16,
+                    Hardware(80, 8, 1, cp_block_tflops=400.0, **links), True)
+    assert fast.step["cp"] == pytest.approx(fast.comm["cp"]["seconds"])  # blocks faster than R: no negative term
+    slow_ring = Hardware(80, 8, 1, nvlink_gbps=0.01, achieved_tflops=100.0, hbm_gbps=1000.0, cp_block_tflops=25.0)
+    late = estimate(m, Layout(cp=2, dp=4, cp_comm_type="p2p"), GB, MICRO, BF16, slow_ring, True)
+    assert late.step["cp"] == pytest.approx(late.comm["cp"]["seconds"] - 4 * attention + 3 * attention)
 
 
 def test_expert_all_to_alls_are_exposed():
@@ -252,3 +327,63 @@ def test_13b_recommendation_dry_run_fits(tmp_path, capsys):
     for role in json.loads(dry.read_text())["roles"]:
         assert role["fits"] and role["measured_bytes"] <= 72 * 2**30, role["role"]
         assert abs(role["difference"]) < 0.05, (role["role"], role["measured_bytes"], role["planned_bytes"])
+
+
+SMALL = ("--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+         "--max-position-embeddings", "64", "--vocab-size", "256", "--hidden-dropout", "0", "--attention-dropout", "0")
+
+
+def _calls_of_a_step(rank, world, runs):
+    """Per run (pretrain flags), the collectives the second step records, by kind (comm._record:
+    every TP/SP, CP and EP collective goes through it), counted between the step log's flushes."""
+    import collections
+    import contextlib
+    import io
+
+    from megalite.observe import step_log
+    from megalite.parallel import comm
+    from megalite.train.pretrain import pretrain
+
+    seen, marks = collections.Counter(), []
+    record, flush = comm._record, step_log.StepLog.flush
+    comm._record = lambda kind, *a, **k: (seen.update([kind]), record(kind, *a, **k))[1]
+    step_log.StepLog.flush = lambda self: (flush(self), marks.append(dict(seen)))[0]
+    out = []
+    try:
+        for flags in runs:
+            seen.clear(), marks.clear()
+            with contextlib.redirect_stdout(io.StringIO()):
+                pretrain(flags + ["--train-iters", "2", "--log-interval", "1", "--lr-decay-iters", "2"])
+            out.append({k: marks[1].get(k, 0) - marks[0].get(k, 0) for k in marks[1]})
+    finally:
+        comm._record, step_log.StepLog.flush = record, flush
+    return out
+
+
+@pytest.mark.slow
+def test_the_latency_terms_calls_are_the_calls_a_step_makes():
+    """exposed_calls' counts against a real step's (two gloo ranks, a 2-layer GPT, the planner's own
+    flags as tools/step_time_sweep.py writes them): TP 2 + SP's all-gathers and reduce-scatters and
+    the loss's all-reduces, CP a2a's and allgather's collectives, EP's all-to-alls."""
+    from megalite.planner.step_time import exposed_calls, tp_calls
+    from megalite.testing import run_world
+    from tools import step_time_sweep as sweep
+
+    moe = ("--num-experts", "4", "--moe-router-topk", "2")
+    cases = [sweep.Case("tp", Layout(tp=2)), sweep.Case("tp full", Layout(tp=2, recompute="full")),
+             sweep.Case("a2a", Layout(cp=2, cp_comm_type="a2a")),
+             sweep.Case("allgather", Layout(cp=2, cp_comm_type="allgather")),
+             sweep.Case("ep", Layout(dp=2, ep=2), model=moe)]
+    counted = run_world(_calls_of_a_step, 2, [sweep.flags_of(c, SMALL) for c in cases], timeout=600)[0]
+    layers, M = 2, sweep.GLOBAL_BATCH // sweep.MICRO
+    for case, calls in zip(cases[:2], counted[:2]):
+        m = sweep.model_config(case, SMALL)
+        per_micro = tp_calls(m, case.layout, layers)
+        assert calls["all_gather"] + calls["reduce_scatter"] == M * (per_micro - 2), (case.label, calls)
+        assert 2 * M <= calls["all_reduce"] <= 2 * M + 3, (case.label, calls)  # the loss's 2 + the step's own
+    for case, calls in zip(cases[2:4], counted[2:4]):
+        want = exposed_calls(sweep.model_config(case, SMALL), case.layout, M, {"cp": {}})["cp"]
+        assert sum(v for k, v in calls.items() if k != "all_reduce") == want, (case.label, calls)
+    ep = cases[4]
+    want = exposed_calls(sweep.model_config(ep, SMALL), Layout(dp=2, ep=2, experts=True), M // 2, {"ep": {}})["ep"]
+    assert counted[4]["all_to_all"] == want, counted[4]

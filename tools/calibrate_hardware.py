@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Measure this machine and write a hardware profile the planner reads (``plan_parallel.py --hardware FILE``).
 
-Three measurements, each timed after a warm-up (CUDA events on a GPU, ``perf_counter`` on a CPU):
+Six measurements, each timed after a warm-up (CUDA events on a GPU, ``perf_counter`` on a CPU):
 
 1. **Matmul rate** at the GEMM shapes one transformer layer of the given model produces on a rank of
    tensor-parallel size t (b micro-batch, s sequence, h hidden, a heads, d = h/a; FLOPs = 2 m k n):
@@ -24,11 +24,30 @@ Three measurements, each timed after a warm-up (CUDA events on a GPU, ``perf_cou
    all-gather, reduce-scatter or all-to-all, ``S`` for a send. So the bandwidth is the one the planner
    divides its wire bytes by (nccl-tests calls it bus bandwidth).
 3. **Memory copy** bandwidth: ``dst.copy_(src)`` of a large tensor, bytes read + written per second.
+4. **CP blocks**: a context-parallel rank's attention blocks (CP 2, causal, load-balanced: the
+   ring's and allgather's block functions on this device, Triton's on a GPU, torch's reference on
+   a CPU) forward and backward at the layer's shape, the ranks' mean: ``cp_block_tflops`` = the
+   planner's attention FLOPs of a rank (3 x 4 b heads d s^2 / CP, as ``step_time.attention_seconds``
+   counts them) over that time; the fused attention (SDPA) over the whole sequence is timed beside.
+5. **A call after compute** per group size (:func:`measure_call_after_compute`): a 4 KiB all-gather
+   issued after untimed GEMMs, as a step issues its calls (the transport's threads asleep, caches
+   cold), not back to back as the table above times them: on this project's CPU 1.2-3.5 ms a call
+   against 0.2-1.3 ms back to back, under load (a loaded machine wakes the threads late: calibrate
+   an idle one). The rank arriving last waits for nobody, so its time is the call's own; the median
+   over rounds, less the wire time, is the profile's latency with ``--latency after-compute``
+   (default ``fit``: the fits' intercept, as before; the measurement is kept under ``measured``).
+6. **Overlap cost** per group size (:func:`measure_overlap`): square GEMMs for about twice an
+   all-reduce of the largest message, timed alone (C), the all-reduce alone (A), and the GEMMs with
+   the all-reduce started before them and waited after (T); ``overlap_cost = (T - C) / A`` in
+   [0, 1], what a collective hidden behind compute still costs per second of its own time (the
+   planner's "overlap" term): near 0 where the two share nothing, near 1 where the collective's
+   work runs on the compute's own cores (gloo's threads on a CPU), between on a GPU (NCCL's SMs).
 
 The profile's link figures: ``nvlink_gbps`` / ``nvlink_latency_us`` the median fit of all-reduce,
 all-gather and reduce-scatter at the largest group (``--link-ranks``: another); one machine has no
-second level, so ``ib_*`` repeat them (``sources`` says so). Every fit and point is kept under
-``measured`` (:func:`megalite.planner.hardware.measured_collective` reads one) for a model that wants more.
+second level, so ``ib_*`` repeat them (``sources`` says so); ``overlap_cost`` that group's measurement.
+Every fit and point is kept under ``measured`` (:func:`megalite.planner.hardware.measured_collective`
+reads one) for a model that wants more.
 
     python tools/calibrate_hardware.py --output docs/profiles/cpu-2core.json [--quick] [--max-ranks 8]
     torchrun --nproc-per-node 8 tools/calibrate_hardware.py --output h100-node.json   # NCCL, one node
@@ -44,8 +63,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 from megalite.config import ModelConfig  # noqa: E402
+from megalite.context_parallel.ring_attention import block_ops, local_chunk_ids  # noqa: E402
 from megalite.model.counting import flops_per_token  # noqa: E402
 from megalite.model.gpt import GPTModel  # noqa: E402
 from megalite.planner.hardware import write_profile  # noqa: E402
@@ -134,7 +155,7 @@ def measure_collectives(rank: int, world: int, group_sizes: list[int], sizes: li
     slowest rank's times: ``{kind: {n: [[tensor_bytes, seconds], ...]}}``."""
     device = torch.device(device_type, int(os.environ.get("LOCAL_RANK", 0)) if device_type == "cuda" else None)
     dtype = torch.bfloat16 if device_type == "cuda" else torch.float32
-    out: dict = {k: {} for k in COLLECTIVES}
+    out: dict = {k: {} for k in COLLECTIVES + ("overlap", "after_compute")}
     for n in group_sizes:
         group = dist.new_group(list(range(n)))  # every rank creates every group
         if rank < n:
@@ -152,8 +173,77 @@ def measure_collectives(rank: int, world: int, group_sizes: list[int], sizes: li
                         best = min(best, slowest.item())
                     points.append([size, best])
                 out[kind][n] = points
+            out["overlap"][n] = measure_overlap(group, max(sizes), trials, device, dtype)
+            out["after_compute"][n] = measure_call_after_compute(rank, n, group, repeats, trials, device, dtype)
         dist.barrier()
     return out
+
+
+AFTER_COMPUTE_BYTES = 4096  # the all-gather whose call after compute gives the profile's latency
+
+
+def measure_call_after_compute(rank: int, n: int, group, repeats: int, trials: int, device, dtype) -> dict:
+    """Seconds of one all-gather of :data:`AFTER_COMPUTE_BYTES` issued after three untimed square
+    GEMMs, each rank's mean over ``4 x repeats`` calls; per round the least over the ranks (the rank
+    arriving last: its time is the call's, not a wait for a peer), over ``max(trials, 5)`` rounds
+    (module docstring, 5). ``seconds``: the rounds' median."""
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    call = _collective_call("all_gather", AFTER_COMPUTE_BYTES, n, rank, group, device, dtype)
+    side = 4096 if device.type == "cuda" else 256
+    a = torch.randn(side, side, device=device, dtype=dtype)
+    call(), torch.mm(a, a)  # warm-up
+    rounds = []
+    for _ in range(max(trials, 5)):
+        dist.barrier(group=group)
+        seconds = 0.0
+        for _ in range(4 * repeats):
+            for _ in range(3):
+                torch.mm(a, a)
+            seconds += _time(call, device, 1)
+        mine = torch.tensor([seconds / (4 * repeats)], dtype=torch.float64, device=device)
+        dist.all_reduce(mine, op=dist.ReduceOp.MIN, group=group)
+        rounds.append(mine.item())
+    return {"tensor_bytes": AFTER_COMPUTE_BYTES, "rounds": rounds, "seconds": statistics.median(rounds)}
+
+
+def overlap_cost_of(compute_s: float, collective_s: float, together_s: float) -> float:
+    """``(T - C) / A`` clipped to [0, 1] (module docstring, 4): the share of a collective's own
+    time A that the compute C, with the collective in flight behind it, still took longer (T)."""
+    return min(1.0, max(0.0, (together_s - compute_s) / collective_s))
+
+
+def measure_overlap(group, tensor_bytes: int, trials: int, device, dtype) -> dict:
+    """Seconds of square GEMMs alone (C), an all-reduce of ``tensor_bytes`` alone (A) and the two
+    together (T: the all-reduce started before the GEMMs, waited after), the slowest rank's each;
+    the three are timed back to back in each of ``max(trials, 5)`` rounds, and the overlap cost is
+    the median of the rounds' :func:`overlap_cost_of` (a shared machine's load changes between
+    rounds, less within one). The GEMMs: enough for about twice the all-reduce."""
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # a rank's one core (this process is a forked rank or torchrun's)
+    numel = max(1, tensor_bytes // torch.tensor([], dtype=dtype).element_size())
+    x = torch.ones(numel, device=device, dtype=dtype)
+    side = 4096 if device.type == "cuda" else 256
+    a = torch.randn(side, side, device=device, dtype=dtype)
+
+    def slowest(fn, repeats=1):
+        dist.barrier(group=group)
+        seconds = torch.tensor([_time(fn, device, repeats)], dtype=torch.float64, device=device)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
+        return seconds.item()
+
+    reduce = lambda: dist.all_reduce(x, group=group)  # noqa: E731
+    reduce(), torch.mm(a, a)  # warm-up
+    count = max(1, round(2 * min(slowest(reduce) for _ in range(3)) / slowest(lambda: torch.mm(a, a), 10)))
+    compute = lambda: [torch.mm(a, a) for _ in range(count)]  # noqa: E731
+
+    def together():
+        work = dist.all_reduce(x, group=group, async_op=True)
+        compute()
+        work.wait()
+    rounds = [(slowest(compute), slowest(reduce), slowest(together)) for _ in range(max(trials, 5))]
+    return {"tensor_bytes": tensor_bytes, "gemms": count, "rounds": rounds,
+            "overlap_cost": statistics.median(overlap_cost_of(*r) for r in rounds)}
 
 
 def layer_gemms(hidden: int, seq: int, micro_batch: int, heads: int, tp: int) -> list[tuple[str, int, int, int, int]]:
@@ -206,6 +296,45 @@ def measure_training(model: tuple, layers: int, vocab: int, device: torch.device
             "tflops": flops / seconds / 1e12}
 
 
+def cp_block_pairs(rank: int, size: int) -> list[tuple[int, int, bool]]:
+    """(query chunk, key chunk, diagonal?) of the blocks a rank of a causal, load-balanced CP group of
+    ``size`` attends: its chunks r and 2 size - 1 - r against every rank's, keys not after queries."""
+    mine = local_chunk_ids(rank, size, True)
+    return [(qa, ka, qa == ka) for src in range(size) for qa in mine
+            for ka in local_chunk_ids(src, size, True) if ka <= qa]
+
+
+def measure_cp_blocks(model: tuple, device: torch.device, dtype, repeats: int, trials: int, size: int = 2) -> dict:
+    """Seconds of the fused causal attention's forward + backward over the whole sequence (SDPA on
+    b x heads x s x d of ``model`` = (h, s, b, heads)) and of a CP rank's blocks (:func:`cp_block_pairs`,
+    each block forward, then backward with its delta), the mean over the ``size`` ranks, each the
+    best of ``trials``; ``tflops``: the planner's attention FLOPs of a rank over the blocks' time
+    (module docstring, 4)."""
+    h, s, b, heads = model
+    d, c = h // heads, s // (2 * size)
+    q, k, v = (torch.randn(b, heads, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+
+    def fused():
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out.backward(torch.ones_like(out))
+    qc, kc, vc, dout = (torch.randn(b, heads, c, d, device=device, dtype=dtype) for _ in range(4))
+    ops = block_ops("auto", qc)
+
+    def blocks(rank):
+        for _, _, diag in cp_block_pairs(rank, size):
+            out, lse = ops.forward(qc, kc, vc, causal=diag)
+            ops.backward(qc, kc, vc, out, dout, lse, causal=diag, delta=ops.delta(out, dout))
+
+    def best(fn):
+        fn()  # warm-up
+        return min(_time(fn, device, repeats) for _ in range(trials))
+    fused_s = best(fused)
+    blocks_s = sum(best(lambda: blocks(r)) for r in range(size)) / size
+    flops = 3 * 4 * b * heads * d * s * s / size  # forward + backward, the planner's (non-causal) count
+    return {"backend": ops.name, "shape": [b, heads, s, d], "cp": size, "fused_s": fused_s, "blocks_s": blocks_s,
+            "flops": flops, "tflops": flops / blocks_s / 1e12}
+
+
 def copy_bandwidth(device: torch.device, nbytes: int, repeats: int) -> float:
     """Bytes read + written per second by ``dst.copy_(src)`` of ``nbytes``."""
     src = torch.ones(nbytes // 4, device=device, dtype=torch.float32)
@@ -229,10 +358,14 @@ def fits_of(raw: dict) -> dict:
 
 
 def profile_figures(fits: dict, matmuls: list[dict], copy_gbps: float, ranks: int, memory_gib: float,
-                    what: str, link_ranks: int | None = None, training: dict | None = None) -> tuple[dict, dict]:
-    """The Hardware fields of a calibration and where each comes from (links: the fits among
-    ``link_ranks``, default the largest group measured; the achieved rate: ``training``'s, a
-    :func:`measure_training` result, else the layer's GEMMs')."""
+                    what: str, link_ranks: int | None = None, training: dict | None = None,
+                    overlap: dict | None = None, cp_blocks: dict | None = None,
+                    after_compute: dict | None = None) -> tuple[dict, dict]:
+    """The Hardware fields of a calibration and where each comes from (links and the overlap cost:
+    the fits, :func:`measure_overlap` and ``after_compute`` (:func:`measure_call_after_compute`: the
+    latency, less its wire time; without it the fits' intercept) among ``link_ranks``, default the
+    largest group measured; the achieved rate: ``training``'s, a :func:`measure_training` result,
+    else the layer's GEMMs')."""
     layer = [r for r in matmuls if r["name"] != "square"]
     achieved = (training["tflops"] if training else
                 sum(r["flops"] for r in layer) / sum(r["seconds"] for r in layer) / 1e12)
@@ -246,14 +379,33 @@ def profile_figures(fits: dict, matmuls: list[dict], copy_gbps: float, ranks: in
            "achieved_tflops": (f"measured: a {training['layers']}-layer GPT's forward + backward on one rank, model "
                                f"FLOPs / time" if training else "measured: one layer's forward GEMMs, total FLOPs / total time"),
            "hbm_gbps": "measured: dst.copy_(src), bytes read + written per second"}
+    if cp_blocks:
+        hw["cp_block_tflops"] = cp_blocks["tflops"]
+        src["cp_block_tflops"] = (f"measured: a CP {cp_blocks['cp']} rank's {cp_blocks['backend']} attention blocks, "
+                                  f"forward + backward, the planner's attention FLOPs / time")
     largest = str(link_ranks or max((int(n) for n in fits.get("all_reduce", {})), default=0))
     if largest != "0":
         gbps = statistics.median(fits[k][largest]["gbps"] for k in LINK_COLLECTIVES)
         latency = statistics.median(fits[k][largest]["latency_us"] for k in LINK_COLLECTIVES)
         hw.update(nvlink_gbps=gbps, nvlink_latency_us=max(latency, 0.1), ib_gbps=gbps, ib_latency_us=max(latency, 0.1))
+        if overlap and largest in overlap:
+            o = overlap[largest]
+            hw["overlap_cost"] = o["overlap_cost"]
+            src["overlap_cost"] = (f"measured among {largest} ranks: GEMMs with an all-reduce of {o['tensor_bytes']} "
+                                   f"bytes in flight against each alone, (together - GEMMs) / all-reduce")
         fitted = (f"measured: the median fit (time = latency + wire bytes / bandwidth) of all-reduce, all-gather "
                   f"and reduce-scatter among {largest} ranks")
-        src.update(nvlink_gbps=fitted, nvlink_latency_us=fitted,
+        after = (after_compute or {}).get(largest)
+        if after:
+            wire = wire_bytes("all_gather", after["tensor_bytes"], int(largest)) / (gbps * 1e9)
+            latency = max((after["seconds"] - wire) * 1e6, 0.1)
+            hw.update(nvlink_latency_us=latency, ib_latency_us=latency)
+        src.update(nvlink_gbps=fitted, nvlink_latency_us=fitted if not after else (
+                       f"measured: a {after['tensor_bytes']}-byte all-gather issued after compute among {largest} "
+                       f"ranks, as a step issues its calls (the last-arriving rank's mean, the median of "
+                       f"{len(after['rounds'])} rounds), less its wire time; the fits' intercept "
+                       f"({statistics.median(fits[k][largest]['latency_us'] for k in LINK_COLLECTIVES):.0f} us) "
+                       f"is the back-to-back figure"),
                    ib_gbps="one machine: no second level measured, the same as nvlink_gbps",
                    ib_latency_us="one machine: no second level measured, the same as nvlink_latency_us")
     else:
@@ -299,6 +451,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=None, help="calls per timed trial (default 5, --quick 2)")
     p.add_argument("--trials", type=int, default=None,
                    help="timed trials per point, the best kept (default 3, --quick 2)")
+    p.add_argument("--latency", choices=("fit", "after-compute"), default="fit",
+                   help="the profile's latency per call: the back-to-back fits' intercept (fit, the default), or a "
+                        "small all-gather issued after compute, as a step issues its calls (after-compute)")
     g = p.add_argument_group("the model whose GEMM shapes are timed (default: h 512, s 512, b 2, 8 heads on a CPU; "
                              "h 8192, s 4096, b 1, 64 heads on a GPU; --quick: h 64, s 64)")
     g.add_argument("--hidden-size", type=int, default=None)
@@ -323,9 +478,9 @@ def settings(a, gpu: bool) -> dict:
             "square": 256 if a.quick else 8192 if gpu else 1024, "copy_bytes": 2**23 if a.quick else 2**28}
 
 
-def measure_compute(a, c: dict, device: torch.device, gpu: bool) -> tuple[list[dict], float, dict | None]:
-    """The matmul rows (one layer's GEMMs and a square one), the copy bandwidth in GB/s and the
-    training step's rate (None with ``--training-layers 0``)."""
+def measure_compute(a, c: dict, device: torch.device, gpu: bool) -> tuple[list[dict], float, dict | None, dict]:
+    """The matmul rows (one layer's GEMMs and a square one), the copy bandwidth in GB/s, the
+    training step's rate (None with ``--training-layers 0``) and the CP blocks' (:func:`measure_cp_blocks`)."""
     h, s, b, heads = c["model"]
     square = c["square"]
     shapes = layer_gemms(h, s, b, heads, a.tensor_model_parallel_size) + [("square", 1, square, square, square)]
@@ -335,7 +490,10 @@ def measure_compute(a, c: dict, device: torch.device, gpu: bool) -> tuple[list[d
     vocab = a.vocab_size or (256 if a.quick else 4096)
     training = (measure_training(c["model"], layers, vocab, device, gpu, c["repeats"], c["trials"]) if layers > 0
                 else None)
-    return matmuls, copy_bandwidth(device, c["copy_bytes"], 3 if a.quick else 10) / 1e9, training
+    rank_shape = (h, s, b, heads // a.tensor_model_parallel_size)  # a TP rank's heads
+    dtype = torch.bfloat16 if gpu else torch.float32
+    cp_blocks = measure_cp_blocks(rank_shape, device, dtype, c["repeats"], c["trials"])
+    return matmuls, copy_bandwidth(device, c["copy_bytes"], 3 if a.quick else 10) / 1e9, training, cp_blocks
 
 
 def main(argv=None) -> int:
@@ -375,7 +533,7 @@ def main(argv=None) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # on a CPU a rank is one single-threaded process
     try:
-        matmuls, copy_gbps, training = measure_compute(a, c, device, gpu)
+        matmuls, copy_gbps, training, cp_blocks = measure_compute(a, c, device, gpu)
     finally:
         torch.set_num_threads(threads)
     if gpu:
@@ -388,8 +546,11 @@ def main(argv=None) -> int:
         dist.barrier()
         dist.destroy_process_group()
         return 0
+    overlap = {str(n): o for n, o in raw.pop("overlap", {}).items()}
+    after_compute = {str(n): o for n, o in raw.pop("after_compute", {}).items()}
     fits = fits_of({k: v for k, v in raw.items() if v})
-    hw, sources = profile_figures(fits, matmuls, copy_gbps, ranks, memory, what, a.link_ranks, training)
+    hw, sources = profile_figures(fits, matmuls, copy_gbps, ranks, memory, what, a.link_ranks, training, overlap,
+                                  cp_blocks, after_compute if a.latency == "after-compute" else None)
     name = a.name or (torch.cuda.get_device_name(device).lower().replace(" ", "-") if gpu
                       else f"cpu-{os.cpu_count()}core")
     measured = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -397,7 +558,9 @@ def main(argv=None) -> int:
                 "model": dict(zip(("hidden_size", "seq_length", "micro_batch_size", "num_attention_heads"), c["model"]),
                               tensor_model_parallel_size=a.tensor_model_parallel_size),
                 "load_average": load, "seconds": time.perf_counter() - started,
-                "matmul": matmuls, "training": training, "copy_gbps": copy_gbps, "collectives": fits}
+                "matmul": matmuls, "training": training, "copy_gbps": copy_gbps, "collectives": fits,
+                "overlap": overlap, "cp_blocks": cp_blocks,
+                "after_compute": after_compute}
     write_profile(a.output, name, hw, sources, measured)
     print("\n".join(markdown(fits, matmuls, hw)))
     print(f"profile {name!r} written to {a.output} ({measured['seconds']:.1f} s; load average before "

@@ -23,8 +23,19 @@ The figures' meaning, as the planner uses them:
   as Gb/s per adapter, one adapter per GPU (400 Gb/s NDR = 50 GB/s);
 - ``nvlink_latency_us`` / ``ib_latency_us``: the fixed cost of one collective call. No datasheet
   states it: the built-ins take the order of a small NCCL all-reduce (tens of microseconds); a
-  calibrated profile fits it (time = latency + wire bytes / bandwidth);
-- ``gpu_memory_gb``: per GPU, as the datasheet states it; ``gpus_per_node``: an HGX/DGX board's 8.
+  calibrated profile fits it (time = latency + wire bytes / bandwidth), or with ``--latency
+  after-compute`` measures it as a step meets it, a small all-gather issued after compute (less its
+  wire time; both kept under ``measured``);
+- ``gpu_memory_gb``: per GPU, as the datasheet states it; ``gpus_per_node``: an HGX/DGX board's 8;
+- ``overlap_cost`` (optional, 0 to 1): what a collective hidden behind compute still costs per second
+  of its link time (:mod:`.step_time`'s "overlap"). No datasheet states it: the built-ins and an
+  older profile without it take Hardware's 0.10; ``tools/calibrate_hardware.py`` measures it (GEMMs
+  with a collective in flight against each alone: 0 where the two share nothing, 1 where the
+  collective's work takes the compute's own cores, as gloo's threads do on a CPU);
+- ``cp_block_tflops`` (optional): the rate of context parallelism's attention blocks (the ring's and
+  allgather's: Triton's on a GPU, torch's reference on a CPU), the planner's attention FLOPs over
+  their time; without it the blocks run at ``achieved_tflops``. ``tools/calibrate_hardware.py``
+  measures it at the layer's shape.
 
 A profile leaves out the cluster's own choices (``nodes``, ``headroom``): the caller gives those.
 """
@@ -135,6 +146,10 @@ def check_profile(doc, where: str) -> dict:
         if k == "name":
             if not isinstance(v, str):
                 raise ProfileError(f"{where}: name must be a string, got {v!r}")
+        elif k == "overlap_cost":
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 1:
+                raise ProfileError(f"{where}: overlap_cost must be a number from 0 to 1 (the share of a hidden "
+                                   f"collective's time that still slows compute), got {v!r}")
         elif isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or v != v or v == float("inf"):
             raise ProfileError(f"{where}: {k} must be a positive number, got {v!r}")
     if int(hw["gpus_per_node"]) != hw["gpus_per_node"]:

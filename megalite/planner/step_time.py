@@ -30,25 +30,39 @@ node, InfiniBand across: the link :mod:`.estimate` names), lambda its latency pe
                (ZBV's middle ranks send twice, the interleaved 1F1B at each of its V chunks)
     cp         p2p (the ring, and a2a+p2p's outer ring): hidden behind each block's attention when
                that is longer: max(0, ring time - attention compute); a2a, allgather and the inner
-               level of a2a+p2p: exposed
+               level of a2a+p2p: exposed. The types that attend block by block (p2p, allgather,
+               a2a+p2p) run the rank's attention at the blocks' rate R_b, not R: + A (R / R_b - 1),
+               A the rank's attention at R (:func:`attention_seconds`), R_b = ``Hardware.cp_block_tflops``
+               (at most R; R where no profile measured it: the Triton blocks on a GPU, torch's reference blocks
+               on a CPU, 0.014-0.019 TFLOP/s against R = 0.064 here); the ring hides behind A R / R_b
     ep         the MoE all-to-alls (dispatch, combine; forward and backward): exposed
     optimizer  the step on the rank's shard S (Psi, / N under ZeRO >= 1): master + state bytes read
                and written, the gradient read and the weight written, at the HBM bandwidth:
                S (2 o + g + w) / HBM; with Muon also Newton-Schulz's FLOPs at R (per a x b matrix
                block, a <= b, and step: 4 a^2 b + 2 a^3; a rank orthogonalises its share)
-    overlap    OVERLAP_COST (10%) x the link time hidden behind compute (the gradient reductions,
-               ZeRO-3's gathers, CP's ring): a hidden collective still holds SMs and HBM bandwidth
-    latency    lambda per exposed collective call: TP 4 (6 with full recomputation) per layer and
-               micro-batch, twice under SP (gather + scatter) plus SP's backward re-gathers; PP 2 per
-               micro-batch (and V chunks: :func:`.pipeline.p2p_factor`); ZeRO-0/1 one (the last bucket; ZeRO-1 also one per bucket for the
-               weights' gather); ZeRO-2 one (the last bucket) per micro-batch and one per bucket for
-               the weights' gather; ZeRO-3 two per micro-batch; EP 4 per MoE layer and micro-batch;
-               CP a2a 4 and allgather 2 per layer and micro-batch
+    overlap    o x the link time hidden behind compute (the gradient reductions, ZeRO-3's gathers,
+               CP's ring), o = ``Hardware.overlap_cost``: a hidden collective still holds SMs and HBM
+               bandwidth on a GPU (o = 0.10 assumed, :data:`OVERLAP_COST`); on a CPU its transport
+               threads take the cores the compute runs on (o ~ 1 measured). A calibrated profile
+               measures o (tools/calibrate_hardware.py: GEMMs with a collective in flight against
+               each alone)
+    latency    lambda per exposed collective call (:func:`exposed_calls`, the counts a step makes,
+               checked by counting a run's calls): TP with SP 10 per layer and micro-batch (13 with
+               full recomputation), the embedding's 2 and the output layer's 5 as the slowest
+               stage holds them (:func:`tp_calls`); PP 2 per micro-batch and send (ZBV 2, interleaved V:
+               :func:`.pipeline.p2p_factor`); ZeRO-0/1 one (the last
+               bucket; ZeRO-1 also one per bucket for the weights' gather); ZeRO-2 one (the last
+               bucket) per micro-batch and one per bucket for the weights' gather; ZeRO-3 two per
+               micro-batch; EP 5 per MoE layer and micro-batch; CP a2a 8 and allgather 3 per layer
+               and micro-batch (:func:`cp_calls_per_layer`). A calibrated profile's lambda: its fits'
+               intercept, or a call issued after compute as a step issues them (calibrate_hardware.py
+               --latency after-compute)
 
 Step time = the sum. Offload (--offload-optimizer) is not planned, so no host traffic term.
-Not modelled: compute slowing while it shares the GPU with an overlapped collective, two
-collectives sharing one link, and GEMM efficiency changing with the shapes a layout produces
-(``achieved_tflops`` is one figure; a calibrated profile can set it).
+Not modelled: two collectives sharing one link, and GEMM efficiency changing with the shapes a
+layout produces (``achieved_tflops`` is one figure): on this project's CPU a layer's linears at
+TP 2's and CP 2's shard shapes ran at the full shapes' rate within the noise (75-97 against 78-95
+GFLOP/s, one thread, docs/BENCHMARKS.md), so a per-shape rate table is not worth its terms here.
 """
 from __future__ import annotations
 
@@ -65,9 +79,19 @@ from megalite.planner.update_traffic import ring, tensor_parallel_linears, updat
 
 BUCKET = training_defaults()["ddp_bucket_size"]  # elements per gradient bucket, pretrain_gpt.py's default
 TERMS = ("compute", "bubble", "dp", "edp", "tp", "pp", "cp", "ep", "optimizer", "latency", "overlap")
-# What a collective hidden behind compute still costs, per second of its link time: its kernels hold
-# SMs (NCCL's channels) and HBM bandwidth the matmuls would use. An assumption (10%), not a measurement.
-OVERLAP_COST = 0.10
+# What a collective hidden behind compute still costs, per second of its link time, where no profile
+# measured it: its kernels hold SMs (NCCL's channels) and HBM bandwidth the matmuls would use. An
+# assumption for a GPU (10%), Hardware's default; a calibrated profile replaces it (hw.overlap_cost).
+OVERLAP_COST = Hardware.__dataclass_fields__["overlap_cost"].default
+# Collective calls a step makes, counted in runs of the sweep's GPT (comm.count_collectives and the
+# waits of comm.blocked; 8 micro-batches, 4 layers): per layer and micro-batch, TP with SP forward
+# 2 all-gathers + 2 reduce-scatters, backward their 4 conjugates + the 2 re-gathers of QKV's and
+# FC1's inputs = 10; full recomputation's forward again 3 more (its last reduce-scatter not needed)
+TP_CALLS_PER_LAYER = {"none": 10, "selective": 10, "full": 13}
+# per micro-batch outside the layers: the embedding's reduce-scatter into the sequence split and its
+# backward all-gather; the output layer's all-gather, its backward reduce-scatter and re-gather, and
+# the vocabulary-parallel loss's 2 all-reduces (the logits' max and the sum of exponentials)
+TP_CALLS_EMBEDDING, TP_CALLS_OUTPUT = 2, 5
 
 
 def link_rate(hw: Hardware, link: str) -> tuple[float, float]:
@@ -141,14 +165,19 @@ def attention_seconds(m: ModelConfig, layout: Layout, global_batch: int, hw: Har
 def context_parallel(m: ModelConfig, layout: Layout, comm: dict, global_batch: int,
                      hw: Hardware) -> tuple[float, float]:
     """CP's (exposed, hidden) time: a ring (p2p, a2a+p2p's outer level) behind the attention it feeds when
-    that is longer; all-to-alls and allgather's gathers exposed (module docstring)."""
+    that is longer; all-to-alls and allgather's gathers exposed; the blocks' slower rate,
+    A (R / R_b - 1), for the types attending block by block (all but a2a; module docstring)."""
     if layout.cp == 1:
         return 0.0, 0.0
     ring_kinds = ("cp",) if layout.cp_comm_type == "p2p" else ("cp_outer",)
     hidden = sum(exposed(comm, k) for k in ring_kinds)
     shown = sum(exposed(comm, k) for k in ("cp", "cp_inner", "cp_outer") if k not in ring_kinds)
-    behind = min(hidden, attention_seconds(m, layout, global_batch, hw))
-    return shown + hidden - behind, behind
+    attention = attention_seconds(m, layout, global_batch, hw)
+    blocked = hw.cp_block_tflops and layout.cp_comm_type != "a2a"  # never faster than R: a term is a wait
+    rate = min(hw.cp_block_tflops, hw.achieved_tflops) if blocked else hw.achieved_tflops
+    blocks = attention * hw.achieved_tflops / rate
+    behind = min(hidden, blocks)
+    return shown + hidden - behind + blocks - attention, behind
 
 
 def optimizer(m: ModelConfig, layout: Layout, psi: int, matrices: int, prec: Precision, hw: Hardware,
@@ -176,23 +205,52 @@ def newton_schulz_flops(m: ModelConfig, layout: Layout, prec: Precision, stage: 
                for rows, cols in linear.logical_shapes(m, layout.tp, update.muon_split_qkv))
 
 
+def tp_calls(m: ModelConfig, layout: Layout, layers: int, stage: int = 0) -> int:
+    """TP's (SP's) collective calls per micro-batch on a rank of pipeline stage ``stage`` holding
+    ``layers`` layers: ``layers x`` :data:`TP_CALLS_PER_LAYER` (an MoE layer without a shared expert
+    half of it: its MLP has no TP collective, as :func:`.estimate.communication` counts the bytes)
+    plus the embedding's and the output layer's (:data:`TP_CALLS_EMBEDDING`, :data:`TP_CALLS_OUTPUT`)
+    of the stage holding the most of them (:func:`.pipeline.local_chunks`): a pipeline runs at its
+    slowest stage's pace, so 5 for 1F1B's last stage, 7 for ZBV's first (both ends on one rank).
+    The planner pairs TP with SP."""
+    per_layer = TP_CALLS_PER_LAYER[layout.recompute]
+    calls = layers * per_layer
+    if not m.moe_shared_expert_intermediate_size:
+        calls -= planner_pipeline.moe_layers_on_rank(m, layout.schedule, layout.pp, stage,
+                                                     layout.virtual) * (per_layer // 2)
+    last = planner_pipeline.num_chunks(layout.schedule, layout.pp, layout.virtual) - 1
+    ends = (planner_pipeline.local_chunks(layout.schedule, layout.pp, rank, layout.virtual)
+            for rank in range(layout.pp))
+    return calls + max((TP_CALLS_EMBEDDING if 0 in chunks else 0) + (TP_CALLS_OUTPUT if last in chunks else 0)
+                       for chunks in ends)
+
+
+def cp_calls_per_layer(cp_type: str) -> int:
+    """CP's exposed calls per layer and micro-batch: a2a (and a2a+p2p's inner level) 8 all-to-alls
+    (Q, K, V in and the output back, forward and backward); allgather 3 (K and V gathered forward,
+    their gradients reduce-scattered as one backward); the p2p ring's exchanges hide behind its
+    blocks (the 'cp' term), so 0."""
+    if cp_type == "allgather":
+        return 3
+    return 8 if cp_type == "a2a" or cp_comm_type(cp_type).hierarchical else 0
+
+
 def exposed_calls(m: ModelConfig, layout: Layout, num_micro: int, comm: dict, stage: int = 0) -> dict[str, int]:
-    """Exposed collective calls per kind of traffic but the gradients' (module docstring, 'latency')."""
+    """Exposed collective calls per kind of traffic but the gradients' (module docstring, 'latency'):
+    EP 5 per MoE layer and micro-batch (dispatch and combine, forward and backward, and the
+    forward's exchange of token counts)."""
     M, layers = num_micro, m.num_layers // layout.pp
-    passes = 6 if layout.recompute == "full" else 4
     calls = {}
     if "tp" in comm:
-        calls["tp"] = M * layers * (passes * (2 if layout.sp else 1) + (1 if layout.sp else 0))
+        calls["tp"] = M * tp_calls(m, layout, layers, stage)
     if "pp" in comm:
         calls["pp"] = 2 * M * planner_pipeline.p2p_factor(layout.schedule, layout.pp, layout.virtual)
     if "ep" in comm:
-        calls["ep"] = 4 * M * planner_pipeline.moe_layers_on_rank(m, layout.schedule, layout.pp, stage,
+        calls["ep"] = 5 * M * planner_pipeline.moe_layers_on_rank(m, layout.schedule, layout.pp, stage,
                                                                   layout.virtual)
     if layout.cp > 1:
         kind = cp_comm_type(layout.cp_comm_type)
-        per_layer = 2 if layout.cp_comm_type == "allgather" else 4 if (kind.hierarchical or
-                                                                       layout.cp_comm_type == "a2a") else 0
-        calls["cp_inner" if kind.hierarchical else "cp"] = M * layers * per_layer
+        calls["cp_inner" if kind.hierarchical else "cp"] = M * layers * cp_calls_per_layer(layout.cp_comm_type)
     return calls
 
 
@@ -225,7 +283,7 @@ def step_terms(m: ModelConfig, layout: Layout, global_batch: int, num_micro: int
         latency += calls * link_rate(hw, comm[kind]["link"])[1] if kind in comm else 0.0
     terms["optimizer"] = optimizer(m, layout, psi, matrices, prec, hw, stage)
     terms["latency"] = latency
-    terms["overlap"] = OVERLAP_COST * (hidden + behind)
+    terms["overlap"] = hw.overlap_cost * (hidden + behind)
     return terms
 
 

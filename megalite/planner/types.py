@@ -33,6 +33,12 @@ class Hardware:
     nvlink_latency_us: float = 10.0  # a collective's fixed cost inside a node (per call)
     ib_latency_us: float = 20.0  # a collective's fixed cost across nodes (per call)
     name: str = "h100-sxm"  # the profile these figures come from
+    # what a collective hidden behind compute still costs, per second of its link time (step_time.py's
+    # "overlap"); 0.10 an assumption for a GPU, a calibrated profile measures it (calibrate_hardware.py)
+    overlap_cost: float = 0.10
+    # TFLOP/s of the CP attention blocks (ring, allgather: Triton's on a GPU, torch's reference on a CPU),
+    # the planner's attention FLOPs over their time; None: achieved_tflops (step_time.py's "cp")
+    cp_block_tflops: float | None = None
 
     @property
     def world_size(self) -> int:

@@ -14,6 +14,7 @@ import pytest
 from megalite.planner import Hardware
 from megalite.planner.hardware import (PROFILES, ProfileError, hardware_from_profile, load_profile,
                                        measured_collective, read_profile, write_profile)
+from tools import calibrate_compute, calibrate_links
 from tools import calibrate_hardware as cal
 from tools import plan_parallel
 
@@ -143,7 +144,7 @@ def test_one_rank_calibration_keeps_the_default_links_and_says_so(tmp_path, caps
 
 
 def test_wire_bytes_and_gemm_shapes_by_hand():
-    assert [cal.wire_bytes(k, 1000, 4) for k in cal.COLLECTIVES] == [1500, 750, 750, 750, 1000]
+    assert [cal.wire_bytes(k, 1000, 4) for k in calibrate_links.COLLECTIVES] == [1500, 750, 750, 750, 1000]
     # b 2, s 8, h 16, 4 heads (d 4), TP 2: tokens 16
     assert cal.layer_gemms(16, 8, 2, 4, 2) == [("qkv", 1, 16, 16, 24), ("proj", 1, 16, 8, 16), ("fc1", 1, 16, 16, 32),
                                                ("fc2", 1, 16, 32, 16), ("scores", 4, 8, 4, 8),
@@ -170,7 +171,7 @@ def test_calibration_writes_a_profile_whose_fit_reproduces_its_measurements(tmp_
     assert cal.main(["--quick", "--output", str(out), "--sizes", "1024", "65536", "1048576", "--name", "t"]) == 0
     doc, hw = read_profile(str(out)), hardware_from_profile(str(out))
     fits = doc["measured"]["collectives"]
-    assert set(fits) == set(cal.COLLECTIVES) and all(set(f) == {"2"} for f in fits.values())
+    assert set(fits) == set(calibrate_links.COLLECTIVES) and all(set(f) == {"2"} for f in fits.values())
     assert hw.gpus_per_node == 2 and hw.name == "t" and hw.achieved_tflops <= hw.peak_tflops
     assert [r["name"] for r in doc["measured"]["matmul"]] == ["qkv", "proj", "fc1", "fc2", "scores", "context",
                                                               "square"]
@@ -216,9 +217,9 @@ def test_overlap_cost_loads_from_0_to_1_and_older_profiles_keep_the_default(tmp_
 def test_overlap_cost_by_hand():
     """(together - GEMMs) / all-reduce, clipped to [0, 1]; the profile takes the link group's median
     over rounds (measure_overlap) and says where it comes from."""
-    assert cal.overlap_cost_of(10.0, 4.0, 13.0) == 0.75
-    assert cal.overlap_cost_of(10.0, 4.0, 10.0) == 0  # hidden entirely: the GEMMs took no longer
-    assert cal.overlap_cost_of(10.0, 4.0, 9.0) == 0 and cal.overlap_cost_of(10.0, 4.0, 20.0) == 1  # noise: clipped
+    assert calibrate_links.overlap_cost_of(10.0, 4.0, 13.0) == 0.75
+    assert calibrate_links.overlap_cost_of(10.0, 4.0, 10.0) == 0  # hidden entirely: the GEMMs took no longer
+    assert calibrate_links.overlap_cost_of(10.0, 4.0, 9.0) == 0 and calibrate_links.overlap_cost_of(10.0, 4.0, 20.0) == 1  # noise: clipped
     fits = {k: {"2": {"gbps": 1.0, "latency_us": 100.0}} for k in cal.LINK_COLLECTIVES}
     gemms = [{"name": "qkv", "flops": 2e12, "seconds": 1.0, "tflops": 2.0}]
     overlap = {"2": {"tensor_bytes": 1024, "overlap_cost": 0.6}}
@@ -245,9 +246,9 @@ def test_cp_blocks_by_hand():
     chunk: the 10 such pairs split 5 and 5; the rate counts the planner's attention FLOPs of a rank
     (3 x 4 b heads d s^2 / CP) over the blocks' time, and the profile takes it."""
     import torch
-    assert cal.cp_block_pairs(0, 2) == [(0, 0, True), (3, 0, False), (3, 3, True), (3, 1, False), (3, 2, False)]
-    assert cal.cp_block_pairs(1, 2) == [(1, 0, False), (2, 0, False), (1, 1, True), (2, 1, False), (2, 2, True)]
-    pairs = cal.cp_block_pairs(0, 4) + cal.cp_block_pairs(1, 4) + cal.cp_block_pairs(2, 4) + cal.cp_block_pairs(3, 4)
+    assert calibrate_compute.cp_block_pairs(0, 2) == [(0, 0, True), (3, 0, False), (3, 3, True), (3, 1, False), (3, 2, False)]
+    assert calibrate_compute.cp_block_pairs(1, 2) == [(1, 0, False), (2, 0, False), (1, 1, True), (2, 1, False), (2, 2, True)]
+    pairs = calibrate_compute.cp_block_pairs(0, 4) + calibrate_compute.cp_block_pairs(1, 4) + calibrate_compute.cp_block_pairs(2, 4) + calibrate_compute.cp_block_pairs(3, 4)
     assert sorted((q, k) for q, k, _ in pairs) == [(q, k) for q in range(8) for k in range(q + 1)]
     run = cal.measure_cp_blocks((32, 16, 2, 4), torch.device("cpu"), torch.float32, 1, 1)
     assert run["backend"] == "torch" and run["flops"] == 3 * 4 * 2 * 4 * 8 * 16 * 16 / 2

@@ -19,14 +19,19 @@ P the schedules hold at most P (1F1B, ZB-H1 with M >= P) or 2P chunk-micro-batch
 layout whose step has more micro-batches is dry-run with the global batch cut to max(2, P) (ZBV:
 2P) micro-batches per DP rank (the planner is given the same batch, so the comparison is like for like;
 the peak differs from the full batch's only by the step's token arrays, megabytes).
-docs/recipes.md lists these numbers and the estimated steps.
+docs/recipes.md lists these numbers and the estimated steps. Each dry run is one process's work:
+the selected ones run two at a time in forks of the test process (tests/side_by_side.py), each test
+asserting on its own recipe's result.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shlex
 import subprocess
+import tempfile
 
 import pytest
 
@@ -34,6 +39,7 @@ from megalite.arguments import build_parser, config_from_args
 from megalite.config import validate
 from megalite.parallel.grid import GridLayout
 from megalite.planner import DEFAULT_HEADROOM, GiB
+from tests.side_by_side import SideBySide, selected_cases
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES_DIR = os.path.join(ROOT, "examples", "recipes")
@@ -241,7 +247,9 @@ def test_layout_is_the_planners_recommendation(recipe, gpus, tmp_path, capsys):
     assert {k: ours[k] for k in keys} == {k: planned[k] for k in keys}, rec["description"]
 
 
-def dry_run(recipe: str, gpus: int, tmp_path, capsys) -> tuple[int, list[dict], str]:
+def dry_run(recipe: str, gpus: int) -> tuple[int, list[dict], str]:
+    """tools/dry_run.py on the recipe's dry-run flags (the batch cut as the module docstring says):
+    its exit code, its roles (from --json) and what it printed."""
     from tools import dry_run as tool
 
     own, flags = dry_run_flags(recipe, gpus)
@@ -252,10 +260,12 @@ def dry_run(recipe: str, gpus: int, tmp_path, capsys) -> tuple[int, list[dict], 
     most = max(MAX_MICRO_BATCHES, layout.pp * (2 if args.pipeline_schedule == "zbv" else 1))
     if args.global_batch_size > per_dp * most:
         flags = flags + ["--global-batch-size", str(per_dp * most)]
-    out = tmp_path / "dry.json"
-    code = tool.main(own + flags + ["--json", str(out)])
-    text = capsys.readouterr().out
-    return code, json.loads(out.read_text())["roles"], text
+    with tempfile.TemporaryDirectory() as folder, contextlib.redirect_stdout(io.StringIO()) as printed:
+        out = os.path.join(folder, "dry.json")
+        code = tool.main(own + flags + ["--json", out])
+        with open(out) as f:
+            roles = json.load(f)["roles"]
+    return code, roles, printed.getvalue()
 
 
 def _dry_params():
@@ -267,11 +277,21 @@ def _dry_params():
     return params
 
 
+@pytest.fixture(scope="module")
+def dry_runs(request):
+    """Every dry run this session selected, started at once, two at a time (tests/side_by_side.py:
+    each is one process's work; the CI machine has two cores)."""
+    runs = SideBySide(dry_run, selected_cases(request, "test_dry_run_fits_and_matches_the_planner",
+                                              ("recipe", "gpus")))
+    yield runs
+    runs.close()
+
+
 @pytest.mark.parametrize("recipe,gpus", _dry_params())
-def test_dry_run_fits_and_matches_the_planner(recipe, gpus, tmp_path, capsys):
+def test_dry_run_fits_and_matches_the_planner(recipe, gpus, dry_runs):
     """Every role of the layout, one iteration on meta: its peak fits 80 GiB less the planner's
     headroom, and is within 5% of the planner's estimate for the same rank."""
-    code, roles, text = dry_run(recipe, gpus, tmp_path, capsys)
+    code, roles, text = dry_runs.result(recipe, gpus)
     allowance = GPU_MEMORY_GB * GiB * (1 - DEFAULT_HEADROOM)
     assert code == 0 and "): yes" in text.splitlines()[-1], text
     assert roles

@@ -205,13 +205,28 @@ def planner_argv(flags: list[str], gpus: int) -> list[str]:
                    "--nodes", str(gpus // GPUS_PER_NODE)]
 
 
-def recommendation(argv: list[str], tmp_path, capsys) -> dict | None:
+def recommendation(argv: list[str]) -> dict | None:
+    """tools/plan_parallel.py's recommendation (from --json; None where no layout fits)."""
     from tools import plan_parallel
 
-    out = tmp_path / "plan.json"
-    assert plan_parallel.main(argv + ["--json", str(out)]) == 0
-    capsys.readouterr()
-    return json.loads(out.read_text())["recommendation"]
+    with tempfile.TemporaryDirectory() as folder, contextlib.redirect_stdout(io.StringIO()):
+        out = os.path.join(folder, "plan.json")
+        assert plan_parallel.main(argv + ["--json", out]) == 0
+        with open(out) as f:
+            return json.load(f)["recommendation"]
+
+
+def planned_layout(recipe: str, gpus: int) -> tuple[list[str], dict | None]:
+    """The recipe's dry-run flags (at its first count where it has no layout for ``gpus``: the model
+    and batch flags are the same at every count) and the planner's recommendation for them at
+    ``gpus``: searched over the recipe's CP size (test_layout_is_the_planners_recommendation), or
+    in full where the recipe has no layout."""
+    sizes = RECIPES[recipe][0]
+    _, flags = dry_run_flags(recipe, gpus if gpus in sizes else sizes[0])
+    if gpus not in sizes:
+        return flags, recommendation(planner_argv(flags, gpus))
+    max_cp = str(parse(flags).context_parallel_size)
+    return flags, recommendation(planner_argv(flags, gpus) + ["--max-context-parallel", max_cp])
 
 
 # The default run checks each recipe's dry-run count and every count where nothing fits; the
@@ -220,8 +235,18 @@ PLANS = [pytest.param(r, g, marks=[] if g == default or g in no_fit else [pytest
          for r, (sizes, default, no_fit, _) in RECIPES.items() for g in sizes + no_fit]
 
 
+@pytest.fixture(scope="module")
+def plans(request):
+    """The planner's searches this session selected, two at a time (tests/side_by_side.py: each is
+    one process's work)."""
+    runs = SideBySide(planned_layout, selected_cases(request, "test_layout_is_the_planners_recommendation",
+                                                     ("recipe", "gpus")))
+    yield runs
+    runs.close()
+
+
 @pytest.mark.parametrize("recipe,gpus", PLANS)
-def test_layout_is_the_planners_recommendation(recipe, gpus, tmp_path, capsys):
+def test_layout_is_the_planners_recommendation(recipe, gpus, plans):
     """tools/plan_parallel.py, given the recipe's model and batch and GPUS H100 80GB (8 per
     node), recommends the recipe's layout: every flag it prints has the recipe's value, and so
     has every layout flag. Where the recipe says the model does not fit, no layout fits.
@@ -231,15 +256,10 @@ def test_layout_is_the_planners_recommendation(recipe, gpus, tmp_path, capsys):
     so): a recipe keeps its CP size, and among those layouts it runs the fastest estimated step
     that fits (issue 40; a larger CP is sometimes faster still: tools/plan_parallel.py without
     --max-context-parallel says by how much). Where nothing fits, the full search says so."""
-    sizes = RECIPES[recipe][0]
-    probe = sizes[0]  # the model and batch flags are the same at every count
-    _, flags = dry_run_flags(recipe, gpus if gpus in sizes else probe)
-    if gpus not in sizes:
-        rec = recommendation(planner_argv(flags, gpus), tmp_path, capsys)
+    flags, rec = plans.result(recipe, gpus)
+    if gpus not in RECIPES[recipe][0]:
         assert rec is None, (recipe, gpus, rec and rec["description"])
         return
-    max_cp = str(parse(flags).context_parallel_size)
-    rec = recommendation(planner_argv(flags, gpus) + ["--max-context-parallel", max_cp], tmp_path, capsys)
     assert rec is not None, (recipe, gpus)
     planned, ours = vars(parse(rec["pretrain_flags"])), vars(parse(flags))
     defaults = vars(parse([]))

@@ -1,22 +1,27 @@
 """A file's independent one-process checks, two at a time, in forks of the test process.
 
 The suite runs one test at a time on a 2-core machine: a test whose work runs in the pytest
-process itself (a meta dry run of a recipe, for example: one core for 1-25 s) leaves the other
-core idle. :class:`SideBySide` starts, when a module's fixture asks for it, every case of one test
-function that this session selected (``-m``, ``-k`` and node ids respected) on a pool of forked
-workers, one per core up to ``MAX_WORKERS``; each test then waits for its own case's result and
-makes its assertions on it, as it did on the value the same function returned in the test process.
-The work and the assertions are the same; only their order in time changes.
+process itself (a meta dry run of a recipe, the planner's search, for example: one core for 1-25 s)
+leaves the other core idle. :class:`SideBySide`, started by a module's fixture, hands every case of
+one test function that this session selected (``-m``, ``-k`` and node ids respected) to forked
+workers, one per core up to ``MAX_WORKERS``, which take the cases in order as they come free; each
+test then waits for its own case's value and makes its assertions on it, as it did on the value the
+same function returned in the test process. The work and the assertions are the same; only their
+order in time changes.
 
-A worker is a fork of the test process (its imports done; no new interpreter): it runs its cases one
-after another, as the test process ran them, with the process group and environment each case sets
-up and tears down itself. An exception in a case comes back with its traceback and fails that
-case's test, and only that one.
+A worker is a fork of the test process (its imports done; no new interpreter) and an ordinary
+(non-daemonic) process, so a case may start processes of its own (a forked world, a tool's pool).
+It runs its cases one after another, as the test process ran them, each setting up and tearing down
+its own process group and environment. An exception in a case comes back with its traceback and
+fails that case's test, and only that one; a worker that dies fails the tests still waiting on it.
 """
 from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
+import queue
+import time
 import traceback
 
 MAX_WORKERS = 2  # the CI machine's cores (README: a 2-core machine)
@@ -35,32 +40,60 @@ def selected_cases(request, function_name: str, names: tuple[str, ...]) -> list[
     return cases
 
 
-def _run_case(fn, case):
-    try:
-        return "ok", fn(*case)
-    except BaseException:  # noqa: BLE001 - the test that asked for this case reports it
-        return "error", traceback.format_exc()
+def _serve(fn, tasks, results):
+    """A worker: run each (index, case) it is handed until None; send back (index, status, value)."""
+    for index, case in iter(tasks.get, None):
+        try:
+            outcome = ("ok", pickle.dumps(fn(*case)))
+        except BaseException:  # noqa: BLE001 - the test that asked for this case reports it
+            outcome = ("error", traceback.format_exc())
+        results.put((index, *outcome))
+    results.close()
+    results.join_thread()
+    os._exit(0)  # no atexit handler inherited from the test process (pytest's) runs here
 
 
 class SideBySide:
-    """``fn(*case)`` for every case, started at once on the pool; :meth:`result` waits for one."""
+    """``fn(*case)`` for every case, handed at once to the workers; :meth:`result` waits for one."""
 
     def __init__(self, fn, cases: list[tuple]):
-        self.fn = fn
-        workers = max(1, min(MAX_WORKERS, len(cases), len(os.sched_getaffinity(0))))
-        self.pool = multiprocessing.get_context("fork").Pool(workers) if cases else None
-        self.pending = {case: self.pool.apply_async(_run_case, (fn, case)) for case in cases}
+        self.fn, self.cases, self.done = fn, list(cases), {}
+        ctx = multiprocessing.get_context("fork")
+        self.tasks, self.results = ctx.Queue(), ctx.Queue()
+        workers = min(MAX_WORKERS, len(self.cases), len(os.sched_getaffinity(0)))
+        for index, case in enumerate(self.cases):
+            self.tasks.put((index, case))
+        for _ in range(workers):
+            self.tasks.put(None)
+        self.workers = [ctx.Process(target=_serve, args=(fn, self.tasks, self.results)) for _ in range(workers)]
+        for worker in self.workers:
+            worker.start()
 
     def result(self, *case):
         """The case's value; a case nobody started (not selected at setup) runs here."""
-        if case not in self.pending:
+        if case not in self.cases:
             return self.fn(*case)
-        status, value = self.pending[case].get(timeout=RESULT_TIMEOUT_S)
+        index = self.cases.index(case)
+        deadline = time.monotonic() + RESULT_TIMEOUT_S
+        while index not in self.done:
+            try:
+                got, status, value = self.results.get(timeout=1.0)
+            except queue.Empty:
+                if any(w.exitcode not in (None, 0) for w in self.workers) and self.results.empty():
+                    raise AssertionError(f"{self.fn.__name__}{case}: a worker process died "
+                                         f"(exit codes {[w.exitcode for w in self.workers]})") from None
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"{self.fn.__name__}{case}: no result within {RESULT_TIMEOUT_S:.0f} s") from None
+                continue
+            self.done[got] = (status, value)
+        status, value = self.done[index]
         if status == "error":
             raise AssertionError(f"{self.fn.__name__}{case} failed in its worker process:\n{value}")
-        return value
+        return pickle.loads(value)
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.terminate()
-            self.pool.join()
+        for worker in self.workers:
+            worker.join(timeout=0.5)
+            if worker.is_alive():
+                worker.kill()
+                worker.join()

@@ -12,7 +12,8 @@ order in time changes.
 A worker is a fork of the test process (its imports done; no new interpreter) and an ordinary
 (non-daemonic) process, so a case may start processes of its own (a forked world, a tool's pool).
 It runs its cases one after another, as the test process ran them, each setting up and tearing down
-its own process group and environment. An exception in a case comes back with its traceback and
+its own process group and environment, and each starting from the process-wide torch state the
+test process had (tests/process_state.py, what tests/conftest.py restores around every test). An exception in a case comes back with its traceback and
 fails that case's test, and only that one; a worker that dies fails the tests still waiting on it.
 """
 from __future__ import annotations
@@ -23,6 +24,8 @@ import pickle
 import queue
 import time
 import traceback
+
+from tests import process_state
 
 MAX_WORKERS = 2  # the CI machine's cores (README: a 2-core machine)
 RESULT_TIMEOUT_S = 900.0
@@ -43,10 +46,13 @@ def selected_cases(request, function_name: str, names: tuple[str, ...]) -> list[
 def _serve(fn, tasks, results):
     """A worker: run each (index, case) it is handed until None; send back (index, status, value)."""
     for index, case in iter(tasks.get, None):
+        saved = process_state.save()  # each case starts from the state the test process had, as a test does
         try:
             outcome = ("ok", pickle.dumps(fn(*case)))
         except BaseException:  # noqa: BLE001 - the test that asked for this case reports it
             outcome = ("error", traceback.format_exc())
+        finally:
+            process_state.restore(saved)
         results.put((index, *outcome))
     results.close()
     results.join_thread()
@@ -80,8 +86,10 @@ class SideBySide:
                 got, status, value = self.results.get(timeout=1.0)
             except queue.Empty:
                 if any(w.exitcode not in (None, 0) for w in self.workers) and self.results.empty():
-                    raise AssertionError(f"{self.fn.__name__}{case}: a worker process died "
-                                         f"(exit codes {[w.exitcode for w in self.workers]})") from None
+                    raise AssertionError(f"{self.fn.__name__}{case}: a worker process died (exit codes "
+                                         f"{[w.exitcode for w in self.workers]}) before this case's result "
+                                         f"reached the test: the case that killed it fails the same way; "
+                                         f"run this test alone to see whether it is the one") from None
                 if time.monotonic() > deadline:
                     raise AssertionError(f"{self.fn.__name__}{case}: no result within {RESULT_TIMEOUT_S:.0f} s") from None
                 continue

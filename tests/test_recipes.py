@@ -19,9 +19,9 @@ P the schedules hold at most P (1F1B, ZB-H1 with M >= P) or 2P chunk-micro-batch
 layout whose step has more micro-batches is dry-run with the global batch cut to max(2, P) (ZBV:
 2P) micro-batches per DP rank (the planner is given the same batch, so the comparison is like for like;
 the peak differs from the full batch's only by the step's token arrays, megabytes).
-docs/recipes.md lists these numbers and the estimated steps. Each dry run is one process's work:
-the selected ones run two at a time in forks of the test process (tests/side_by_side.py), each test
-asserting on its own recipe's result.
+docs/recipes.md lists these numbers and the estimated steps. Each planner search and each dry run
+is one process's work: the selected ones run two at a time in forks of the test process
+(tests/side_by_side.py), each test asserting on its own recipe's result.
 """
 from __future__ import annotations
 
@@ -235,18 +235,8 @@ PLANS = [pytest.param(r, g, marks=[] if g == default or g in no_fit else [pytest
          for r, (sizes, default, no_fit, _) in RECIPES.items() for g in sizes + no_fit]
 
 
-@pytest.fixture(scope="module")
-def plans(request):
-    """The planner's searches this session selected, two at a time (tests/side_by_side.py: each is
-    one process's work)."""
-    runs = SideBySide(planned_layout, selected_cases(request, "test_layout_is_the_planners_recommendation",
-                                                     ("recipe", "gpus")))
-    yield runs
-    runs.close()
-
-
 @pytest.mark.parametrize("recipe,gpus", PLANS)
-def test_layout_is_the_planners_recommendation(recipe, gpus, plans):
+def test_layout_is_the_planners_recommendation(recipe, gpus, recipe_work):
     """tools/plan_parallel.py, given the recipe's model and batch and GPUS H100 80GB (8 per
     node), recommends the recipe's layout: every flag it prints has the recipe's value, and so
     has every layout flag. Where the recipe says the model does not fit, no layout fits.
@@ -256,7 +246,7 @@ def test_layout_is_the_planners_recommendation(recipe, gpus, plans):
     so): a recipe keeps its CP size, and among those layouts it runs the fastest estimated step
     that fits (issue 40; a larger CP is sometimes faster still: tools/plan_parallel.py without
     --max-context-parallel says by how much). Where nothing fits, the full search says so."""
-    flags, rec = plans.result(recipe, gpus)
+    flags, rec = recipe_work.result("plan", recipe, gpus)
     if gpus not in RECIPES[recipe][0]:
         assert rec is None, (recipe, gpus, rec and rec["description"])
         return
@@ -288,6 +278,23 @@ def dry_run(recipe: str, gpus: int) -> tuple[int, list[dict], str]:
     return code, roles, printed.getvalue()
 
 
+def planned_or_dry_run(kind: str, recipe: str, gpus: int):
+    return planned_layout(recipe, gpus) if kind == "plan" else dry_run(recipe, gpus)
+
+
+@pytest.fixture(scope="module")
+def recipe_work(request):
+    """The planner's searches, then the dry runs, that this session selected, handed at once to two
+    workers (tests/side_by_side.py: each is one process's work; the CI machine has two cores)."""
+    cases = [("plan", *case) for case in selected_cases(request, "test_layout_is_the_planners_recommendation",
+                                                        ("recipe", "gpus"))]
+    cases += [("dry run", *case) for case in selected_cases(request, "test_dry_run_fits_and_matches_the_planner",
+                                                           ("recipe", "gpus"))]
+    runs = SideBySide(planned_or_dry_run, cases)
+    yield runs
+    runs.close()
+
+
 def _dry_params():
     params = []
     for recipe, (sizes, default, _, _) in RECIPES.items():
@@ -297,21 +304,11 @@ def _dry_params():
     return params
 
 
-@pytest.fixture(scope="module")
-def dry_runs(request):
-    """Every dry run this session selected, started at once, two at a time (tests/side_by_side.py:
-    each is one process's work; the CI machine has two cores)."""
-    runs = SideBySide(dry_run, selected_cases(request, "test_dry_run_fits_and_matches_the_planner",
-                                              ("recipe", "gpus")))
-    yield runs
-    runs.close()
-
-
 @pytest.mark.parametrize("recipe,gpus", _dry_params())
-def test_dry_run_fits_and_matches_the_planner(recipe, gpus, dry_runs):
+def test_dry_run_fits_and_matches_the_planner(recipe, gpus, recipe_work):
     """Every role of the layout, one iteration on meta: its peak fits 80 GiB less the planner's
     headroom, and is within 5% of the planner's estimate for the same rank."""
-    code, roles, text = dry_runs.result(recipe, gpus)
+    code, roles, text = recipe_work.result("dry run", recipe, gpus)
     allowance = GPU_MEMORY_GB * GiB * (1 - DEFAULT_HEADROOM)
     assert code == 0 and "): yes" in text.splitlines()[-1], text
     assert roles

@@ -23,12 +23,15 @@ a GPU, a download or several machines carry no marker.
 """
 import os
 import re
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from tests.forked_commands import run_block
+from tests.side_by_side import SideBySide, selected_cases
 
 REPO = Path(__file__).resolve().parent.parent
 MARKER = re.compile(r"^<!--\s*cpu-test((?:\s+[\w=-]+)*)\s*-->\s*$")
@@ -119,11 +122,45 @@ def run_script(script, cwd):
     return run_block(script, cwd, env, str(REPO), TIMEOUT_S)
 
 
+# A block that launches no processes of several ranks (no torchrun, srun, sbatch or bash script) is
+# one process's work at a time: those this session selected run two at a time, each in a fork of
+# the test process with a folder of its own (tests/side_by_side.py); the others run in the test.
+SEVERAL_RANKS = re.compile(r"\b(torchrun|srun|sbatch|bash)\b")
+TEXT = {(p.values[0], p.values[1]): p.values[2:] for p in BLOCKS}
+
+
+def runs_alone(path, lineno) -> bool:
+    return not SEVERAL_RANKS.search(TEXT[(path, lineno)][1])
+
+
+def run_in_a_folder_of_its_own(path, lineno):
+    """``run_script`` of the block in a new temporary folder: (exit code, output, the folder),
+    the folder removed when the block succeeded."""
+    as_written, script, batch = TEXT[(path, lineno)]
+    folder = tempfile.mkdtemp(prefix=f"{path.stem}-{lineno}-")
+    code, output = run_script(adapt(script, as_written, batch), Path(folder))
+    if code == 0:
+        shutil.rmtree(folder, ignore_errors=True)
+    return code, output, folder
+
+
+@pytest.fixture(scope="module")
+def one_process_blocks(request):
+    cases = [case for case in selected_cases(request, "test_doc_command", ("path", "lineno")) if runs_alone(*case)]
+    runs = SideBySide(run_in_a_folder_of_its_own, cases)
+    yield runs
+    runs.close()
+
+
 @pytest.mark.parametrize("path,lineno,as_written,script,batch", BLOCKS)
-def test_doc_command(path, lineno, as_written, script, batch, tmp_path):
-    code, output = run_script(adapt(script, as_written, batch), tmp_path)
+def test_doc_command(path, lineno, as_written, script, batch, one_process_blocks, tmp_path):
+    if runs_alone(path, lineno):
+        code, output, folder = one_process_blocks.result(path, lineno)
+    else:
+        (code, output), folder = run_script(adapt(script, as_written, batch), tmp_path), tmp_path
     assert code == 0, (
-        f"{path.name}:{lineno} exited {code}; command:\n{script}\n--- output (tail) ---\n" + output[-6000:])
+        f"{path.name}:{lineno} exited {code} in {folder}; command:\n{script}\n--- output (tail) ---\n"
+        + output[-6000:])
 
 
 def test_forked_commands_are_only_plain_megalite_launches():

@@ -8,12 +8,15 @@ proves the oracle can fail: one buffer put back on the CPU is caught, with the d
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from megalite.config import ConfigError
 from megalite.train.pretrain import pretrain
+from tests.side_by_side import SideBySide, selected_cases
 
 # 4 layers (2 per stage at PP 2, 1 per virtual chunk) and a global batch of 16: at DP 4 that is
 # 2 micro-batches per step, the pipeline's depth, so 1F1B and the interleaved schedule reach
@@ -56,12 +59,40 @@ def dry_run(monkeypatch, world: int, rank: int, flags: list[str]) -> list[dict]:
             dist.destroy_process_group()
 
 
+def one_role(layout: str, rank: int) -> list[dict]:
+    """``dry_run`` of one rank of the layout, run in a fork of the test process
+    (tests/side_by_side.py): the launch environment set here, and put back after."""
+    keys = ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    saved = {key: os.environ.get(key) for key in keys}
+    os.environ.update(WORLD_SIZE="16", RANK=str(rank), LOCAL_RANK=str(rank % 8), LOCAL_WORLD_SIZE="8")
+    try:
+        return pretrain(["--fake-process-group", "--device", "meta", *MODEL, *LAYOUTS[layout][0]])
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture(scope="module")
+def every_role_runs(request):
+    """Each chosen rank of the layouts this session selected, two at a time (a rank's dry run is
+    one process's work)."""
+    layouts = selected_cases(request, "test_meta_dry_run_every_role", ("layout",))
+    runs = SideBySide(one_role, [(layout, rank) for (layout,) in layouts for rank in LAYOUTS[layout][1]])
+    yield runs
+    runs.close()
+
+
 @pytest.mark.parametrize("layout", [pytest.param(k, marks=() if k == "llama-tp2-pp2-dp4-bf16" else pytest.mark.slow)
                                     for k in sorted(LAYOUTS)])
-def test_meta_dry_run_every_role(monkeypatch, layout):
+def test_meta_dry_run_every_role(every_role_runs, layout):
     flags, ranks = LAYOUTS[layout]
     for rank in ranks:
-        log = dry_run(monkeypatch, 16, rank, flags)
+        log = every_role_runs.result(layout, rank)
         assert [r["iteration"] for r in log] == [1, 2], (layout, rank)
         # No values on meta (n/a), but the accounting and the traffic are real.
         assert all(r["loss"] is None and r["grad_norm"] is None for r in log)

@@ -20,14 +20,19 @@ interleaved 1F1B reaches its steady state by M = 2P, so a layout whose step has 
 micro-batches is dry-run with the global batch cut to max(2, P) (ZBV and interleaved: 2P)
 micro-batches per DP rank (the planner is given the same batch, so the comparison is like for like;
 the peak differs from the full batch's only by the step's token arrays, megabytes).
-docs/recipes.md lists these numbers and the estimated steps.
+docs/recipes.md lists these numbers and the estimated steps. Each planner search and each dry run
+is one process's work: the selected ones run two at a time in forks of the test process
+(tests/side_by_side.py), each test asserting on its own recipe's result.
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import shlex
 import subprocess
+import tempfile
 
 import pytest
 
@@ -35,6 +40,7 @@ from megalite.arguments import build_parser, config_from_args
 from megalite.config import validate
 from megalite.parallel.grid import GridLayout
 from megalite.planner import DEFAULT_HEADROOM, GiB
+from tests.side_by_side import SideBySide, selected_cases
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES_DIR = os.path.join(ROOT, "examples", "recipes")
@@ -203,13 +209,28 @@ def planner_argv(flags: list[str], gpus: int) -> list[str]:
                    "--nodes", str(gpus // GPUS_PER_NODE)]
 
 
-def recommendation(argv: list[str], tmp_path, capsys) -> dict | None:
+def recommendation(argv: list[str]) -> dict | None:
+    """tools/plan_parallel.py's recommendation (from --json; None where no layout fits)."""
     from tools import plan_parallel
 
-    out = tmp_path / "plan.json"
-    assert plan_parallel.main(argv + ["--json", str(out)]) == 0
-    capsys.readouterr()
-    return json.loads(out.read_text())["recommendation"]
+    with tempfile.TemporaryDirectory() as folder, contextlib.redirect_stdout(io.StringIO()):
+        out = os.path.join(folder, "plan.json")
+        assert plan_parallel.main(argv + ["--json", out]) == 0
+        with open(out) as f:
+            return json.load(f)["recommendation"]
+
+
+def planned_layout(recipe: str, gpus: int) -> tuple[list[str], dict | None]:
+    """The recipe's dry-run flags (at its first count where it has no layout for ``gpus``: the model
+    and batch flags are the same at every count) and the planner's recommendation for them at
+    ``gpus``: searched over the recipe's CP size (test_layout_is_the_planners_recommendation), or
+    in full where the recipe has no layout."""
+    sizes = RECIPES[recipe][0]
+    _, flags = dry_run_flags(recipe, gpus if gpus in sizes else sizes[0])
+    if gpus not in sizes:
+        return flags, recommendation(planner_argv(flags, gpus))
+    max_cp = str(parse(flags).context_parallel_size)
+    return flags, recommendation(planner_argv(flags, gpus) + ["--max-context-parallel", max_cp])
 
 
 # The default run checks each recipe's dry-run count and every count where nothing fits; the
@@ -219,7 +240,7 @@ PLANS = [pytest.param(r, g, marks=[] if g == default or g in no_fit else [pytest
 
 
 @pytest.mark.parametrize("recipe,gpus", PLANS)
-def test_layout_is_the_planners_recommendation(recipe, gpus, tmp_path, capsys):
+def test_layout_is_the_planners_recommendation(recipe, gpus, recipe_work):
     """tools/plan_parallel.py, given the recipe's model and batch and GPUS H100 80GB (8 per
     node), recommends the recipe's layout: every flag it prints has the recipe's value, and so
     has every layout flag. Where the recipe says the model does not fit, no layout fits.
@@ -229,15 +250,10 @@ def test_layout_is_the_planners_recommendation(recipe, gpus, tmp_path, capsys):
     so): a recipe keeps its CP size, and among those layouts it runs the fastest estimated step
     that fits (issue 40; a larger CP is sometimes faster still: tools/plan_parallel.py without
     --max-context-parallel says by how much). Where nothing fits, the full search says so."""
-    sizes = RECIPES[recipe][0]
-    probe = sizes[0]  # the model and batch flags are the same at every count
-    _, flags = dry_run_flags(recipe, gpus if gpus in sizes else probe)
-    if gpus not in sizes:
-        rec = recommendation(planner_argv(flags, gpus), tmp_path, capsys)
+    flags, rec = recipe_work.result("plan", recipe, gpus)
+    if gpus not in RECIPES[recipe][0]:
         assert rec is None, (recipe, gpus, rec and rec["description"])
         return
-    max_cp = str(parse(flags).context_parallel_size)
-    rec = recommendation(planner_argv(flags, gpus) + ["--max-context-parallel", max_cp], tmp_path, capsys)
     assert rec is not None, (recipe, gpus)
     planned, ours = vars(parse(rec["pretrain_flags"])), vars(parse(flags))
     defaults = vars(parse([]))
@@ -245,7 +261,9 @@ def test_layout_is_the_planners_recommendation(recipe, gpus, tmp_path, capsys):
     assert {k: ours[k] for k in keys} == {k: planned[k] for k in keys}, rec["description"]
 
 
-def dry_run(recipe: str, gpus: int, tmp_path, capsys) -> tuple[int, list[dict], str]:
+def dry_run(recipe: str, gpus: int) -> tuple[int, list[dict], str]:
+    """tools/dry_run.py on the recipe's dry-run flags (the batch cut as the module docstring says):
+    its exit code, its roles (from --json) and what it printed."""
     from tools import dry_run as tool
 
     own, flags = dry_run_flags(recipe, gpus)
@@ -257,10 +275,29 @@ def dry_run(recipe: str, gpus: int, tmp_path, capsys) -> tuple[int, list[dict], 
     most = max(MAX_MICRO_BATCHES, layout.pp * (2 if args.pipeline_schedule == "zbv" or interleaved else 1))
     if args.global_batch_size > per_dp * most:
         flags = flags + ["--global-batch-size", str(per_dp * most)]
-    out = tmp_path / "dry.json"
-    code = tool.main(own + flags + ["--json", str(out)])
-    text = capsys.readouterr().out
-    return code, json.loads(out.read_text())["roles"], text
+    with tempfile.TemporaryDirectory() as folder, contextlib.redirect_stdout(io.StringIO()) as printed:
+        out = os.path.join(folder, "dry.json")
+        code = tool.main(own + flags + ["--json", out])
+        with open(out) as f:
+            roles = json.load(f)["roles"]
+    return code, roles, printed.getvalue()
+
+
+def planned_or_dry_run(kind: str, recipe: str, gpus: int):
+    return planned_layout(recipe, gpus) if kind == "plan" else dry_run(recipe, gpus)
+
+
+@pytest.fixture(scope="module")
+def recipe_work(request):
+    """The planner's searches, then the dry runs, that this session selected, handed at once to two
+    workers (tests/side_by_side.py: each is one process's work; the CI machine has two cores)."""
+    cases = [("plan", *case) for case in selected_cases(request, "test_layout_is_the_planners_recommendation",
+                                                        ("recipe", "gpus"))]
+    cases += [("dry run", *case) for case in selected_cases(request, "test_dry_run_fits_and_matches_the_planner",
+                                                           ("recipe", "gpus"))]
+    runs = SideBySide(planned_or_dry_run, cases)
+    yield runs
+    runs.close()
 
 
 def _dry_params():
@@ -273,10 +310,10 @@ def _dry_params():
 
 
 @pytest.mark.parametrize("recipe,gpus", _dry_params())
-def test_dry_run_fits_and_matches_the_planner(recipe, gpus, tmp_path, capsys):
+def test_dry_run_fits_and_matches_the_planner(recipe, gpus, recipe_work):
     """Every role of the layout, one iteration on meta: its peak fits 80 GiB less the planner's
     headroom, and is within 5% of the planner's estimate for the same rank."""
-    code, roles, text = dry_run(recipe, gpus, tmp_path, capsys)
+    code, roles, text = recipe_work.result("dry run", recipe, gpus)
     allowance = GPU_MEMORY_GB * GiB * (1 - DEFAULT_HEADROOM)
     assert code == 0 and "): yes" in text.splitlines()[-1], text
     assert roles

@@ -88,18 +88,25 @@ def _fewer_micro_batches(argv, layout):
     accumulated into the same buffers whatever the count (ZeRO-2: tests/test_memory_tracker.py
     test_zero2_gradient_memory_does_not_grow_with_micro_batches). The README's 7B goes from 32
     micro-batches to 2 (peak 0.02% lower), the 70B from 8 to 2: a meta iteration's time grows
-    with the micro-batches, the peak does not."""
+    with the micro-batches, the peak does not. The interleaved 1F1B (and ZBV) reach their peak by
+    2 PP micro-batches (at PP the interleaved order holds all P V chunk-micro-batches of a shorter
+    warm-up, a different peak: tests/test_planner_schedules.py)."""
     (at,) = [i for i, a in enumerate(argv) if a.startswith("--global-batch-size")]
     micro = int(next(a for a in argv if a.startswith("--micro-batch-size")).split("=", 1)[1])
-    return argv[:at] + [f"--global-batch-size={max(2, layout['pp']) * micro * layout['dp']}"] + argv[at + 1:]
+    chunks = 2 if layout["virtual"] > 1 or layout["schedule"] == "zbv" else 1
+    return argv[:at] + [f"--global-batch-size={max(2, chunks * layout['pp']) * micro * layout['dp']}"] + argv[at + 1:]
 
 
 @pytest.mark.parametrize("example", ["7b", "70b"])
 @pytest.mark.slow
 def test_printed_flags_dry_run_within_5_percent_of_the_stated_peak(example, capsys, tmp_path):
     """The README's examples: the dry run of the printed command (one rank per pipeline stage on
-    meta, fewer micro-batches) peaks within 5% of the peak the recommendation states, and fits
-    the planner's allowance."""
+    meta, fewer micro-batches) reads within 5% of the planner on every role; with one chunk a rank
+    (1F1B, ZB-H1) the cut step's peak is the full step's: within 5% of the peak the recommendation
+    states, and fits the planner's allowance. Under ZBV and the interleaved 1F1B the peak moves
+    with M (their warm-up and cool-down hold different counts at 2P than at the full batch's M;
+    the planner follows: tests/test_planner_schedules.py), so the cut step is held to the
+    planner's estimate of that step, and the full step's fit is the planner's."""
     # The 70B searched without CP (issue 40's ranking picks TP 8 x PP 2 x DP 64 there): the full
     # search's TP 2 x CP 4 x PP 16 takes 80 s to dry-run here (16 stages x 16 micro-batches), beyond
     # the suite's budget; tests/test_recipes.py dry-runs pipelined and CP recipes.
@@ -107,10 +114,14 @@ def test_printed_flags_dry_run_within_5_percent_of_the_stated_peak(example, caps
     rec, argv = _recommend(argv_in, capsys, tmp_path)
     assert rec["num_micro"] > max(2, rec["layout"]["pp"])  # the cut below is a cut
     code, text, roles = _dry_run(_fewer_micro_batches(argv, rec["layout"]), tmp_path, capsys)
-    measured = max(r["measured_bytes"] for r in roles)
-    stated = rec["memory"]["total"]
-    assert abs(measured - stated) / stated < 0.05, (example, measured / GiB, stated / GiB)
-    assert code == 0 and re.search(r"fits within [\d.]+ GiB \(90% of \d+ GiB.*\): yes", text), text
+    for role in roles:  # every role of the cut step within 5% of the planner's estimate of that step
+        assert abs(role["difference"]) < 0.05, (example, role["role"], role["measured_bytes"] / GiB)
+    assert rec["memory"]["total"] <= 80 * GiB * (1 - DEFAULT_HEADROOM)  # the recommendation fits
+    if rec["layout"]["virtual"] == 1 and rec["layout"]["schedule"] != "zbv":  # one chunk a rank: the cut
+        measured = max(r["measured_bytes"] for r in roles)  # step's peak is the full step's
+        stated = rec["memory"]["total"]
+        assert abs(measured - stated) / stated < 0.05, (example, measured / GiB, stated / GiB)
+        assert code == 0 and re.search(r"fits within [\d.]+ GiB \(90% of \d+ GiB.*\): yes", text), text
 
 
 def test_verify_dry_runs_exactly_the_printed_flags(monkeypatch, capsys):

@@ -67,8 +67,8 @@ SLOW_DRY_RUNS = {"qwen3-30b-a3b", "deepseek-v3", "llama3-70b"}
 # Qwen3-30B-A3B at 64 and 1,024 GPUs runs PP 8 and PP 16 (issue 40's ranking): 8 and 16 stages of
 # 128 experts a layer on meta, 90 s and 51 s even with the batch cut, beyond the suite's budget;
 # measured by hand (docs/recipes.md), their layout checks stay in the slow tier.
-# Llama-3 70B at 512 GPUs runs PP 8 interleaved at V = 10: 8 stages of 10 chunks over 2P = 16
-# micro-batches, 56 s; measured by hand too.
+# Llama-3 70B at 512 GPUs runs PP 16 interleaved at V = 5: 16 stages of 5 chunks over 2P = 32
+# micro-batches, 66 s; measured by hand too.
 UNTESTED_DRY_RUNS = {("qwen3-30b-a3b", 64), ("qwen3-30b-a3b", 1024), ("llama3-70b", 512)}
 SIZES = [(r, g) for r, (sizes, _, _, _) in RECIPES.items() for g in sizes]
 LAYOUT_KEYS = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",

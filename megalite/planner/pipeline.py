@@ -58,7 +58,10 @@ The dry run (tools/dry_run.py, meta) of a 13B (40 layers, h 5120, s 2048) at TP 
 DP 8, M = 8, measures the zero-bubble schedules within 1% of this estimate (docs/layout.md).
 Its "communication" at the peak is, beyond 1F1B's 0.03 GiB, the row-parallel linears' output
 gradients that W keeps (all-gathered over TP under SP, so made inside a collective): part of
-W_c. The p2p buffers themselves (one message held per link) are not modelled: 0.1% of the peak.
+W_c. The p2p buffers themselves (one message held per link) are not modelled: 0.1% of the peak;
+but the interleaved order posts its receives ahead of use (the global message order), so each
+chunk-micro-batch it holds of a chunk fed by the previous rank keeps its received input too
+(s b h / t under SP), counted.
 
 **Step time** (:mod:`megalite.planner.step_time`, a floor above) orders the schedules of one
 layout, as every layout: the bubble costs compute x b / (1 - b); ZBV's middle ranks send each

@@ -306,7 +306,7 @@ def _stage_activations(m: ModelConfig, layout: Layout, stage: int, micro: int, n
     peak = functools.partial(held_bytes, layout.schedule, layout.pp, num_micro, stage, virtual=layout.virtual)
     in_w, w_state = peak(acts, wis, dws)
     total, state = peak(acts, wis, during_w=False)
-    others = total - acts[0]  # what the rank holds besides one micro-batch of its first chunk
+    held_after_f_or_b = total
     recomputed = 0.0
     if layout.recompute == "full":  # the layer being recomputed during backward (the larger kind)
         recomputed = layer_activation_bytes(m, recompute="none", **args)
@@ -317,12 +317,17 @@ def _stage_activations(m: ModelConfig, layout: Layout, stage: int, micro: int, n
     # allgather CP: one layer's full-sequence K/V and fp32 dK/dV during backward (planner_cp)
     total += planner_cp.transient_bytes(m, layout, micro, prec.act_bytes)
     if any(moe_flags):  # an MoE layer's dispatch buffers (forward) or expert weight gradients (backward;
-        # under the B/W split they are W's: w_gradient_chunk_bytes) while one micro-batch holds its
-        # layers up to the stage's last MoE layer
-        upto = max(i for i, f in enumerate(moe_flags) if f) + 1
-        held = others + first + upto * per_layer + sum(moe_flags[:upto]) * delta + recomputed
+        # under the B/W split they are W's: w_gradient_chunk_bytes) while one micro-batch of a chunk
+        # holds its layers up to the chunk's last MoE layer, beside what the rank holds besides that
+        # micro-batch of that chunk (the other chunks' micro-batches in flight among it: ZBV, interleaved)
         forward, backward = moe_planning.transient_bytes(m, **moe, weight_bytes=prec.weight_bytes)
-        total = max(total, held + (forward if split else max(forward, backward)))
+        for c, (g, chunk_flags) in enumerate(zip(mine, flags)):
+            if not any(chunk_flags):
+                continue
+            upto = max(i for i, f in enumerate(chunk_flags) if f) + 1
+            held = (held_after_f_or_b - acts[c] + first * (g == 0) + upto * per_layer
+                    + sum(chunk_flags[:upto]) * delta + recomputed)
+            total = max(total, held + (forward if split else max(forward, backward)))
     if in_w > total:
         total, state = in_w, w_state
     return total, state, sum(w * b for w, b in zip(state[1], wis))

@@ -35,11 +35,24 @@ def flops_by_hand(m: ModelConfig) -> float:
     return 6 * total_parameters(m) + 12 * L * H * S
 
 
+def imbalance_by_hand(m: ModelConfig, layers_last: int, depths: int = 0) -> float:
+    """The busiest pipeline rank's work over the mean on P = 2: the last rank's ``layers_last``
+    layers and the output layer's 6 V h, against half of the work (F less the learned positions'
+    lookup, 6 S h), each layer (F - 6 S h - 6 V h) / L."""
+    work = flops_by_hand(m) - 6 * m.max_position_embeddings * H
+    layer = (work - 6 * V * H) / L
+    return (layers_last * layer + 6 * V * H) / (work / 2)
+
+
 def test_compute_bubble_and_their_sum():
     m, e, t = terms(Layout(tp=1, pp=2, dp=4))
     world = 8
-    c = flops_by_hand(m) * GB * S / (world * 100e12)
+    u = imbalance_by_hand(m, L // 2)  # PP 2: the last stage runs 2 layers and the output layer
+    assert 1.05 < u < 1.2
+    c = flops_by_hand(m) * GB * S * u / (world * 100e12)
     assert t["compute"] == pytest.approx(c, rel=1e-12)
+    _, _, flat = terms(Layout(tp=1, pp=1, dp=8))
+    assert flat["compute"] == pytest.approx(c / u, rel=1e-12)  # without PP no imbalance
     M = GB // 4
     assert t["bubble"] == pytest.approx(c * (1 / (M + 1)) / (1 - 1 / (M + 1)))  # 1F1B, P = 2: c / M
     assert t["bubble"] == pytest.approx(c / M)
@@ -47,7 +60,23 @@ def test_compute_bubble_and_their_sum():
     _, _, full = terms(Layout(tp=1, pp=2, dp=4, recompute="full"))
     assert full["compute"] == pytest.approx(c * 4 / 3)  # the forward twice
     _, _, sel = terms(Layout(tp=1, pp=2, dp=4, recompute="selective"))
-    assert sel["compute"] == pytest.approx(c + 4 * L * H * S * GB * S / (world * 100e12))  # scores' forward
+    assert sel["compute"] == pytest.approx(c + 4 * L * H * S * GB * S * u / (world * 100e12))  # scores' forward
+
+
+def test_the_pipeline_runs_at_its_busiest_ranks_pace():
+    """u = max_p W_p / (W / P): 1F1B's and the interleaved order's last rank holds the output
+    layer; ZBV's rank 0 holds the first and the last chunk; an untied embedding's lookup is no work."""
+    from megalite.planner.step_time import pipeline_imbalance
+    m = model()
+    u = imbalance_by_hand(m, L // 2)
+    for layout in (Layout(pp=2), Layout(pp=2, virtual=2), Layout(pp=2, schedule="zbv"), Layout(pp=2, schedule="zb-h1")):
+        assert pipeline_imbalance(m, layout) == pytest.approx(u, rel=1e-12), layout
+    assert pipeline_imbalance(m, Layout(dp=2)) == 1.0
+    untied = model(untie_embeddings_and_output_weights=True)
+    assert pipeline_imbalance(untied, Layout(pp=2)) == pytest.approx(u, rel=1e-12)  # the same work
+    work = flops_by_hand(m) - 6 * m.max_position_embeddings * H
+    layer = (work - 6 * V * H) / L
+    assert pipeline_imbalance(m, Layout(pp=4)) == pytest.approx((layer + 6 * V * H) / (work / 4), rel=1e-12)
 
 
 def test_ddp_and_zero1_hide_their_buckets_behind_the_last_backward():
@@ -278,8 +307,11 @@ THIRTEEN_B = ["--num-layers", "40", "--hidden-size", "5120", "--num-attention-he
 
 
 def test_13b_at_8_gpus_recommends_the_fastest_that_fits(tmp_path, capsys):
-    """The issue's example: not DP 8 ZeRO-2 (its 128 reduce-scatters a step), but the fastest
-    estimated step that fits, with the terms, tokens/s, MFU and days to train printed."""
+    """The issue's example: the fastest estimated step that fits (within the 1% tie, which the
+    practitioners' order breaks), with the terms, tokens/s, MFU and days to train printed, and
+    DP 8 ZeRO-2's 128 reduce-scatters a step counted: mostly hidden behind each backward, their
+    overlap cost (10% of 12.8 s of NVLink time) is in its step. With the pipeline's last stage
+    running the output layer (u = 1.019 at PP 2), PP 2 zb-h1 and DP 8 ZeRO-2 tie."""
     import json
 
     from tools import plan_parallel
@@ -291,14 +323,14 @@ def test_13b_at_8_gpus_recommends_the_fastest_that_fits(tmp_path, capsys):
     fits = [c for c in plan_json["candidates"] if c["fits"]]
     rec = plan_json["recommendation"]
     assert rec["step_seconds"] <= min(c["step_seconds"] for c in fits) * (1 + TIE)
-    assert (rec["layout"]["dp"], rec["layout"]["zero"]) != (8, 2)
+    zero2 = next(c for c in fits if (c["layout"]["dp"], c["layout"]["zero"], c["layout"]["recompute"]) == (8, 2, "none"))
+    assert zero2["step"]["overlap"] == pytest.approx(OVERLAP_COST * 128 * 12.85e9 * 4 * 7 / 8 / 450e9, rel=0.05)
     speed = plan_json["step_time"]
     assert speed["seconds"] == rec["step_seconds"] and speed["runner_up"]["margin"] >= -TIE
     flops = 6 * 12.85e9 + 12 * 40 * 5120 * 2048  # 6 N + 12 L h s per token
     assert speed["mfu"] == pytest.approx(speed["tokens_per_second"] * flops / (989e12 * 8), rel=0.01)
     assert speed["days_to_train"] == pytest.approx(3e11 / speed["tokens_per_second"] / 86400)
-    for words in ("Estimated step", "tokens/s", "MFU", "days for 3e+11 tokens", "Runner-up", "compute",
-                  "ZeRO-2 fits but is slower"):
+    for words in ("Estimated step", "tokens/s", "MFU", "days for 3e+11 tokens", "Runner-up", "compute"):
         assert words in text, words
 
 

@@ -5,9 +5,9 @@
 # Batch: 1024 sequences of 2048 = 2M tokens per step (the GPT-3 paper's batch for this size),
 # micro-batch 1.
 # Layouts (tools/plan_parallel.py's recommendation; planned and measured memory in docs/recipes.md):
-#   GPUS=8    PP 2 (zb-h1) x DP 4, ZeRO-1, recompute none
-#   GPUS=64   PP 8 (zb-h1) x DP 8, ZeRO-0, recompute none
-#   GPUS=512  TP 2 (SP) x PP 8 (zb-h1) x DP 32, ZeRO-1, recompute none
+#   GPUS=8    DP 8, ZeRO-2, recompute none
+#   GPUS=64   TP 2 (SP) x PP 2 (zbv) x DP 16, ZeRO-1, recompute none
+#   GPUS=512  TP 4 (SP) x PP 4 (zb-h1) x DP 32, ZeRO-1, recompute none
 # Submit from the checkout:   sbatch --nodes 8 examples/recipes/gpt3-13b.sh   (GPUS = nodes x 8)
 # By hand, on every node:     NNODES=8 MASTER_ADDR=node0 bash examples/recipes/gpt3-13b.sh
 # Measure first (CPU, meta):  ACTION=dry-run GPUS=64 bash examples/recipes/gpt3-13b.sh
@@ -30,9 +30,9 @@ VOCAB_SIZE=50257
 MODEL_ARGS=(--num-layers 40 --hidden-size 5120 --num-attention-heads 40 --seq-length 2048
             --max-position-embeddings 2048 --hidden-dropout 0.1 --attention-dropout 0.1)
 case "$GPUS" in
-    8)   LAYOUT_ARGS=(--pipeline-model-parallel-size 2 --zero-stage 1 --pipeline-schedule zb-h1 --overlap-grad-reduce) ;;
-    64)  LAYOUT_ARGS=(--pipeline-model-parallel-size 8 --pipeline-schedule zb-h1 --overlap-grad-reduce) ;;
-    512) LAYOUT_ARGS=(--tensor-model-parallel-size 2 --pipeline-model-parallel-size 8 --zero-stage 1 --pipeline-schedule zb-h1 --sequence-parallel --overlap-grad-reduce) ;;
+    8)   LAYOUT_ARGS=(--zero-stage 2 --overlap-grad-reduce) ;;
+    64)  LAYOUT_ARGS=(--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --zero-stage 1 --pipeline-schedule zbv --sequence-parallel --overlap-grad-reduce) ;;
+    512) LAYOUT_ARGS=(--tensor-model-parallel-size 4 --pipeline-model-parallel-size 4 --zero-stage 1 --pipeline-schedule zb-h1 --sequence-parallel --overlap-grad-reduce) ;;
     *)   no_layout gpt3-13b "8, 64 or 512" ;;
 esac
 TRAIN_ARGS=(--micro-batch-size 1 --global-batch-size 1024 --bf16

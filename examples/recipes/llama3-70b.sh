@@ -5,7 +5,7 @@
 # Batch: 1024 sequences of 8192 = 8.4M tokens per step, micro-batch 1.
 # Layouts (tools/plan_parallel.py's recommendation; planned and measured memory in docs/recipes.md):
 #   GPUS=64   TP 8 (SP) x PP 2 (interleaved 1f1b, V 2) x DP 4, ZeRO-1, recompute none
-#   GPUS=512  TP 4 (SP) x PP 16 (interleaved 1f1b, V 5) x DP 8, ZeRO-1, recompute none
+#   GPUS=512  TP 4 (SP) x PP 2 (interleaved 1f1b, V 20) x DP 64, ZeRO-2, recompute none
 #   8 GPUs cannot hold it: its weights, gradients and Adam state alone are 1,183 GiB (18 bytes per
 #   parameter), 576 GiB is what 8 GPUs have after the planner's headroom; no layout fits there.
 # Submit from the checkout:   sbatch --nodes 8 examples/recipes/llama3-70b.sh   (GPUS = nodes x 8)
@@ -34,7 +34,7 @@ MODEL_ARGS=(--num-layers 80 --hidden-size 8192 --num-attention-heads 64 --num-qu
             --hidden-dropout 0 --attention-dropout 0)
 case "$GPUS" in
     64)  LAYOUT_ARGS=(--tensor-model-parallel-size 8 --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 20 --zero-stage 1 --sequence-parallel --overlap-grad-reduce) ;;
-    512) LAYOUT_ARGS=(--tensor-model-parallel-size 4 --pipeline-model-parallel-size 16 --num-layers-per-virtual-pipeline-stage 1 --zero-stage 1 --sequence-parallel --overlap-grad-reduce) ;;
+    512) LAYOUT_ARGS=(--tensor-model-parallel-size 4 --pipeline-model-parallel-size 2 --zero-stage 2 --num-layers-per-virtual-pipeline-stage 2 --sequence-parallel --overlap-grad-reduce) ;;
     *)   no_layout llama3-70b "64 or 512" "8 GPUs cannot hold the model state" ;;
 esac
 TRAIN_ARGS=(--micro-batch-size 1 --global-batch-size 1024 --bf16

@@ -8,7 +8,7 @@
 # and not on the EOD input (--eod-mask-loss).
 # Batch: 64 sequences of 8192 = 0.5M tokens per step, micro-batch 1; lr 1e-5, no dropout.
 # Layouts (tools/plan_parallel.py's recommendation; planned and measured memory in docs/recipes.md):
-#   GPUS=8    PP 2 (interleaved 1f1b, V 8) x DP 4, ZeRO-2, recompute none
+#   GPUS=8    DP 8, ZeRO-3, recompute none
 #   GPUS=64   DP 64, ZeRO-3, recompute none
 #   (512 GPUs would hold one sequence each only with a batch of 512 or more: not an SFT batch.)
 # Once, before training (any machine with the checkout; no GPU):
@@ -51,7 +51,7 @@ MODEL_ARGS=(--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --num-qu
             --untie-embeddings-and-output-weights --disable-bias-linear
             --hidden-dropout 0 --attention-dropout 0)
 case "$GPUS" in
-    8)  LAYOUT_ARGS=(--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 2 --zero-stage 2 --overlap-grad-reduce) ;;
+    8)  LAYOUT_ARGS=(--zero-stage 3 --overlap-grad-reduce) ;;
     64) LAYOUT_ARGS=(--zero-stage 3 --overlap-grad-reduce) ;;
     *)  no_layout llama3-8b-sft "8 or 64" ;;
 esac

@@ -4,8 +4,8 @@
 # 500000, untied output, no biases, vocabulary 128256 (Llama-3's tokenizer), sequence 8192.
 # Batch: 512 sequences of 8192 = 4.2M tokens per step, micro-batch 1.
 # Layouts (tools/plan_parallel.py's recommendation; planned and measured memory in docs/recipes.md):
-#   GPUS=8    PP 2 (zb-h1) x DP 4, ZeRO-2, recompute none
-#   GPUS=64   PP 2 (zb-h1) x DP 32, ZeRO-1, recompute none
+#   GPUS=8    DP 8, ZeRO-3, recompute none
+#   GPUS=64   TP 2 (SP) x DP 32, ZeRO-1, recompute none
 #   GPUS=512  DP 512, ZeRO-3, recompute none
 # Submit from the checkout:   sbatch --nodes 8 examples/recipes/llama3-8b.sh   (GPUS = nodes x 8)
 # By hand, on every node:     NNODES=8 MASTER_ADDR=node0 bash examples/recipes/llama3-8b.sh
@@ -31,8 +31,8 @@ MODEL_ARGS=(--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --num-qu
             --untie-embeddings-and-output-weights --disable-bias-linear
             --hidden-dropout 0 --attention-dropout 0)
 case "$GPUS" in
-    8)   LAYOUT_ARGS=(--pipeline-model-parallel-size 2 --zero-stage 2 --pipeline-schedule zb-h1 --overlap-grad-reduce) ;;
-    64)  LAYOUT_ARGS=(--pipeline-model-parallel-size 2 --zero-stage 1 --pipeline-schedule zb-h1 --overlap-grad-reduce) ;;
+    8)   LAYOUT_ARGS=(--zero-stage 3 --overlap-grad-reduce) ;;
+    64)  LAYOUT_ARGS=(--tensor-model-parallel-size 2 --zero-stage 1 --sequence-parallel --overlap-grad-reduce) ;;
     512) LAYOUT_ARGS=(--zero-stage 3 --overlap-grad-reduce) ;;
     *)   no_layout llama3-8b "8, 64 or 512" ;;
 esac

@@ -6,8 +6,8 @@
 # (Mixtral's own context is 32k; this recipe trains at 4096).
 # Batch: 512 sequences of 4096 = 2.1M tokens per step, micro-batch 1; load-balancing loss 0.02.
 # Layouts (tools/plan_parallel.py's recommendation; planned and measured memory in docs/recipes.md):
-#   GPUS=64   PP 2 (zb-h1) x DP 32, EP 8, ZeRO-1, recompute none
-#   GPUS=512  TP 2 (SP) x PP 8 (zbv) x DP 32, EP 8, ZeRO-1, recompute none
+#   GPUS=64   TP 2 (SP) x PP 2 (zbv) x DP 16, EP 8, ZeRO-1, recompute none
+#   GPUS=512  TP 2 (SP) x PP 4 (zbv) x DP 64, EP 8, ZeRO-1, recompute none
 #   8 GPUs cannot hold it: its weights, gradients and Adam state alone are 783 GiB (18 bytes per
 #   parameter), 576 GiB is what 8 GPUs have after the planner's headroom; no layout fits there.
 # Submit from the checkout:   sbatch --nodes 8 examples/recipes/mixtral-8x7b.sh   (GPUS = nodes x 8)
@@ -36,8 +36,8 @@ MODEL_ARGS=(--num-layers 32 --hidden-size 4096 --num-attention-heads 32 --num-qu
             --hidden-dropout 0 --attention-dropout 0
             --num-experts 8 --moe-ffn-hidden-size 14336 --moe-router-topk 2 --moe-aux-loss-coeff 0.02)
 case "$GPUS" in
-    64)  LAYOUT_ARGS=(--pipeline-model-parallel-size 2 --zero-stage 1 --expert-model-parallel-size 8 --pipeline-schedule zb-h1 --overlap-grad-reduce) ;;
-    512) LAYOUT_ARGS=(--tensor-model-parallel-size 2 --pipeline-model-parallel-size 8 --zero-stage 1 --expert-model-parallel-size 8 --pipeline-schedule zbv --sequence-parallel --overlap-grad-reduce) ;;
+    64)  LAYOUT_ARGS=(--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 --zero-stage 1 --expert-model-parallel-size 8 --pipeline-schedule zbv --sequence-parallel --overlap-grad-reduce) ;;
+    512) LAYOUT_ARGS=(--tensor-model-parallel-size 2 --pipeline-model-parallel-size 4 --zero-stage 1 --expert-model-parallel-size 8 --pipeline-schedule zbv --sequence-parallel --overlap-grad-reduce) ;;
     *)   no_layout mixtral-8x7b "64 or 512" "8 GPUs cannot hold the model state" ;;
 esac
 TRAIN_ARGS=(--micro-batch-size 1 --global-batch-size 512 --bf16

@@ -8,9 +8,9 @@
 # sequence 4096. 30.5B parameters, about 3.3B active per token.
 # Batch: 1024 sequences of 4096 = 4.2M tokens per step, micro-batch 1.
 # Layouts (tools/plan_parallel.py's recommendation; planned and measured memory in docs/recipes.md):
-#   GPUS=64    PP 8 (zb-h1) x DP 8, ZeRO-1, recompute none
-#   GPUS=256   PP 4 (zb-h1) x DP 64, EP 8, ZeRO-1, recompute none
-#   GPUS=1024  TP 4 (SP) x PP 16 (zb-h1) x DP 16, EP 8, ZeRO-1, recompute none
+#   GPUS=64    PP 2 (zbv) x DP 32, EP 8, ZeRO-1, recompute none
+#   GPUS=256   PP 2 (zbv) x DP 128, EP 8, ZeRO-1, recompute none
+#   GPUS=1024  PP 4 (interleaved 1f1b, V 12) x DP 256, EP 8, ZeRO-1, recompute none
 # Submit from the checkout:   sbatch --nodes 8 examples/recipes/qwen3-30b-a3b.sh   (GPUS = nodes x 8)
 # By hand, on every node:     NNODES=8 MASTER_ADDR=node0 bash examples/recipes/qwen3-30b-a3b.sh
 # Measure first (CPU, meta):  ACTION=dry-run GPUS=64 bash examples/recipes/qwen3-30b-a3b.sh
@@ -38,9 +38,9 @@ MODEL_ARGS=(--num-layers 48 --hidden-size 2048 --num-attention-heads 32 --num-qu
             --hidden-dropout 0 --attention-dropout 0
             --num-experts 128 --moe-ffn-hidden-size 768 --moe-router-topk 8 --moe-aux-loss-coeff 0.001)
 case "$GPUS" in
-    64)   LAYOUT_ARGS=(--pipeline-model-parallel-size 8 --zero-stage 1 --pipeline-schedule zb-h1 --overlap-grad-reduce) ;;
-    256)  LAYOUT_ARGS=(--pipeline-model-parallel-size 4 --zero-stage 1 --expert-model-parallel-size 8 --pipeline-schedule zb-h1 --overlap-grad-reduce) ;;
-    1024) LAYOUT_ARGS=(--tensor-model-parallel-size 4 --pipeline-model-parallel-size 16 --zero-stage 1 --expert-model-parallel-size 8 --pipeline-schedule zb-h1 --sequence-parallel --overlap-grad-reduce) ;;
+    64)   LAYOUT_ARGS=(--pipeline-model-parallel-size 2 --zero-stage 1 --expert-model-parallel-size 8 --pipeline-schedule zbv --overlap-grad-reduce) ;;
+    256)  LAYOUT_ARGS=(--pipeline-model-parallel-size 2 --zero-stage 1 --expert-model-parallel-size 8 --pipeline-schedule zbv --overlap-grad-reduce) ;;
+    1024) LAYOUT_ARGS=(--pipeline-model-parallel-size 4 --zero-stage 1 --expert-model-parallel-size 8 --num-layers-per-virtual-pipeline-stage 1 --overlap-grad-reduce) ;;
     *)    no_layout qwen3-30b-a3b "64, 256 or 1024" ;;
 esac
 TRAIN_ARGS=(--micro-batch-size 1 --global-batch-size 1024 --bf16

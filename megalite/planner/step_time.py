@@ -8,8 +8,11 @@ achieved FLOP/s per GPU (``Hardware.achieved_tflops``), M micro-batches per step
 ranks reducing one shard's gradients, r(n) = (n-1)/n, B the link's bandwidth (NVLink inside a
 node, InfiniBand across: the link :mod:`.estimate` names), lambda its latency per call::
 
-    compute    C = F T k / (G R)       k = 4/3 with full recomputation (the forward twice); selective
-                                      recomputation adds the attention's score forward, 4 L h s per token
+    compute    C = F T k u / (G R)     k = 4/3 with full recomputation (the forward twice); selective
+                                      recomputation adds the attention's score forward, 4 L h s per token;
+                                      u >= 1 the pipeline's imbalance (:func:`pipeline_imbalance`): a
+                                      pipeline runs at its slowest rank's pace, and the rank holding the
+                                      output layer (6 V h FLOPs a token, and the MTP depths) does more
     bubble     C b / (1 - b)           b: the schedule's idle fraction (:func:`.pipeline.bubble`)
     dp         the gradient reduction over N (and the update rule's own DP collectives, exposed):
                ZeRO-0    all-reduce 2 Psi g r(N) / B of the buckets, each started as the last
@@ -71,7 +74,7 @@ import math
 from megalite.config import ModelConfig
 from megalite.context_parallel.comm_types import cp_comm_type
 from megalite.data_parallel.muon import matrix_ns_flops
-from megalite.model.counting import attended_flops, flops_per_token
+from megalite.model.counting import attended_flops, flops_per_token, mtp_depths
 from megalite.planner import pipeline as planner_pipeline
 from megalite.planner.flags import training_defaults
 from megalite.planner.types import Hardware, Layout, Precision
@@ -107,12 +110,39 @@ def backward_share(recompute: str) -> float:
 
 
 def compute(m: ModelConfig, layout: Layout, global_batch: int, hw: Hardware) -> float:
-    """C = F T k / (G R), plus selective recomputation's score forward (module docstring)."""
+    """C = F T k u / (G R), plus selective recomputation's score forward (module docstring)."""
     tokens = global_batch * m.seq_length
     flops = flops_per_token(m) * (4 / 3 if layout.recompute == "full" else 1)
     if layout.recompute == "selective":
         flops += attended_flops(m) * m.seq_length
-    return flops * tokens / (layout.world_size * hw.achieved_tflops * 1e12)
+    return flops * tokens * pipeline_imbalance(m, layout) / (layout.world_size * hw.achieved_tflops * 1e12)
+
+
+def pipeline_imbalance(m: ModelConfig, layout: Layout) -> float:
+    """u = max_p W_p / (W / P): the work per token of the pipeline rank doing the most over the mean
+    (1 without PP). W is F less the lookups ``flops_per_token`` counts by convention (an untied
+    embedding's 6 V h, learned positions' 6 S h: no matmul runs them); it splits into the output
+    layer's 6 V h (with D MTP depths also their 6 D V h logits and D layers) on the last chunk and
+    L + D equal layer shares; rank p does its chunks' layers (:func:`.pipeline.local_chunks`) and
+    the output layer if it holds the last chunk. megalite splits the layers evenly (as Megatron
+    without --decoder-last-pipeline-num-layers), so the last stage waits on nothing and the others
+    wait on it."""
+    P = layout.pp
+    if P == 1:
+        return 1.0
+    depths, h = mtp_depths(m), m.hidden_size
+    lookups = 6.0 * m.vocab_size * h if m.untie_embeddings_and_output_weights else 0.0
+    if m.position_embedding_type == "learned_absolute":
+        lookups += 6.0 * m.max_position_embeddings * h
+    work = flops_per_token(m) - lookups
+    out = 6.0 * m.vocab_size * h * (1 + depths)
+    layer = (work - out) / (m.num_layers + depths)
+    chunks = planner_pipeline.num_chunks(layout.schedule, P, layout.virtual)
+    last = chunks - 1
+    busiest = max(sum(m.num_layers / chunks * layer + (out + depths * layer if g == last else 0.0)
+                      for g in planner_pipeline.local_chunks(layout.schedule, P, rank, layout.virtual))
+                  for rank in range(P))
+    return busiest / (work / P)
 
 
 def bubble(compute_s: float, idle: float) -> float:

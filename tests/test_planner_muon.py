@@ -180,38 +180,69 @@ def test_the_planner_buckets_hold_the_matrices_megalite_buckets_hold():
                 assert planned == real, (m.num_layers, tp, pp, ep, stage)
 
 
-@pytest.mark.parametrize("flags", [MODEL, list(MLA_MODEL), MODEL + SHARED_EXPERT], ids=["gqa", "mla", "moe_shared_expert"])
+@pytest.mark.parametrize("flags", [MODEL, list(MLA_MODEL), MODEL + SHARED_EXPERT, list(MTP_MODEL) + MOE[:4]],
+                         ids=["gqa", "mla", "moe_shared_expert", "mtp_moe"])
 def test_the_planner_counts_the_matrices_muon_cuts(flags):
-    """The planner's TP-split matrices (tensor_parallel_linears' logical shapes) are the pieces
-    Muon cuts the built model's TP-split weights into (muon.logical_pieces), shape for shape."""
+    """The planner's logical matrices of a stage (update_traffic.logical_matrices_on_rank of every
+    matrix in its buckets) are the pieces Muon cuts the built model's matrices into
+    (muon.logical_pieces), shape for shape: q, k, v and SwiGLU's gate and up of the TP-split
+    linears, MLA's replicated projections, the stacked experts' per expert (w1's gate and up), the
+    MTP depth's."""
     from megalite.arguments import build_parser, config_from_args
     from megalite.data_parallel.muon import logical_pieces, takes_muon
     from megalite.model.gpt import GPTModel
-    from megalite.planner.update_traffic import tensor_parallel_linears
+    from megalite.model.parts import attention_part
+    from megalite.moe import planning
+    from megalite.planner.update_traffic import logical_matrices_on_rank
 
     m = config_from_args(build_parser().parse_args(flags), 256).model
-    planned = sorted(shape for linear in tensor_parallel_linears(m, 1, 0) for shape in linear.logical_shapes(m))
+    params = planning.stage_parameter_list(m, 1, 1, 1, 0, attention_part(m))
+    planned = sorted((rows, cols) for p in params if p.shape is not None
+                     for rows, cols, _ in logical_matrices_on_rank(m, p, 1))
     cut = sorted(tuple(select(p).reshape(-1, p.shape[-1]).shape) for name, p in GPTModel(m).named_parameters()
-                 if takes_muon(name, p) and p.ndim == 2 and hasattr(p, "tp_split")
-                 for select in logical_pieces(name, p, tuple(p.shape), m, True))
+                 if takes_muon(name, p) for select in logical_pieces(name, p, tuple(p.shape), m, True))
     assert planned == cut
 
 
 def test_newton_schulz_flops_take_each_logical_matrix_its_own_rows():
     """GQA (4 heads of d 16 in 2 KV groups, h 64) on TP 2: a rank's qkv block holds one group, so
     its q is 32 x 64, its k and v 16 x 64 each (not a third of its 64 rows each); proj 64 x 32;
-    SwiGLU's gate and up (ffn 192: 96 x 64 each on a rank), fc2 64 x 96. Per a x b block (a <= b)
-    and step 4 a^2 b + 2 a^3, five steps, two layers."""
+    SwiGLU's gate and up (ffn 192: 96 x 64 each on a rank), fc2 64 x 96. Per step, five steps, two
+    layers: blockwise NS on each block (a x b, a <= b: 4 a^2 b + 2 a^3); duplicated on each whole
+    matrix (q 64 x 64, k and v 32 x 64, proj 64 x 64, gate and up 192 x 64, fc2 64 x 192);
+    distributed per block 4 c d^2 + 2 d^3, d = 64 the uncut dimension, c the block's cut extent."""
     from megalite.arguments import build_parser, config_from_args
-    from megalite.planner.step_time import newton_schulz_flops
-    from megalite.planner.types import Layout, UpdatePlan, precision
+    from megalite.planner.step_time import BUCKET
+    from megalite.planner.types import Layout, UpdatePlan
+    from megalite.planner.update_traffic import newton_schulz_flops
 
     m = config_from_args(build_parser().parse_args(MODEL), 256).model
     assert (m.head_dim, m.ffn_hidden_size) == (16, 192)
-    blocks = [(32, 64), (16, 64), (16, 64), (32, 64), (64, 96), (64, 96), (64, 96)]
-    per_layer = sum(4 * a * a * b + 2 * a ** 3 for a, b in blocks)
-    prec = precision("bf16", update=UpdatePlan("muon"))
-    assert newton_schulz_flops(m, Layout(tp=2, pp=1), prec) == 5 * 2 * per_layer
+    ns = lambda a, b: 4 * min(a, b) ** 2 * max(a, b) + 2 * min(a, b) ** 3  # noqa: E731
+    blockwise = sum(ns(a, b) for a, b in [(32, 64), (16, 64), (16, 64), (64, 32), (96, 64), (96, 64), (64, 96)])
+    duplicated = sum(ns(a, b) for a, b in [(64, 64), (32, 64), (32, 64), (64, 64), (192, 64), (192, 64), (64, 192)])
+    distributed = sum(4 * c * 64 ** 2 + 2 * 64 ** 3 for c in (32, 16, 16, 32, 96, 96, 96))
+    for mode, per_layer in (("blockwise", blockwise), ("duplicated", duplicated), ("distributed", distributed)):
+        update = UpdatePlan("muon", muon_tp_mode=mode)
+        assert newton_schulz_flops(m, Layout(tp=2, pp=1), update, 0, BUCKET) == 5 * 2 * per_layer, mode
+
+
+def test_newton_schulz_flops_count_the_experts_per_expert():
+    """Four SwiGLU experts of ffn 192 (h 64) a layer on one rank: per expert w1's gate and up
+    (192 x 64 each) and w2 (64 x 192), beside the attention and the dense parts; EP 2 halves them."""
+    from megalite.arguments import build_parser, config_from_args
+    from megalite.planner.step_time import BUCKET
+    from megalite.planner.types import Layout, UpdatePlan
+    from megalite.planner.update_traffic import newton_schulz_flops
+
+    update = UpdatePlan("muon")
+    dense = config_from_args(build_parser().parse_args(MODEL), 256).model
+    moe = config_from_args(build_parser().parse_args(MODEL + MOE[:4]), 256).model
+    ns = lambda a, b: 5 * (4 * min(a, b) ** 2 * max(a, b) + 2 * min(a, b) ** 3)  # noqa: E731
+    mlp = 2 * ns(192, 64) + ns(64, 192)  # a dense SwiGLU MLP of ffn 192, or one expert
+    attention = newton_schulz_flops(dense, Layout(), update, 0, BUCKET) - 2 * mlp
+    assert newton_schulz_flops(moe, Layout(), update, 0, BUCKET) == attention + 2 * 4 * mlp
+    assert newton_schulz_flops(moe, Layout(dp=2, ep=2, experts=True), update, 0, BUCKET) == attention + 2 * 2 * mlp
 
 
 PLAN = ["--num-layers", "4", "--hidden-size", "1024", "--num-attention-heads", "16", "--seq-length", "1024",

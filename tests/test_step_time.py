@@ -8,8 +8,9 @@ import pytest
 from megalite.config import ModelConfig
 from megalite.planner import Hardware, Layout, estimate, precision
 from megalite.planner.search import TIE, plan, ranked
-from megalite.planner.step_time import OVERLAP_COST, newton_schulz_flops
+from megalite.planner.step_time import BUCKET, OVERLAP_COST
 from megalite.planner.types import Estimate, UpdatePlan
+from megalite.planner.update_traffic import newton_schulz_flops
 
 # Round figures so the hand computations read plainly: 100 GB/s inside a node, 10 across, 100
 # TFLOP/s achieved, 1000 GB/s of HBM, 10 us and 20 us per call.
@@ -260,20 +261,25 @@ def test_optimizer_step_reads_and_writes_the_shard_at_hbm_bandwidth():
     assert t["optimizer"] == pytest.approx(e.psi * (2 * 12 + 2 + 2) / 1000e9)
 
 
-def test_muon_adds_newton_schulz_flops():
+def test_muon_adds_the_busiest_ranks_newton_schulz_flops():
     muon = precision("bf16", fp32_grads=False, update=UpdatePlan("muon"))
     m = model()
     # per layer (h = 256, no TP): qkv split into q, k, v of 256 x 256 (--muon-split-qkv), proj 256 x 256,
     # fc1 1024 x 256, fc2 256 x 1024; per a x b block (a <= b) and step 4 a^2 b + 2 a^3; five steps
+    ns = lambda a, b: 5 * (4 * a * a * b + 2 * a ** 3)  # noqa: E731
     blocks = ((256, 256),) * 3 + ((256, 256), (256, 1024), (256, 1024))
-    per_layer = sum(4 * a * a * b + 2 * a ** 3 for a, b in blocks)
-    assert newton_schulz_flops(m, Layout(), muon) == 5 * L * per_layer
+    per_layer = sum(ns(a, b) for a, b in blocks)
+    assert newton_schulz_flops(m, Layout(), muon.update, 0, BUCKET) == L * per_layer  # one rank: every matrix
+    # DP 8 ZeRO-1: the 16 matrices of the one bucket are owned whole, costliest first to the least
+    # loaded rank (m n min(m, n)): the 8 FC weights one a rank, the 4 qkv to ranks 0-3, the 4 proj to
+    # ranks 4-7; the busiest rank does an FC and a qkv (q, k, v), 1.2x the even share
+    busiest = ns(256, 1024) + 3 * ns(256, 256)
+    assert busiest == pytest.approx(1.2 * L * per_layer / 8)
     e = estimate(m, Layout(dp=8, zero=1), GB, MICRO, muon, HW, True)
     adam = estimate(m, Layout(dp=8, zero=1), GB, MICRO, BF16, HW, True)
-    extra = 5 * L * per_layer / 8 / 100e12
     matrices = L * (3 * 256 * 256 + 256 * 256 + 2 * 256 * 1024)
     hbm = (2 * ((e.psi - matrices) * 12 + matrices * 8) + e.psi * 4) / 8 / 1000e9
-    assert e.step["optimizer"] == pytest.approx(hbm + extra)
+    assert e.step["optimizer"] == pytest.approx(hbm + busiest / 100e12)
     assert e.step["dp"] > adam.step["dp"]  # its gathers and scatters of U, exposed
 
 

@@ -190,6 +190,22 @@ def matrix_ns_flops(rows: int, cols: int, steps: int) -> int:
     return steps * (4 * m * m * n + 2 * m ** 3)
 
 
+def tp_block_ns_flops(rows: int, cols: int, cut_dim: int | None, tp: int, mode: str, steps: int) -> int:
+    """Newton-Schulz FLOPs one TP rank spends on a logical matrix whose block on the rank is
+    ``rows x cols``, cut over ``tp`` ranks along ``cut_dim`` (0: rows, a column-parallel linear's;
+    1: columns, a row-parallel one's; None: not split), under ``--muon-tp-mode`` ``mode``:
+    ``blockwise`` NS on the block (:func:`matrix_ns_flops`); ``duplicated`` NS on the whole
+    matrix, gathered; ``distributed`` (:func:`newton_schulz_distributed`) per step the block's
+    Gram over the uncut dimension d (2 c d^2, c the block's cut extent), the Gram squared (2 d^3,
+    on every rank) and the product with the block (2 c d^2): 4 c d^2 + 2 d^3."""
+    if cut_dim is None or tp == 1 or mode == "blockwise":
+        return matrix_ns_flops(rows, cols, steps)
+    if mode == "duplicated":
+        return matrix_ns_flops(rows * (tp if cut_dim == 0 else 1), cols * (tp if cut_dim == 1 else 1), steps)
+    cut, d = (rows, cols) if cut_dim == 0 else (cols, rows)
+    return steps * (4 * cut * d * d + 2 * d ** 3)
+
+
 def matrix_cost(shape: tuple) -> int:
     """Newton-Schulz work of a weight of ``shape`` ((stack,) m, n), ~ m n min(m, n) per matrix:
     what ZeRO ownership balances (:func:`assign_owners`), for a built parameter or the planner's

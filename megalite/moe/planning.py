@@ -188,13 +188,16 @@ class StageParameter(NamedTuple):
     embedding), whether a layer (or an MTP depth) holds it and, for a weight matrix that an update
     rule's matrix class takes (2-D weights of the layers, stacked experts; not the router), its
     ``shape`` on the rank (rows, cols; stacked experts (E/EP, rows, cols)) and the ``linear`` it is
-    the weight of (None: not a TP linear's, e.g. MLA's replicated down-projections, the experts)."""
+    the weight of (None: not a TP linear's, e.g. MLA's replicated down-projections, the experts);
+    a stacked expert weight's ``name`` (w1, w2: what :func:`megalite.layers.logical_matrices.row_block`
+    cuts it by)."""
     elements: int
     expert: bool = False
     isolated: bool = False
     of_layer: bool = False
     shape: tuple | None = None
     linear: LinearShape | None = None
+    name: str = ""
 
 
 def _part_parameters(part: type[PartShape], m, tp: int, *size) -> list[StageParameter]:
@@ -232,8 +235,8 @@ def _layer_parameter_list(m, tp: int, ep: int, moe: bool,
         return out + _part_parameters(MLPShape, m, tp)
     local, f, fs, h = m.num_experts // ep, m.moe_ffn_hidden_size, m.moe_shared_expert_intermediate_size, m.hidden_size
     out += [StageParameter(m.num_experts * h),
-            StageParameter(local * _sections(m) * f * h, True, shape=(local, _sections(m) * f, h)),
-            StageParameter(local * h * f, True, shape=(local, h, f))]
+            StageParameter(local * _sections(m) * f * h, True, shape=(local, _sections(m) * f, h), name="w1"),
+            StageParameter(local * h * f, True, shape=(local, h, f), name="w2")]
     return out + _part_parameters(MLPShape, m, tp, fs or 0)
 
 

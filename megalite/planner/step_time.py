@@ -41,8 +41,10 @@ node, InfiniBand across: the link :mod:`.estimate` names), lambda its latency pe
     ep         the MoE all-to-alls (dispatch, combine; forward and backward): exposed
     optimizer  the step on the rank's shard S (Psi, / N under ZeRO >= 1): master + state bytes read
                and written, the gradient read and the weight written, at the HBM bandwidth:
-               S (2 o + g + w) / HBM; with Muon also Newton-Schulz's FLOPs at R (per a x b matrix
-               block, a <= b, and step: 4 a^2 b + 2 a^3; a rank orthogonalises its share)
+               S (2 o + g + w) / HBM; with Muon also Newton-Schulz's FLOPs at R, the busiest rank's
+               (per a x b matrix, a <= b, and step 4 a^2 b + 2 a^3; the whole matrix under TP's
+               duplicated mode, the block under blockwise, 4 c d^2 + 2 d^3 under distributed, c the
+               block's cut extent and d the uncut one; under ZeRO 1-2 the matrices the rank owns)
     overlap    o x the link time hidden behind compute (the gradient reductions, ZeRO-3's gathers,
                CP's ring), o = ``Hardware.overlap_cost``: a hidden collective still holds SMs and HBM
                bandwidth on a GPU (o = 0.10 assumed, :data:`OVERLAP_COST`); on a CPU its transport
@@ -73,12 +75,11 @@ import math
 
 from megalite.config import ModelConfig
 from megalite.context_parallel.comm_types import cp_comm_type
-from megalite.data_parallel.muon import matrix_ns_flops
 from megalite.model.counting import attended_flops, flops_per_token, mtp_depths
 from megalite.planner import pipeline as planner_pipeline
 from megalite.planner.flags import training_defaults
 from megalite.planner.types import Hardware, Layout, Precision
-from megalite.planner.update_traffic import ring, tensor_parallel_linears, update_traffic
+from megalite.planner.update_traffic import newton_schulz_flops, ring, update_traffic
 
 BUCKET = training_defaults()["ddp_bucket_size"]  # elements per gradient bucket, pretrain_gpt.py's default
 TERMS = ("compute", "bubble", "dp", "edp", "tp", "pp", "cp", "ep", "optimizer", "latency", "overlap")
@@ -212,27 +213,16 @@ def context_parallel(m: ModelConfig, layout: Layout, comm: dict, global_batch: i
 
 def optimizer(m: ModelConfig, layout: Layout, psi: int, matrices: int, prec: Precision, hw: Hardware,
               stage: int = 0) -> float:
-    """The optimizer step on the rank's shard: S (2 o + g + w) / HBM, Muon's Newton-Schulz FLOPs at R."""
+    """The optimizer step on the rank's shard: S (2 o + g + w) / HBM; Muon's Newton-Schulz FLOPs of
+    the busiest rank (:func:`megalite.planner.update_traffic.newton_schulz_flops`) at R."""
     n = layout.dp * layout.cp
     share = 1 / n if layout.zero >= 1 else 1.0
     o, g, w = prec.optimizer_bytes, prec.grad_bytes, prec.weight_bytes
     state = (psi - matrices) * o + matrices * prec.matrix_bytes
     seconds = share * (2 * state + psi * (g + w)) / (hw.hbm_gbps * 1e9)
     if prec.update.muon:
-        seconds += share * newton_schulz_flops(m, layout, prec, stage) / (hw.achieved_tflops * 1e12)
+        seconds += newton_schulz_flops(m, layout, prec.update, stage, BUCKET) / (hw.achieved_tflops * 1e12)
     return seconds
-
-
-def newton_schulz_flops(m: ModelConfig, layout: Layout, prec: Precision, stage: int = 0) -> float:
-    """Muon's Newton-Schulz FLOPs on one rank's TP blocks of the stage's attention and dense MLP
-    matrices, each linear cut into its logical matrices as a TP rank holds them (q, k, v under
-    --muon-split-qkv; SwiGLU's gate and up: :meth:`~megalite.layers.part_shape.LinearShape.logical_shapes`),
-    each :func:`megalite.data_parallel.muon.matrix_ns_flops` (4 a^2 b + 2 a^3 per step for an a x b
-    block, a <= b); routed experts are not counted."""
-    update = prec.update
-    return sum(matrix_ns_flops(rows, cols, update.muon_num_ns_steps)
-               for linear in tensor_parallel_linears(m, layout.pp, stage)
-               for rows, cols in linear.logical_shapes(m, layout.tp, update.muon_split_qkv))
 
 
 def tp_calls(m: ModelConfig, layout: Layout, layers: int, stage: int = 0) -> int:

@@ -33,10 +33,13 @@ Not counted: the padding of a bucket to a multiple of n.
 """
 from __future__ import annotations
 
+import math
+
 from megalite.config import ModelConfig
-from megalite.data_parallel.muon import assign_owners, matrix_cost
+from megalite.data_parallel.muon import assign_owners, matrix_cost, tp_block_ns_flops
+from megalite.layers.logical_matrices import row_block
 from megalite.layers.part_shape import LinearShape
-from megalite.model.parts import attention_part, layer_spec
+from megalite.model.parts import attention_part
 from megalite.moe import planning as moe_planning
 from megalite.planner.types import Layout, Precision, UpdatePlan
 
@@ -46,17 +49,6 @@ FP32 = 4
 def ring(n: int) -> float:
     """The fraction of a tensor one rank sends in a ring collective over ``n`` ranks."""
     return (n - 1) / n if n > 1 else 0.0
-
-
-def tensor_parallel_linears(m: ModelConfig, pp: int, stage: int) -> list:
-    """The TP-split linears of the stage's layers: every attention's, the MLP's of a dense layer
-    and an MoE layer's shared expert's (its routed experts are not split over TP)."""
-    out = []
-    for layer in moe_planning.stage_layers(m, pp, stage):
-        spec = layer_spec(m, layer)
-        out += spec.attention.linears(m)
-        out += spec.mlp.linears(m, m.moe_shared_expert_intermediate_size or 0) if spec.moe else spec.mlp.linears(m)
-    return out
 
 
 _REMEMBERED: dict = {}  # answers per model object and layout (the entry holds the model: a reused id misses)
@@ -83,41 +75,90 @@ def gram_wire_bytes(m: ModelConfig, linear: LinearShape, t: int, update: UpdateP
     return grams * 2 * FP32 * (update.muon_num_ns_steps * d * d + 1) * ring(t)
 
 
+def owned_matrices(m: ModelConfig, layout: Layout, stage: int, bucket_size: int) -> list[tuple]:
+    """(parameter, its group, its owner) for each update-rule matrix of the stage's buckets
+    (:func:`megalite.moe.planning.stage_buckets`, in bucket order): the group 'dp' (the dense
+    buckets' DP x CP ranks; the expert buckets' too when EP = TP, the same communicator and one
+    load) or 'edp'; the owner the rank of that group that orthogonalises it under ZeRO 1-2
+    (:func:`megalite.data_parallel.muon.assign_owners`, the load carried over the group's
+    buckets), None where every rank of the group does (no ZeRO, or a group of one)."""
+    key = ("owned", id(m), layout.tp, layout.ep, layout.pp, stage, layout.dp * layout.cp, layout.edp,
+           layout.zero >= 1, bucket_size)
+    hit = _REMEMBERED.get(key)
+    if hit is not None and hit[0] is m:
+        return hit[1]
+    t = layout.tp
+    sizes = {"dp": layout.dp * layout.cp, "edp": layout.edp}
+    loads: dict[str, list] = {}  # per communicator: NS cost per rank, carried over its buckets
+    out = []
+    for bucket in moe_planning.stage_buckets(m, t, layout.ep, layout.pp, stage, bucket_size, attention_part(m)):
+        matrices = [p for p in bucket if p.shape is not None]
+        group = "dp" if not bucket[0].expert or layout.ep == t else "edp"
+        if layout.zero >= 1 and sizes[group] > 1:
+            load = loads.setdefault(group, [0] * sizes[group])
+            owner = assign_owners([matrix_cost(p.shape) for p in matrices], load)
+        else:
+            owner = [None] * len(matrices)
+        out += [(p, group, rank) for p, rank in zip(matrices, owner)]
+    return _remember(key, m, out)[1]
+
+
+def _by_rank(m: ModelConfig, layout: Layout, stage: int, bucket_size: int, amount, experts: bool) -> dict[str, list]:
+    """``amount(p)`` summed per rank of each group over the stage's matrices (:func:`owned_matrices`):
+    {group: [per rank]}; the experts' left out unless ``experts``."""
+    out = {"dp": [0.0] * (layout.dp * layout.cp), "edp": [0.0] * layout.edp}
+    for p, group, rank in owned_matrices(m, layout, stage, bucket_size):
+        if p.expert and not experts:
+            continue
+        value = amount(p)
+        for r in range(len(out[group])) if rank is None else [rank]:
+            out[group][r] += value
+    return out
+
+
 def tp_bytes_by_dp_rank(m: ModelConfig, layout: Layout, update: UpdatePlan, stage: int,
                         bucket_size: int) -> list[float]:
     """Muon's TP wire bytes per step (:func:`gram_wire_bytes` of each TP-split matrix a rank
-    orthogonalises) of each rank of the stage's DP x CP group, by its rank in that group. Under
-    ZeRO 1-2 a rank orthogonalises the matrices it owns: :func:`megalite.data_parallel.muon.
-    assign_owners` over megalite's buckets (:func:`megalite.moe.planning.stage_buckets`), the
-    matrices' NS costs at their shapes on the rank, the load carried over a group's buckets (the
-    dense buckets' DP x CP group; the expert buckets' EDP group, the same communicator, so one load,
-    when EP = TP); without ZeRO every rank orthogonalises every matrix."""
-    key = ("by rank", id(m), layout.tp, layout.ep, layout.pp, stage, layout.dp * layout.cp, layout.edp,
-           layout.zero >= 1, update, bucket_size)
-    hit = _REMEMBERED.get(key)
-    if hit is not None and hit[0] is m:
-        return list(hit[1])
-    n, t = layout.dp * layout.cp, layout.tp
-    sizes = {False: n, True: layout.edp}  # the group of a dense / an expert bucket
-    loads = {}  # per communicator: NS cost per rank, carried over its buckets
-    out = [0.0] * n
-    for bucket in moe_planning.stage_buckets(m, t, layout.ep, layout.pp, stage, bucket_size, attention_part(m)):
-        matrices = [p for p in bucket if p.shape is not None]
-        expert = bucket[0].expert
-        size = sizes[expert]
-        if layout.zero >= 1 and size > 1:
-            load = loads.setdefault("dp" if not expert or layout.ep == t else "edp", [0] * size)
-            owner = assign_owners([matrix_cost(p.shape) for p in matrices], load)
-        else:
-            owner = [None] * len(matrices)  # every rank its own copy
-        for p, rank in zip(matrices, owner):
-            if p.linear is None or expert:  # TP-split matrices only (the experts are not split)
-                continue
-            volume = gram_wire_bytes(m, p.linear, t, update)
-            for r in range(n) if rank is None else [rank]:
-                out[r] += volume
-    _remember(key, m, out)
-    return list(out)
+    orthogonalises) of each rank of the stage's DP x CP group, by its rank in that group: the
+    matrices it owns under ZeRO 1-2, every matrix without (:func:`owned_matrices`, which balances
+    NS cost, not Gram bytes). The experts are not split over TP."""
+    volume = lambda p: gram_wire_bytes(m, p.linear, layout.tp, update) if p.linear is not None else 0.0  # noqa: E731
+    return _by_rank(m, layout, stage, bucket_size, volume, experts=False)["dp"]
+
+
+def logical_matrices_on_rank(m: ModelConfig, p, tp: int, split_qkv: bool = True) -> list[tuple[int, int, int | None]]:
+    """(rows, cols, cut dimension) of each logical matrix one TP rank holds of parameter ``p`` (a
+    :class:`~megalite.moe.planning.StageParameter` with a shape), as Muon cuts it
+    (:func:`megalite.data_parallel.muon.logical_pieces`, by the one table of fused linears: q, k, v
+    under --muon-split-qkv; SwiGLU's gate and up, a stacked expert's too, per expert). The cut
+    dimension is 0 for a column-parallel linear's rows, 1 for a row-parallel one's columns, None for
+    a matrix TP does not split (MLA's replicated down-projections, the experts)."""
+    if p.linear is not None:
+        cut = 0 if p.linear.column else 1
+        return [(rows, cols, cut) for rows, cols in p.linear.logical_shapes(m, tp, split_qkv)]
+    *stack, rows, cols = p.shape
+    block = row_block(p.name, m, rows, split_qkv)
+    return [(rows // sum(block) * width, cols, None) for width in block] * math.prod(stack)
+
+
+def matrix_ns_flops_on_rank(m: ModelConfig, p, tp: int, update: UpdatePlan) -> float:
+    """Newton-Schulz FLOPs per step one TP rank spends on parameter ``p``: of each logical matrix
+    (:func:`logical_matrices_on_rank`), :func:`megalite.data_parallel.muon.tp_block_ns_flops` under
+    the TP mode."""
+    return float(sum(tp_block_ns_flops(rows, cols, cut, tp, update.muon_tp_mode, update.muon_num_ns_steps)
+                     for rows, cols, cut in logical_matrices_on_rank(m, p, tp, update.muon_split_qkv)))
+
+
+def newton_schulz_flops(m: ModelConfig, layout: Layout, update: UpdatePlan, stage: int, bucket_size: int) -> float:
+    """Muon's Newton-Schulz FLOPs per step of the busiest rank of pipeline stage ``stage``
+    (:func:`matrix_ns_flops_on_rank` of the matrices it orthogonalises: :func:`owned_matrices`):
+    every matrix without ZeRO; under ZeRO 1-2 its own, which leaves the busiest rank more than
+    1/n of the work where a stage has few matrices for its n ranks (whole matrices are owned). With
+    the experts over EDP apart from the dense matrices, the busiest of each group is summed (an
+    upper bound: the two may be different ranks)."""
+    flops = _by_rank(m, layout, stage, bucket_size, lambda p: matrix_ns_flops_on_rank(m, p, layout.tp, update),
+                     experts=True)
+    return sum(max(per_rank) for per_rank in flops.values() if per_rank)
 
 
 def update_traffic(m: ModelConfig, layout: Layout, prec: Precision, stage: int, bucket_size: int) -> dict[str, float]:

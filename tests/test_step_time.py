@@ -338,6 +338,13 @@ def test_13b_at_8_gpus_recommends_the_fastest_that_fits(tmp_path, capsys):
     assert speed["days_to_train"] == pytest.approx(3e11 / speed["tokens_per_second"] / 86400)
     for words in ("Estimated step", "tokens/s", "MFU", "days for 3e+11 tokens", "Runner-up", "compute"):
         assert words in text, words
+    # the pipelined runner-up says its imbalance (20 layers and the output layer on its last stage:
+    # u = 1.0188, module test_the_pipeline_runs_at_its_busiest_ranks_pace); DP 8 has none
+    assert speed["runner_up"]["layout"]["pp"] == 2 and speed["pipeline_imbalance"] == 1.0
+    runner = next(line for line in text.splitlines() if line.startswith("Runner-up"))
+    estimated = next(line for line in text.splitlines() if line.startswith("Estimated step"))
+    assert "compute 54,853 ms (x 1.019: the pipeline runs at the pace of the stage holding the output layer)" in runner
+    assert "x 1." not in estimated
 
 
 @pytest.mark.slow

@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from megalite.config import ModelConfig  # noqa: E402
 from megalite.moe.settings import moe_layers  # noqa: E402
 from megalite.planner.search import plan, ranked, runner_up  # noqa: E402
-from megalite.planner.step_time import days_to_train, mfu, tokens_per_second  # noqa: E402
+from megalite.planner.step_time import days_to_train, mfu, pipeline_imbalance, tokens_per_second  # noqa: E402
 from megalite.planner import DEFAULT_HEADROOM, WIRE_MEASURE, GiB, Hardware, precision, total_parameters  # noqa: E402
 from megalite.planner.cp import CP_COMM_TYPES, cp_type_name  # noqa: E402
 from megalite.planner.hardware import (HARDWARE_FLAGS, ProfileError, hardware_from_flags,  # noqa: E402
@@ -225,7 +225,8 @@ def speed_fields(result, train_tokens) -> dict | None:
         return None
     m, gb, step = result.model, result.global_batch, e.step_seconds
     second = runner_up(result)
-    return {"seconds": step, "terms": e.step, "tokens_per_second": tokens_per_second(m, gb, step),
+    return {"seconds": step, "terms": e.step, "pipeline_imbalance": pipeline_imbalance(m, e.layout),
+            "tokens_per_second": tokens_per_second(m, gb, step),
             "mfu": mfu(m, gb, step, result.hardware),
             "days_to_train": days_to_train(m, gb, step, train_tokens) if train_tokens else None,
             "runner_up": ({"description": second.layout.describe(), "layout": second.layout.to_dict(),

@@ -23,7 +23,7 @@ from megalite.planner.estimate import (estimate, format_communication, model_sta
                                        stage_parameters, total_parameters)
 from megalite.planner.flags import grads_in_fp32
 from megalite.planner.pipeline import explain_schedule, held_words, same_layout, schedules, virtual_stages
-from megalite.planner.step_time import days_to_train, mfu, tokens_per_second
+from megalite.planner.step_time import days_to_train, mfu, pipeline_imbalance, tokens_per_second
 from megalite.planner.types import RECOMPUTE, Estimate, GiB, Hardware, Layout, Plan, Precision, describe_cp, precision
 
 
@@ -155,10 +155,16 @@ TERM_WORDS = {"overlap": "hidden collectives' cost", "compute": "compute", "bubb
               "ep": "EP all-to-alls", "optimizer": "optimizer step", "latency": "collective latency"}
 
 
-def format_step(e: Estimate) -> str:
-    """The recommendation's step time term by term, in ms (nonzero terms)."""
-    return " + ".join(f"{TERM_WORDS[k]} {v * 1e3:,.0f} ms" if v >= 1e-3 else f"{TERM_WORDS[k]} {v * 1e3:.2f} ms"
-                      for k, v in e.step.items() if v > 0)
+def format_step(e: Estimate, m: ModelConfig | None = None) -> str:
+    """The recommendation's step time term by term, in ms (nonzero terms); given the model, a
+    pipeline's compute says its imbalance u (:func:`megalite.planner.step_time.pipeline_imbalance`)."""
+    def term(k: str, v: float) -> str:
+        text = f"{TERM_WORDS[k]} {v * 1e3:,.0f} ms" if v >= 1e-3 else f"{TERM_WORDS[k]} {v * 1e3:.2f} ms"
+        u = pipeline_imbalance(m, e.layout) if m is not None and k == "compute" else 1.0
+        if u > 1.0005:  # what the even share would be, times the busiest stage's excess
+            text += f" (x {u:.3f}: the pipeline runs at the pace of the stage holding the output layer)"
+        return text
+    return " + ".join(term(k, v) for k, v in e.step.items() if v > 0)
 
 
 def explain_speed(p: Plan) -> list[str]:
@@ -169,7 +175,7 @@ def explain_speed(p: Plan) -> list[str]:
         return []
     step = chosen.step_seconds
     lines = [f"Estimated step {seconds(step)} ({hw.name}: {hw.achieved_tflops:g} TFLOP/s achieved, "
-             f"{hw.peak_tflops:g} peak) = {format_step(chosen)}; {tokens_per_second(m, p.global_batch, step):,.0f} "
+             f"{hw.peak_tflops:g} peak) = {format_step(chosen, m)}; {tokens_per_second(m, p.global_batch, step):,.0f} "
              f"tokens/s, MFU {mfu(m, p.global_batch, step, hw):.1%}"
              + (f", {days_to_train(m, p.global_batch, step, p.train_tokens):.1f} days for {p.train_tokens:.3g} tokens"
                 if p.train_tokens else "") + "."]
@@ -178,7 +184,7 @@ def explain_speed(p: Plan) -> list[str]:
         margin = second.step_seconds / step - 1
         tie = (f" (faster, but within the {TIE:.0%} tie: the practitioners' order picks)" if margin < 0 else "")
         lines.append(f"Runner-up: {second.layout.describe()}, step {seconds(second.step_seconds)}, {margin:+.1%}"
-                     f"{tie} = {format_step(second)}.")
+                     f"{tie} = {format_step(second, m)}.")
     return lines
 
 

@@ -152,14 +152,14 @@ def test_each_dp_rank_all_reduces_the_grams_of_the_matrices_it_owns(world, layou
 
 
 def test_the_planner_buckets_hold_the_matrices_megalite_buckets_hold():
-    """The planner's buckets (moe.planning.stage_buckets), member by member, against those megalite
+    """The planner's buckets (moe.parameter_buckets.stage_buckets), member by member, against those megalite
     builds from the model (ddp.group_by_size, split_by_domain): elements, expert or dense, the Muon
     matrices' shapes on the rank (what assign_owners weighs) and which are TP-split (what sends
     Grams): MLA (replicated down-projections), a shared expert, the MTP depths, TP 2 x PP 2 x EP 4."""
     from megalite.arguments import build_parser, config_from_args
     from megalite.data_parallel.ddp import group_by_size, split_by_domain
     from megalite.data_parallel.muon import takes_muon
-    from megalite.moe import planning
+    from megalite.moe import parameter_buckets
     from megalite.model.parts import attention_part
     from tests.test_moe_planning import MODELS, rank_chunks
 
@@ -176,8 +176,53 @@ def test_the_planner_buckets_hold_the_matrices_megalite_buckets_hold():
                         for group in split_by_domain(group_by_size(params, bucket, lambda p: getattr(
                             p, "tied_embedding", False)))]
                 planned = [[(p.elements, p.expert, p.shape, p.linear is not None) for p in group]
-                           for group in planning.stage_buckets(m, tp, ep, pp, stage, bucket, attention_part(m))]
+                           for group in parameter_buckets.stage_buckets(m, tp, ep, pp, stage, bucket, attention_part(m))]
                 assert planned == real, (m.num_layers, tp, pp, ep, stage)
+
+
+def test_a_multi_chunk_ranks_buckets_hold_its_chunks_matrices():
+    """ZBV and the interleaved 1F1B: a rank's buckets (stage_buckets with the rank's chunks) hold the
+    chunks megalite builds for it, the MTP depths with the last chunk (ZBV: on rank 0). The
+    interleaved order buckets the chunks together, as the planner, member by member; under ZBV's
+    split backward megalite cuts its buckets per chunk and B/W apart, so there the members are
+    compared, not the cuts. So the owners' Newton-Schulz FLOPs and Gram traffic are the right rank's."""
+    import types
+
+    import torch
+
+    from megalite.config import Config, ParallelConfig, TrainConfig
+    from megalite.data_parallel.ddp import group_by_size, split_by_domain
+    from megalite.data_parallel.muon import takes_muon
+    from megalite.model.parts import attention_part
+    from megalite.moe import parameter_buckets
+    from megalite.parallel.comm import OfflineGroup
+    from megalite.pipeline.partition import build_model_chunks
+    from megalite.planner.types import Layout
+    from megalite.planner.update_traffic import rank_chunks
+    from tests.test_moe_planning import MODELS
+
+    m, tp, pp, ep = MODELS["mtp-untied-moe-depths"], 1, 2, 2
+    for schedule, k, layout in (("zbv", None, Layout(pp=pp, dp=2, ep=ep, schedule="zbv", experts=True)),
+                                ("1f1b", 1, Layout(pp=pp, dp=2, ep=ep, virtual=2, experts=True))):
+        config = Config(model=m, parallel=ParallelConfig(pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+                                                         num_layers_per_virtual_pipeline_stage=k),
+                        train=TrainConfig(pipeline_schedule=schedule))
+        for stage in range(pp):
+            grid = types.SimpleNamespace(layout=types.SimpleNamespace(pp=pp), pp_rank=stage, tp_group=None,
+                                         ep_group=OfflineGroup(0, ep))
+            chunks = build_model_chunks(config, grid, torch.device("meta"))
+            names = {p: n for c in chunks for n, p in c.named_parameters()}
+            params = [p for c in reversed(chunks) for p in reversed(list(c.parameters()))]
+            real = [[(p.numel(), bool(getattr(p, "expert_parallel", False)),
+                      tuple(p.shape) if takes_muon(names[p], p) else None) for p in group]
+                    for group in split_by_domain(group_by_size(params, 3_000, lambda p: getattr(
+                        p, "tied_embedding", False)))]
+            planned = [[(p.elements, p.expert, p.shape) for p in group]
+                       for group in parameter_buckets.stage_buckets(m, tp, ep, pp, stage, 3_000, attention_part(m),
+                                                           rank_chunks(layout, stage))]
+            if schedule == "zbv":
+                real, planned = sorted(x for g in real for x in g), sorted(x for g in planned for x in g)
+            assert planned == real, (schedule, stage)
 
 
 @pytest.mark.parametrize("flags", [MODEL, list(MLA_MODEL), MODEL + SHARED_EXPERT, list(MTP_MODEL) + MOE[:4]],
@@ -192,11 +237,11 @@ def test_the_planner_counts_the_matrices_muon_cuts(flags):
     from megalite.data_parallel.muon import logical_pieces, takes_muon
     from megalite.model.gpt import GPTModel
     from megalite.model.parts import attention_part
-    from megalite.moe import planning
+    from megalite.moe import parameter_buckets
     from megalite.planner.update_traffic import logical_matrices_on_rank
 
     m = config_from_args(build_parser().parse_args(flags), 256).model
-    params = planning.stage_parameter_list(m, 1, 1, 1, 0, attention_part(m))
+    params = parameter_buckets.stage_parameter_list(m, 1, 1, 1, 0, attention_part(m))
     planned = sorted((rows, cols) for p in params if p.shape is not None
                      for rows, cols, _ in logical_matrices_on_rank(m, p, 1))
     cut = sorted(tuple(select(p).reshape(-1, p.shape[-1]).shape) for name, p in GPTModel(m).named_parameters()

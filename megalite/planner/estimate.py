@@ -103,7 +103,7 @@ from megalite.layers.part_shape import norm_parameters
 from megalite.model.counting import layer_activation_bytes, layer_parameters, total_parameters  # noqa: F401  (the parts' shapes)
 from megalite.model.counting import layer_matrix_parameters, mtp_depths, mtp_matrix_parameters, mtp_parameters
 from megalite.model.parts import attention_part
-from megalite.moe import planning as moe_planning
+from megalite.moe import parameter_buckets, planning as moe_planning
 from megalite.parallel.grid import EXPERT_KINDS, GridLayout
 from megalite.pipeline.schedule_kinds import schedule as describe_schedule
 from megalite.planner import cp as planner_cp, documents as planner_documents, pipeline as planner_pipeline
@@ -286,8 +286,8 @@ def communication(m: ModelConfig, layout: Layout, psi: int, micro: int, num_micr
 
 @_per_model
 def _largest_gradient_bucket(m: ModelConfig, tp: int, ep: int, pp: int, stage: int) -> int:
-    """:func:`megalite.moe.planning.largest_gradient_bucket` at pretrain_gpt.py's bucket size."""
-    return moe_planning.largest_gradient_bucket(m, tp, ep, pp, stage, DEFAULT_BUCKET, attention_part(m))
+    """:func:`megalite.moe.parameter_buckets.largest_gradient_bucket` at pretrain_gpt.py's bucket size."""
+    return parameter_buckets.largest_gradient_bucket(m, tp, ep, pp, stage, DEFAULT_BUCKET, attention_part(m))
 
 
 def stage_memory(m: ModelConfig, layout: Layout, stage: int, micro: int, num_micro: int, prec: Precision,

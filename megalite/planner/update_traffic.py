@@ -10,7 +10,7 @@ and the owners' updates reduce-scattered, both of the whole bucket in fp32:
 
     2 x 4 bytes x (elements of the buckets holding matrices) x (n - 1) / n
 
-(megalite's buckets from :func:`megalite.moe.planning.gradient_buckets`, at pretrain_gpt.py's
+(megalite's buckets from :func:`megalite.moe.parameter_buckets.gradient_buckets`, at pretrain_gpt.py's
 bucket size; a tied embedding's bucket holds no matrix and moves nothing). Without ZeRO a
 rank holds every matrix whole and sends nothing.
 
@@ -40,7 +40,8 @@ from megalite.data_parallel.muon import assign_owners, matrix_cost, tp_block_ns_
 from megalite.layers.logical_matrices import row_block
 from megalite.layers.part_shape import LinearShape
 from megalite.model.parts import attention_part
-from megalite.moe import planning as moe_planning
+from megalite.moe import parameter_buckets
+from megalite.pipeline.schedule_kinds import schedule as describe_schedule
 from megalite.planner.types import Layout, Precision, UpdatePlan
 
 FP32 = 4
@@ -75,15 +76,25 @@ def gram_wire_bytes(m: ModelConfig, linear: LinearShape, t: int, update: UpdateP
     return grams * 2 * FP32 * (update.muon_num_ns_steps * d * d + 1) * ring(t)
 
 
+def rank_chunks(layout: Layout, stage: int) -> tuple[int, tuple[int, ...]] | None:
+    """(C, the global chunks pipeline rank ``stage`` holds, in its order) for a multi-chunk schedule
+    (the schedule's table row, :mod:`megalite.pipeline.schedule_kinds`), None for one chunk a rank."""
+    kind = describe_schedule(layout.schedule)
+    total = kind.pipeline_chunks(layout.pp, layout.virtual)
+    if total == layout.pp:
+        return None
+    return total, tuple(kind.local_chunks(layout.pp, stage, layout.virtual))
+
+
 def owned_matrices(m: ModelConfig, layout: Layout, stage: int, bucket_size: int) -> list[tuple]:
     """(parameter, its group, its owner) for each update-rule matrix of the stage's buckets
-    (:func:`megalite.moe.planning.stage_buckets`, in bucket order): the group 'dp' (the dense
+    (:func:`megalite.moe.parameter_buckets.stage_buckets`, in bucket order): the group 'dp' (the dense
     buckets' DP x CP ranks; the expert buckets' too when EP = TP, the same communicator and one
     load) or 'edp'; the owner the rank of that group that orthogonalises it under ZeRO 1-2
     (:func:`megalite.data_parallel.muon.assign_owners`, the load carried over the group's
     buckets), None where every rank of the group does (no ZeRO, or a group of one)."""
     key = ("owned", id(m), layout.tp, layout.ep, layout.pp, stage, layout.dp * layout.cp, layout.edp,
-           layout.zero >= 1, bucket_size)
+           layout.zero >= 1, bucket_size, rank_chunks(layout, stage))
     hit = _REMEMBERED.get(key)
     if hit is not None and hit[0] is m:
         return hit[1]
@@ -91,7 +102,8 @@ def owned_matrices(m: ModelConfig, layout: Layout, stage: int, bucket_size: int)
     sizes = {"dp": layout.dp * layout.cp, "edp": layout.edp}
     loads: dict[str, list] = {}  # per communicator: NS cost per rank, carried over its buckets
     out = []
-    for bucket in moe_planning.stage_buckets(m, t, layout.ep, layout.pp, stage, bucket_size, attention_part(m)):
+    for bucket in parameter_buckets.stage_buckets(m, t, layout.ep, layout.pp, stage, bucket_size, attention_part(m),
+                                             rank_chunks(layout, stage)):
         matrices = [p for p in bucket if p.shape is not None]
         group = "dp" if not bucket[0].expert or layout.ep == t else "edp"
         if layout.zero >= 1 and sizes[group] > 1:
@@ -128,7 +140,7 @@ def tp_bytes_by_dp_rank(m: ModelConfig, layout: Layout, update: UpdatePlan, stag
 
 def logical_matrices_on_rank(m: ModelConfig, p, tp: int, split_qkv: bool = True) -> list[tuple[int, int, int | None]]:
     """(rows, cols, cut dimension) of each logical matrix one TP rank holds of parameter ``p`` (a
-    :class:`~megalite.moe.planning.StageParameter` with a shape), as Muon cuts it
+    :class:`~megalite.moe.parameter_buckets.StageParameter` with a shape), as Muon cuts it
     (:func:`megalite.data_parallel.muon.logical_pieces`, by the one table of fused linears: q, k, v
     under --muon-split-qkv; SwiGLU's gate and up, a stacked expert's too, per expert). The cut
     dimension is 0 for a column-parallel linear's rows, 1 for a row-parallel one's columns, None for
@@ -170,7 +182,7 @@ def update_traffic(m: ModelConfig, layout: Layout, prec: Precision, stage: int, 
     if not update.muon:
         return {}
     key = ("traffic", id(m), layout.tp, layout.ep, layout.pp, stage, layout.dp * layout.cp, layout.edp,
-           layout.zero >= 1, update, bucket_size)
+           layout.zero >= 1, update, bucket_size, rank_chunks(layout, stage))
     hit = _REMEMBERED.get(key)
     if hit is None or hit[0] is not m:
         hit = _remember(key, m, _update_traffic(m, layout, update, stage, bucket_size))
@@ -180,7 +192,8 @@ def update_traffic(m: ModelConfig, layout: Layout, prec: Precision, stage: int, 
 def _update_traffic(m: ModelConfig, layout: Layout, update: UpdatePlan, stage: int, bucket_size: int) -> dict[str, float]:
     """:func:`update_traffic`, computed."""
     n, t = layout.dp * layout.cp, layout.tp
-    buckets = moe_planning.gradient_buckets(m, t, layout.ep, layout.pp, stage, bucket_size, attention_part(m))
+    buckets = parameter_buckets.gradient_buckets(m, t, layout.ep, layout.pp, stage, bucket_size, attention_part(m),
+                                            rank_chunks(layout, stage))
     out = {"dp": 0.0, "edp": 0.0, "tp": 0.0}
     if layout.zero >= 1:
         dense = sum(size for size, expert, matrices in buckets if matrices and not expert)

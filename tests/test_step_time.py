@@ -36,13 +36,13 @@ def flops_by_hand(m: ModelConfig) -> float:
     return 6 * total_parameters(m) + 12 * L * H * S
 
 
-def imbalance_by_hand(m: ModelConfig, layers_last: int, depths: int = 0) -> float:
+def imbalance_by_hand(m: ModelConfig, layers_last: int, k: float = 1.0, extra: float = 0.0) -> float:
     """The busiest pipeline rank's work over the mean on P = 2: the last rank's ``layers_last``
     layers and the output layer's 6 V h, against half of the work (F less the learned positions'
-    lookup, 6 S h), each layer (F - 6 S h - 6 V h) / L."""
-    work = flops_by_hand(m) - 6 * m.max_position_embeddings * H
-    layer = (work - 6 * V * H) / L
-    return (layers_last * layer + 6 * V * H) / (work / 2)
+    lookup, 6 S h), each layer (F - 6 S h - 6 V h) / L; recomputation scales the layers' share
+    only (``k``, plus ``extra`` per layer), not the output layer's."""
+    layer = (flops_by_hand(m) - 6 * m.max_position_embeddings * H - 6 * V * H) / L * k + extra
+    return (layers_last * layer + 6 * V * H) / ((L * layer + 6 * V * H) / 2)
 
 
 def test_compute_bubble_and_their_sum():
@@ -59,9 +59,12 @@ def test_compute_bubble_and_their_sum():
     assert t["bubble"] == pytest.approx(c / M)
     assert e.step_seconds == sum(t.values())
     _, _, full = terms(Layout(tp=1, pp=2, dp=4, recompute="full"))
-    assert full["compute"] == pytest.approx(c * 4 / 3)  # the forward twice
+    u_full = imbalance_by_hand(m, L // 2, k=4 / 3)  # the layers' forward twice, the output layer's once
+    assert 1 < u_full < u
+    assert full["compute"] == pytest.approx(c / u * 4 / 3 * u_full)
     _, _, sel = terms(Layout(tp=1, pp=2, dp=4, recompute="selective"))
-    assert sel["compute"] == pytest.approx(c + 4 * L * H * S * GB * S * u / (world * 100e12))  # scores' forward
+    u_sel = imbalance_by_hand(m, L // 2, extra=4 * H * S)  # + each layer's scores' forward, 4 h s a token
+    assert sel["compute"] == pytest.approx((c / u + 4 * L * H * S * GB * S / (world * 100e12)) * u_sel)
 
 
 def test_the_pipeline_runs_at_its_busiest_ranks_pace():
@@ -78,6 +81,8 @@ def test_the_pipeline_runs_at_its_busiest_ranks_pace():
     work = flops_by_hand(m) - 6 * m.max_position_embeddings * H
     layer = (work - 6 * V * H) / L
     assert pipeline_imbalance(m, Layout(pp=4)) == pytest.approx((layer + 6 * V * H) / (work / 4), rel=1e-12)
+    full = imbalance_by_hand(m, L // 2, k=4 / 3)
+    assert pipeline_imbalance(m, Layout(pp=2, recompute="full")) == pytest.approx(full, rel=1e-12) and full < u
 
 
 def test_ddp_and_zero1_hide_their_buckets_behind_the_last_backward():

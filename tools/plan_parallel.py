@@ -230,7 +230,8 @@ def speed_fields(result, train_tokens) -> dict | None:
             "mfu": mfu(m, gb, step, result.hardware),
             "days_to_train": days_to_train(m, gb, step, train_tokens) if train_tokens else None,
             "runner_up": ({"description": second.layout.describe(), "layout": second.layout.to_dict(),
-                           "seconds": second.step_seconds, "margin": second.step_seconds / step - 1}
+                           "seconds": second.step_seconds, "margin": second.step_seconds / step - 1,
+                           "pipeline_imbalance": pipeline_imbalance(m, second.layout)}
                           if second else None)}
 
 

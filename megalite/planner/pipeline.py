@@ -325,8 +325,9 @@ def _stage_activations(m: ModelConfig, layout: Layout, stage: int, micro: int, n
             if not any(chunk_flags):
                 continue
             upto = max(i for i, f in enumerate(chunk_flags) if f) + 1
-            held = (held_after_f_or_b - acts[c] + first * (g == 0) + upto * per_layer
-                    + sum(chunk_flags[:upto]) * delta + recomputed)
+            received = prec.act_bytes * sbh if g > 0 and runs_as(layout.schedule, layout.virtual).micro_groups else 0.0
+            held = (held_after_f_or_b - acts[c] + received + first * (g == 0) + upto * per_layer
+                    + sum(chunk_flags[:upto]) * delta + recomputed)  # (its received input still held)
             total = max(total, held + (forward if split else max(forward, backward)))
     if in_w > total:
         total, state = in_w, w_state

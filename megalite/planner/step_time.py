@@ -125,9 +125,11 @@ def pipeline_imbalance(m: ModelConfig, layout: Layout) -> float:
     embedding's 6 V h, learned positions' 6 S h: no matmul runs them); it splits into the output
     layer's 6 V h (with D MTP depths also their 6 D V h logits and D layers) on the last chunk and
     L + D equal layer shares; rank p does its chunks' layers (:func:`.pipeline.local_chunks`) and
-    the output layer if it holds the last chunk. megalite splits the layers evenly (as Megatron
-    without --decoder-last-pipeline-num-layers), so the last stage waits on nothing and the others
-    wait on it."""
+    the output layer if it holds the last chunk. Recomputation runs the layers' forward again (x 4/3
+    full, + the scores' forward selective), not the output layer's, so it scales the layer shares
+    only. megalite splits the layers evenly (as Megatron without
+    --decoder-last-pipeline-num-layers), so the last stage waits on nothing and the others wait on
+    it. (MTP's eh_proj and the norms are spread with the layer shares: a few h^2 a token.)"""
     P = layout.pp
     if P == 1:
         return 1.0
@@ -137,7 +139,10 @@ def pipeline_imbalance(m: ModelConfig, layout: Layout) -> float:
         lookups += 6.0 * m.max_position_embeddings * h
     work = flops_per_token(m) - lookups
     out = 6.0 * m.vocab_size * h * (1 + depths)
-    layer = (work - out) / (m.num_layers + depths)
+    layer = (work - out) / (m.num_layers + depths) * (4 / 3 if layout.recompute == "full" else 1)
+    if layout.recompute == "selective":
+        layer += attended_flops(m) * m.seq_length / (m.num_layers + depths)
+    work = (m.num_layers + depths) * layer + out
     chunks = planner_pipeline.num_chunks(layout.schedule, P, layout.virtual)
     last = chunks - 1
     busiest = max(sum(m.num_layers / chunks * layer + (out + depths * layer if g == last else 0.0)

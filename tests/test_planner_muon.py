@@ -180,12 +180,14 @@ def test_the_planner_buckets_hold_the_matrices_megalite_buckets_hold():
                 assert planned == real, (m.num_layers, tp, pp, ep, stage)
 
 
-def test_a_multi_chunk_ranks_buckets_hold_its_chunks_matrices():
-    """ZBV and the interleaved 1F1B: a rank's buckets (stage_buckets with the rank's chunks) hold the
-    chunks megalite builds for it, the MTP depths with the last chunk (ZBV: on rank 0). The
-    interleaved order buckets the chunks together, as the planner, member by member; under ZBV's
-    split backward megalite cuts its buckets per chunk and B/W apart, so there the members are
-    compared, not the cuts. So the owners' Newton-Schulz FLOPs and Gram traffic are the right rank's."""
+@pytest.mark.parametrize("schedule,k", [("zbv", None), ("1f1b", 1), ("zb-h1", None)], ids=["zbv", "interleaved", "zb-h1"])
+def test_a_pipeline_ranks_buckets_are_megalites(schedule, k):
+    """ZBV, the interleaved 1F1B and ZB-H1 with MTP depths and experts: a rank's buckets
+    (stage_buckets as update_traffic.rank_buckets says: the rank's chunks, the MTP depths with the
+    last, on ZBV's rank 0; under a split backward each chunk apart, B's parameters before W's) are
+    the ZeRO optimizer's for the chunks megalite builds, member by member (its rule, from
+    data_parallel/zero.py, restated here). So the owners' Newton-Schulz FLOPs and Gram traffic are
+    the right rank's."""
     import types
 
     import torch
@@ -198,31 +200,33 @@ def test_a_multi_chunk_ranks_buckets_hold_its_chunks_matrices():
     from megalite.parallel.comm import OfflineGroup
     from megalite.pipeline.partition import build_model_chunks
     from megalite.planner.types import Layout
-    from megalite.planner.update_traffic import rank_chunks
+    from megalite.planner.update_traffic import rank_buckets
     from tests.test_moe_planning import MODELS
 
-    m, tp, pp, ep = MODELS["mtp-untied-moe-depths"], 1, 2, 2
-    for schedule, k, layout in (("zbv", None, Layout(pp=pp, dp=2, ep=ep, schedule="zbv", experts=True)),
-                                ("1f1b", 1, Layout(pp=pp, dp=2, ep=ep, virtual=2, experts=True))):
-        config = Config(model=m, parallel=ParallelConfig(pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
-                                                         num_layers_per_virtual_pipeline_stage=k),
-                        train=TrainConfig(pipeline_schedule=schedule))
-        for stage in range(pp):
-            grid = types.SimpleNamespace(layout=types.SimpleNamespace(pp=pp), pp_rank=stage, tp_group=None,
-                                         ep_group=OfflineGroup(0, ep))
-            chunks = build_model_chunks(config, grid, torch.device("meta"))
-            names = {p: n for c in chunks for n, p in c.named_parameters()}
-            params = [p for c in reversed(chunks) for p in reversed(list(c.parameters()))]
-            real = [[(p.numel(), bool(getattr(p, "expert_parallel", False)),
-                      tuple(p.shape) if takes_muon(names[p], p) else None) for p in group]
-                    for group in split_by_domain(group_by_size(params, 3_000, lambda p: getattr(
-                        p, "tied_embedding", False)))]
-            planned = [[(p.elements, p.expert, p.shape) for p in group]
-                       for group in parameter_buckets.stage_buckets(m, tp, ep, pp, stage, 3_000, attention_part(m),
-                                                           rank_chunks(layout, stage))]
-            if schedule == "zbv":
-                real, planned = sorted(x for g in real for x in g), sorted(x for g in planned for x in g)
-            assert planned == real, (schedule, stage)
+    m, tp, pp, ep, size = MODELS["mtp-untied-moe-depths"], 1, 2, 2, 3_000
+    layout = Layout(pp=pp, dp=2, ep=ep, schedule=schedule, virtual=2 if k else 1, experts=True)
+    config = Config(model=m, parallel=ParallelConfig(pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+                                                     num_layers_per_virtual_pipeline_stage=k),
+                    train=TrainConfig(pipeline_schedule=schedule))
+    tied = lambda p: getattr(p, "tied_embedding", False)  # noqa: E731
+    for stage in range(pp):
+        grid = types.SimpleNamespace(layout=types.SimpleNamespace(pp=pp), pp_rank=stage, tp_group=None,
+                                     ep_group=OfflineGroup(0, ep))
+        chunks = build_model_chunks(config, grid, torch.device("meta"))
+        names = {p: n for c in chunks for n, p in c.named_parameters()}
+        if schedule == "1f1b":  # zero.py: every chunk's parameters together, from the last chunk back
+            groups = group_by_size([p for c in reversed(chunks) for p in reversed(list(c.parameters()))], size, tied)
+        else:  # zero.py under a split backward: per chunk, B's then W's
+            groups = [g for c in reversed(chunks) for in_w in (False, True)
+                      for g in group_by_size([p for p in reversed(list(c.parameters()))
+                                              if getattr(p, "deferred_wgrad", False) == in_w], size, tied)]
+        real = [[(p.numel(), bool(getattr(p, "expert_parallel", False)),
+                  tuple(p.shape) if takes_muon(names[p], p) else None) for p in group]
+                for group in split_by_domain(groups)]
+        planned = [[(p.elements, p.expert, p.shape) for p in group]
+                   for group in parameter_buckets.stage_buckets(m, tp, ep, pp, stage, size, attention_part(m),
+                                                                **rank_buckets(layout, stage))]
+        assert planned == real, (schedule, stage)
 
 
 @pytest.mark.parametrize("flags", [MODEL, list(MLA_MODEL), MODEL + SHARED_EXPERT, list(MTP_MODEL) + MOE[:4]],

@@ -76,14 +76,16 @@ def gram_wire_bytes(m: ModelConfig, linear: LinearShape, t: int, update: UpdateP
     return grams * 2 * FP32 * (update.muon_num_ns_steps * d * d + 1) * ring(t)
 
 
-def rank_chunks(layout: Layout, stage: int) -> tuple[int, tuple[int, ...]] | None:
-    """(C, the global chunks pipeline rank ``stage`` holds, in its order) for a multi-chunk schedule
-    (the schedule's table row, :mod:`megalite.pipeline.schedule_kinds`), None for one chunk a rank."""
+def rank_buckets(layout: Layout, stage: int) -> dict:
+    """How pipeline rank ``stage`` buckets its gradients (the schedule's table row,
+    :mod:`megalite.pipeline.schedule_kinds`): ``chunks`` (C, the global chunks it holds in its
+    order) for a multi-chunk schedule, else None; ``split_backward`` for ZB-H1 and ZBV
+    (:func:`megalite.moe.parameter_buckets.stage_buckets`)."""
     kind = describe_schedule(layout.schedule)
     total = kind.pipeline_chunks(layout.pp, layout.virtual)
-    if total == layout.pp:
-        return None
-    return total, tuple(kind.local_chunks(layout.pp, stage, layout.virtual))
+    chunks = None if total == layout.pp else (total, tuple(kind.local_chunks(layout.pp, stage, layout.virtual)))
+    runs = describe_schedule(kind.run_name(layout.virtual))
+    return {"chunks": chunks, "split_backward": layout.pp > 1 and runs.split_backward}
 
 
 def owned_matrices(m: ModelConfig, layout: Layout, stage: int, bucket_size: int) -> list[tuple]:
@@ -94,7 +96,7 @@ def owned_matrices(m: ModelConfig, layout: Layout, stage: int, bucket_size: int)
     (:func:`megalite.data_parallel.muon.assign_owners`, the load carried over the group's
     buckets), None where every rank of the group does (no ZeRO, or a group of one)."""
     key = ("owned", id(m), layout.tp, layout.ep, layout.pp, stage, layout.dp * layout.cp, layout.edp,
-           layout.zero >= 1, bucket_size, rank_chunks(layout, stage))
+           layout.zero >= 1, bucket_size, tuple(rank_buckets(layout, stage).values()))
     hit = _REMEMBERED.get(key)
     if hit is not None and hit[0] is m:
         return hit[1]
@@ -103,7 +105,7 @@ def owned_matrices(m: ModelConfig, layout: Layout, stage: int, bucket_size: int)
     loads: dict[str, list] = {}  # per communicator: NS cost per rank, carried over its buckets
     out = []
     for bucket in parameter_buckets.stage_buckets(m, t, layout.ep, layout.pp, stage, bucket_size, attention_part(m),
-                                             rank_chunks(layout, stage)):
+                                                  **rank_buckets(layout, stage)):
         matrices = [p for p in bucket if p.shape is not None]
         group = "dp" if not bucket[0].expert or layout.ep == t else "edp"
         if layout.zero >= 1 and sizes[group] > 1:
@@ -182,7 +184,7 @@ def update_traffic(m: ModelConfig, layout: Layout, prec: Precision, stage: int, 
     if not update.muon:
         return {}
     key = ("traffic", id(m), layout.tp, layout.ep, layout.pp, stage, layout.dp * layout.cp, layout.edp,
-           layout.zero >= 1, update, bucket_size, rank_chunks(layout, stage))
+           layout.zero >= 1, update, bucket_size, tuple(rank_buckets(layout, stage).values()))
     hit = _REMEMBERED.get(key)
     if hit is None or hit[0] is not m:
         hit = _remember(key, m, _update_traffic(m, layout, update, stage, bucket_size))
@@ -193,7 +195,7 @@ def _update_traffic(m: ModelConfig, layout: Layout, update: UpdatePlan, stage: i
     """:func:`update_traffic`, computed."""
     n, t = layout.dp * layout.cp, layout.tp
     buckets = parameter_buckets.gradient_buckets(m, t, layout.ep, layout.pp, stage, bucket_size, attention_part(m),
-                                            rank_chunks(layout, stage))
+                                                 **rank_buckets(layout, stage))
     out = {"dp": 0.0, "edp": 0.0, "tp": 0.0}
     if layout.zero >= 1:
         dense = sum(size for size, expert, matrices in buckets if matrices and not expert)

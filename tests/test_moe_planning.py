@@ -210,6 +210,11 @@ DRY_RUNS = {
                                   "--sequence-parallel", "--pipeline-model-parallel-size", "2",
                                   "--pipeline-schedule", "zbv", "--expert-model-parallel-size", "4",
                                   "--zero-stage", "1"],
+    # the interleaved 1F1B, two chunks a rank (V = 2): the same count, and each chunk's received input
+    "tp2-pp2-dp4-ep4-zero1-interleaved": ["--moe-ffn-hidden-size", "2048", "--tensor-model-parallel-size", "2",
+                                          "--sequence-parallel", "--pipeline-model-parallel-size", "2",
+                                          "--num-layers-per-virtual-pipeline-stage", "1",
+                                          "--expert-model-parallel-size", "4", "--zero-stage", "1"],
 }
 
 

@@ -151,14 +151,38 @@ def test_each_dp_rank_all_reduces_the_grams_of_the_matrices_it_owns(world, layou
     assert plan["tp"] == max(measured), (plan, measured)
 
 
+def _megalite_buckets(chunks, size: int, split_backward: bool = False) -> list[list[tuple]]:
+    """The ZeRO optimizer's buckets of a rank's built ``chunks`` (data_parallel/zero.py's rule,
+    restated: the chunks' parameters from the last chunk back, in reverse registration order,
+    ddp.group_by_size then split_by_domain; under a split backward per chunk, B's parameters before
+    W's), each parameter as (elements, expert, its Muon matrix shape on the rank, TP-split)."""
+    from megalite.data_parallel.ddp import group_by_size, split_by_domain
+    from megalite.data_parallel.muon import takes_muon
+
+    names = {p: n for c in chunks for n, p in c.named_parameters()}
+    tied = lambda p: getattr(p, "tied_embedding", False)  # noqa: E731
+    if split_backward:
+        groups = [g for c in reversed(chunks) for in_w in (False, True)
+                  for g in group_by_size([p for p in reversed(list(c.parameters()))
+                                          if getattr(p, "deferred_wgrad", False) == in_w], size, tied)]
+    else:
+        groups = group_by_size([p for c in reversed(chunks) for p in reversed(list(c.parameters()))], size, tied)
+    return [[(p.numel(), bool(getattr(p, "expert_parallel", False)), tuple(p.shape) if takes_muon(names[p], p) else None,
+              takes_muon(names[p], p) and getattr(p, "tp_split", None) is not None) for p in group]
+            for group in split_by_domain(groups)]
+
+
+def _planned_buckets(buckets) -> list[list[tuple]]:
+    """The planner's buckets (moe.parameter_buckets.stage_buckets) as :func:`_megalite_buckets` writes them."""
+    return [[(p.elements, p.expert, p.shape, p.linear is not None) for p in group] for group in buckets]
+
+
 def test_the_planner_buckets_hold_the_matrices_megalite_buckets_hold():
     """The planner's buckets (moe.parameter_buckets.stage_buckets), member by member, against those megalite
     builds from the model (ddp.group_by_size, split_by_domain): elements, expert or dense, the Muon
     matrices' shapes on the rank (what assign_owners weighs) and which are TP-split (what sends
     Grams): MLA (replicated down-projections), a shared expert, the MTP depths, TP 2 x PP 2 x EP 4."""
     from megalite.arguments import build_parser, config_from_args
-    from megalite.data_parallel.ddp import group_by_size, split_by_domain
-    from megalite.data_parallel.muon import takes_muon
     from megalite.moe import parameter_buckets
     from megalite.model.parts import attention_part
     from tests.test_moe_planning import MODELS, rank_chunks
@@ -167,16 +191,9 @@ def test_the_planner_buckets_hold_the_matrices_megalite_buckets_hold():
     for m in (mla, MODELS["mtp-untied-moe-depths"], MODELS["every-other-layer-shared"]):
         for tp, pp, ep, bucket in ((2, 2, 4, 3_000), (2, 1, 2, 10**9)):
             for stage in range(pp):
-                chunks = rank_chunks(m, tp, pp, ep, stage, 0, 0)
-                names = {p: n for c in chunks for n, p in c.named_parameters()}
-                params = [p for c in reversed(chunks) for p in reversed(list(c.parameters()))]
-                real = [[(p.numel(), bool(getattr(p, "expert_parallel", False)),
-                          tuple(p.shape) if takes_muon(names[p], p) else None,
-                          takes_muon(names[p], p) and getattr(p, "tp_split", None) is not None) for p in group]
-                        for group in split_by_domain(group_by_size(params, bucket, lambda p: getattr(
-                            p, "tied_embedding", False)))]
-                planned = [[(p.elements, p.expert, p.shape, p.linear is not None) for p in group]
-                           for group in parameter_buckets.stage_buckets(m, tp, ep, pp, stage, bucket, attention_part(m))]
+                real = _megalite_buckets(rank_chunks(m, tp, pp, ep, stage, 0, 0), bucket)
+                planned = _planned_buckets(parameter_buckets.stage_buckets(m, tp, ep, pp, stage, bucket,
+                                                                           attention_part(m)))
                 assert planned == real, (m.num_layers, tp, pp, ep, stage)
 
 
@@ -185,16 +202,13 @@ def test_a_pipeline_ranks_buckets_are_megalites(schedule, k):
     """ZBV, the interleaved 1F1B and ZB-H1 with MTP depths and experts: a rank's buckets
     (stage_buckets as update_traffic.rank_buckets says: the rank's chunks, the MTP depths with the
     last, on ZBV's rank 0; under a split backward each chunk apart, B's parameters before W's) are
-    the ZeRO optimizer's for the chunks megalite builds, member by member (its rule, from
-    data_parallel/zero.py, restated here). So the owners' Newton-Schulz FLOPs and Gram traffic are
-    the right rank's."""
+    the ZeRO optimizer's for the chunks megalite builds, member by member. So the owners'
+    Newton-Schulz FLOPs and Gram traffic are the right rank's."""
     import types
 
     import torch
 
     from megalite.config import Config, ParallelConfig, TrainConfig
-    from megalite.data_parallel.ddp import group_by_size, split_by_domain
-    from megalite.data_parallel.muon import takes_muon
     from megalite.model.parts import attention_part
     from megalite.moe import parameter_buckets
     from megalite.parallel.comm import OfflineGroup
@@ -208,24 +222,13 @@ def test_a_pipeline_ranks_buckets_are_megalites(schedule, k):
     config = Config(model=m, parallel=ParallelConfig(pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
                                                      num_layers_per_virtual_pipeline_stage=k),
                     train=TrainConfig(pipeline_schedule=schedule))
-    tied = lambda p: getattr(p, "tied_embedding", False)  # noqa: E731
     for stage in range(pp):
         grid = types.SimpleNamespace(layout=types.SimpleNamespace(pp=pp), pp_rank=stage, tp_group=None,
                                      ep_group=OfflineGroup(0, ep))
-        chunks = build_model_chunks(config, grid, torch.device("meta"))
-        names = {p: n for c in chunks for n, p in c.named_parameters()}
-        if schedule == "1f1b":  # zero.py: every chunk's parameters together, from the last chunk back
-            groups = group_by_size([p for c in reversed(chunks) for p in reversed(list(c.parameters()))], size, tied)
-        else:  # zero.py under a split backward: per chunk, B's then W's
-            groups = [g for c in reversed(chunks) for in_w in (False, True)
-                      for g in group_by_size([p for p in reversed(list(c.parameters()))
-                                              if getattr(p, "deferred_wgrad", False) == in_w], size, tied)]
-        real = [[(p.numel(), bool(getattr(p, "expert_parallel", False)),
-                  tuple(p.shape) if takes_muon(names[p], p) else None) for p in group]
-                for group in split_by_domain(groups)]
-        planned = [[(p.elements, p.expert, p.shape) for p in group]
-                   for group in parameter_buckets.stage_buckets(m, tp, ep, pp, stage, size, attention_part(m),
-                                                                **rank_buckets(layout, stage))]
+        real = _megalite_buckets(build_model_chunks(config, grid, torch.device("meta")), size,
+                                 split_backward=schedule != "1f1b")
+        planned = _planned_buckets(parameter_buckets.stage_buckets(m, tp, ep, pp, stage, size, attention_part(m),
+                                                                   **rank_buckets(layout, stage)))
         assert planned == real, (schedule, stage)
 
 

@@ -138,7 +138,8 @@ def stage_buckets(m, tp: int, ep: int, pp: int, stage: int, bucket_size: int,
         total, mine = chunks
         lists = [stage_parameter_list(m, tp, ep, total, g, attention) for g in mine]
     if split_backward:
-        runs = [[p for p in reversed(params) if p.deferred == in_w] for params in reversed(lists) for in_w in (False, True)]
+        runs = [[p for p in reversed(params) if p.deferred == in_w]
+                for params in reversed(lists) for in_w in (False, True)]
     else:
         runs = [[p for params in reversed(lists) for p in reversed(params)]]
     return [bucket for run in runs for bucket in _buckets_of(run, bucket_size)]
@@ -175,12 +176,14 @@ def gradient_buckets(m, tp: int, ep: int, pp: int, stage: int, bucket_size: int,
                      attention: type[PartShape] = SelfAttentionShape,
                      chunks: tuple[int, tuple[int, ...]] | None = None,
                      split_backward: bool = False) -> list[tuple[int, bool, bool]]:
-    """A stage's gradient buckets (:func:`stage_buckets`; ``chunks``, ``split_backward`` as there), each as (elements, expert, holds a
-    layer's parameters; ``attention``: the layers' attention shape, the planner passes the part
-    the config picks). A bucket holding a layer's (or an MTP depth's) parameters holds weight
-    matrices: what Muon's ZeRO step gathers (:mod:`megalite.planner.update_traffic`)."""
+    """A stage's gradient buckets (:func:`stage_buckets`; ``chunks``, ``split_backward`` as there),
+    each as (elements, expert, holds a layer's parameters; ``attention``: the layers' attention
+    shape, the planner passes the part the config picks). A bucket holding a layer's (or an MTP
+    depth's) parameters holds weight matrices: what Muon's ZeRO step gathers
+    (:mod:`megalite.planner.update_traffic`)."""
     return [(sum(p.elements for p in bucket), bucket[0].expert, any(p.of_layer for p in bucket))
-            for bucket in stage_buckets(m, tp, ep, pp, stage, bucket_size, attention, chunks, split_backward)]
+            for bucket in stage_buckets(m, tp, ep, pp, stage, bucket_size, attention, chunks,
+                                        split_backward)]
 
 
 def largest_gradient_bucket(m, tp: int, ep: int, pp: int, stage: int, bucket_size: int,

@@ -291,13 +291,16 @@ def _stage_activations(m: ModelConfig, layout: Layout, stage: int, micro: int, n
     last += mtp_activation_bytes(m, recompute=layout.recompute, **args)  # the MTP depths (0 without)
     acts = [len(f) * per_layer + sum(f) * delta + first * (g == 0) + last * (g == chunks - 1)  # routed tokens
             for g, f in zip(mine, flags)]                                                  # for the dense MLP
-    if runs_as(layout.schedule, layout.virtual).micro_groups:  # the interleaved order posts its receives
+    running = runs_as(layout.schedule, layout.virtual)
+    receives_ahead = running.micro_groups
+    received = prec.act_bytes * sbh  # a chunk's received input, held beside it where receives_ahead
+    if receives_ahead:  # the interleaved order posts its receives
         # in the global message order, ahead of use: each held chunk-micro-batch of a chunk fed by the
         # previous rank keeps its received input besides (the dry run's "communication" at the peak:
         # 2.6 GiB on stage 0 of a 70B at TP 4 x PP 16, V = 5)
-        acts = [a + (prec.act_bytes * sbh if g > 0 else 0.0) for g, a in zip(mine, acts)]
+        acts = [a + (received if g > 0 else 0.0) for g, a in zip(mine, acts)]
     wis, dws = [0.0] * len(mine), [0.0] * len(mine)
-    split = runs_as(layout.schedule, layout.virtual).split_backward
+    split = running.split_backward
     if split:  # W inputs; what a running W adds to them
         wis = [w_input_chunk_bytes(m, chunks, g, micro, t, sp, cp, prec.act_bytes) for g in mine]
         dws = [w_gradient_chunk_bytes(m, chunks, g, micro, t, cp, layout.ep, prec, wi) for g, wi in zip(mine, wis)]
@@ -325,9 +328,8 @@ def _stage_activations(m: ModelConfig, layout: Layout, stage: int, micro: int, n
             if not any(chunk_flags):
                 continue
             upto = max(i for i, f in enumerate(chunk_flags) if f) + 1
-            received = prec.act_bytes * sbh if g > 0 and runs_as(layout.schedule, layout.virtual).micro_groups else 0.0
-            held = (held_after_f_or_b - acts[c] + received + first * (g == 0) + upto * per_layer
-                    + sum(chunk_flags[:upto]) * delta + recomputed)  # (its received input still held)
+            held = (held_after_f_or_b - acts[c] + (received if g > 0 and receives_ahead else 0.0)  # still held
+                    + first * (g == 0) + upto * per_layer + sum(chunk_flags[:upto]) * delta + recomputed)
             total = max(total, held + (forward if split else max(forward, backward)))
     if in_w > total:
         total, state = in_w, w_state

@@ -137,9 +137,9 @@ def pipeline_imbalance(m: ModelConfig, layout: Layout) -> float:
     lookups = 6.0 * m.vocab_size * h if m.untie_embeddings_and_output_weights else 0.0
     if m.position_embedding_type == "learned_absolute":
         lookups += 6.0 * m.max_position_embeddings * h
-    work = flops_per_token(m) - lookups
     out = 6.0 * m.vocab_size * h * (1 + depths)
-    layer = (work - out) / (m.num_layers + depths) * (4 / 3 if layout.recompute == "full" else 1)
+    layer = (flops_per_token(m) - lookups - out) / (m.num_layers + depths)
+    layer *= 4 / 3 if layout.recompute == "full" else 1
     if layout.recompute == "selective":
         layer += attended_flops(m) * m.seq_length / (m.num_layers + depths)
     work = (m.num_layers + depths) * layer + out

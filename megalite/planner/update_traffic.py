@@ -80,12 +80,11 @@ def rank_buckets(layout: Layout, stage: int) -> dict:
     """How pipeline rank ``stage`` buckets its gradients (the schedule's table row,
     :mod:`megalite.pipeline.schedule_kinds`): ``chunks`` (C, the global chunks it holds in its
     order) for a multi-chunk schedule, else None; ``split_backward`` for ZB-H1 and ZBV
-    (:func:`megalite.moe.parameter_buckets.stage_buckets`)."""
+    (:func:`megalite.moe.parameter_buckets.stage_buckets`; interleaving 1F1B's chunks never splits)."""
     kind = describe_schedule(layout.schedule)
     total = kind.pipeline_chunks(layout.pp, layout.virtual)
     chunks = None if total == layout.pp else (total, tuple(kind.local_chunks(layout.pp, stage, layout.virtual)))
-    runs = describe_schedule(kind.run_name(layout.virtual))
-    return {"chunks": chunks, "split_backward": layout.pp > 1 and runs.split_backward}
+    return {"chunks": chunks, "split_backward": layout.pp > 1 and kind.split_backward}
 
 
 def owned_matrices(m: ModelConfig, layout: Layout, stage: int, bucket_size: int) -> list[tuple]:
@@ -95,8 +94,9 @@ def owned_matrices(m: ModelConfig, layout: Layout, stage: int, bucket_size: int)
     load) or 'edp'; the owner the rank of that group that orthogonalises it under ZeRO 1-2
     (:func:`megalite.data_parallel.muon.assign_owners`, the load carried over the group's
     buckets), None where every rank of the group does (no ZeRO, or a group of one)."""
+    how = rank_buckets(layout, stage)
     key = ("owned", id(m), layout.tp, layout.ep, layout.pp, stage, layout.dp * layout.cp, layout.edp,
-           layout.zero >= 1, bucket_size, tuple(rank_buckets(layout, stage).values()))
+           layout.zero >= 1, bucket_size, tuple(how.values()))
     hit = _REMEMBERED.get(key)
     if hit is not None and hit[0] is m:
         return hit[1]
@@ -105,7 +105,7 @@ def owned_matrices(m: ModelConfig, layout: Layout, stage: int, bucket_size: int)
     loads: dict[str, list] = {}  # per communicator: NS cost per rank, carried over its buckets
     out = []
     for bucket in parameter_buckets.stage_buckets(m, t, layout.ep, layout.pp, stage, bucket_size, attention_part(m),
-                                                  **rank_buckets(layout, stage)):
+                                                  **how):
         matrices = [p for p in bucket if p.shape is not None]
         group = "dp" if not bucket[0].expert or layout.ep == t else "edp"
         if layout.zero >= 1 and sizes[group] > 1:
